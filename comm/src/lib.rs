@@ -1,1 +1,2 @@
-//! placeholder
+//! ddp-comm: process group, rendezvous and collectives (placeholder; see docs/comm-api.md).
+pub mod launch;

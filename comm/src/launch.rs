@@ -1,0 +1,1 @@
+//! The ddprun launcher library (placeholder).
