@@ -1,1 +1,710 @@
-//! The ddprun launcher library (placeholder).
+//! The `ddprun` launcher: start the local ranks of a job, forward their output, and stop them
+//! all when one fails.
+//!
+//! [`launch`] is the whole launcher; `apps/src/bin/ddprun.rs` only parses arguments into a
+//! [`LaunchConfig`] and calls it. What it does, in order:
+//!
+//! 1. Checks the configuration and, on a single node with no port given, picks a free port for
+//!    the rendezvous store (bind port 0, read the port the kernel chose, close), so that two jobs
+//!    on one host need no configuration.
+//! 2. Starts `nproc_per_node` copies of the command, each with the variables that
+//!    `torchrun` sets (see [`rank_env`]) and in a process group of its own, so that stopping a
+//!    rank stops everything it started. Their standard input is `/dev/null`. On Linux each rank
+//!    also gets `SIGKILL` if the launcher dies without stopping it (`PR_SET_PDEATHSIG`).
+//! 3. Forwards every line a rank writes to stdout or stderr to the launcher's stdout or stderr,
+//!    prefixed with `[rank R] `, one reader thread per stream, whole lines at a time.
+//! 4. Watches the ranks. The first rank that exits non-zero or is killed by a signal is the root
+//!    cause: the launcher sends `SIGTERM` to the process groups of the others, `SIGKILL` to
+//!    whatever is left after the grace period, and returns [`LaunchError::RankFailed`] naming
+//!    that rank and how it ended. A `SIGINT` or `SIGTERM` sent to the launcher is forwarded to
+//!    every rank the same way (a second one kills at once), and gives
+//!    [`LaunchError::Interrupted`].
+//! 5. When every rank has exited 0, returns `Ok` with each rank's status.
+//!
+//! Unix only: it relies on process groups and signals.
+#![cfg(unix)]
+
+use std::ffi::OsString;
+use std::fmt;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, TcpListener};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+use std::sync::{mpsc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// How often the launcher looks at its ranks and at pending signals.
+const POLL_INTERVAL: Duration = Duration::from_millis(10);
+
+/// How long the launcher waits, after the last rank exited, for the output of processes that the
+/// ranks left behind to drain before it stops reading.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The grace period between `SIGTERM` and `SIGKILL` when no other is configured.
+pub const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(5);
+
+/// The rendezvous address used on a single node when none is given.
+pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
+
+/// What to launch and how: the equivalent of `ddprun`'s command line.
+#[derive(Debug, Clone)]
+pub struct LaunchConfig {
+    /// Ranks to start on this node (`--nproc-per-node`), at least 1.
+    pub nproc_per_node: usize,
+    /// Nodes in the job (`--nnodes`), at least 1.
+    pub nnodes: usize,
+    /// This node's index in `0..nnodes` (`--node-rank`).
+    pub node_rank: usize,
+    /// Address of the node that runs rank 0, where the rendezvous store listens. Required when
+    /// `nnodes > 1`; on a single node it defaults to [`DEFAULT_MASTER_ADDR`].
+    pub master_addr: Option<String>,
+    /// Port of the rendezvous store. Required when `nnodes > 1`; on a single node a free port is
+    /// picked when it is `None`.
+    pub master_port: Option<u16>,
+    /// An identifier shared by all ranks of the job, exported as `DDP_JOB_ID`. When `None`, a
+    /// single-node launch generates one and a multi-node launch exports none (every node would
+    /// generate a different one); an inherited `DDP_JOB_ID` is then passed through unchanged.
+    pub job_id: Option<String>,
+    /// The program and its arguments, run once per local rank. Must not be empty.
+    pub command: Vec<OsString>,
+    /// Time between `SIGTERM` and `SIGKILL` when stopping ranks.
+    pub grace_period: Duration,
+    /// Whether to forward `SIGINT` and `SIGTERM` received by this process to the ranks. The
+    /// handlers are installed for the duration of [`launch`] and the previous ones restored.
+    pub forward_signals: bool,
+}
+
+impl LaunchConfig {
+    /// A single-node configuration running `command` as `nproc_per_node` ranks, with the
+    /// defaults: free port, default grace period, signals forwarded.
+    pub fn new(nproc_per_node: usize, command: Vec<OsString>) -> LaunchConfig {
+        LaunchConfig {
+            nproc_per_node,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: None,
+            master_port: None,
+            job_id: None,
+            command,
+            grace_period: DEFAULT_GRACE_PERIOD,
+            forward_signals: true,
+        }
+    }
+
+    /// Total number of ranks in the job: `nnodes * nproc_per_node`.
+    pub fn world_size(&self) -> usize {
+        self.nnodes * self.nproc_per_node
+    }
+
+    /// Global rank of this node's local rank `local_rank`: `node_rank * nproc_per_node +
+    /// local_rank`.
+    pub fn global_rank(&self, local_rank: usize) -> usize {
+        self.node_rank * self.nproc_per_node + local_rank
+    }
+}
+
+/// How a rank's process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankExit {
+    /// It exited with this code.
+    Code(i32),
+    /// It was killed by this signal.
+    Signal(i32),
+}
+
+impl RankExit {
+    fn from_status(status: ExitStatus) -> RankExit {
+        match (status.code(), status.signal()) {
+            (Some(code), _) => RankExit::Code(code),
+            (None, Some(signal)) => RankExit::Signal(signal),
+            // Neither code nor signal: only possible for stopped/continued processes, which
+            // `wait` does not report without WUNTRACED. Treat it as a failure all the same.
+            (None, None) => RankExit::Code(-1),
+        }
+    }
+
+    /// Whether the rank succeeded (exit code 0).
+    pub fn success(self) -> bool {
+        self == RankExit::Code(0)
+    }
+
+    /// The ending in words without the likely cause that [`Display`](fmt::Display) adds to a
+    /// signal: for ranks that the launcher itself stopped.
+    pub fn without_hint(self) -> String {
+        match self {
+            RankExit::Code(_) => self.to_string(),
+            RankExit::Signal(signal) => format!("killed by {}", signal_name(signal)),
+        }
+    }
+
+    /// The exit code a shell would report for this ending: the code itself, or 128 + signal.
+    pub fn shell_code(self) -> i32 {
+        match self {
+            RankExit::Code(code) => code,
+            RankExit::Signal(signal) => 128 + signal,
+        }
+    }
+}
+
+impl fmt::Display for RankExit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            RankExit::Code(code) => write!(f, "exited with code {code}"),
+            RankExit::Signal(signal) => {
+                write!(f, "killed by {}", signal_name(signal))?;
+                match signal {
+                    libc::SIGKILL => write!(f, ", possibly out of memory (see `dmesg`)"),
+                    libc::SIGSEGV => write!(f, " (segmentation fault)"),
+                    libc::SIGBUS => write!(f, " (bus error)"),
+                    libc::SIGABRT => write!(f, " (aborted, e.g. by a failed assertion)"),
+                    _ => Ok(()),
+                }
+            }
+        }
+    }
+}
+
+/// The first rank that failed, which the launcher reports as the root cause of the job's failure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankFailure {
+    /// Global rank (`RANK`).
+    pub rank: usize,
+    /// Rank on this node (`LOCAL_RANK`).
+    pub local_rank: usize,
+    /// How it ended.
+    pub exit: RankExit,
+}
+
+/// Every local rank's ending, in local rank order, returned when all ranks succeeded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchReport {
+    /// The `MASTER_PORT` the ranks were given (the picked one on a single node).
+    pub master_port: u16,
+    /// How each local rank ended.
+    pub exits: Vec<RankExit>,
+}
+
+/// Why a launch did not succeed.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// No command to run was given.
+    #[error("no command given: usage is `ddprun --nproc-per-node N -- CMD ARGS...`")]
+    NoCommand,
+    /// `nproc_per_node` or `nnodes` was 0.
+    #[error("{what} must be at least 1")]
+    Zero {
+        /// The setting, e.g. `--nproc-per-node`.
+        what: &'static str,
+    },
+    /// `node_rank` is not below `nnodes`.
+    #[error("--node-rank {node_rank} is out of range for --nnodes {nnodes} (0 to {})", nnodes - 1)]
+    NodeRankOutOfRange {
+        /// The node rank given.
+        node_rank: usize,
+        /// The number of nodes given.
+        nnodes: usize,
+    },
+    /// A multi-node launch lacks the rendezvous address or port.
+    #[error(
+        "--nnodes {nnodes} needs --master-addr and --master-port: the address and a free port of \
+         the node with --node-rank 0, the same on every node"
+    )]
+    MultiNodeNeedsMaster {
+        /// The number of nodes given.
+        nnodes: usize,
+    },
+    /// No free port could be found for the rendezvous store.
+    #[error("could not find a free port for the rendezvous store on {addr}: {source}")]
+    FreePort {
+        /// The address that was probed.
+        addr: String,
+        /// The error from binding.
+        #[source]
+        source: io::Error,
+    },
+    /// A rank's process could not be started (the ranks already started were killed).
+    #[error("could not start rank {rank} (`{program}`): {source}")]
+    Spawn {
+        /// Global rank that failed to start.
+        rank: usize,
+        /// The program, as given.
+        program: String,
+        /// The error from `spawn`.
+        #[source]
+        source: io::Error,
+    },
+    /// Installing the `SIGINT`/`SIGTERM` handlers failed.
+    #[error("could not install the signal handler for {}: {source}", signal_name(*signal))]
+    SignalHandler {
+        /// The signal.
+        signal: i32,
+        /// The error from `sigaction`.
+        #[source]
+        source: io::Error,
+    },
+    /// Waiting for a rank failed (the ranks were killed).
+    #[error("could not wait for rank {rank}: {source}")]
+    Wait {
+        /// Global rank.
+        rank: usize,
+        /// The error from `wait`.
+        #[source]
+        source: io::Error,
+    },
+    /// A rank failed; the others were stopped. This names the first failure: the root cause.
+    #[error(
+        "rank {} (local rank {}) {}; it was the first rank to fail, and the other ranks were stopped",
+        .0.rank, .0.local_rank, .0.exit
+    )]
+    RankFailed(RankFailure),
+    /// The launcher received a signal and stopped the ranks.
+    #[error("interrupted by {}; the ranks were stopped", signal_name(*signal))]
+    Interrupted {
+        /// The signal received.
+        signal: i32,
+    },
+}
+
+impl LaunchError {
+    /// The exit code `ddprun` should exit with: the failed rank's code (128 + signal when it was
+    /// killed), 128 + signal when interrupted, 2 for a bad configuration, 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            LaunchError::RankFailed(failure) => match failure.exit.shell_code() {
+                code @ 1..=255 => code,
+                _ => 1,
+            },
+            LaunchError::Interrupted { signal } => 128 + signal,
+            LaunchError::NoCommand
+            | LaunchError::Zero { .. }
+            | LaunchError::NodeRankOutOfRange { .. }
+            | LaunchError::MultiNodeNeedsMaster { .. } => 2,
+            _ => 1,
+        }
+    }
+}
+
+/// The name of a signal, e.g. `SIGKILL`, or `signal 42` for one without a common name.
+pub fn signal_name(signal: i32) -> String {
+    let name = match signal {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        _ => return format!("signal {signal}"),
+    };
+    name.to_string()
+}
+
+/// Asks the kernel for a free TCP port on `addr` (bind to port 0, read the port, close).
+///
+/// The port is free when this returns; nothing holds it afterwards, so another process could
+/// take it before the rendezvous store binds it, which on a single host is rare enough.
+pub fn free_port(addr: Ipv4Addr) -> Result<u16, LaunchError> {
+    let probe = |addr: Ipv4Addr| TcpListener::bind((addr, 0)).and_then(|l| l.local_addr());
+    probe(addr)
+        .map(|local| local.port())
+        .map_err(|source| LaunchError::FreePort { addr: addr.to_string(), source })
+}
+
+/// The environment variables that local rank `local_rank` is started with: `RANK`,
+/// `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_RANK` (the node rank, as torchrun
+/// names it), `MASTER_ADDR`, `MASTER_PORT`, and `DDP_JOB_ID` when `job_id` is given.
+pub fn rank_env(
+    config: &LaunchConfig,
+    local_rank: usize,
+    master_addr: &str,
+    master_port: u16,
+    job_id: Option<&str>,
+) -> Vec<(&'static str, String)> {
+    let mut env = vec![
+        ("RANK", config.global_rank(local_rank).to_string()),
+        ("WORLD_SIZE", config.world_size().to_string()),
+        ("LOCAL_RANK", local_rank.to_string()),
+        ("LOCAL_WORLD_SIZE", config.nproc_per_node.to_string()),
+        ("GROUP_RANK", config.node_rank.to_string()),
+        ("MASTER_ADDR", master_addr.to_string()),
+        ("MASTER_PORT", master_port.to_string()),
+    ];
+    if let Some(id) = job_id {
+        env.push(("DDP_JOB_ID", id.to_string()));
+    }
+    env
+}
+
+/// Runs the job described by `config` on this node and waits for it; see the module
+/// documentation for what happens on the way. Returns when every local rank has ended and its
+/// output has been forwarded.
+pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
+    // 1. Check the configuration and settle the rendezvous address.
+    let (program, args) = config.command.split_first().ok_or(LaunchError::NoCommand)?;
+    if config.nproc_per_node == 0 {
+        return Err(LaunchError::Zero { what: "--nproc-per-node" });
+    }
+    if config.nnodes == 0 {
+        return Err(LaunchError::Zero { what: "--nnodes" });
+    }
+    if config.node_rank >= config.nnodes {
+        return Err(LaunchError::NodeRankOutOfRange {
+            node_rank: config.node_rank,
+            nnodes: config.nnodes,
+        });
+    }
+    let (master_addr, master_port) = match (&config.master_addr, config.master_port) {
+        (Some(addr), Some(port)) => (addr.clone(), port),
+        _ if config.nnodes > 1 => {
+            return Err(LaunchError::MultiNodeNeedsMaster { nnodes: config.nnodes })
+        }
+        (addr, port) => {
+            let addr = addr.clone().unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_string());
+            let port = match port {
+                Some(port) => port,
+                // The store may bind any interface; a port free on all of them is free on each.
+                None => free_port(Ipv4Addr::UNSPECIFIED)?,
+            };
+            (addr, port)
+        }
+    };
+    let job_id = match &config.job_id {
+        Some(id) => Some(id.clone()),
+        None if config.nnodes == 1 => Some(generate_job_id(master_port)),
+        None => None,
+    };
+
+    let mut signals = if config.forward_signals { Some(SignalForwarding::install()?) } else { None };
+
+    // 2. and 3. Start the ranks, each with two reader threads forwarding its output.
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let mut ranks: Vec<Rank> = Vec::with_capacity(config.nproc_per_node);
+    for local_rank in 0..config.nproc_per_node {
+        let rank = config.global_rank(local_rank);
+        let mut command = Command::new(program);
+        command
+            .args(args)
+            .envs(rank_env(config, local_rank, &master_addr, master_port, job_id.as_deref()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        die_with_parent(&mut command);
+        let mut child = match command.spawn() {
+            Ok(child) => child,
+            Err(source) => {
+                for started in &mut ranks {
+                    started.signal_group(libc::SIGKILL);
+                    let _ = started.child.wait();
+                }
+                return Err(LaunchError::Spawn {
+                    rank,
+                    program: program.to_string_lossy().into_owned(),
+                    source,
+                });
+            }
+        };
+        let prefix = format!("[rank {rank}] ");
+        if let Some(out) = child.stdout.take() {
+            forward_lines(out, prefix.clone(), Stream::Stdout, done_tx.clone());
+        }
+        if let Some(err) = child.stderr.take() {
+            forward_lines(err, prefix, Stream::Stderr, done_tx.clone());
+        }
+        ranks.push(Rank { rank, local_rank, child, exit: None });
+    }
+    drop(done_tx);
+
+    // 4. Watch the ranks until all have ended.
+    let mut first_failure: Option<RankFailure> = None;
+    let mut interrupted: Option<i32> = None;
+    let mut kill_at: Option<Instant> = None;
+    let mut wait_error: Option<LaunchError> = None;
+    loop {
+        if let Some(signal) = signals.as_mut().and_then(SignalForwarding::take) {
+            if interrupted.is_none() && first_failure.is_none() {
+                interrupted = Some(signal);
+                notice(&format!(
+                    "received {}; forwarding it to the ranks (SIGKILL in {:?}, or at once on a \
+                     second signal)",
+                    signal_name(signal),
+                    config.grace_period
+                ));
+                stop_running(&mut ranks, signal);
+                kill_at = Some(Instant::now() + config.grace_period);
+            } else {
+                notice(&format!("received {} again; killing the ranks", signal_name(signal)));
+                stop_running(&mut ranks, libc::SIGKILL);
+                kill_at = None;
+            }
+        }
+
+        for index in 0..ranks.len() {
+            let Some(exit) = poll_exit(&mut ranks[index], &mut wait_error) else { continue };
+            let (rank, local_rank) = (ranks[index].rank, ranks[index].local_rank);
+            let stopping = first_failure.is_some() || interrupted.is_some();
+            if exit.success() {
+                continue;
+            } else if stopping {
+                notice(&format!("rank {rank} stopped: {}", exit.without_hint()));
+            } else {
+                first_failure = Some(RankFailure { rank, local_rank, exit });
+                notice(&format!(
+                    "rank {rank} {exit}; stopping the other ranks (SIGTERM, SIGKILL after {:?})",
+                    config.grace_period
+                ));
+                stop_running(&mut ranks, libc::SIGTERM);
+                kill_at = Some(Instant::now() + config.grace_period);
+            }
+        }
+
+        if ranks.iter().all(|rank| rank.exit.is_some()) {
+            break;
+        }
+        if kill_at.is_some_and(|at| Instant::now() >= at) {
+            notice(&format!(
+                "grace period of {:?} over; killing the remaining ranks",
+                config.grace_period
+            ));
+            stop_running(&mut ranks, libc::SIGKILL);
+            kill_at = None;
+        }
+        thread::sleep(POLL_INTERVAL);
+    }
+
+    // 5. Kill what the ranks left behind in their process groups, let the output drain, report.
+    for rank in &ranks {
+        rank.signal_group(libc::SIGKILL);
+    }
+    let drain_deadline = Instant::now() + DRAIN_TIMEOUT;
+    while let Some(left) = drain_deadline.checked_duration_since(Instant::now()) {
+        match done_rx.recv_timeout(left) {
+            Ok(()) => continue,
+            Err(_) => break, // all readers done (disconnected) or out of time
+        }
+    }
+    drop(signals);
+
+    if let Some(error) = wait_error {
+        return Err(error);
+    }
+    if let Some(failure) = first_failure {
+        return Err(LaunchError::RankFailed(failure));
+    }
+    if let Some(signal) = interrupted {
+        return Err(LaunchError::Interrupted { signal });
+    }
+    Ok(LaunchReport {
+        master_port,
+        exits: ranks.iter().map(|rank| rank.exit.unwrap_or(RankExit::Code(-1))).collect(),
+    })
+}
+
+/// One local rank's process.
+struct Rank {
+    rank: usize,
+    local_rank: usize,
+    child: Child,
+    exit: Option<RankExit>,
+}
+
+impl Rank {
+    /// Sends `signal` to the rank's process group (the rank and everything it started).
+    fn signal_group(&self, signal: i32) {
+        // The group id is the rank's pid (`process_group(0)`). ESRCH (all gone) is fine.
+        let pgid = self.child.id() as libc::pid_t;
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe { libc::kill(-pgid, signal) };
+    }
+}
+
+/// Sends `signal` to the process group of every rank that has not ended yet.
+fn stop_running(ranks: &mut [Rank], signal: i32) {
+    for rank in ranks.iter().filter(|rank| rank.exit.is_none()) {
+        rank.signal_group(signal);
+    }
+}
+
+/// Reaps `rank` if it has ended since the last look, records and returns how it ended. A failing
+/// `wait` (impossible for a child we own) is kept in `wait_error` and the rank killed, so that the
+/// launcher never hangs on it.
+fn poll_exit(rank: &mut Rank, wait_error: &mut Option<LaunchError>) -> Option<RankExit> {
+    if rank.exit.is_some() {
+        return None;
+    }
+    let exit = match rank.child.try_wait() {
+        Ok(Some(status)) => RankExit::from_status(status),
+        Ok(None) => return None,
+        Err(source) => {
+            wait_error.get_or_insert(LaunchError::Wait { rank: rank.rank, source });
+            rank.signal_group(libc::SIGKILL);
+            let _ = rank.child.wait();
+            RankExit::Signal(libc::SIGKILL)
+        }
+    };
+    rank.exit = Some(exit);
+    Some(exit)
+}
+
+/// Makes the child receive SIGKILL when the launcher dies before stopping it (Linux only).
+#[cfg(target_os = "linux")]
+fn die_with_parent(command: &mut Command) {
+    // SAFETY: getpid, prctl and getppid are async-signal-safe, and the closure allocates nothing.
+    let parent = unsafe { libc::getpid() };
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // The launcher may have died between fork and prctl.
+            if libc::getppid() != parent {
+                libc::_exit(1);
+            }
+            Ok(())
+        })
+    };
+}
+
+/// Nothing to do where `PR_SET_PDEATHSIG` does not exist.
+#[cfg(not(target_os = "linux"))]
+fn die_with_parent(_command: &mut Command) {}
+
+/// A job id unique enough on one host: time, launcher pid and port.
+fn generate_job_id(port: u16) -> String {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    format!("ddprun-{:x}-{}-{port}", nanos & 0xffff_ffff_ffff, std::process::id())
+}
+
+/// Which of the launcher's own streams a rank's stream is forwarded to.
+#[derive(Clone, Copy)]
+enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// Starts a thread that copies `source` line by line to the launcher's `stream`, each line
+/// prefixed with `prefix` and written in one piece, then sends on `done` when `source` closes.
+/// A last line without a newline gets one. Write errors (a closed stdout) are ignored and the
+/// source is still drained, so that a rank never blocks on a full pipe.
+fn forward_lines(source: impl Read + Send + 'static, prefix: String, stream: Stream, done: mpsc::Sender<()>) {
+    thread::spawn(move || {
+        let mut reader = BufReader::new(source);
+        let mut line = Vec::with_capacity(256);
+        let mut out = Vec::with_capacity(256);
+        loop {
+            line.clear();
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => break,
+            }
+            out.clear();
+            out.extend_from_slice(prefix.as_bytes());
+            out.extend_from_slice(&line);
+            if !line.ends_with(b"\n") {
+                out.push(b'\n');
+            }
+            let _ = match stream {
+                Stream::Stdout => io::stdout().lock().write_all(&out),
+                Stream::Stderr => io::stderr().lock().write_all(&out),
+            };
+        }
+        let _ = done.send(());
+    });
+}
+
+/// Prints one of the launcher's own messages to stderr.
+fn notice(message: &str) {
+    let _ = writeln!(io::stderr().lock(), "[ddprun] {message}");
+}
+
+/// The last signal received by the handler.
+static LAST_SIGNAL: AtomicI32 = AtomicI32::new(0);
+/// How many signals the handler has received; each [`SignalForwarding`] remembers how many it
+/// has seen, so that every launch running in this process sees every signal.
+static SIGNAL_COUNT: AtomicUsize = AtomicUsize::new(0);
+/// How many [`SignalForwarding`] guards are alive, and the handlers that were installed before
+/// the first of them (restored when the last one drops).
+static INSTALLED: Mutex<(usize, Vec<(i32, libc::sigaction)>)> = Mutex::new((0, Vec::new()));
+
+extern "C" fn record_signal(signal: libc::c_int) {
+    LAST_SIGNAL.store(signal, Ordering::SeqCst);
+    SIGNAL_COUNT.fetch_add(1, Ordering::SeqCst);
+}
+
+/// `SIGINT` and `SIGTERM` handlers that record the signal for the watch loop, installed while
+/// any such guard lives; dropping the last one restores the previous handlers.
+struct SignalForwarding {
+    seen: usize,
+}
+
+impl SignalForwarding {
+    const SIGNALS: [i32; 2] = [libc::SIGINT, libc::SIGTERM];
+
+    fn install() -> Result<SignalForwarding, LaunchError> {
+        let mut installed = INSTALLED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if installed.0 == 0 {
+            for signal in Self::SIGNALS {
+                // SAFETY: a zeroed sigaction is valid; the handler only touches atomics, which is
+                // async-signal-safe.
+                let previous = unsafe {
+                    let mut action: libc::sigaction = std::mem::zeroed();
+                    action.sa_sigaction = record_signal as extern "C" fn(libc::c_int) as usize;
+                    action.sa_flags = libc::SA_RESTART;
+                    libc::sigemptyset(&mut action.sa_mask);
+                    let mut previous: libc::sigaction = std::mem::zeroed();
+                    if libc::sigaction(signal, &action, &mut previous) != 0 {
+                        let source = io::Error::last_os_error();
+                        restore_handlers(&mut installed.1);
+                        return Err(LaunchError::SignalHandler { signal, source });
+                    }
+                    previous
+                };
+                installed.1.push((signal, previous));
+            }
+        }
+        installed.0 += 1;
+        Ok(SignalForwarding { seen: SIGNAL_COUNT.load(Ordering::SeqCst) })
+    }
+
+    /// The signal received since the last call, if any.
+    fn take(&mut self) -> Option<i32> {
+        let count = SIGNAL_COUNT.load(Ordering::SeqCst);
+        if count == self.seen {
+            return None;
+        }
+        self.seen = count;
+        Some(LAST_SIGNAL.load(Ordering::SeqCst))
+    }
+}
+
+impl Drop for SignalForwarding {
+    fn drop(&mut self) {
+        let mut installed = INSTALLED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        installed.0 -= 1;
+        if installed.0 == 0 {
+            restore_handlers(&mut installed.1);
+        }
+    }
+}
+
+/// Puts back the signal handlers saved in `saved`, emptying it.
+fn restore_handlers(saved: &mut Vec<(i32, libc::sigaction)>) {
+    for (signal, previous) in saved.drain(..).rev() {
+        // SAFETY: restores a sigaction obtained from the kernel.
+        unsafe { libc::sigaction(signal, &previous, std::ptr::null_mut()) };
+    }
+}

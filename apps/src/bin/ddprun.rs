@@ -1,0 +1,88 @@
+//! `ddprun`: start the local ranks of a distributed job, like `torchrun`.
+//!
+//! ```text
+//! ddprun --nproc-per-node 4 -- target/release/train-mnist --epochs 1
+//! ddprun --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 -- CMD...
+//! ```
+//!
+//! Each rank gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
+//! `MASTER_PORT` (and `DDP_JOB_ID`); its output lines come out prefixed with `[rank R]`. When a
+//! rank fails, the others are stopped and ddprun exits non-zero, naming the first failure last.
+//! All the work is in the `ddp_comm::launch` library; this binary only parses arguments.
+
+use std::ffi::OsString;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use ddp_comm::launch::{self, LaunchConfig, LaunchError};
+
+/// Start N local ranks of a distributed job with the torchrun environment variables set.
+#[derive(Debug, Parser)]
+#[command(name = "ddprun", version, about, long_about = None)]
+struct Args {
+    /// Ranks to start on this node.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    nproc_per_node: usize,
+    /// Nodes in the job; more than 1 needs --master-addr and --master-port.
+    #[arg(long, value_name = "M", default_value_t = 1)]
+    nnodes: usize,
+    /// This node's index, 0 to nnodes-1; RANK = node_rank * nproc_per_node + LOCAL_RANK.
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    node_rank: usize,
+    /// Address of the node with node rank 0 [default on a single node: 127.0.0.1].
+    #[arg(long, value_name = "ADDR")]
+    master_addr: Option<String>,
+    /// Port of the rendezvous store [default on a single node: a free port].
+    #[arg(long, value_name = "PORT")]
+    master_port: Option<u16>,
+    /// Job id exported as DDP_JOB_ID [default on a single node: generated].
+    #[arg(long, value_name = "ID")]
+    job_id: Option<String>,
+    /// Seconds between SIGTERM and SIGKILL when stopping the ranks.
+    #[arg(long, value_name = "SECS", default_value_t = 5.0)]
+    grace_period: f64,
+    /// The command each rank runs, and its arguments (after `--`).
+    #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
+    command: Vec<OsString>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let grace_period = match Duration::try_from_secs_f64(args.grace_period) {
+        Ok(grace) => grace,
+        Err(_) => {
+            eprintln!("ddprun: error: --grace-period must be a non-negative number of seconds");
+            return ExitCode::from(2);
+        }
+    };
+    let config = LaunchConfig {
+        nproc_per_node: args.nproc_per_node,
+        nnodes: args.nnodes,
+        node_rank: args.node_rank,
+        master_addr: args.master_addr,
+        master_port: args.master_port,
+        job_id: args.job_id,
+        command: args.command,
+        grace_period,
+        forward_signals: true,
+    };
+    match launch::launch(&config) {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(error) => {
+            report(&error);
+            ExitCode::from(u8::try_from(error.exit_code()).unwrap_or(1))
+        }
+    }
+}
+
+/// Prints the error as the last thing on stderr, framed so that it stands out after the ranks'
+/// output when a rank failed.
+fn report(error: &LaunchError) {
+    if let LaunchError::RankFailed(_) = error {
+        let rule = "=".repeat(78);
+        eprintln!("{rule}\nddprun: job failed. Root cause:\n  {error}\n{rule}");
+    } else {
+        eprintln!("ddprun: error: {error}");
+    }
+}

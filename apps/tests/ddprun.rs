@@ -1,0 +1,383 @@
+//! The `ddprun` launcher, run as a real process over `sh -c` ranks keyed on `$RANK`.
+//!
+//! Every run has a deadline (`DEADLINE`) after which the test kills ddprun and fails, so that a
+//! launcher that hangs fails the suite instead of stalling it.
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpListener;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+/// The longest any ddprun run in these tests may take.
+const DEADLINE: Duration = Duration::from_secs(20);
+
+/// A ddprun command with a short grace period and no inherited torchrun variables.
+fn ddprun(nproc: usize, script: &str) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    command.args(["--grace-period", "0.5", "--nproc-per-node", &nproc.to_string()]);
+    command.args(["--", "sh", "-c", script]);
+    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"] {
+        command.env_remove(var);
+    }
+    command.env_remove("MASTER_PORT").env_remove("DDP_JOB_ID");
+    command
+}
+
+/// What a finished ddprun run left behind.
+struct Finished {
+    status: ExitStatus,
+    stdout: String,
+    stderr: String,
+    elapsed: Duration,
+}
+
+/// A ddprun process whose output is being collected.
+struct Running {
+    child: Child,
+    started: Instant,
+    stdout: JoinHandle<String>,
+    stderr: JoinHandle<String>,
+}
+
+fn collect(mut source: impl Read + Send + 'static) -> JoinHandle<String> {
+    thread::spawn(move || {
+        let mut text = String::new();
+        source.read_to_string(&mut text).expect("ddprun output is UTF-8");
+        text
+    })
+}
+
+fn start(mut command: Command) -> Running {
+    let started = Instant::now();
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start ddprun");
+    let stdout = collect(child.stdout.take().unwrap());
+    let stderr = collect(child.stderr.take().unwrap());
+    Running { child, started, stdout, stderr }
+}
+
+impl Running {
+    /// Waits for ddprun to exit, killing it and failing the test past [`DEADLINE`].
+    fn finish(mut self) -> Finished {
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("wait for ddprun") {
+                break status;
+            }
+            if self.started.elapsed() > DEADLINE {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!("ddprun did not finish within {DEADLINE:?}");
+            }
+            thread::sleep(Duration::from_millis(10));
+        };
+        let elapsed = self.started.elapsed();
+        Finished {
+            status,
+            stdout: self.stdout.join().unwrap(),
+            stderr: self.stderr.join().unwrap(),
+            elapsed,
+        }
+    }
+}
+
+fn run(command: Command) -> Finished {
+    start(command).finish()
+}
+
+/// The last non-empty lines of `text`, at most `n`, joined.
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().filter(|line| !line.trim().is_empty()).collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+#[test]
+fn failing_rank_stops_the_others_and_is_named_last() {
+    let done = run(ddprun(
+        3,
+        r#"if [ "$RANK" = 1 ]; then echo "rank one fails"; exit 3; fi; sleep 30; echo "not stopped""#,
+    ));
+    assert_eq!(done.status.code(), Some(3), "ddprun exits with the failed rank's code\n{}", done.stderr);
+    assert!(done.elapsed < Duration::from_secs(5), "the sleeping ranks were stopped promptly: {:?}", done.elapsed);
+    assert!(done.stdout.contains("[rank 1] rank one fails"), "stdout: {}", done.stdout);
+    assert!(!done.stdout.contains("not stopped"), "stdout: {}", done.stdout);
+    // The root cause is the last thing printed, and names rank 1 and code 3.
+    let last = tail(&done.stderr, 3);
+    assert!(last.contains("Root cause"), "stderr ends with the root cause:\n{}", done.stderr);
+    assert!(last.contains("rank 1 (local rank 1) exited with code 3"), "stderr:\n{}", done.stderr);
+    // The stopped ranks are reported as stopped, not as the cause.
+    for rank in [0, 2] {
+        assert!(
+            done.stderr.contains(&format!("rank {rank} stopped: killed by SIGTERM")),
+            "rank {rank} was stopped by SIGTERM:\n{}",
+            done.stderr
+        );
+    }
+}
+
+#[test]
+fn rank_killed_by_sigkill_is_reported_as_such() {
+    let done = run(ddprun(2, r#"if [ "$RANK" = 1 ]; then kill -9 $$; fi; sleep 30"#));
+    assert_eq!(done.status.code(), Some(128 + 9), "stderr:\n{}", done.stderr);
+    let last = tail(&done.stderr, 3);
+    assert!(
+        last.contains("rank 1 (local rank 1) killed by SIGKILL, possibly out of memory"),
+        "stderr:\n{}",
+        done.stderr
+    );
+    assert!(done.elapsed < Duration::from_secs(5), "{:?}", done.elapsed);
+}
+
+#[test]
+fn all_ranks_exiting_zero_gives_zero() {
+    let done = run(ddprun(4, r#"sleep 0.$RANK; echo "rank $RANK done""#));
+    assert!(done.status.success(), "stderr:\n{}", done.stderr);
+    for rank in 0..4 {
+        assert!(done.stdout.contains(&format!("[rank {rank}] rank {rank} done\n")), "{}", done.stdout);
+    }
+    assert!(!done.stderr.contains("Root cause"), "{}", done.stderr);
+}
+
+/// `NAME=value` pairs that each rank printed, keyed by the rank of the prefix.
+fn printed_env(stdout: &str, nproc: usize) -> Vec<Vec<(String, String)>> {
+    let mut per_rank = vec![Vec::new(); nproc];
+    for line in stdout.lines() {
+        let rest = line.strip_prefix("[rank ").expect("prefixed line");
+        let (rank, vars) = rest.split_once("] ").unwrap();
+        let rank: usize = rank.parse().unwrap();
+        for pair in vars.split_whitespace() {
+            let (name, value) = pair.split_once('=').unwrap();
+            per_rank[rank % nproc].push((name.to_string(), value.to_string()));
+        }
+    }
+    per_rank
+}
+
+const PRINT_ENV: &str = "echo RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK \
+    LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT \
+    GROUP_RANK=$GROUP_RANK DDP_JOB_ID=${DDP_JOB_ID:-none}";
+
+fn value<'a>(vars: &'a [(String, String)], name: &str) -> &'a str {
+    &vars.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("{name} printed")).1
+}
+
+#[test]
+fn every_rank_gets_its_variables_on_one_node() {
+    let done = run(ddprun(3, PRINT_ENV));
+    assert!(done.status.success(), "stderr:\n{}", done.stderr);
+    let per_rank = printed_env(&done.stdout, 3);
+    let port = value(&per_rank[0], "MASTER_PORT");
+    let job = value(&per_rank[0], "DDP_JOB_ID");
+    assert!(port.parse::<u16>().is_ok_and(|p| p > 0), "MASTER_PORT={port}");
+    assert_ne!(job, "none", "a single-node job gets a DDP_JOB_ID");
+    for (rank, vars) in per_rank.iter().enumerate() {
+        let expected = [
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", "3".to_string()),
+            ("LOCAL_RANK", rank.to_string()),
+            ("LOCAL_WORLD_SIZE", "3".to_string()),
+            ("MASTER_ADDR", "127.0.0.1".to_string()),
+            ("MASTER_PORT", port.to_string()),
+            ("GROUP_RANK", "0".to_string()),
+            ("DDP_JOB_ID", job.to_string()),
+        ];
+        for (name, want) in expected {
+            assert_eq!(value(vars, name), want, "rank {rank}: {name}");
+        }
+    }
+}
+
+#[test]
+fn second_node_ranks_are_offset_by_node_rank() {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    command.args(["--nproc-per-node", "2", "--nnodes", "3", "--node-rank", "1"]);
+    command.args(["--master-addr", "10.1.2.3", "--master-port", "29511", "--"]);
+    command.args(["sh", "-c", PRINT_ENV]).env_remove("DDP_JOB_ID");
+    let done = run(command);
+    assert!(done.status.success(), "stderr:\n{}", done.stderr);
+    let per_rank = printed_env(&done.stdout, 2);
+    for (local, vars) in per_rank.iter().enumerate() {
+        assert_eq!(value(vars, "RANK"), (2 + local).to_string());
+        assert_eq!(value(vars, "LOCAL_RANK"), local.to_string());
+        assert_eq!(value(vars, "WORLD_SIZE"), "6");
+        assert_eq!(value(vars, "LOCAL_WORLD_SIZE"), "2");
+        assert_eq!(value(vars, "GROUP_RANK"), "1");
+        assert_eq!(value(vars, "MASTER_ADDR"), "10.1.2.3");
+        assert_eq!(value(vars, "MASTER_PORT"), "29511");
+        // Every node would generate a different id, so none is made up on several nodes.
+        assert_eq!(value(vars, "DDP_JOB_ID"), "none");
+    }
+}
+
+#[test]
+fn multi_node_without_master_is_refused() {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    command.args(["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "0"]);
+    command.args(["--master-addr", "10.1.2.3", "--", "true"]);
+    let done = run(command);
+    assert_eq!(done.status.code(), Some(2));
+    assert!(done.stderr.contains("--nnodes 2 needs --master-addr and --master-port"), "{}", done.stderr);
+    assert!(done.stdout.is_empty());
+}
+
+#[test]
+fn output_lines_are_prefixed_and_never_torn() {
+    // Each rank writes 300 long lines to stdout and 300 to stderr, concurrently, and a last
+    // line without a newline; every forwarded line must be whole and carry its own rank.
+    let pad = "x".repeat(200);
+    let script = format!("pad={pad}") + r#"
+        i=0
+        while [ $i -lt 300 ]; do
+            echo "out $i of $RANK $pad"
+            echo "err $i of $RANK $pad" >&2
+            i=$((i + 1))
+        done
+        printf "unterminated $RANK""#;
+    let done = run(ddprun(3, &script));
+    assert!(done.status.success(), "stderr:\n{}", done.stderr);
+    for (text, kind) in [(&done.stdout, "out"), (&done.stderr, "err")] {
+        let mut counts = [0usize; 3];
+        for line in text.lines().filter(|line| !line.starts_with("[ddprun]")) {
+            let rest = line.strip_prefix("[rank ").unwrap_or_else(|| panic!("unprefixed: {line:?}"));
+            let (rank, body) = rest.split_once("] ").unwrap();
+            let rank: usize = rank.parse().unwrap();
+            if body == format!("unterminated {rank}") {
+                assert_eq!(kind, "out");
+                continue;
+            }
+            let words: Vec<&str> = body.split(' ').collect();
+            assert_eq!(words.len(), 5, "torn line: {line:?}");
+            assert_eq!(words[0], kind, "{line:?}");
+            assert_eq!(words[3], rank.to_string(), "line carries another rank's prefix: {line:?}");
+            assert_eq!(words[1], counts[rank].to_string(), "lines of one rank in order: {line:?}");
+            assert_eq!(words[4], pad, "{line:?}");
+            counts[rank] += 1;
+        }
+        assert_eq!(counts, [300; 3], "{kind}");
+    }
+    for rank in 0..3 {
+        assert!(done.stdout.contains(&format!("[rank {rank}] unterminated {rank}\n")));
+    }
+}
+
+#[test]
+fn two_jobs_at_once_get_different_free_ports() {
+    // Each job's rank 0 prints its MASTER_PORT and then keeps running, so both jobs are alive
+    // while the ports are checked.
+    let script = r#"echo "port $MASTER_PORT"; sleep 2"#;
+    let jobs: Vec<Child> = (0..2)
+        .map(|_| {
+            ddprun(1, script)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start ddprun")
+        })
+        .collect();
+    let mut ports = Vec::new();
+    for mut job in jobs {
+        let mut line = String::new();
+        BufReader::new(job.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let port: u16 = line
+            .trim()
+            .strip_prefix("[rank 0] port ")
+            .unwrap_or_else(|| panic!("unexpected line {line:?}"))
+            .parse()
+            .unwrap();
+        ports.push((port, job));
+    }
+    assert_ne!(ports[0].0, ports[1].0, "two concurrent jobs got the same port");
+    // ddprun let go of the port it probed: the rendezvous store can bind it.
+    for (port, _) in &ports {
+        TcpListener::bind(("0.0.0.0", *port))
+            .unwrap_or_else(|e| panic!("MASTER_PORT {port} is not free while the job runs: {e}"));
+    }
+    for (_, mut job) in ports {
+        let started = Instant::now();
+        while job.try_wait().unwrap().is_none() {
+            assert!(started.elapsed() < DEADLINE, "ddprun did not finish");
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+#[test]
+fn sigterm_to_ddprun_is_forwarded_to_the_ranks() {
+    let script = r#"trap 'echo "rank $RANK got TERM"; exit 0' TERM; echo ready; sleep 30 & wait"#;
+    let mut command = ddprun(2, script);
+    command.stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
+    let started = Instant::now();
+    let mut child = command.spawn().expect("start ddprun");
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let stderr = collect(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    for _ in 0..2 {
+        stdout.read_line(&mut seen).unwrap();
+    }
+    assert_eq!(seen.matches("ready").count(), 2, "{seen}");
+    // SAFETY: kill has no memory-safety preconditions; the pid is our live child's.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(started.elapsed() < DEADLINE, "ddprun did not finish after SIGTERM");
+        thread::sleep(Duration::from_millis(10));
+    };
+    let stderr = stderr.join().unwrap();
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "stderr:\n{stderr}");
+    for rank in 0..2 {
+        assert!(rest.contains(&format!("[rank {rank}] rank {rank} got TERM")), "{rest}");
+    }
+    assert!(tail(&stderr, 1).contains("interrupted by SIGTERM"), "{stderr}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn rank_ignoring_sigterm_is_killed_after_the_grace_period() {
+    let script = r#"trap "" TERM; if [ "$RANK" = 0 ]; then exit 5; fi; sleep 30"#;
+    let done = run(ddprun(2, script));
+    assert_eq!(done.status.code(), Some(5), "stderr:\n{}", done.stderr);
+    assert!(done.stderr.contains("grace period of 500ms over"), "{}", done.stderr);
+    // `sleep` inherits the ignored SIGTERM, so only SIGKILL ends it: after the 0.5 s grace.
+    assert!(done.elapsed >= Duration::from_millis(500), "{:?}", done.elapsed);
+    assert!(done.elapsed < Duration::from_secs(5), "{:?}", done.elapsed);
+    assert!(tail(&done.stderr, 3).contains("rank 0 (local rank 0) exited with code 5"));
+}
+
+#[test]
+fn stopping_a_rank_also_stops_what_it_started() {
+    let dir = tempfile::tempdir().unwrap();
+    let pidfile = dir.path().join("grandchild.pid");
+    let script = format!(
+        r#"if [ "$RANK" = 1 ]; then sleep 0.3; exit 7; fi; sleep 30 & echo $! > {}; wait"#,
+        pidfile.display()
+    );
+    let done = run(ddprun(2, &script));
+    assert_eq!(done.status.code(), Some(7), "stderr:\n{}", done.stderr);
+    let pid = std::fs::read_to_string(&pidfile).unwrap().trim().to_string();
+    // Gone, or a zombie nobody has reaped yet: either way no longer running.
+    let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let running = state.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'));
+    assert!(!running, "rank 0's child `sleep 30` (pid {pid}) outlived the job: {state}");
+}
+
+#[test]
+fn missing_program_is_a_clear_error() {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    command.args(["--nproc-per-node", "2", "--", "/nonexistent/ddprun-test-program"]);
+    let done = run(command);
+    assert_eq!(done.status.code(), Some(1));
+    assert!(
+        done.stderr.contains("could not start rank 0 (`/nonexistent/ddprun-test-program`)"),
+        "{}",
+        done.stderr
+    );
+}

@@ -1,0 +1,825 @@
+//! The TCP transport: connecting with retries, handshakes, the full mesh of peer connections,
+//! and one reader and one writer thread per connection. It knows nothing of algorithms: they
+//! see only [`Mesh::send`] and [`Mesh::recv`].
+//!
+//! Why a reader thread per peer: a rank must notice a peer's socket closing, or an ABORT frame,
+//! *while it waits on some other peer* (rank 1 waiting on rank 0 in a ring must still learn at
+//! once that rank 3 died). Each reader drains its socket into a channel and, on EOF, an I/O error,
+//! a malformed frame or an ABORT, marks the whole group failed ([`Shared::fail`]): the first
+//! error is kept as the root cause, every waiter is woken, and an ABORT frame carrying the cause
+//! goes to every peer. The communication thread waits on one peer's channel and on the failure
+//! signal at once, with the group's deadline, so no wait can outlive the deadline or miss a
+//! failure elsewhere.
+//!
+//! Why a writer thread per peer: sends are queued and return at once, so the communication thread
+//! can receive and reduce segment k+1 while segment k is still on the wire to the right
+//! neighbour, and two ranks sending to each other can never deadlock on full socket buffers
+//! (every reader keeps draining). After a failure a writer drops its queued data frames and sends
+//! only the ABORT.
+//!
+//! Clean shutdown: each writer sends a GOODBYE frame after its queue and half-closes its socket;
+//! a reader that sees GOODBYE half-closes its side in answer, so both readers reach EOF at once
+//! and the connection is closed without resets. A peer's close without GOODBYE is a failure.
+
+use std::io::{self, BufReader, Read};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{select, unbounded, Receiver, Sender};
+
+use crate::element::Element;
+use crate::error::CommError;
+use crate::wire::{self, FrameKind, Header, Hello, HelloKind, OpDesc, HEADER_BYTES};
+
+/// Longest a single handshake may take once connected.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest the shutdown of a group waits for its peers to close their side.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+/// Time left until `deadline` (zero if passed).
+pub(crate) fn remaining(deadline: Instant) -> Duration {
+    deadline.saturating_duration_since(Instant::now())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Buffers
+
+/// A byte buffer aligned to 8 bytes, so that it can be viewed as a slice of any [`Element`].
+pub(crate) struct Buf {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Buf {
+    pub fn zeroed(len: usize) -> Buf {
+        Buf {
+            words: vec![0u64; len.div_ceil(8)],
+            len,
+        }
+    }
+
+    pub fn from_slice<T: Element>(s: &[T]) -> Buf {
+        let bytes: &[u8] = bytemuck::cast_slice(s);
+        let mut b = Buf::zeroed(bytes.len());
+        b.as_bytes_mut().copy_from_slice(bytes);
+        b
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Buf {
+        let mut b = Buf::zeroed(bytes.len());
+        b.as_bytes_mut().copy_from_slice(bytes);
+        b
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.len]
+    }
+
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..self.len]
+    }
+
+    /// Views the bytes as elements; the length must be a multiple of the element size (the
+    /// receiver checks every payload's length before this).
+    pub fn as_slice<T: Element>(&self) -> &[T] {
+        bytemuck::cast_slice(self.as_bytes())
+    }
+
+    pub fn as_mut_slice<T: Element>(&mut self) -> &mut [T] {
+        bytemuck::cast_slice_mut(self.as_bytes_mut())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Connecting and handshakes
+
+/// Connects to `host:port`, retrying (with backoff) until `deadline`. The error names the
+/// address and the last failure.
+pub(crate) fn connect_retry(
+    rank: usize,
+    what: &str,
+    host: &str,
+    port: u16,
+    deadline: Instant,
+) -> Result<TcpStream, CommError> {
+    let start = Instant::now();
+    let mut backoff = Duration::from_millis(10);
+    let mut last_error = String::from("no attempt made");
+    loop {
+        match (host, port).to_socket_addrs() {
+            Ok(addrs) => {
+                for addr in addrs {
+                    let left = remaining(deadline).clamp(Duration::from_millis(50), Duration::from_secs(5));
+                    match TcpStream::connect_timeout(&addr, left) {
+                        Ok(s) => return Ok(s),
+                        Err(e) => last_error = format!("{addr}: {e}"),
+                    }
+                }
+            }
+            Err(e) => last_error = format!("cannot resolve {host:?}: {e}"),
+        }
+        if Instant::now() >= deadline {
+            return Err(CommError::Connect {
+                rank,
+                what: what.to_string(),
+                addr: format!("{host}:{port}"),
+                waited: start.elapsed(),
+                last_error,
+            });
+        }
+        std::thread::sleep(backoff.min(remaining(deadline)));
+        backoff = (backoff * 2).min(Duration::from_millis(500));
+    }
+}
+
+/// Who this rank is, as its handshakes say it.
+#[derive(Debug, Clone)]
+pub(crate) struct Identity {
+    pub rank: usize,
+    pub world: usize,
+    pub job_id: [u8; 16],
+    pub token: Option<String>,
+}
+
+impl Identity {
+    pub fn hello(&self, kind: HelloKind) -> Hello {
+        Hello {
+            kind,
+            job_id: self.job_id,
+            rank: self.rank as u32,
+            world: self.world as u32,
+            text: self.token.clone().unwrap_or_default(),
+        }
+    }
+
+    /// Checks the token, world size and (if `check_job`) job id of a handshake from the other
+    /// side; the error is the reason to give.
+    pub fn check(&self, h: &Hello, check_job: bool) -> Result<(), String> {
+        match (&self.token, h.text.as_str()) {
+            (None, "") => {}
+            (None, _) => {
+                return Err("the connecting side presents a token but this rank has none (is DDP_TOKEN set on every rank?)".into())
+            }
+            (Some(_), "") => {
+                return Err("the other side presents no token but this rank requires one (DDP_TOKEN)".into())
+            }
+            (Some(mine), theirs) => {
+                if !wire::tokens_equal(mine, theirs) {
+                    return Err("token mismatch (DDP_TOKEN differs)".into());
+                }
+            }
+        }
+        if h.world as usize != self.world {
+            return Err(format!(
+                "world size mismatch: the other side (rank {}) has world size {}, this side has {}",
+                h.rank, h.world, self.world
+            ));
+        }
+        if h.rank as usize >= self.world {
+            return Err(format!("rank {} is not below the world size {}", h.rank, self.world));
+        }
+        if check_job && h.job_id != self.job_id {
+            return Err(format!(
+                "job id mismatch: the other side (rank {}) is in job {}, this side is in job {} (a process of another job?)",
+                h.rank,
+                wire::job_id_hex(&h.job_id),
+                wire::job_id_hex(&self.job_id)
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn describe_handshake_error(e: &io::Error) -> String {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            "no handshake arrived in time".to_string()
+        }
+        io::ErrorKind::UnexpectedEof => "the other side closed the connection during the handshake".to_string(),
+        _ => e.to_string(),
+    }
+}
+
+/// Connecting side: sends `hello`, returns the acceptor's ACCEPT, or the reason it failed.
+pub(crate) fn handshake_connect(stream: &mut TcpStream, hello: &Hello, deadline: Instant) -> Result<Hello, String> {
+    let t = remaining(deadline).clamp(Duration::from_millis(100), HANDSHAKE_TIMEOUT);
+    stream.set_read_timeout(Some(t)).map_err(|e| e.to_string())?;
+    hello.write(stream).map_err(|e| format!("sending the handshake: {e}"))?;
+    let reply = Hello::read(stream).map_err(|e| describe_handshake_error(&e))?;
+    stream.set_read_timeout(None).map_err(|e| e.to_string())?;
+    match reply.kind {
+        HelloKind::Accept => Ok(reply),
+        HelloKind::Reject => Err(format!("refused: {}", reply.text)),
+        k => Err(format!("unexpected handshake reply {k:?}")),
+    }
+}
+
+/// Accepting side: reads a HELLO, runs `check` on it, answers ACCEPT (`reply`) or REJECT. A
+/// refusal is logged with `tracing::warn!` and returned as the reason.
+pub(crate) fn handshake_accept(
+    stream: &mut TcpStream,
+    what: &str,
+    reply: &Hello,
+    check: impl FnOnce(&Hello) -> Result<(), String>,
+) -> Result<Hello, String> {
+    let from = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "an unknown address".into());
+    let result = (|| {
+        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| e.to_string())?;
+        let hello = Hello::read(stream).map_err(|e| describe_handshake_error(&e))?;
+        if let Err(reason) = check(&hello) {
+            let reject = Hello {
+                kind: HelloKind::Reject,
+                job_id: reply.job_id,
+                rank: reply.rank,
+                world: reply.world,
+                text: reason.clone(),
+            };
+            let _ = reject.write(stream);
+            return Err(reason);
+        }
+        reply.write(stream).map_err(|e| format!("sending the handshake reply: {e}"))?;
+        stream.set_read_timeout(None).map_err(|e| e.to_string())?;
+        Ok(hello)
+    })();
+    if let Err(reason) = &result {
+        tracing::warn!("{what} refused a connection from {from}: {reason}");
+    }
+    result
+}
+
+// ---------------------------------------------------------------------------------------------
+// Building the mesh
+
+/// Store keys under which each rank publishes its listening address.
+pub(crate) fn addr_key(rank: usize) -> String {
+    format!("ddp/addr/{rank}")
+}
+
+/// Connects this rank to every other rank: rank r connects to ranks below it and accepts
+/// connections from ranks above it, each with a handshake. Returns the streams indexed by peer
+/// rank (`None` at this rank's index).
+pub(crate) fn connect_mesh(
+    me: &Identity,
+    store: &crate::store::Store,
+    local_ip: std::net::IpAddr,
+    deadline: Instant,
+) -> Result<Vec<Option<TcpStream>>, CommError> {
+    let rank = me.rank;
+    let listener = TcpListener::bind((local_ip, 0)).map_err(|e| CommError::Listen {
+        rank,
+        what: "peer connections".into(),
+        addr: format!("{local_ip}:0"),
+        message: e.to_string(),
+    })?;
+    let listen_addr = listener.local_addr().map_err(|e| CommError::Listen {
+        rank,
+        what: "peer connections".into(),
+        addr: format!("{local_ip}:0"),
+        message: e.to_string(),
+    })?;
+    store.set(&addr_key(rank), listen_addr.to_string().as_bytes())?;
+
+    let higher = me.world - rank - 1;
+    let mut streams: Vec<Option<TcpStream>> = (0..me.world).map(|_| None).collect();
+    let accepted = std::thread::scope(|scope| -> Result<Vec<(usize, TcpStream)>, CommError> {
+        let acceptor = scope.spawn(|| accept_peers(me, &listener, listen_addr, higher, deadline));
+        // Connect to every lower rank, in order.
+        let mut result = Ok(());
+        for peer in 0..rank {
+            match connect_peer(me, store, peer, deadline) {
+                Ok(s) => streams[peer] = Some(s),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        let accepted = acceptor
+            .join()
+            .unwrap_or_else(|_| Err(CommError::Internal { rank, message: "peer acceptor thread panicked".into() }));
+        result?;
+        accepted
+    })?;
+    for (peer, s) in accepted {
+        streams[peer] = Some(s);
+    }
+    Ok(streams)
+}
+
+fn connect_peer(
+    me: &Identity,
+    store: &crate::store::Store,
+    peer: usize,
+    deadline: Instant,
+) -> Result<TcpStream, CommError> {
+    let raw = store.get_timeout(&addr_key(peer), remaining(deadline))?;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let addr: SocketAddr = text.parse().map_err(|_| CommError::Store {
+        rank: me.rank,
+        addr: store.address().to_string(),
+        message: format!("rank {peer} published an invalid address {text:?}"),
+    })?;
+    let what = format!("rank {peer}");
+    let mut stream = connect_retry(me.rank, &what, &addr.ip().to_string(), addr.port(), deadline)?;
+    let reply = handshake_connect(&mut stream, &me.hello(HelloKind::Peer), deadline).map_err(|reason| {
+        CommError::Handshake {
+            rank: me.rank,
+            what: what.clone(),
+            addr: text.clone(),
+            reason,
+        }
+    })?;
+    let check = me.check(&reply, true).and_then(|()| {
+        if reply.rank as usize == peer {
+            Ok(())
+        } else {
+            Err(format!("expected rank {peer} at {text}, found rank {}", reply.rank))
+        }
+    });
+    if let Err(reason) = check {
+        tracing::warn!("rank {} refused the connection to {text}: {reason}", me.rank);
+        return Err(CommError::Handshake {
+            rank: me.rank,
+            what,
+            addr: text,
+            reason,
+        });
+    }
+    Ok(stream)
+}
+
+fn accept_peers(
+    me: &Identity,
+    listener: &TcpListener,
+    listen_addr: SocketAddr,
+    count: usize,
+    deadline: Instant,
+) -> Result<Vec<(usize, TcpStream)>, CommError> {
+    let start = Instant::now();
+    let mut got: Vec<(usize, TcpStream)> = Vec::new();
+    listener.set_nonblocking(true).map_err(|e| CommError::Listen {
+        rank: me.rank,
+        what: "peer connections".into(),
+        addr: listen_addr.to_string(),
+        message: e.to_string(),
+    })?;
+    let what = format!("rank {} (listening on {listen_addr})", me.rank);
+    while got.len() < count {
+        match listener.accept() {
+            Ok((mut stream, _)) => {
+                if stream.set_nonblocking(false).is_err() {
+                    continue;
+                }
+                let taken: Vec<usize> = got.iter().map(|(r, _)| *r).collect();
+                let result = handshake_accept(&mut stream, &what, &me.hello(HelloKind::Accept), |h| {
+                    if h.kind != HelloKind::Peer {
+                        return Err(format!("expected a peer handshake, got {:?}", h.kind));
+                    }
+                    me.check(h, true)?;
+                    let r = h.rank as usize;
+                    if r <= me.rank {
+                        return Err(format!("rank {r} should not connect to rank {} (lower ranks accept)", me.rank));
+                    }
+                    if taken.contains(&r) {
+                        return Err(format!("rank {r} is already connected (two processes with rank {r}?)"));
+                    }
+                    Ok(())
+                });
+                if let Ok(h) = result {
+                    got.push((h.rank as usize, stream));
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {
+                if Instant::now() >= deadline {
+                    let missing: Vec<String> = (me.rank + 1..me.world)
+                        .filter(|r| !got.iter().any(|(g, _)| g == r))
+                        .map(|r| r.to_string())
+                        .collect();
+                    return Err(CommError::PeersMissing {
+                        rank: me.rank,
+                        peers: missing.join(", "),
+                        addr: listen_addr.to_string(),
+                        waited: start.elapsed(),
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => {
+                return Err(CommError::Listen {
+                    rank: me.rank,
+                    what: "peer connections".into(),
+                    addr: listen_addr.to_string(),
+                    message: e.to_string(),
+                })
+            }
+        }
+    }
+    Ok(got)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The running mesh
+
+/// What the communication thread hands a writer thread.
+enum Outgoing {
+    Data(Header, Buf),
+    Abort(String),
+    Goodbye,
+}
+
+/// What a reader thread hands the communication thread.
+enum Incoming {
+    Data(Header, Buf),
+    Goodbye,
+}
+
+/// State shared by the communication thread and every reader and writer thread of a group.
+pub(crate) struct Shared {
+    rank: usize,
+    failed: AtomicBool,
+    closing: AtomicBool,
+    error: Mutex<Option<CommError>>,
+    /// Dropped on failure: every `abort_rx` then reports "disconnected", which wakes all waits.
+    abort_tx: Mutex<Option<Sender<()>>>,
+    abort_rx: Receiver<()>,
+    writers: Mutex<Vec<Sender<Outgoing>>>,
+}
+
+impl Shared {
+    fn new(rank: usize) -> Shared {
+        let (abort_tx, abort_rx) = crossbeam_channel::bounded(1);
+        Shared {
+            rank,
+            failed: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
+            error: Mutex::new(None),
+            abort_tx: Mutex::new(Some(abort_tx)),
+            abort_rx,
+            writers: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// The group's first error, if it failed.
+    pub fn error(&self) -> Option<CommError> {
+        self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Marks the group failed with `err` as root cause (the first error wins), wakes every
+    /// waiter and sends an ABORT carrying the cause to every peer.
+    pub fn fail(&self, err: CommError) {
+        {
+            let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+            if slot.is_some() {
+                return;
+            }
+            tracing::error!("rank {}: process group failed: {err}", self.rank);
+            *slot = Some(err.clone());
+            self.failed.store(true, Ordering::Release);
+        }
+        self.abort_tx.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let text = err.to_string();
+        for w in self.writers.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            let _ = w.send(Outgoing::Abort(text.clone()));
+        }
+    }
+}
+
+struct Link {
+    tx: Sender<Outgoing>,
+    rx: Receiver<Incoming>,
+    stream: TcpStream,
+    goodbye: Arc<AtomicBool>,
+    writer: Option<JoinHandle<()>>,
+    reader: Option<JoinHandle<()>>,
+}
+
+/// The connections of one rank to all its peers, with their threads.
+pub(crate) struct Mesh {
+    pub rank: usize,
+    pub world: usize,
+    links: Vec<Option<Link>>,
+    shared: Arc<Shared>,
+    timeout: Duration,
+    readers_done: Receiver<()>,
+}
+
+impl Mesh {
+    /// Starts a reader and a writer thread on each connection. `max_frame` caps the payload of a
+    /// DATA frame a peer may send; `timeout` is the deadline of every wait.
+    pub fn start(
+        rank: usize,
+        streams: Vec<Option<TcpStream>>,
+        timeout: Duration,
+        max_frame: usize,
+    ) -> Result<Mesh, CommError> {
+        let world = streams.len();
+        let shared = Arc::new(Shared::new(rank));
+        let (done_tx, readers_done) = crossbeam_channel::bounded::<()>(0);
+        let mut links = Vec::with_capacity(world);
+        let io_err = |peer: usize, e: io::Error| CommError::PeerIo {
+            rank,
+            peer,
+            message: format!("setting up the connection: {e}"),
+        };
+        for (peer, stream) in streams.into_iter().enumerate() {
+            let Some(stream) = stream else {
+                links.push(None);
+                continue;
+            };
+            stream.set_nodelay(true).map_err(|e| io_err(peer, e))?;
+            stream.set_write_timeout(Some(timeout)).map_err(|e| io_err(peer, e))?;
+            stream.set_read_timeout(None).map_err(|e| io_err(peer, e))?;
+            let (tx, wrx) = unbounded();
+            let (rtx, rx) = unbounded();
+            let goodbye = Arc::new(AtomicBool::new(false));
+            let w_stream = stream.try_clone().map_err(|e| io_err(peer, e))?;
+            let r_stream = stream.try_clone().map_err(|e| io_err(peer, e))?;
+            let (sh, gb) = (shared.clone(), goodbye.clone());
+            let writer = std::thread::Builder::new()
+                .name(format!("ddp-w{rank}->{peer}"))
+                .spawn(move || writer_loop(w_stream, rank, peer, wrx, sh, gb, timeout))
+                .map_err(|e| io_err(peer, e))?;
+            let (sh, gb, done) = (shared.clone(), goodbye.clone(), done_tx.clone());
+            let reader = std::thread::Builder::new()
+                .name(format!("ddp-r{rank}<-{peer}"))
+                .spawn(move || {
+                    reader_loop(r_stream, rank, peer, rtx, sh, gb, max_frame);
+                    drop(done);
+                })
+                .map_err(|e| io_err(peer, e))?;
+            shared.writers.lock().unwrap().push(tx.clone());
+            links.push(Some(Link {
+                tx,
+                rx,
+                stream,
+                goodbye,
+                writer: Some(writer),
+                reader: Some(reader),
+            }));
+        }
+        Ok(Mesh {
+            rank,
+            world,
+            links,
+            shared,
+            timeout,
+            readers_done,
+        })
+    }
+
+    pub fn shared(&self) -> &Shared {
+        &self.shared
+    }
+
+    fn link(&self, peer: usize) -> &Link {
+        self.links[peer].as_ref().expect("no link to self")
+    }
+
+    /// The error to report when a link's thread is gone.
+    fn gone(&self, peer: usize) -> CommError {
+        if let Some(e) = self.shared.error() {
+            return e;
+        }
+        if self.link(peer).goodbye.load(Ordering::Acquire) {
+            CommError::PeerLeft { rank: self.rank, peer }
+        } else {
+            CommError::PeerClosed { rank: self.rank, peer }
+        }
+    }
+
+    /// Queues one DATA frame of collective `desc` to `peer`; returns at once.
+    pub fn send(&self, peer: usize, desc: &OpDesc, payload: Buf) -> Result<(), CommError> {
+        if let Some(e) = self.shared.error() {
+            return Err(e);
+        }
+        let header = Header::data(desc, payload.len());
+        self.link(peer)
+            .tx
+            .send(Outgoing::Data(header, payload))
+            .map_err(|_| self.gone(peer))
+    }
+
+    /// Waits (at most the group's timeout) for the next DATA frame from `peer`, which must belong
+    /// to collective `desc` and carry exactly `expected_len` bytes.
+    pub fn recv(&self, peer: usize, desc: &OpDesc, expected_len: usize) -> Result<Buf, CommError> {
+        let link = self.link(peer);
+        let deadline = Instant::now() + self.timeout;
+        let msg = select! {
+            recv(link.rx) -> msg => msg,
+            recv(self.shared.abort_rx) -> _ => {
+                return Err(self.shared.error().unwrap_or(CommError::Internal {
+                    rank: self.rank,
+                    message: "failure signalled without an error".into(),
+                }))
+            }
+            default(remaining(deadline)) => {
+                return Err(CommError::Timeout { rank: self.rank, peer, op: desc.to_string(), timeout: self.timeout })
+            }
+        };
+        match msg {
+            Ok(Incoming::Data(header, buf)) => {
+                if header.desc().as_ref() != Some(desc) {
+                    return Err(CommError::Mismatch {
+                        rank: self.rank,
+                        peer,
+                        ours: desc.to_string(),
+                        theirs: header.describe(),
+                    });
+                }
+                if buf.len() != expected_len {
+                    return Err(CommError::Protocol {
+                        rank: self.rank,
+                        peer,
+                        message: format!(
+                            "in {desc} rank {peer} sent a segment of {} bytes where {expected_len} were expected \
+                             (do all ranks use the same segment size?)",
+                            buf.len()
+                        ),
+                    });
+                }
+                Ok(buf)
+            }
+            Ok(Incoming::Goodbye) => Err(CommError::PeerLeft { rank: self.rank, peer }),
+            Err(_) => Err(self.gone(peer)),
+        }
+    }
+}
+
+impl Drop for Mesh {
+    /// Clean shutdown: GOODBYE to every peer (unless the group failed: then the ABORTs are
+    /// already queued), wait briefly for the peers to close their side, then close.
+    fn drop(&mut self) {
+        self.shared.closing.store(true, Ordering::Release);
+        let grace = self.timeout.min(CLOSE_GRACE);
+        for link in self.links.iter().flatten() {
+            let _ = link.stream.set_write_timeout(Some(grace));
+            let _ = link.tx.send(Outgoing::Goodbye);
+        }
+        self.shared.writers.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        for link in self.links.iter_mut().flatten() {
+            if let Some(w) = link.writer.take() {
+                let _ = w.join();
+            }
+        }
+        // Readers end when the peers close their side; give them a moment, then force.
+        let deadline = Instant::now() + grace;
+        while self.readers_done.recv_deadline(deadline).is_ok() {}
+        for link in self.links.iter_mut().flatten() {
+            let _ = link.stream.shutdown(Shutdown::Both);
+            if let Some(r) = link.reader.take() {
+                let _ = r.join();
+            }
+        }
+    }
+}
+
+fn writer_loop(
+    mut stream: TcpStream,
+    rank: usize,
+    peer: usize,
+    rx: Receiver<Outgoing>,
+    shared: Arc<Shared>,
+    goodbye: Arc<AtomicBool>,
+    timeout: Duration,
+) {
+    for msg in rx.iter() {
+        match msg {
+            Outgoing::Data(header, buf) => {
+                if shared.is_failed() {
+                    continue; // the protocol is over; only the ABORT matters now
+                }
+                if let Err(e) = wire::write_frame(&mut stream, &header, buf.as_bytes()) {
+                    if !shared.closing.load(Ordering::Acquire) {
+                        let err = if goodbye.load(Ordering::Acquire) {
+                            CommError::PeerLeft { rank, peer }
+                        } else {
+                            match e.kind() {
+                                io::ErrorKind::BrokenPipe
+                                | io::ErrorKind::ConnectionReset
+                                | io::ErrorKind::ConnectionAborted => CommError::PeerClosed { rank, peer },
+                                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => CommError::PeerIo {
+                                    rank,
+                                    peer,
+                                    message: format!(
+                                        "sending to rank {peer} made no progress for {timeout:?} (is rank {peer} stuck?)"
+                                    ),
+                                },
+                                _ => CommError::PeerIo {
+                                    rank,
+                                    peer,
+                                    message: format!("sending to rank {peer}: {e}"),
+                                },
+                            }
+                        };
+                        shared.fail(err);
+                    }
+                    break;
+                }
+            }
+            Outgoing::Abort(text) => {
+                let bytes = text.as_bytes();
+                let bytes = &bytes[..bytes.len().min(wire::MAX_ABORT_BYTES)];
+                let _ = wire::write_frame(&mut stream, &Header::control(FrameKind::Abort, bytes.len()), bytes);
+                break;
+            }
+            Outgoing::Goodbye => {
+                let _ = wire::write_frame(&mut stream, &Header::control(FrameKind::Goodbye, 0), &[]);
+                break;
+            }
+        }
+    }
+    let _ = stream.shutdown(Shutdown::Write);
+}
+
+fn reader_loop(
+    stream: TcpStream,
+    rank: usize,
+    peer: usize,
+    tx: Sender<Incoming>,
+    shared: Arc<Shared>,
+    goodbye: Arc<AtomicBool>,
+    max_frame: usize,
+) {
+    let mut reader = BufReader::with_capacity(64 << 10, &stream);
+    let protocol = |message: String| CommError::Protocol { rank, peer, message };
+    let end: Option<CommError> = loop {
+        let mut hb = [0u8; HEADER_BYTES];
+        if let Err(e) = reader.read_exact(&mut hb) {
+            break Some(read_error(rank, peer, e));
+        }
+        let header = match Header::decode(&hb) {
+            Ok(h) => h,
+            Err(msg) => break Some(protocol(msg)),
+        };
+        let len = header.payload_len as usize;
+        match header.kind {
+            FrameKind::Data => {
+                if len > max_frame {
+                    break Some(protocol(format!(
+                        "a frame of {len} bytes exceeds the limit of {max_frame} bytes"
+                    )));
+                }
+                let mut buf = Buf::zeroed(len);
+                if let Err(e) = reader.read_exact(buf.as_bytes_mut()) {
+                    break Some(read_error(rank, peer, e));
+                }
+                if shared.is_failed() {
+                    continue; // nobody will read it; keep draining until the peer closes
+                }
+                if tx.send(Incoming::Data(header, buf)).is_err() {
+                    break None;
+                }
+            }
+            FrameKind::Abort => {
+                if len > wire::MAX_ABORT_BYTES {
+                    break Some(protocol(format!("an ABORT message of {len} bytes")));
+                }
+                let mut text = vec![0u8; len];
+                if let Err(e) = reader.read_exact(&mut text) {
+                    break Some(read_error(rank, peer, e));
+                }
+                let cause = String::from_utf8_lossy(&text).into_owned();
+                shared.fail(CommError::PeerAborted { rank, peer, cause });
+            }
+            FrameKind::Goodbye => {
+                goodbye.store(true, Ordering::Release);
+                let _ = tx.send(Incoming::Goodbye);
+                // Answer the half-close so that the peer's reader reaches EOF too.
+                let _ = stream.shutdown(Shutdown::Write);
+            }
+        }
+    };
+    if let Some(err) = end {
+        let quiet = goodbye.load(Ordering::Acquire) || shared.closing.load(Ordering::Acquire);
+        if !quiet {
+            shared.fail(err);
+        }
+    }
+}
+
+fn read_error(rank: usize, peer: usize, e: io::Error) -> CommError {
+    match e.kind() {
+        io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted => {
+            CommError::PeerClosed { rank, peer }
+        }
+        _ => CommError::PeerIo {
+            rank,
+            peer,
+            message: format!("receiving from rank {peer}: {e}"),
+        },
+    }
+}

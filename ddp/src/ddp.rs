@@ -1,0 +1,541 @@
+//! [`DistributedDataParallel`]: keeps replicas of a burn module identical across ranks by
+//! averaging gradients after every backward pass.
+//!
+//! How a step goes (the same on every rank, so the collectives line up):
+//!
+//! 1. The caller runs forward and `loss.backward()` and turns the result into burn's
+//!    `GradientsParams`, as in any burn loop.
+//! 2. [`DistributedDataParallel::sync`] walks the buckets, which hold the parameters in reverse
+//!    visiting order (the order in which backward produces them; bucket 0 is small, about
+//!    `first_bucket_mb`, so the first all-reduce starts early). For each bucket it copies the
+//!    gradients into one flat buffer, appends one "presence" slot per parameter, and submits the
+//!    buffer's all-reduce to the process group's communication thread at once. Packing bucket
+//!    k+1 thus overlaps the all-reduce of bucket k.
+//! 3. It then waits for the buckets in submission order; unpacking bucket k (dividing by world
+//!    size times accumulated micro-steps, building tensors) overlaps the all-reduce of the
+//!    buckets after it.
+//! 4. A parameter that got no gradient on this rank contributes zeros and a presence of 0; it
+//!    gets the averaged gradient back if any rank produced one, and stays absent otherwise, so
+//!    the optimizer sees the same gradient set on every rank.
+//!
+//! burn 0.21's autodiff offers no public hook that fires when one parameter's gradient is ready
+//! during backward (see docs/burn-notes.md), so communication starts after backward returns and
+//! overlaps packing and unpacking, not backward itself.
+//!
+//! Reproducibility: the bucket layout depends only on the parameter list and the config, and the
+//! process group reduces every element in a fixed order, so the same seed gives bit-identical
+//! runs, and every replica receives bit-identical gradients.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::module::AutodiffModule;
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use ddp_comm::{ProcessGroup, ReduceOp, Work};
+use half::{bf16, f16};
+
+use crate::params::{
+    check_ranks, flatten_params, fnv1a, load_flat_params, param_infos, put_grad, take_grad,
+    ParamInfo,
+};
+use crate::DdpError;
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// Element type of the gradient all-reduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Compression {
+    /// All-reduce in `f32` (exact averaging up to float rounding).
+    #[default]
+    None,
+    /// Convert each bucket to `bf16` before the all-reduce and back after: half the bytes, about
+    /// three significant decimal digits.
+    Bf16,
+    /// Convert each bucket to `f16` before the all-reduce and back after: half the bytes, more
+    /// mantissa than bf16 but a range of about ±65504.
+    F16,
+}
+
+/// Settings of [`DistributedDataParallel`]; `DdpConfig::default()` matches PyTorch's defaults.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DdpConfig {
+    /// Target size of a gradient bucket in MiB (PyTorch's `bucket_cap_mb`, default 25).
+    pub bucket_cap_mb: f64,
+    /// Size of the first bucket in MiB (default 1), so that communication starts early.
+    pub first_bucket_mb: f64,
+    /// Element type on the wire for gradients.
+    pub compression: Compression,
+    /// When `Some(k)`, every k-th call of [`DistributedDataParallel::sync`] first checks that all
+    /// replicas hold bit-identical parameters and fails naming the first rank that diverged.
+    pub check_replicas_every: Option<u64>,
+}
+
+impl Default for DdpConfig {
+    fn default() -> Self {
+        Self {
+            bucket_cap_mb: 25.0,
+            first_bucket_mb: 1.0,
+            compression: Compression::None,
+            check_replicas_every: None,
+        }
+    }
+}
+
+/// Time and volume spent in gradient synchronisation since the last
+/// [`DistributedDataParallel::take_stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SyncStats {
+    /// Number of synchronised steps.
+    pub steps: u64,
+    /// Time spent copying gradients into buckets (and submitting them).
+    pub pack: Duration,
+    /// Time spent blocked waiting for all-reduces to finish.
+    pub wait: Duration,
+    /// Time spent turning reduced buckets back into gradient tensors.
+    pub unpack: Duration,
+    /// Bytes all-reduced (as sent on the wire, after compression).
+    pub bytes: u64,
+}
+
+impl SyncStats {
+    /// Total time the synchronisation added to the caller's step.
+    pub fn total(&self) -> Duration {
+        self.pack + self.wait + self.unpack
+    }
+}
+
+/// The parameters whose gradients travel together in one all-reduce.
+#[derive(Debug, Clone)]
+struct Bucket {
+    /// Indices into the parameter list, in packing order.
+    params: Vec<usize>,
+    /// Offset of each parameter's gradient in the bucket buffer.
+    offsets: Vec<usize>,
+    /// Number of gradient elements; the presence slots follow them.
+    grad_len: usize,
+}
+
+impl Bucket {
+    fn len(&self) -> usize {
+        self.grad_len + self.params.len()
+    }
+}
+
+/// An all-reduce in flight, in whichever element type the config chose.
+enum InFlight {
+    F32(Work<Vec<f32>>),
+    Bf16(Work<Vec<bf16>>),
+    F16(Work<Vec<f16>>),
+}
+
+/// Data parallelism for any burn [`AutodiffModule`]: construction makes every replica equal to
+/// rank 0's, and [`sync`](Self::sync) averages gradients across ranks before the optimizer step.
+///
+/// ```ignore
+/// let (model, mut ddp) = DistributedDataParallel::new(model, pg, DdpConfig::default())?;
+/// for (images, labels) in loader {
+///     let loss = model.loss(images, labels);
+///     let grads = GradientsParams::from_grads(loss.backward(), &model);
+///     let grads = ddp.sync(&model, grads)?;      // the one added line
+///     model = optim.step(lr, model, grads);
+/// }
+/// ```
+pub struct DistributedDataParallel<B: AutodiffBackend> {
+    pg: Arc<ProcessGroup>,
+    params: Vec<ParamInfo>,
+    buckets: Vec<Bucket>,
+    /// One accumulation buffer per bucket, reused across steps.
+    buffers: Vec<Vec<f32>>,
+    /// Micro-steps accumulated into `buffers` since the last sync.
+    micro_steps: usize,
+    syncs: u64,
+    device: B::Device,
+    config: DdpConfig,
+    stats: SyncStats,
+}
+
+impl<B: AutodiffBackend> DistributedDataParallel<B> {
+    /// Checks that every rank has the same parameter list (names, shapes, dtypes), then
+    /// broadcasts rank 0's parameter values so that all replicas start identical, and returns
+    /// the (possibly overwritten) module with the wrapper.
+    ///
+    /// Every rank of `pg` must call this at the same point. A mismatch fails on every rank,
+    /// naming the first rank that differs from rank 0 and the first differing parameter.
+    pub fn new<M: AutodiffModule<B>>(
+        model: M,
+        pg: Arc<ProcessGroup>,
+        config: DdpConfig,
+    ) -> Result<(M, Self), DdpError> {
+        if !(config.bucket_cap_mb > 0.0 && config.first_bucket_mb > 0.0) {
+            return Err(DdpError::Config(format!(
+                "bucket sizes must be positive (bucket_cap_mb = {}, first_bucket_mb = {})",
+                config.bucket_cap_mb, config.first_bucket_mb
+            )));
+        }
+        if config.check_replicas_every == Some(0) {
+            return Err(DdpError::Config(
+                "check_replicas_every must be at least 1".into(),
+            ));
+        }
+        let params = param_infos::<B, M>(&model);
+        check_ranks(&params)?;
+        verify_same_params(&pg, &params)?;
+
+        let mut model = model;
+        if pg.world_size() > 1 {
+            let flat = pg.broadcast(flatten_params::<B, M>(&model), 0)?;
+            if pg.rank() != 0 {
+                model = load_flat_params::<B, M>(model, &flat);
+            }
+        }
+
+        let buckets = plan_buckets(&params, &config);
+        let buffers = buckets.iter().map(|b| vec![0.0; b.len()]).collect();
+        let device = model.devices().into_iter().next().unwrap_or_default();
+        let ddp = Self {
+            pg,
+            params,
+            buckets,
+            buffers,
+            micro_steps: 0,
+            syncs: 0,
+            device,
+            config,
+            stats: SyncStats::default(),
+        };
+        Ok((model, ddp))
+    }
+
+    /// The process group the gradients travel through.
+    pub fn process_group(&self) -> &Arc<ProcessGroup> {
+        &self.pg
+    }
+
+    /// The parameter list every rank agreed on, in visiting order.
+    pub fn params(&self) -> &[ParamInfo] {
+        &self.params
+    }
+
+    /// The parameter names of each bucket, in bucket (= communication) order.
+    pub fn bucket_layout(&self) -> Vec<Vec<String>> {
+        self.buckets
+            .iter()
+            .map(|b| b.params.iter().map(|&i| self.params[i].name.clone()).collect())
+            .collect()
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &DdpConfig {
+        &self.config
+    }
+
+    /// Statistics gathered since the last call, then reset.
+    pub fn take_stats(&mut self) -> SyncStats {
+        std::mem::take(&mut self.stats)
+    }
+
+    /// Runs `loss.backward()`, collects the gradients of `model` and [`sync`](Self::sync)s them.
+    pub fn backward<M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        loss: Tensor<B, 1>,
+    ) -> Result<GradientsParams, DdpError> {
+        let grads = GradientsParams::from_grads(loss.backward(), model);
+        self.sync(model, grads)
+    }
+
+    /// Gradient accumulation without communication (PyTorch's `no_sync`): adds this
+    /// micro-step's gradients to local buffers. The next [`sync`](Self::sync) all-reduces the
+    /// sum of all accumulated micro-steps once.
+    pub fn accumulate(&mut self, mut grads: GradientsParams) {
+        let start = Instant::now();
+        for b in 0..self.buckets.len() {
+            self.pack(b, &mut grads);
+        }
+        self.micro_steps += 1;
+        self.stats.pack += start.elapsed();
+    }
+
+    /// Averages gradients across ranks: adds `grads` to anything accumulated since the last
+    /// sync, all-reduces bucket by bucket, and returns gradients equal to the mean over ranks
+    /// and over accumulated micro-steps, ready for `optim.step`. With mean-reduced losses,
+    /// k micro-steps of batch b on N ranks thus take the same step as one process with batch
+    /// k·N·b over the same samples.
+    pub fn sync<M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        mut grads: GradientsParams,
+    ) -> Result<GradientsParams, DdpError> {
+        self.syncs += 1;
+        if let Some(every) = self.config.check_replicas_every {
+            if self.syncs % every == 0 {
+                self.check_replicas(model)?;
+            }
+        }
+
+        let pack_start = Instant::now();
+        self.micro_steps += 1;
+        let mut in_flight = Vec::with_capacity(self.buckets.len());
+        for b in 0..self.buckets.len() {
+            self.pack(b, &mut grads);
+            in_flight.push(self.submit(b));
+        }
+        self.stats.pack += pack_start.elapsed();
+
+        let denom = (self.pg.world_size() * self.micro_steps) as f32;
+        self.micro_steps = 0;
+        let mut first_error = None;
+        for (b, work) in in_flight.into_iter().enumerate() {
+            let wait_start = Instant::now();
+            let result = self.complete(b, work);
+            self.stats.wait += wait_start.elapsed();
+            if let Err(e) = result {
+                // Keep waiting for the rest so no buffer is left behind in the comm thread.
+                first_error.get_or_insert(e);
+                continue;
+            }
+            let unpack_start = Instant::now();
+            self.unpack(b, &mut grads, denom);
+            self.stats.unpack += unpack_start.elapsed();
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        self.stats.steps += 1;
+        Ok(grads)
+    }
+
+    /// Checks that every replica holds bit-identical parameters: a hash of each rank's
+    /// parameters is all-gathered and compared. Fails naming the first rank that differs from
+    /// the majority. Every rank must call it at the same point.
+    pub fn check_replicas<M: AutodiffModule<B>>(&self, model: &M) -> Result<(), DdpError> {
+        let flat = flatten_params::<B, M>(model);
+        let hash = fnv1a(bytemuck::cast_slice(&flat)) as i64;
+        let all = self.pg.all_gather(vec![hash])?;
+        let majority = *all
+            .iter()
+            .max_by_key(|h| all.iter().filter(|x| x == h).count())
+            .unwrap_or(&hash);
+        match all.iter().position(|h| *h != majority) {
+            None => Ok(()),
+            Some(rank) => Err(DdpError::ReplicaDiverged {
+                rank,
+                sync: self.syncs,
+                differing: all.iter().filter(|h| **h != majority).count(),
+                world: all.len(),
+            }),
+        }
+    }
+
+    /// Adds the gradients of bucket `b` (and their presence) into its buffer; on the first
+    /// micro-step since the last sync the buffer is overwritten instead.
+    fn pack(&mut self, b: usize, grads: &mut GradientsParams) {
+        let bucket = &self.buckets[b];
+        let buf = &mut self.buffers[b];
+        let fresh = self.micro_steps == 0;
+        if fresh {
+            buf.fill(0.0);
+        }
+        for (slot, (&p, &off)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
+            let info = &self.params[p];
+            if let Some(g) = take_grad::<B>(grads, info) {
+                let dst = &mut buf[off..off + g.len()];
+                if fresh {
+                    dst.copy_from_slice(&g);
+                } else {
+                    dst.iter_mut().zip(&g).for_each(|(d, s)| *d += s);
+                }
+                buf[bucket.grad_len + slot] += 1.0;
+            }
+        }
+    }
+
+    /// Submits the all-reduce of bucket `b`'s buffer.
+    fn submit(&mut self, b: usize) -> InFlight {
+        let buf = &mut self.buffers[b];
+        match self.config.compression {
+            Compression::None => {
+                self.stats.bytes += (buf.len() * 4) as u64;
+                InFlight::F32(
+                    self.pg
+                        .submit_all_reduce(std::mem::take(buf), ReduceOp::Sum),
+                )
+            }
+            Compression::Bf16 => {
+                self.stats.bytes += (buf.len() * 2) as u64;
+                let v = buf.iter().map(|&x| bf16::from_f32(x)).collect();
+                InFlight::Bf16(self.pg.submit_all_reduce(v, ReduceOp::Sum))
+            }
+            Compression::F16 => {
+                self.stats.bytes += (buf.len() * 2) as u64;
+                let v = buf.iter().map(|&x| f16::from_f32(x)).collect();
+                InFlight::F16(self.pg.submit_all_reduce(v, ReduceOp::Sum))
+            }
+        }
+    }
+
+    /// Waits for bucket `b`'s all-reduce and puts the summed values into its buffer.
+    fn complete(&mut self, b: usize, work: InFlight) -> Result<(), DdpError> {
+        let len = self.buckets[b].len();
+        let buf = &mut self.buffers[b];
+        match work {
+            InFlight::F32(w) => match w.wait() {
+                Ok(v) => *buf = v,
+                Err(e) => {
+                    *buf = vec![0.0; len];
+                    return Err(e.into());
+                }
+            },
+            InFlight::Bf16(w) => {
+                let v = w.wait()?;
+                buf.iter_mut().zip(v).for_each(|(d, s)| *d = s.to_f32());
+            }
+            InFlight::F16(w) => {
+                let v = w.wait()?;
+                buf.iter_mut().zip(v).for_each(|(d, s)| *d = s.to_f32());
+            }
+        }
+        Ok(())
+    }
+
+    /// Registers the averaged gradients of bucket `b` in `grads`.
+    fn unpack(&self, b: usize, grads: &mut GradientsParams, denom: f32) {
+        let bucket = &self.buckets[b];
+        let buf = &self.buffers[b];
+        for (slot, (&p, &off)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
+            if buf[bucket.grad_len + slot] == 0.0 {
+                continue; // no rank produced a gradient for this parameter
+            }
+            let info = &self.params[p];
+            let avg = buf[off..off + info.numel()]
+                .iter()
+                .map(|x| x / denom)
+                .collect();
+            put_grad::<B>(grads, info, avg, &self.device);
+        }
+    }
+}
+
+/// Buckets in reverse parameter order: the first holds up to `first_bucket_mb`, the others up
+/// to `bucket_cap_mb`; a parameter larger than a bucket gets a bucket of its own.
+fn plan_buckets(params: &[ParamInfo], config: &DdpConfig) -> Vec<Bucket> {
+    let mut buckets: Vec<Bucket> = Vec::new();
+    let mut current = Bucket {
+        params: Vec::new(),
+        offsets: Vec::new(),
+        grad_len: 0,
+    };
+    for (i, info) in params.iter().enumerate().rev() {
+        let cap_mb = if buckets.is_empty() {
+            config.first_bucket_mb
+        } else {
+            config.bucket_cap_mb
+        };
+        let cap = (cap_mb * MIB / 4.0) as usize;
+        if !current.params.is_empty() && current.grad_len + info.numel() > cap {
+            buckets.push(std::mem::replace(
+                &mut current,
+                Bucket {
+                    params: Vec::new(),
+                    offsets: Vec::new(),
+                    grad_len: 0,
+                },
+            ));
+        }
+        current.params.push(i);
+        current.offsets.push(current.grad_len);
+        current.grad_len += info.numel();
+    }
+    if !current.params.is_empty() {
+        buckets.push(current);
+    }
+    buckets
+}
+
+/// All-gathers a hash of the parameter list; when the hashes differ, all-gathers the lists
+/// themselves and names the first rank that differs from rank 0 and how.
+fn verify_same_params(pg: &ProcessGroup, params: &[ParamInfo]) -> Result<(), DdpError> {
+    if pg.world_size() == 1 {
+        return Ok(());
+    }
+    let text = params
+        .iter()
+        .map(ParamInfo::describe)
+        .collect::<Vec<_>>()
+        .join("\n");
+    let hashes = pg.all_gather(vec![fnv1a(text.as_bytes()) as i64])?;
+    let Some(bad) = hashes.iter().position(|h| *h != hashes[0]) else {
+        return Ok(());
+    };
+    let lens = pg.all_gather(vec![text.len() as i64])?;
+    let max = lens.iter().copied().max().unwrap_or(0) as usize;
+    let mut bytes = text.into_bytes();
+    bytes.resize(max, 0);
+    let all = pg.all_gather(bytes)?;
+    let list = |r: usize| -> Vec<String> {
+        let start = r * max;
+        String::from_utf8_lossy(&all[start..start + lens[r] as usize])
+            .lines()
+            .map(str::to_string)
+            .collect()
+    };
+    let (reference, theirs) = (list(0), list(bad));
+    let n = reference.len().max(theirs.len());
+    let at = (0..n)
+        .find(|&i| reference.get(i) != theirs.get(i))
+        .unwrap_or(n);
+    let show = |l: Option<&String>| l.cloned().unwrap_or_else(|| "nothing".into());
+    let others: Vec<usize> = (0..hashes.len()).filter(|&r| hashes[r] != hashes[0]).collect();
+    Err(DdpError::ParamMismatch(format!(
+        "rank {bad} differs from rank 0 at parameter #{at}: rank 0 has `{}`, rank {bad} has `{}` \
+         (rank 0 has {} parameters, rank {bad} has {}; ranks differing from rank 0: {others:?}; \
+         this is rank {})",
+        show(reference.get(at)),
+        show(theirs.get(at)),
+        reference.len(),
+        theirs.len(),
+        pg.rank()
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(name: &str, numel: usize) -> ParamInfo {
+        ParamInfo {
+            name: name.into(),
+            id: burn::module::ParamId::new(),
+            shape: vec![numel],
+            dtype: "F32".into(),
+        }
+    }
+
+    #[test]
+    fn buckets_are_in_reverse_order_with_a_small_first_bucket() {
+        let mib = 1024 * 1024 / 4; // f32 elements in one MiB
+        let params = vec![
+            info("a", mib),
+            info("b", 2 * mib),
+            info("c", mib / 2),
+            info("d", mib / 2),
+            info("e", 3 * mib),
+        ];
+        let config = DdpConfig {
+            bucket_cap_mb: 3.0,
+            first_bucket_mb: 1.0,
+            ..DdpConfig::default()
+        };
+        let buckets = plan_buckets(&params, &config);
+        let names: Vec<Vec<&str>> = buckets
+            .iter()
+            .map(|b| b.params.iter().map(|&i| params[i].name.as_str()).collect())
+            .collect();
+        // e alone (bigger than the first bucket), then d+c+b (3 MiB), then a.
+        assert_eq!(names, vec![vec!["e"], vec!["d", "c", "b"], vec!["a"]]);
+        assert_eq!(buckets[1].offsets, vec![0, mib / 2, mib]);
+        assert_eq!(buckets[1].len(), 3 * mib + 3);
+    }
+}
