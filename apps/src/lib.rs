@@ -1,1 +1,8 @@
-//! placeholder
+//! ddp-apps: the pieces behind the binaries (`train-mnist`, `train-pima`, `ddprun`,
+//! `ddp-allreduce-bench`): settings, the shared training loop, checkpoints and metrics. The
+//! binaries themselves only parse arguments and wire these and the library crates together.
+
+pub mod checkpoint;
+pub mod metrics;
+pub mod options;
+pub mod train;

@@ -15,9 +15,20 @@ const DEADLINE: Duration = Duration::from_secs(20);
 /// A ddprun command with a short grace period and no inherited torchrun variables.
 fn ddprun(nproc: usize, script: &str) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
-    command.args(["--grace-period", "0.5", "--nproc-per-node", &nproc.to_string()]);
+    command.args([
+        "--grace-period",
+        "0.5",
+        "--nproc-per-node",
+        &nproc.to_string(),
+    ]);
     command.args(["--", "sh", "-c", script]);
-    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"] {
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+    ] {
         command.env_remove(var);
     }
     command.env_remove("MASTER_PORT").env_remove("DDP_JOB_ID");
@@ -43,7 +54,9 @@ struct Running {
 fn collect(mut source: impl Read + Send + 'static) -> JoinHandle<String> {
     thread::spawn(move || {
         let mut text = String::new();
-        source.read_to_string(&mut text).expect("ddprun output is UTF-8");
+        source
+            .read_to_string(&mut text)
+            .expect("ddprun output is UTF-8");
         text
     })
 }
@@ -58,7 +71,12 @@ fn start(mut command: Command) -> Running {
         .expect("start ddprun");
     let stdout = collect(child.stdout.take().unwrap());
     let stderr = collect(child.stderr.take().unwrap());
-    Running { child, started, stdout, stderr }
+    Running {
+        child,
+        started,
+        stdout,
+        stderr,
+    }
 }
 
 impl Running {
@@ -89,9 +107,20 @@ fn run(command: Command) -> Finished {
     start(command).finish()
 }
 
+/// A shell loop that waits (at most 10 s) until `path` exists and is not empty.
+fn wait_for_file(path: &std::path::Path) -> String {
+    format!(
+        "i=0; while [ ! -s {0} ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i + 1)); done",
+        path.display()
+    )
+}
+
 /// The last non-empty lines of `text`, at most `n`, joined.
 fn tail(text: &str, n: usize) -> String {
-    let lines: Vec<&str> = text.lines().filter(|line| !line.trim().is_empty()).collect();
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|line| !line.trim().is_empty())
+        .collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
@@ -101,18 +130,44 @@ fn failing_rank_stops_the_others_and_is_named_last() {
         3,
         r#"if [ "$RANK" = 1 ]; then echo "rank one fails"; exit 3; fi; sleep 30; echo "not stopped""#,
     ));
-    assert_eq!(done.status.code(), Some(3), "ddprun exits with the failed rank's code\n{}", done.stderr);
-    assert!(done.elapsed < Duration::from_secs(5), "the sleeping ranks were stopped promptly: {:?}", done.elapsed);
-    assert!(done.stdout.contains("[rank 1] rank one fails"), "stdout: {}", done.stdout);
-    assert!(!done.stdout.contains("not stopped"), "stdout: {}", done.stdout);
+    assert_eq!(
+        done.status.code(),
+        Some(3),
+        "ddprun exits with the failed rank's code\n{}",
+        done.stderr
+    );
+    assert!(
+        done.elapsed < Duration::from_secs(5),
+        "the sleeping ranks were stopped promptly: {:?}",
+        done.elapsed
+    );
+    assert!(
+        done.stdout.contains("[rank 1] rank one fails"),
+        "stdout: {}",
+        done.stdout
+    );
+    assert!(
+        !done.stdout.contains("not stopped"),
+        "stdout: {}",
+        done.stdout
+    );
     // The root cause is the last thing printed, and names rank 1 and code 3.
     let last = tail(&done.stderr, 3);
-    assert!(last.contains("Root cause"), "stderr ends with the root cause:\n{}", done.stderr);
-    assert!(last.contains("rank 1 (local rank 1) exited with code 3"), "stderr:\n{}", done.stderr);
+    assert!(
+        last.contains("Root cause"),
+        "stderr ends with the root cause:\n{}",
+        done.stderr
+    );
+    assert!(
+        last.contains("rank 1 (local rank 1) exited with code 3"),
+        "stderr:\n{}",
+        done.stderr
+    );
     // The stopped ranks are reported as stopped, not as the cause.
     for rank in [0, 2] {
         assert!(
-            done.stderr.contains(&format!("rank {rank} stopped: killed by SIGTERM")),
+            done.stderr
+                .contains(&format!("rank {rank} stopped: killed by SIGTERM")),
             "rank {rank} was stopped by SIGTERM:\n{}",
             done.stderr
         );
@@ -121,8 +176,16 @@ fn failing_rank_stops_the_others_and_is_named_last() {
 
 #[test]
 fn rank_killed_by_sigkill_is_reported_as_such() {
-    let done = run(ddprun(2, r#"if [ "$RANK" = 1 ]; then kill -9 $$; fi; sleep 30"#));
-    assert_eq!(done.status.code(), Some(128 + 9), "stderr:\n{}", done.stderr);
+    let done = run(ddprun(
+        2,
+        r#"if [ "$RANK" = 1 ]; then kill -9 $$; fi; sleep 30"#,
+    ));
+    assert_eq!(
+        done.status.code(),
+        Some(128 + 9),
+        "stderr:\n{}",
+        done.stderr
+    );
     let last = tail(&done.stderr, 3);
     assert!(
         last.contains("rank 1 (local rank 1) killed by SIGKILL, possibly out of memory"),
@@ -137,7 +200,12 @@ fn all_ranks_exiting_zero_gives_zero() {
     let done = run(ddprun(4, r#"sleep 0.$RANK; echo "rank $RANK done""#));
     assert!(done.status.success(), "stderr:\n{}", done.stderr);
     for rank in 0..4 {
-        assert!(done.stdout.contains(&format!("[rank {rank}] rank {rank} done\n")), "{}", done.stdout);
+        assert!(
+            done.stdout
+                .contains(&format!("[rank {rank}] rank {rank} done\n")),
+            "{}",
+            done.stdout
+        );
     }
     assert!(!done.stderr.contains("Root cause"), "{}", done.stderr);
 }
@@ -162,7 +230,11 @@ const PRINT_ENV: &str = "echo RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCA
     GROUP_RANK=$GROUP_RANK DDP_JOB_ID=${DDP_JOB_ID:-none}";
 
 fn value<'a>(vars: &'a [(String, String)], name: &str) -> &'a str {
-    &vars.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("{name} printed")).1
+    &vars
+        .iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("{name} printed"))
+        .1
 }
 
 #[test]
@@ -172,7 +244,10 @@ fn every_rank_gets_its_variables_on_one_node() {
     let per_rank = printed_env(&done.stdout, 3);
     let port = value(&per_rank[0], "MASTER_PORT");
     let job = value(&per_rank[0], "DDP_JOB_ID");
-    assert!(port.parse::<u16>().is_ok_and(|p| p > 0), "MASTER_PORT={port}");
+    assert!(
+        port.parse::<u16>().is_ok_and(|p| p > 0),
+        "MASTER_PORT={port}"
+    );
     assert_ne!(job, "none", "a single-node job gets a DDP_JOB_ID");
     for (rank, vars) in per_rank.iter().enumerate() {
         let expected = [
@@ -196,7 +271,9 @@ fn second_node_ranks_are_offset_by_node_rank() {
     let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
     command.args(["--nproc-per-node", "2", "--nnodes", "3", "--node-rank", "1"]);
     command.args(["--master-addr", "10.1.2.3", "--master-port", "29511", "--"]);
-    command.args(["sh", "-c", PRINT_ENV]).env_remove("DDP_JOB_ID");
+    command
+        .args(["sh", "-c", PRINT_ENV])
+        .env_remove("DDP_JOB_ID");
     let done = run(command);
     assert!(done.status.success(), "stderr:\n{}", done.stderr);
     let per_rank = printed_env(&done.stdout, 2);
@@ -220,7 +297,12 @@ fn multi_node_without_master_is_refused() {
     command.args(["--master-addr", "10.1.2.3", "--", "true"]);
     let done = run(command);
     assert_eq!(done.status.code(), Some(2));
-    assert!(done.stderr.contains("--nnodes 2 needs --master-addr and --master-port"), "{}", done.stderr);
+    assert!(
+        done.stderr
+            .contains("--nnodes 2 needs --master-addr and --master-port"),
+        "{}",
+        done.stderr
+    );
     assert!(done.stdout.is_empty());
 }
 
@@ -229,7 +311,8 @@ fn output_lines_are_prefixed_and_never_torn() {
     // Each rank writes 300 long lines to stdout and 300 to stderr, concurrently, and a last
     // line without a newline; every forwarded line must be whole and carry its own rank.
     let pad = "x".repeat(200);
-    let script = format!("pad={pad}") + r#"
+    let script = format!("pad={pad}")
+        + r#"
         i=0
         while [ $i -lt 300 ]; do
             echo "out $i of $RANK $pad"
@@ -242,7 +325,9 @@ fn output_lines_are_prefixed_and_never_torn() {
     for (text, kind) in [(&done.stdout, "out"), (&done.stderr, "err")] {
         let mut counts = [0usize; 3];
         for line in text.lines().filter(|line| !line.starts_with("[ddprun]")) {
-            let rest = line.strip_prefix("[rank ").unwrap_or_else(|| panic!("unprefixed: {line:?}"));
+            let rest = line
+                .strip_prefix("[rank ")
+                .unwrap_or_else(|| panic!("unprefixed: {line:?}"));
             let (rank, body) = rest.split_once("] ").unwrap();
             let rank: usize = rank.parse().unwrap();
             if body == format!("unterminated {rank}") {
@@ -252,15 +337,25 @@ fn output_lines_are_prefixed_and_never_torn() {
             let words: Vec<&str> = body.split(' ').collect();
             assert_eq!(words.len(), 5, "torn line: {line:?}");
             assert_eq!(words[0], kind, "{line:?}");
-            assert_eq!(words[3], rank.to_string(), "line carries another rank's prefix: {line:?}");
-            assert_eq!(words[1], counts[rank].to_string(), "lines of one rank in order: {line:?}");
+            assert_eq!(
+                words[3],
+                rank.to_string(),
+                "line carries another rank's prefix: {line:?}"
+            );
+            assert_eq!(
+                words[1],
+                counts[rank].to_string(),
+                "lines of one rank in order: {line:?}"
+            );
             assert_eq!(words[4], pad, "{line:?}");
             counts[rank] += 1;
         }
         assert_eq!(counts, [300; 3], "{kind}");
     }
     for rank in 0..3 {
-        assert!(done.stdout.contains(&format!("[rank {rank}] unterminated {rank}\n")));
+        assert!(done
+            .stdout
+            .contains(&format!("[rank {rank}] unterminated {rank}\n")));
     }
 }
 
@@ -282,7 +377,9 @@ fn two_jobs_at_once_get_different_free_ports() {
     let mut ports = Vec::new();
     for mut job in jobs {
         let mut line = String::new();
-        BufReader::new(job.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        BufReader::new(job.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
         let port: u16 = line
             .trim()
             .strip_prefix("[rank 0] port ")
@@ -291,7 +388,10 @@ fn two_jobs_at_once_get_different_free_ports() {
             .unwrap();
         ports.push((port, job));
     }
-    assert_ne!(ports[0].0, ports[1].0, "two concurrent jobs got the same port");
+    assert_ne!(
+        ports[0].0, ports[1].0,
+        "two concurrent jobs got the same port"
+    );
     // ddprun let go of the port it probed: the rendezvous store can bind it.
     for (port, _) in &ports {
         TcpListener::bind(("0.0.0.0", *port))
@@ -310,7 +410,10 @@ fn two_jobs_at_once_get_different_free_ports() {
 fn sigterm_to_ddprun_is_forwarded_to_the_ranks() {
     let script = r#"trap 'echo "rank $RANK got TERM"; exit 0' TERM; echo ready; sleep 30 & wait"#;
     let mut command = ddprun(2, script);
-    command.stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
+    command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .stdin(Stdio::null());
     let started = Instant::now();
     let mut child = command.spawn().expect("start ddprun");
     let mut stdout = BufReader::new(child.stdout.take().unwrap());
@@ -328,26 +431,54 @@ fn sigterm_to_ddprun_is_forwarded_to_the_ranks() {
         if let Some(status) = child.try_wait().unwrap() {
             break status;
         }
-        assert!(started.elapsed() < DEADLINE, "ddprun did not finish after SIGTERM");
+        assert!(
+            started.elapsed() < DEADLINE,
+            "ddprun did not finish after SIGTERM"
+        );
         thread::sleep(Duration::from_millis(10));
     };
     let stderr = stderr.join().unwrap();
-    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "stderr:\n{stderr}");
+    assert_eq!(
+        status.code(),
+        Some(128 + libc::SIGTERM),
+        "stderr:\n{stderr}"
+    );
     for rank in 0..2 {
-        assert!(rest.contains(&format!("[rank {rank}] rank {rank} got TERM")), "{rest}");
+        assert!(
+            rest.contains(&format!("[rank {rank}] rank {rank} got TERM")),
+            "{rest}"
+        );
     }
-    assert!(tail(&stderr, 1).contains("interrupted by SIGTERM"), "{stderr}");
+    assert!(
+        tail(&stderr, 1).contains("interrupted by SIGTERM"),
+        "{stderr}"
+    );
     assert!(started.elapsed() < Duration::from_secs(5));
 }
 
 #[test]
 fn rank_ignoring_sigterm_is_killed_after_the_grace_period() {
-    let script = r#"trap "" TERM; if [ "$RANK" = 0 ]; then exit 5; fi; sleep 30"#;
-    let done = run(ddprun(2, script));
+    let dir = tempfile::tempdir().unwrap();
+    let ready = dir.path().join("rank1-ignores-term");
+    // Rank 0 fails only once rank 1 ignores SIGTERM.
+    let script = format!(
+        r#"trap "" TERM; if [ "$RANK" = 0 ]; then {}; exit 5; fi; echo yes > {}; sleep 30"#,
+        wait_for_file(&ready),
+        ready.display()
+    );
+    let done = run(ddprun(2, &script));
     assert_eq!(done.status.code(), Some(5), "stderr:\n{}", done.stderr);
-    assert!(done.stderr.contains("grace period of 500ms over"), "{}", done.stderr);
+    assert!(
+        done.stderr.contains("grace period of 500ms over"),
+        "{}",
+        done.stderr
+    );
     // `sleep` inherits the ignored SIGTERM, so only SIGKILL ends it: after the 0.5 s grace.
-    assert!(done.elapsed >= Duration::from_millis(500), "{:?}", done.elapsed);
+    assert!(
+        done.elapsed >= Duration::from_millis(500),
+        "{:?}",
+        done.elapsed
+    );
     assert!(done.elapsed < Duration::from_secs(5), "{:?}", done.elapsed);
     assert!(tail(&done.stderr, 3).contains("rank 0 (local rank 0) exited with code 5"));
 }
@@ -356,27 +487,43 @@ fn rank_ignoring_sigterm_is_killed_after_the_grace_period() {
 fn stopping_a_rank_also_stops_what_it_started() {
     let dir = tempfile::tempdir().unwrap();
     let pidfile = dir.path().join("grandchild.pid");
+    // Rank 1 fails once rank 0's child is running.
     let script = format!(
-        r#"if [ "$RANK" = 1 ]; then sleep 0.3; exit 7; fi; sleep 30 & echo $! > {}; wait"#,
+        r#"if [ "$RANK" = 1 ]; then {}; exit 7; fi; sleep 30 & echo $! > {}; wait"#,
+        wait_for_file(&pidfile),
         pidfile.display()
     );
     let done = run(ddprun(2, &script));
     assert_eq!(done.status.code(), Some(7), "stderr:\n{}", done.stderr);
-    let pid = std::fs::read_to_string(&pidfile).unwrap().trim().to_string();
+    let pid = std::fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .to_string();
     // Gone, or a zombie nobody has reaped yet: either way no longer running.
     let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let running = state.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'));
-    assert!(!running, "rank 0's child `sleep 30` (pid {pid}) outlived the job: {state}");
+    let running = state
+        .rsplit_once(") ")
+        .is_some_and(|(_, rest)| !rest.starts_with('Z'));
+    assert!(
+        !running,
+        "rank 0's child `sleep 30` (pid {pid}) outlived the job: {state}"
+    );
 }
 
 #[test]
 fn missing_program_is_a_clear_error() {
     let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
-    command.args(["--nproc-per-node", "2", "--", "/nonexistent/ddprun-test-program"]);
+    command.args([
+        "--nproc-per-node",
+        "2",
+        "--",
+        "/nonexistent/ddprun-test-program",
+    ]);
     let done = run(command);
     assert_eq!(done.status.code(), Some(1));
     assert!(
-        done.stderr.contains("could not start rank 0 (`/nonexistent/ddprun-test-program`)"),
+        done.stderr
+            .contains("could not start rank 0 (`/nonexistent/ddprun-test-program`)"),
         "{}",
         done.stderr
     );

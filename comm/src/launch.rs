@@ -319,7 +319,10 @@ pub fn free_port(addr: Ipv4Addr) -> Result<u16, LaunchError> {
     let probe = |addr: Ipv4Addr| TcpListener::bind((addr, 0)).and_then(|l| l.local_addr());
     probe(addr)
         .map(|local| local.port())
-        .map_err(|source| LaunchError::FreePort { addr: addr.to_string(), source })
+        .map_err(|source| LaunchError::FreePort {
+            addr: addr.to_string(),
+            source,
+        })
 }
 
 /// The environment variables that local rank `local_rank` is started with: `RANK`,
@@ -354,7 +357,9 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
     // 1. Check the configuration and settle the rendezvous address.
     let (program, args) = config.command.split_first().ok_or(LaunchError::NoCommand)?;
     if config.nproc_per_node == 0 {
-        return Err(LaunchError::Zero { what: "--nproc-per-node" });
+        return Err(LaunchError::Zero {
+            what: "--nproc-per-node",
+        });
     }
     if config.nnodes == 0 {
         return Err(LaunchError::Zero { what: "--nnodes" });
@@ -368,10 +373,14 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
     let (master_addr, master_port) = match (&config.master_addr, config.master_port) {
         (Some(addr), Some(port)) => (addr.clone(), port),
         _ if config.nnodes > 1 => {
-            return Err(LaunchError::MultiNodeNeedsMaster { nnodes: config.nnodes })
+            return Err(LaunchError::MultiNodeNeedsMaster {
+                nnodes: config.nnodes,
+            })
         }
         (addr, port) => {
-            let addr = addr.clone().unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_string());
+            let addr = addr
+                .clone()
+                .unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_string());
             let port = match port {
                 Some(port) => port,
                 // The store may bind any interface; a port free on all of them is free on each.
@@ -386,7 +395,11 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
         None => None,
     };
 
-    let mut signals = if config.forward_signals { Some(SignalForwarding::install()?) } else { None };
+    let mut signals = if config.forward_signals {
+        Some(SignalForwarding::install()?)
+    } else {
+        None
+    };
 
     // 2. and 3. Start the ranks, each with two reader threads forwarding its output.
     let (done_tx, done_rx) = mpsc::channel::<()>();
@@ -396,7 +409,13 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
         let mut command = Command::new(program);
         command
             .args(args)
-            .envs(rank_env(config, local_rank, &master_addr, master_port, job_id.as_deref()))
+            .envs(rank_env(
+                config,
+                local_rank,
+                &master_addr,
+                master_port,
+                job_id.as_deref(),
+            ))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -423,7 +442,12 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
         if let Some(err) = child.stderr.take() {
             forward_lines(err, prefix, Stream::Stderr, done_tx.clone());
         }
-        ranks.push(Rank { rank, local_rank, child, exit: None });
+        ranks.push(Rank {
+            rank,
+            local_rank,
+            child,
+            exit: None,
+        });
     }
     drop(done_tx);
 
@@ -445,14 +469,19 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
                 stop_running(&mut ranks, signal);
                 kill_at = Some(Instant::now() + config.grace_period);
             } else {
-                notice(&format!("received {} again; killing the ranks", signal_name(signal)));
+                notice(&format!(
+                    "received {} while stopping; killing the ranks now",
+                    signal_name(signal)
+                ));
                 stop_running(&mut ranks, libc::SIGKILL);
                 kill_at = None;
             }
         }
 
         for index in 0..ranks.len() {
-            let Some(exit) = poll_exit(&mut ranks[index], &mut wait_error) else { continue };
+            let Some(exit) = poll_exit(&mut ranks[index], &mut wait_error) else {
+                continue;
+            };
             let (rank, local_rank) = (ranks[index].rank, ranks[index].local_rank);
             let stopping = first_failure.is_some() || interrupted.is_some();
             if exit.success() {
@@ -460,7 +489,11 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
             } else if stopping {
                 notice(&format!("rank {rank} stopped: {}", exit.without_hint()));
             } else {
-                first_failure = Some(RankFailure { rank, local_rank, exit });
+                first_failure = Some(RankFailure {
+                    rank,
+                    local_rank,
+                    exit,
+                });
                 notice(&format!(
                     "rank {rank} {exit}; stopping the other ranks (SIGTERM, SIGKILL after {:?})",
                     config.grace_period
@@ -470,6 +503,9 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
             }
         }
 
+        if wait_error.is_some() {
+            stop_running(&mut ranks, libc::SIGKILL);
+        }
         if ranks.iter().all(|rank| rank.exit.is_some()) {
             break;
         }
@@ -508,7 +544,10 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
     }
     Ok(LaunchReport {
         master_port,
-        exits: ranks.iter().map(|rank| rank.exit.unwrap_or(RankExit::Code(-1))).collect(),
+        exits: ranks
+            .iter()
+            .map(|rank| rank.exit.unwrap_or(RankExit::Code(-1)))
+            .collect(),
     })
 }
 
@@ -548,7 +587,10 @@ fn poll_exit(rank: &mut Rank, wait_error: &mut Option<LaunchError>) -> Option<Ra
         Ok(Some(status)) => RankExit::from_status(status),
         Ok(None) => return None,
         Err(source) => {
-            wait_error.get_or_insert(LaunchError::Wait { rank: rank.rank, source });
+            wait_error.get_or_insert(LaunchError::Wait {
+                rank: rank.rank,
+                source,
+            });
             rank.signal_group(libc::SIGKILL);
             let _ = rank.child.wait();
             RankExit::Signal(libc::SIGKILL)
@@ -583,8 +625,14 @@ fn die_with_parent(_command: &mut Command) {}
 
 /// A job id unique enough on one host: time, launcher pid and port.
 fn generate_job_id(port: u16) -> String {
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    format!("ddprun-{:x}-{}-{port}", nanos & 0xffff_ffff_ffff, std::process::id())
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!(
+        "ddprun-{:x}-{}-{port}",
+        nanos & 0xffff_ffff_ffff,
+        std::process::id()
+    )
 }
 
 /// Which of the launcher's own streams a rank's stream is forwarded to.
@@ -598,7 +646,12 @@ enum Stream {
 /// prefixed with `prefix` and written in one piece, then sends on `done` when `source` closes.
 /// A last line without a newline gets one. Write errors (a closed stdout) are ignored and the
 /// source is still drained, so that a rank never blocks on a full pipe.
-fn forward_lines(source: impl Read + Send + 'static, prefix: String, stream: Stream, done: mpsc::Sender<()>) {
+fn forward_lines(
+    source: impl Read + Send + 'static,
+    prefix: String,
+    stream: Stream,
+    done: mpsc::Sender<()>,
+) {
     thread::spawn(move || {
         let mut reader = BufReader::new(source);
         let mut line = Vec::with_capacity(256);
@@ -655,7 +708,9 @@ impl SignalForwarding {
     const SIGNALS: [i32; 2] = [libc::SIGINT, libc::SIGTERM];
 
     fn install() -> Result<SignalForwarding, LaunchError> {
-        let mut installed = INSTALLED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut installed = INSTALLED
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         if installed.0 == 0 {
             for signal in Self::SIGNALS {
                 // SAFETY: a zeroed sigaction is valid; the handler only touches atomics, which is
@@ -677,7 +732,9 @@ impl SignalForwarding {
             }
         }
         installed.0 += 1;
-        Ok(SignalForwarding { seen: SIGNAL_COUNT.load(Ordering::SeqCst) })
+        Ok(SignalForwarding {
+            seen: SIGNAL_COUNT.load(Ordering::SeqCst),
+        })
     }
 
     /// The signal received since the last call, if any.
@@ -693,7 +750,9 @@ impl SignalForwarding {
 
 impl Drop for SignalForwarding {
     fn drop(&mut self) {
-        let mut installed = INSTALLED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut installed = INSTALLED
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         installed.0 -= 1;
         if installed.0 == 0 {
             restore_handlers(&mut installed.1);

@@ -1,2 +1,49 @@
-//! ddp-comm: process group, rendezvous and collectives (placeholder; see docs/comm-api.md).
+//! ddp-comm: the communication layer of ddp-rs. A [`ProcessGroup`] of N processes (ranks)
+//! rendezvous through a small TCP store hosted by rank 0, connect to each other over TCP, and run
+//! collectives: all-reduce (sum, avg, min, max), broadcast, all-gather, reduce-scatter and
+//! barrier, over `f32`, `f64`, `bf16`, `f16`, `i32`, `i64` and `u8`.
+//!
+//! ```
+//! use ddp_comm::{ProcessGroup, ReduceOp};
+//!
+//! // With no RANK / WORLD_SIZE (or Slurm) variables this is a group of one process.
+//! let pg = ProcessGroup::builder().no_env().build()?;
+//! let grads = pg.all_reduce(vec![1.0f32, 2.0, 3.0], ReduceOp::Avg)?;
+//! assert_eq!(grads, [1.0, 2.0, 3.0]);
+//! let work = pg.submit_all_reduce(vec![1i64, 2], ReduceOp::Sum); // async
+//! assert_eq!(work.wait()?, [1, 2]);
+//! # Ok::<(), ddp_comm::CommError>(())
+//! ```
+//!
+//! Where things are:
+//! - `config.rs`: [`GroupConfig`] (torchrun / Slurm variables) and [`GroupBuilder`];
+//! - `store.rs`: the rendezvous store and its client [`Store`];
+//! - `wire.rs`: the wire format (handshake, frame header, store protocol);
+//! - `transport.rs`: connections, handshakes, the full mesh, reader/writer threads, failure
+//!   propagation;
+//! - `algorithms.rs`: the ring all-reduce and the other collectives;
+//! - `group.rs`: [`ProcessGroup`], its communication thread and [`Work`];
+//! - `element.rs`: [`Element`], [`DType`], [`ReduceOp`] and the reduction kernels;
+//! - `launch.rs`: the `ddprun` launcher library.
+#![warn(missing_docs)]
+
+mod algorithms;
+mod config;
+mod element;
+mod error;
+mod group;
 pub mod launch;
+mod store;
+mod transport;
+mod wire;
+
+pub use algorithms::chunk_range;
+pub use config::{
+    first_host, GroupBuilder, GroupConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MASTER_PORT, DEFAULT_SEGMENT_BYTES,
+    DEFAULT_SMALL_ALLREDUCE_BYTES, DEFAULT_TIMEOUT, MAX_SEGMENT_BYTES,
+};
+pub use element::{DType, Element, ReduceOp};
+pub use error::CommError;
+pub use group::{ProcessGroup, Work};
+pub use store::Store;
+pub use wire::MAX_TOKEN_BYTES;

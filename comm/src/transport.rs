@@ -68,12 +68,6 @@ impl Buf {
         b
     }
 
-    pub fn from_bytes(bytes: &[u8]) -> Buf {
-        let mut b = Buf::zeroed(bytes.len());
-        b.as_bytes_mut().copy_from_slice(bytes);
-        b
-    }
-
     pub fn len(&self) -> usize {
         self.len
     }

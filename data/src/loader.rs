@@ -17,7 +17,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use crossbeam_channel::{bounded, Receiver};
 
-use crate::{BatchSource, DataError, Dataset, Mnist, Pima};
+use crate::{BatchSource, DataError, Mnist, Pima};
 
 /// Batch size, worker threads, prefetch depth and `drop_last` of a [`DataLoader`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

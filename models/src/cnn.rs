@@ -114,7 +114,11 @@ impl<B: Backend> Classifier<B, 4> for MnistCnn<B> {
         MnistCnn::forward(self, input)
     }
 
-    fn loss(&self, input: Tensor<B, 4>, targets: Tensor<B, 1, Int>) -> (Tensor<B, 1>, Tensor<B, 2>) {
+    fn loss(
+        &self,
+        input: Tensor<B, 4>,
+        targets: Tensor<B, 1, Int>,
+    ) -> (Tensor<B, 1>, Tensor<B, 2>) {
         MnistCnn::loss(self, input, targets)
     }
 

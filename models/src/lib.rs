@@ -62,7 +62,8 @@ pub trait Classifier<B: Backend, const D: usize> {
     fn forward(&self, input: Tensor<B, D>) -> Tensor<B, 2>;
 
     /// The mean loss over the batch (shape `[1]`) and the model's output for the batch.
-    fn loss(&self, input: Tensor<B, D>, targets: Tensor<B, 1, Int>) -> (Tensor<B, 1>, Tensor<B, 2>);
+    fn loss(&self, input: Tensor<B, D>, targets: Tensor<B, 1, Int>)
+        -> (Tensor<B, 1>, Tensor<B, 2>);
 
     /// How many samples of the batch `output` predicts correctly.
     fn correct(&self, output: &Tensor<B, 2>, targets: &Tensor<B, 1, Int>) -> usize;

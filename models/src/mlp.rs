@@ -78,12 +78,20 @@ impl<B: Backend> MnistMlp<B> {
     }
 }
 
-impl<B: Backend, const D: usize> Classifier<B, D> for MnistMlp<B> {
-    fn forward(&self, input: Tensor<B, D>) -> Tensor<B, 2> {
+/// The trainer-facing view takes MNIST images `[batch, 1, 28, 28]`, like [`MnistCnn`]'s, so a
+/// trainer can swap one model for the other; call the inherent methods for `[batch, 784]` rows.
+///
+/// [`MnistCnn`]: crate::MnistCnn
+impl<B: Backend> Classifier<B, 4> for MnistMlp<B> {
+    fn forward(&self, input: Tensor<B, 4>) -> Tensor<B, 2> {
         MnistMlp::forward(self, input)
     }
 
-    fn loss(&self, input: Tensor<B, D>, targets: Tensor<B, 1, Int>) -> (Tensor<B, 1>, Tensor<B, 2>) {
+    fn loss(
+        &self,
+        input: Tensor<B, 4>,
+        targets: Tensor<B, 1, Int>,
+    ) -> (Tensor<B, 1>, Tensor<B, 2>) {
         MnistMlp::loss(self, input, targets)
     }
 

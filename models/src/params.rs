@@ -194,7 +194,8 @@ impl Walker {
 
 impl<B: Backend> ModuleVisitor<B> for Walker {
     fn enter_module(&mut self, name: &str, container_type: &str) {
-        self.path.push((name.to_string(), container_type.to_string()));
+        self.path
+            .push((name.to_string(), container_type.to_string()));
     }
 
     fn exit_module(&mut self, _name: &str, _container_type: &str) {

@@ -91,7 +91,11 @@ impl<B: Backend> Classifier<B, 2> for PimaMlp<B> {
         PimaMlp::forward(self, input)
     }
 
-    fn loss(&self, input: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> (Tensor<B, 1>, Tensor<B, 2>) {
+    fn loss(
+        &self,
+        input: Tensor<B, 2>,
+        targets: Tensor<B, 1, Int>,
+    ) -> (Tensor<B, 1>, Tensor<B, 2>) {
         PimaMlp::loss(self, input, targets)
     }
 

@@ -166,12 +166,20 @@ struct Summary {
 
 /// Runs the benchmark as `args` say.
 pub fn run(args: Args) -> Result<()> {
-    let sizes: Vec<usize> =
-        args.sizes.iter().copied().filter(|&s| args.max_size.is_none_or(|max| s <= max)).collect();
+    let sizes: Vec<usize> = args
+        .sizes
+        .iter()
+        .copied()
+        .filter(|&s| args.max_size.is_none_or(|max| s <= max))
+        .collect();
     if sizes.is_empty() {
-        bail!("no sizes left to time (--sizes {:?}, --max-size {:?})", args.sizes, args.max_size);
+        bail!(
+            "no sizes left to time (--sizes {:?}, --max-size {:?})",
+            args.sizes,
+            args.max_size
+        );
     }
-    if let Some(bad) = sizes.iter().find(|&&s| s == 0 || s % 4 != 0) {
+    if let Some(bad) = sizes.iter().find(|&&s| s == 0 || !s.is_multiple_of(4)) {
         bail!("size {bad} is not a positive multiple of 4 bytes (one f32)");
     }
     if args.ranks.iter().any(|&n| n < 2) {
@@ -190,7 +198,9 @@ pub fn run(args: Args) -> Result<()> {
     let raw = out.join("raw");
     std::fs::create_dir_all(&raw).with_context(|| format!("creating {}", raw.display()))?;
     let gloo = if args.no_gloo {
-        Gloo::Skipped { reason: "--no-gloo".into() }
+        Gloo::Skipped {
+            reason: "--no-gloo".into(),
+        }
     } else {
         find_gloo()
     };
@@ -214,27 +224,38 @@ pub fn run(args: Args) -> Result<()> {
         }
     }
 
-    let crossovers: Vec<Crossover> =
-        crossover_runs.iter().map(|(ring, small)| crossover(ring, small)).collect();
+    let crossovers: Vec<Crossover> = crossover_runs
+        .iter()
+        .map(|(ring, small)| crossover(ring, small))
+        .collect();
     let markdown = markdown(&runs, &crossover_runs, &crossovers, &gloo);
     println!("\n{markdown}");
     let mut all_runs = runs;
     for (ring, small) in crossover_runs {
         all_runs.extend([ring, small]);
     }
-    let summary = Summary { gloo, runs: all_runs, crossovers };
+    let summary = Summary {
+        gloo,
+        runs: all_runs,
+        crossovers,
+    };
     let json_path = out.join("allreduce.json");
     std::fs::write(&json_path, serde_json::to_string_pretty(&summary)?)
         .with_context(|| format!("writing {}", json_path.display()))?;
     let md_path = out.join("allreduce.md");
-    std::fs::write(&md_path, &markdown).with_context(|| format!("writing {}", md_path.display()))?;
+    std::fs::write(&md_path, &markdown)
+        .with_context(|| format!("writing {}", md_path.display()))?;
     eprintln!("results: {} and {}", md_path.display(), json_path.display());
     Ok(())
 }
 
 /// Sizes as the comma-separated byte counts the bench binary and the gloo script take.
 fn size_list(sizes: &[usize]) -> String {
-    sizes.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
+    sizes
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// Runs `ddp-allreduce-bench` over `world` ranks with `algo` forced, and reads its results.
@@ -246,12 +267,21 @@ fn run_ours(
     sizes: &[usize],
     args: &Args,
 ) -> Result<RunReport> {
-    let json = raw.join(format!("ddp-rs-{}-{world}ranks-{}.json", algo.name(), sizes.len()));
+    let json = raw.join(format!(
+        "ddp-rs-{}-{world}ranks-{}.json",
+        algo.name(),
+        sizes.len()
+    ));
     let mut command = Command::new(bin.join("ddprun"));
     command.args(["--nproc-per-node", &world.to_string(), "--"]);
     command.arg(bin.join("ddp-allreduce-bench"));
     command.args(["--sizes", &size_list(sizes), "--label", algo.name()]);
-    command.args(["--iters", &args.iters.to_string(), "--warmup", &args.warmup.to_string()]);
+    command.args([
+        "--iters",
+        &args.iters.to_string(),
+        "--warmup",
+        &args.warmup.to_string(),
+    ]);
     command.arg("--json").arg(&json);
     algo.apply(&mut command);
     read_run(&mut command, &json)
@@ -271,7 +301,12 @@ fn run_gloo(
     let mut command = Command::new(bin.join("ddprun"));
     command.args(["--nproc-per-node", &world.to_string(), "--", python]);
     command.arg(script).args(["--sizes", &size_list(sizes)]);
-    command.args(["--iters", &args.iters.to_string(), "--warmup", &args.warmup.to_string()]);
+    command.args([
+        "--iters",
+        &args.iters.to_string(),
+        "--warmup",
+        &args.warmup.to_string(),
+    ]);
     command.arg("--json").arg(&json);
     // One thread per rank for torch's own work (filling, comparing), as the ranks share the cores.
     command.env("OMP_NUM_THREADS", "1");
@@ -282,7 +317,8 @@ fn run_gloo(
 fn read_run(command: &mut Command, json: &Path) -> Result<RunReport> {
     let _ = std::fs::remove_file(json);
     util::run(command)?;
-    let text = std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
+    let text =
+        std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
     serde_json::from_str(&text).with_context(|| format!("parsing {}", json.display()))
 }
 
@@ -293,14 +329,20 @@ fn find_gloo() -> Gloo {
                  assert d.is_available() and d.is_gloo_available(), 'this torch has no gloo'\n\
                  print(torch.__version__)";
     match Command::new(&python).args(["-c", probe]).output() {
-        Err(error) => Gloo::Skipped { reason: format!("cannot run `{python}`: {error}") },
+        Err(error) => Gloo::Skipped {
+            reason: format!("cannot run `{python}`: {error}"),
+        },
         Ok(output) if output.status.success() => Gloo::Available {
             torch: String::from_utf8_lossy(&output.stdout).trim().to_string(),
             python,
         },
         Ok(output) => {
             let stderr = String::from_utf8_lossy(&output.stderr);
-            let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message");
+            let last = stderr
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("no message");
             Gloo::Skipped {
                 reason: format!(
                     "`{python}` cannot import torch with gloo ({last}); set DDP_BENCH_PYTHON to a \
@@ -328,17 +370,28 @@ fn crossover(ring: &RunReport, small: &RunReport) -> Crossover {
         from = Some(bytes);
     }
     let largest = pairs.last().map_or(0, |p| p.0);
-    let summary = match from {
-        Some(bytes) if Some(bytes) == pairs.first().map(|p| p.0) => {
-            format!("{world} ranks: ring is faster at every size measured (from {})", human_size(bytes))
-        }
-        Some(bytes) => format!(
-            "{world} ranks: ring is faster from {} up; below that small wins at least once",
+    let below = |bytes: usize| pairs.iter().rev().map(|p| p.0).find(|&b| b < bytes);
+    let summary = match from.map(|bytes| (bytes, below(bytes))) {
+        Some((bytes, None)) => format!(
+            "{world} ranks: ring is faster at every size measured (from {})",
             human_size(bytes)
         ),
-        None => format!("{world} ranks: small is faster up to {} (the largest size measured)", human_size(largest)),
+        Some((bytes, Some(under))) => format!(
+            "{world} ranks: small is faster at {}, ring from {} up: a threshold \
+             ({THRESHOLD_VAR}) of {under} bytes fits these timings",
+            human_size(under),
+            human_size(bytes)
+        ),
+        None => format!(
+            "{world} ranks: small is faster at {} (the largest size measured)",
+            human_size(largest)
+        ),
     };
-    Crossover { world_size: world, ring_from_bytes: from, summary }
+    Crossover {
+        world_size: world,
+        ring_from_bytes: from,
+        summary,
+    }
 }
 
 /// The results as Markdown: per rank count a table of our runs beside gloo's, then the
@@ -366,9 +419,13 @@ fn markdown(
     let mut worlds: Vec<usize> = runs.iter().map(|r| r.world_size).collect();
     worlds.dedup();
     for world in worlds {
-        let ours: Vec<&RunReport> =
-            runs.iter().filter(|r| r.world_size == world && r.implementation != "gloo").collect();
-        let gloo = runs.iter().find(|r| r.world_size == world && r.implementation == "gloo");
+        let ours: Vec<&RunReport> = runs
+            .iter()
+            .filter(|r| r.world_size == world && r.implementation != "gloo")
+            .collect();
+        let gloo = runs
+            .iter()
+            .find(|r| r.world_size == world && r.implementation == "gloo");
         let _ = writeln!(md, "## {world} ranks\n");
         let mut header = String::from("| size |");
         let mut rule = String::from("| ---: |");
@@ -381,7 +438,9 @@ fn markdown(
             rule.push_str(" ---: | ---: | ---: |");
         }
         let _ = writeln!(md, "{header}\n{rule}");
-        let sizes: Vec<usize> = ours.first().map_or_else(Vec::new, |r| r.results.iter().map(|x| x.bytes).collect());
+        let sizes: Vec<usize> = ours
+            .first()
+            .map_or_else(Vec::new, |r| r.results.iter().map(|x| x.bytes).collect());
         for bytes in sizes {
             let mut row = format!("| {} |", human_size(bytes));
             for run in &ours {
@@ -403,10 +462,17 @@ fn markdown(
     }
     for ((ring, small), crossover) in crossover_runs.iter().zip(crossovers) {
         let _ = writeln!(md, "## ring against small, {} ranks\n", ring.world_size);
-        let _ = writeln!(md, "| size | ring time (us) | small time (us) | faster |\n| ---: | ---: | ---: | --- |");
+        let _ = writeln!(
+            md,
+            "| size | ring time (us) | small time (us) | faster |\n| ---: | ---: | ---: | --- |"
+        );
         for r in &ring.results {
             if let Some(s) = small.at(r.bytes) {
-                let faster = if r.median_s <= s.median_s { "ring" } else { "small" };
+                let faster = if r.median_s <= s.median_s {
+                    "ring"
+                } else {
+                    "small"
+                };
                 let _ = writeln!(
                     md,
                     "| {} | {:.1} | {:.1} | {faster} |",
@@ -442,13 +508,15 @@ fn parse_size(text: &str) -> Result<usize, String> {
         unit => return Err(format!("unknown unit {unit:?} in size {text:?}")),
     };
     let number: usize = digits.parse().map_err(|_| format!("bad size {text:?}"))?;
-    number.checked_shl(shift).ok_or_else(|| format!("size {text:?} too large"))
+    number
+        .checked_shl(shift)
+        .ok_or_else(|| format!("size {text:?} too large"))
 }
 
 /// `4096` as `4 KiB`, `1048576` as `1 MiB`; other sizes in bytes.
 fn human_size(bytes: usize) -> String {
     for (shift, unit) in [(30, "GiB"), (20, "MiB"), (10, "KiB")] {
-        if bytes >= 1 << shift && bytes % (1 << shift) == 0 {
+        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
             return format!("{} {unit}", bytes >> shift);
         }
     }
@@ -493,13 +561,25 @@ mod tests {
 
     #[test]
     fn crossover_is_where_ring_wins_from_then_on() {
-        let small = report("small", &[(1024, 1.0), (2048, 2.0), (4096, 4.0), (8192, 8.0)]);
+        let small = report(
+            "small",
+            &[(1024, 1.0), (2048, 2.0), (4096, 4.0), (8192, 8.0)],
+        );
         // Ring wins at 2048 by noise, loses at 4096, wins from 8192 on.
-        let ring = report("ring", &[(1024, 3.0), (2048, 1.9), (4096, 4.5), (8192, 6.0)]);
+        let ring = report(
+            "ring",
+            &[(1024, 3.0), (2048, 1.9), (4096, 4.5), (8192, 6.0)],
+        );
         assert_eq!(crossover(&ring, &small).ring_from_bytes, Some(8192));
-        let never = report("ring", &[(1024, 3.0), (2048, 3.0), (4096, 5.0), (8192, 9.0)]);
+        let never = report(
+            "ring",
+            &[(1024, 3.0), (2048, 3.0), (4096, 5.0), (8192, 9.0)],
+        );
         assert_eq!(crossover(&never, &small).ring_from_bytes, None);
-        let always = report("ring", &[(1024, 0.5), (2048, 1.0), (4096, 1.0), (8192, 1.0)]);
+        let always = report(
+            "ring",
+            &[(1024, 0.5), (2048, 1.0), (4096, 1.0), (8192, 1.0)],
+        );
         assert_eq!(crossover(&always, &small).ring_from_bytes, Some(1024));
     }
 }

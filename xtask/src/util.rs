@@ -7,7 +7,10 @@ use anyhow::{bail, Context, Result};
 
 /// The workspace root (the folder above `xtask/`).
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lies in the workspace").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lies in the workspace")
+        .to_path_buf()
 }
 
 /// The cargo that runs this task (`$CARGO`), or `cargo` from the path.
@@ -20,13 +23,18 @@ pub fn target_dir() -> Result<PathBuf> {
     let mut command = cargo();
     command.args(["metadata", "--format-version", "1", "--no-deps"]);
     command.current_dir(workspace_root());
-    let output = command.stderr(Stdio::inherit()).output().context("running cargo metadata")?;
+    let output = command
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running cargo metadata")?;
     if !output.status.success() {
         bail!("cargo metadata failed ({})", output.status);
     }
     let metadata: serde_json::Value =
         serde_json::from_slice(&output.stdout).context("parsing cargo metadata")?;
-    let dir = metadata["target_directory"].as_str().context("cargo metadata has no target_directory")?;
+    let dir = metadata["target_directory"]
+        .as_str()
+        .context("cargo metadata has no target_directory")?;
     Ok(PathBuf::from(dir))
 }
 
@@ -34,7 +42,9 @@ pub fn target_dir() -> Result<PathBuf> {
 /// (`target/release`).
 pub fn build_release_bins(packages: &[&str]) -> Result<PathBuf> {
     let mut command = cargo();
-    command.args(["build", "--release", "--bins"]).current_dir(workspace_root());
+    command
+        .args(["build", "--release", "--bins"])
+        .current_dir(workspace_root());
     for package in packages {
         command.args(["-p", package]);
     }
@@ -46,7 +56,9 @@ pub fn build_release_bins(packages: &[&str]) -> Result<PathBuf> {
 pub fn run(command: &mut Command) -> Result<()> {
     let line = command_line(command);
     eprintln!("$ {line}");
-    let status = command.status().with_context(|| format!("starting `{line}`"))?;
+    let status = command
+        .status()
+        .with_context(|| format!("starting `{line}`"))?;
     if !status.success() {
         bail!("`{line}` failed ({status})");
     }
@@ -56,6 +68,10 @@ pub fn run(command: &mut Command) -> Result<()> {
 /// `command` as a shell-like line, for messages.
 pub fn command_line(command: &Command) -> String {
     let mut words = vec![command.get_program().to_string_lossy().into_owned()];
-    words.extend(command.get_args().map(|arg| arg.to_string_lossy().into_owned()));
+    words.extend(
+        command
+            .get_args()
+            .map(|arg| arg.to_string_lossy().into_owned()),
+    );
     words.join(" ")
 }

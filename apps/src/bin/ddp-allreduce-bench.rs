@@ -77,7 +77,7 @@ fn main() -> Result<()> {
         bail!("--iters must be at least 1");
     }
     for &bytes in &args.sizes {
-        if bytes == 0 || bytes % 4 != 0 {
+        if bytes == 0 || !bytes.is_multiple_of(4) {
             bail!("size {bytes} is not a positive multiple of 4 bytes (one f32)");
         }
     }
@@ -134,14 +134,17 @@ fn bench_size(pg: &ProcessGroup, bytes: usize, args: &Args) -> Result<SizeResult
     let (rank, world) = (pg.rank(), pg.world_size());
     let len = bytes / 4;
     let input: Vec<f32> = (0..len).map(|i| pattern(rank, i)).collect();
-    let expected: Vec<f32> = (0..len).map(|i| (0..world).map(|r| pattern(r, i)).sum()).collect();
+    let expected: Vec<f32> = (0..len)
+        .map(|i| (0..world).map(|r| pattern(r, i)).sum())
+        .collect();
     let (warmup, iters) = (scaled(args.warmup, bytes, 1), scaled(args.iters, bytes, 3));
 
     let mut buf = input.clone();
     let mut times = Vec::with_capacity(iters);
     for iteration in 0..warmup + iters {
         buf.copy_from_slice(&input);
-        pg.barrier().with_context(|| format!("barrier before {bytes}-byte iteration {iteration}"))?;
+        pg.barrier()
+            .with_context(|| format!("barrier before {bytes}-byte iteration {iteration}"))?;
         let start = Instant::now();
         buf = pg
             .all_reduce(buf, ReduceOp::Sum)
@@ -154,7 +157,9 @@ fn bench_size(pg: &ProcessGroup, bytes: usize, args: &Args) -> Result<SizeResult
     }
 
     // An iteration takes as long as its slowest rank.
-    let mut times = pg.all_reduce(times, ReduceOp::Max).context("gathering the times")?;
+    let mut times = pg
+        .all_reduce(times, ReduceOp::Max)
+        .context("gathering the times")?;
     times.sort_by(f64::total_cmp);
     let median_s = if iters % 2 == 1 {
         times[iters / 2]
@@ -223,13 +228,15 @@ fn parse_size(text: &str) -> Result<usize, String> {
         unit => return Err(format!("unknown unit {unit:?} in size {text:?}")),
     };
     let number: usize = digits.parse().map_err(|_| format!("bad size {text:?}"))?;
-    number.checked_shl(shift).ok_or_else(|| format!("size {text:?} too large"))
+    number
+        .checked_shl(shift)
+        .ok_or_else(|| format!("size {text:?} too large"))
 }
 
 /// `4096` as `4 KiB`, `1048576` as `1 MiB`; other sizes in bytes.
 fn human_size(bytes: usize) -> String {
     for (shift, unit) in [(30, "GiB"), (20, "MiB"), (10, "KiB")] {
-        if bytes >= 1 << shift && bytes % (1 << shift) == 0 {
+        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
             return format!("{} {unit}", bytes >> shift);
         }
     }

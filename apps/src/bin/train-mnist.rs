@@ -1,0 +1,89 @@
+//! `train-mnist`: the MNIST CNN (or MLP) of PyTorch's examples, data-parallel over every rank
+//! the environment describes (world size 1 when it describes none).
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::backend::Backend;
+use clap::{Parser, ValueEnum};
+use ddp_apps::options::{BackendKind, TrainArgs};
+use ddp_apps::train::{self, Task};
+use ddp_comm::ProcessGroup;
+use ddp_data::{ensure_mnist, Mnist, MnistSplit};
+use ddp_models::{MnistCnnConfig, MnistMlpConfig};
+
+/// Which network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ModelKind {
+    /// conv 32, conv 64, max-pool, dropout, fc 128, dropout, fc 10 (PyTorch's example).
+    Cnn,
+    /// 784-256-10 with ReLU.
+    Mlp,
+}
+
+/// Train a classifier on MNIST with data parallelism across ranks.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    /// The network.
+    #[arg(long, value_enum, default_value = "cnn")]
+    model: ModelKind,
+    #[command(flatten)]
+    args: TrainArgs,
+}
+
+/// Defaults that reach 98 % test accuracy in two epochs on two ranks.
+fn defaults() -> TrainArgs {
+    TrainArgs {
+        epochs: Some(2),
+        batch_size: Some(64),
+        lr: Some(1e-3),
+        ..TrainArgs::default()
+    }
+}
+
+fn main() -> Result<()> {
+    train::init_logging();
+    let cli = Cli::parse();
+    let cfg = cli.args.resolve(&defaults())?;
+    if cfg.backend == BackendKind::Cuda {
+        anyhow::bail!("--backend cuda: this build has no CUDA support (build with --features cuda)");
+    }
+    let pg = Arc::new(ProcessGroup::from_env().context("joining the process group")?);
+    train::set_compute_threads(train::threads_per_rank(cfg.threads, pg.local_world_size()))?;
+
+    // One download per host: local rank 0 fetches, the others wait and then find the files.
+    if pg.local_rank() == 0 {
+        ensure_mnist(cfg.data_dir.as_deref())?;
+    }
+    pg.barrier()?;
+    let dir = ensure_mnist(cfg.data_dir.as_deref())?;
+    let train_set = Arc::new(Mnist::load(&dir, MnistSplit::Train)?);
+    let test_set = Arc::new(Mnist::load(&dir, MnistSplit::Test)?);
+
+    type B = Autodiff<Flex>;
+    let device = Default::default();
+    B::seed(&device, cfg.seed);
+    match cli.model {
+        ModelKind::Cnn => {
+            let task = Task {
+                name: "cnn".into(),
+                model: MnistCnnConfig::new().init::<B>(&device),
+                train: train_set,
+                test: test_set,
+            };
+            train::train::<B, _, _, 4>(&cfg, pg, device, task)?;
+        }
+        ModelKind::Mlp => {
+            let task = Task {
+                name: "mlp".into(),
+                model: MnistMlpConfig::new().init::<B>(&device),
+                train: train_set,
+                test: test_set,
+            };
+            train::train::<B, _, _, 4>(&cfg, pg, device, task)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,65 @@
+//! `train-pima`: the Pima Indians diabetes MLP, data-parallel over every rank the environment
+//! describes (world size 1 when it describes none).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::backend::Backend;
+use clap::Parser;
+use ddp_apps::options::{BackendKind, TrainArgs};
+use ddp_apps::train::{self, Task};
+use ddp_comm::ProcessGroup;
+use ddp_data::PimaTable;
+use ddp_models::PimaMlpConfig;
+
+/// Train the Pima diabetes classifier with data parallelism across ranks.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    /// CSV file (8 features and the label, no header); the bundled copy when absent.
+    #[arg(long)]
+    csv: Option<PathBuf>,
+    /// Fraction of rows held out for testing (stratified by label).
+    #[arg(long, default_value_t = 0.2)]
+    test_fraction: f64,
+    #[command(flatten)]
+    args: TrainArgs,
+}
+
+fn defaults() -> TrainArgs {
+    TrainArgs {
+        epochs: Some(60),
+        batch_size: Some(16),
+        lr: Some(1e-3),
+        log_interval: Some(1000),
+        ..TrainArgs::default()
+    }
+}
+
+fn main() -> Result<()> {
+    train::init_logging();
+    let cli = Cli::parse();
+    let cfg = cli.args.resolve(&defaults())?;
+    if cfg.backend == BackendKind::Cuda {
+        anyhow::bail!("--backend cuda: this build has no CUDA support (build with --features cuda)");
+    }
+    let pg = Arc::new(ProcessGroup::from_env().context("joining the process group")?);
+    train::set_compute_threads(train::threads_per_rank(cfg.threads, pg.local_world_size()))?;
+
+    let table = PimaTable::load(cli.csv.as_deref())?;
+    let split = table.split(cli.test_fraction, cfg.seed)?;
+
+    type B = Autodiff<Flex>;
+    let device = Default::default();
+    B::seed(&device, cfg.seed);
+    let task = Task {
+        name: "pima-mlp".into(),
+        model: PimaMlpConfig::new().init::<B>(&device),
+        train: Arc::new(split.train),
+        test: Arc::new(split.test),
+    };
+    train::train::<B, _, _, 2>(&cfg, pg, device, task)?;
+    Ok(())
+}

@@ -1,0 +1,195 @@
+//! Checkpoints: model, optimizer state, epoch, step and seed in one file, written atomically.
+//!
+//! Layout of `checkpoint.ddpck`:
+//!
+//! ```text
+//! "DDPCKPT1" | u32 LE meta length | meta (JSON) | model record bytes | optimizer record bytes
+//! ```
+//!
+//! The JSON meta holds the epoch, step, seed, world size, the two payload lengths and the
+//! SHA-256 of the payload, so a truncated or corrupted file is an error that names it, never a
+//! half-loaded model. Writing goes to a temporary file in the same directory, which is fsynced
+//! and then renamed over the old checkpoint (and the directory fsynced): a crash at any point
+//! leaves either the old checkpoint or the new one, and a stray temporary file is ignored.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, ensure, Context, Result};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+const MAGIC: &[u8; 8] = b"DDPCKPT1";
+/// File name of the latest checkpoint inside the checkpoint directory.
+pub const CHECKPOINT_FILE: &str = "checkpoint.ddpck";
+
+/// What a checkpoint says besides the weights.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointMeta {
+    /// Epochs completed.
+    pub epoch: usize,
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// The run's seed.
+    pub seed: u64,
+    /// World size of the run that wrote it.
+    pub world_size: usize,
+    /// Which model (for a clear error when resuming a different one).
+    pub model: String,
+    /// Length of the model record.
+    pub model_len: u64,
+    /// Length of the optimizer record.
+    pub optim_len: u64,
+    /// Hex SHA-256 of model record followed by optimizer record.
+    pub sha256: String,
+}
+
+/// A loaded checkpoint.
+#[derive(Debug)]
+pub struct Checkpoint {
+    /// Its metadata.
+    pub meta: CheckpointMeta,
+    /// The model record, as burn's `BinBytesRecorder` wrote it.
+    pub model: Vec<u8>,
+    /// The optimizer record, likewise.
+    pub optim: Vec<u8>,
+}
+
+/// The path of the latest checkpoint in `dir`.
+pub fn checkpoint_path(dir: &Path) -> PathBuf {
+    dir.join(CHECKPOINT_FILE)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn digest(model: &[u8], optim: &[u8]) -> String {
+    let mut h = Sha256::new();
+    h.update(model);
+    h.update(optim);
+    hex(&h.finalize())
+}
+
+/// Writes a checkpoint atomically to `dir/checkpoint.ddpck`, returning its path. `meta`'s
+/// lengths and digest are filled in here.
+pub fn save(dir: &Path, mut meta: CheckpointMeta, model: &[u8], optim: &[u8]) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("creating checkpoint directory {}", dir.display()))?;
+    meta.model_len = model.len() as u64;
+    meta.optim_len = optim.len() as u64;
+    meta.sha256 = digest(model, optim);
+    let json = serde_json::to_vec(&meta)?;
+    let path = checkpoint_path(dir);
+    let tmp = dir.join(format!("{CHECKPOINT_FILE}.{}.tmp", std::process::id()));
+    let write = || -> Result<()> {
+        let mut f = File::create(&tmp)?;
+        f.write_all(MAGIC)?;
+        f.write_all(&(json.len() as u32).to_le_bytes())?;
+        f.write_all(&json)?;
+        f.write_all(model)?;
+        f.write_all(optim)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)?;
+        // Make the rename itself durable.
+        File::open(dir)?.sync_all()?;
+        Ok(())
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e.context(format!("writing checkpoint {}", path.display())));
+    }
+    Ok(path)
+}
+
+/// Reads and verifies the checkpoint at `path`. Every problem is an error naming the file.
+pub fn load(path: &Path) -> Result<Checkpoint> {
+    let bytes =
+        std::fs::read(path).with_context(|| format!("reading checkpoint {}", path.display()))?;
+    let name = path.display();
+    ensure!(
+        bytes.len() >= 12 && &bytes[..8] == MAGIC,
+        "{name} is not a ddp-rs checkpoint (bad magic bytes)"
+    );
+    let meta_len = u32::from_le_bytes(bytes[8..12].try_into()?) as usize;
+    let meta_bytes = bytes
+        .get(12..12 + meta_len)
+        .with_context(|| format!("{name} is truncated inside its header"))?;
+    let meta: CheckpointMeta = serde_json::from_slice(meta_bytes)
+        .with_context(|| format!("{name}: unreadable checkpoint header"))?;
+    let body = &bytes[12 + meta_len..];
+    let expected = (meta.model_len + meta.optim_len) as usize;
+    if body.len() != expected {
+        bail!(
+            "{name} is truncated or padded: the header announces {expected} payload bytes, the \
+             file holds {}",
+            body.len()
+        );
+    }
+    let (model, optim) = body.split_at(meta.model_len as usize);
+    let actual = digest(model, optim);
+    ensure!(
+        actual == meta.sha256,
+        "{name} is corrupted: SHA-256 of the payload is {actual}, the header says {}",
+        meta.sha256
+    );
+    Ok(Checkpoint {
+        model: model.to_vec(),
+        optim: optim.to_vec(),
+        meta,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta() -> CheckpointMeta {
+        CheckpointMeta {
+            epoch: 2,
+            step: 100,
+            seed: 7,
+            world_size: 2,
+            model: "cnn".into(),
+            model_len: 0,
+            optim_len: 0,
+            sha256: String::new(),
+        }
+    }
+
+    #[test]
+    fn round_trip_and_corruption_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = save(dir.path(), meta(), b"model-bytes", b"optim").unwrap();
+        let ck = load(&path).unwrap();
+        assert_eq!(ck.meta.epoch, 2);
+        assert_eq!(ck.model, b"model-bytes");
+        assert_eq!(ck.optim, b"optim");
+
+        let mut bytes = std::fs::read(&path).unwrap();
+        let n = bytes.len();
+        bytes[n - 2] ^= 0xff;
+        std::fs::write(&path, &bytes).unwrap();
+        let err = load(&path).unwrap_err().to_string();
+        assert!(err.contains("corrupted") && err.contains("checkpoint.ddpck"), "{err}");
+
+        std::fs::write(&path, &bytes[..n - 3]).unwrap();
+        let err = load(&path).unwrap_err().to_string();
+        assert!(err.contains("truncated"), "{err}");
+
+        std::fs::write(&path, b"garbage").unwrap();
+        let err = load(&path).unwrap_err().to_string();
+        assert!(err.contains("not a ddp-rs checkpoint"), "{err}");
+    }
+
+    #[test]
+    fn a_stray_temporary_file_does_not_replace_the_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), meta(), b"good", b"").unwrap();
+        // A crash mid-write leaves only a temporary file behind.
+        std::fs::write(dir.path().join("checkpoint.ddpck.999.tmp"), b"DDPCKPT1\x05").unwrap();
+        let ck = load(&checkpoint_path(dir.path())).unwrap();
+        assert_eq!(ck.model, b"good");
+    }
+}

@@ -1,0 +1,331 @@
+//! The trainers' settings: command-line flags (clap) over a TOML config file over defaults.
+//!
+//! Every setting is an `Option` in [`TrainArgs`], which is both the clap parser and the TOML
+//! schema (kebab-case keys, the flags' names), so precedence is a plain field-by-field merge:
+//! a flag given on the command line wins, then the config file's value, then the trainer's
+//! default.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use serde::{Deserialize, Serialize};
+
+/// The optimizer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OptimizerKind {
+    /// Adam (β = 0.9, 0.999; ε = 1e-8).
+    Adam,
+    /// SGD with momentum (`--momentum`).
+    Sgd,
+}
+
+/// How the learning rate grows with the world size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LrScaling {
+    /// The same learning rate at every world size.
+    None,
+    /// `lr × world_size` (Goyal et al.).
+    Linear,
+    /// `lr × √world_size`.
+    Sqrt,
+}
+
+/// The compute backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BackendKind {
+    /// burn's flex CPU backend.
+    Cpu,
+    /// burn-cuda on the GPU of `LOCAL_RANK` (needs a build with the `cuda` feature).
+    Cuda,
+}
+
+/// Gradient compression on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CompressionKind {
+    /// f32.
+    None,
+    /// bfloat16.
+    Bf16,
+    /// IEEE half.
+    F16,
+}
+
+/// Flags shared by `train-mnist` and `train-pima`; each may also come from `--config FILE`.
+#[derive(Debug, Clone, Default, PartialEq, Args, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct TrainArgs {
+    /// TOML file with any of these settings (kebab-case keys, as the flags); flags override it.
+    #[arg(long)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Number of epochs.
+    #[arg(long)]
+    pub epochs: Option<usize>,
+    /// Batch size per rank.
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Base learning rate (before world-size scaling).
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Optimizer.
+    #[arg(long, value_enum)]
+    pub optimizer: Option<OptimizerKind>,
+    /// Momentum of SGD.
+    #[arg(long)]
+    pub momentum: Option<f64>,
+    /// Learning-rate scaling with world size.
+    #[arg(long, value_enum)]
+    pub lr_scaling: Option<LrScaling>,
+    /// Seed of initialisation, shuffling and dropout.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Compute backend.
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendKind>,
+    /// Compute threads per rank (0: burn's default, all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Data-loader worker threads per rank (0: batches built in the training thread).
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Gradient bucket size in MiB.
+    #[arg(long)]
+    pub bucket_cap_mb: Option<f64>,
+    /// Gradient compression on the wire.
+    #[arg(long, value_enum)]
+    pub compression: Option<CompressionKind>,
+    /// Directory of the data set (MNIST: where the four files are or will be downloaded).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Directory of checkpoints (written by rank 0 every epoch and at the end).
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Continue from the checkpoint in the checkpoint directory.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub resume: Option<bool>,
+    /// Directory of metrics (CSV and TensorBoard event files).
+    #[arg(long)]
+    pub metrics_dir: Option<PathBuf>,
+    /// Where to write the final weights as safetensors with PyTorch's names.
+    #[arg(long)]
+    pub export: Option<PathBuf>,
+    /// Steps between progress lines.
+    #[arg(long)]
+    pub log_interval: Option<usize>,
+    /// Stop after this many optimizer steps in total (for short runs).
+    #[arg(long)]
+    pub max_steps: Option<u64>,
+    /// Use only the first N training samples.
+    #[arg(long)]
+    pub train_samples: Option<usize>,
+    /// Use only the first N test samples.
+    #[arg(long)]
+    pub test_samples: Option<usize>,
+    /// Let every rank print, not only rank 0.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub verbose: Option<bool>,
+    /// Print a JSON summary line at the end (for scripts).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub json: Option<bool>,
+}
+
+macro_rules! merge_fields {
+    ($over:expr, $under:expr; $($f:ident),*) => {
+        TrainArgs { config: $over.config.clone(), $($f: $over.$f.clone().or($under.$f.clone())),* }
+    };
+}
+
+impl TrainArgs {
+    /// `self`'s values where given, else `under`'s.
+    pub fn or(&self, under: &TrainArgs) -> TrainArgs {
+        merge_fields!(self, under; epochs, batch_size, lr, optimizer, momentum, lr_scaling, seed,
+            backend, threads, workers, bucket_cap_mb, compression, data_dir, checkpoint_dir,
+            resume, metrics_dir, export, log_interval, max_steps, train_samples, test_samples,
+            verbose, json)
+    }
+
+    /// Reads a TOML config file; unknown keys are errors naming the file.
+    pub fn from_file(path: &Path) -> Result<TrainArgs> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config file {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("config file {}", path.display()))
+    }
+
+    /// Flags over the config file (when `--config` is given) over `defaults`, resolved.
+    pub fn resolve(&self, defaults: &TrainArgs) -> Result<TrainConfig> {
+        let file = match &self.config {
+            Some(path) => TrainArgs::from_file(path)?,
+            None => TrainArgs::default(),
+        };
+        let a = self.or(&file).or(defaults);
+        let need = |name: &str| anyhow::anyhow!("no value for `{name}` (no flag, config or default)");
+        let cfg = TrainConfig {
+            epochs: a.epochs.ok_or_else(|| need("epochs"))?,
+            batch_size: a.batch_size.ok_or_else(|| need("batch-size"))?,
+            lr: a.lr.ok_or_else(|| need("lr"))?,
+            optimizer: a.optimizer.unwrap_or(OptimizerKind::Adam),
+            momentum: a.momentum.unwrap_or(0.9),
+            lr_scaling: a.lr_scaling.unwrap_or(LrScaling::None),
+            seed: a.seed.unwrap_or(0),
+            backend: a.backend.unwrap_or(BackendKind::Cpu),
+            threads: a.threads.unwrap_or(0),
+            workers: a.workers.unwrap_or(1),
+            bucket_cap_mb: a.bucket_cap_mb.unwrap_or(25.0),
+            compression: a.compression.unwrap_or(CompressionKind::None),
+            data_dir: a.data_dir,
+            checkpoint_dir: a.checkpoint_dir,
+            resume: a.resume.unwrap_or(false),
+            metrics_dir: a.metrics_dir,
+            export: a.export,
+            log_interval: a.log_interval.unwrap_or(50).max(1),
+            max_steps: a.max_steps,
+            train_samples: a.train_samples,
+            test_samples: a.test_samples,
+            verbose: a.verbose.unwrap_or(false),
+            json: a.json.unwrap_or(false),
+        };
+        if cfg.batch_size == 0 {
+            bail!("batch-size must be at least 1");
+        }
+        if !(cfg.lr > 0.0) {
+            bail!("lr must be positive (got {})", cfg.lr);
+        }
+        if cfg.resume && cfg.checkpoint_dir.is_none() {
+            bail!("--resume needs --checkpoint-dir");
+        }
+        Ok(cfg)
+    }
+}
+
+/// Resolved settings of a training run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrainConfig {
+    /// Number of epochs.
+    pub epochs: usize,
+    /// Batch size per rank.
+    pub batch_size: usize,
+    /// Base learning rate.
+    pub lr: f64,
+    /// Optimizer.
+    pub optimizer: OptimizerKind,
+    /// SGD momentum.
+    pub momentum: f64,
+    /// Learning-rate scaling with world size.
+    pub lr_scaling: LrScaling,
+    /// Seed.
+    pub seed: u64,
+    /// Backend.
+    pub backend: BackendKind,
+    /// Compute threads per rank (0 = default).
+    pub threads: usize,
+    /// Loader workers per rank.
+    pub workers: usize,
+    /// Gradient bucket size in MiB.
+    pub bucket_cap_mb: f64,
+    /// Gradient compression.
+    pub compression: CompressionKind,
+    /// Data directory.
+    pub data_dir: Option<PathBuf>,
+    /// Checkpoint directory.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Resume from the checkpoint directory.
+    pub resume: bool,
+    /// Metrics directory.
+    pub metrics_dir: Option<PathBuf>,
+    /// safetensors export path.
+    pub export: Option<PathBuf>,
+    /// Steps between progress lines.
+    pub log_interval: usize,
+    /// Total step limit.
+    pub max_steps: Option<u64>,
+    /// Training subset size.
+    pub train_samples: Option<usize>,
+    /// Test subset size.
+    pub test_samples: Option<usize>,
+    /// Every rank prints.
+    pub verbose: bool,
+    /// Print a JSON summary.
+    pub json: bool,
+}
+
+impl TrainConfig {
+    /// The learning rate after scaling for `world_size` ranks.
+    pub fn scaled_lr(&self, world_size: usize) -> f64 {
+        match self.lr_scaling {
+            LrScaling::None => self.lr,
+            LrScaling::Linear => self.lr * world_size as f64,
+            LrScaling::Sqrt => self.lr * (world_size as f64).sqrt(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: TrainArgs,
+    }
+
+    fn defaults() -> TrainArgs {
+        TrainArgs {
+            epochs: Some(3),
+            batch_size: Some(64),
+            lr: Some(1e-3),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn flags_override_the_file_which_overrides_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("train.toml");
+        std::fs::write(&file, "epochs = 7\nbatch-size = 32\noptimizer = \"sgd\"\n").unwrap();
+        let cli = Cli::parse_from([
+            "t",
+            "--config",
+            file.to_str().unwrap(),
+            "--batch-size",
+            "16",
+        ]);
+        let cfg = cli.args.resolve(&defaults()).unwrap();
+        assert_eq!(cfg.batch_size, 16); // flag
+        assert_eq!(cfg.epochs, 7); // file
+        assert_eq!(cfg.optimizer, OptimizerKind::Sgd); // file
+        assert_eq!(cfg.lr, 1e-3); // default
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_name_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("bad.toml");
+        std::fs::write(&file, "epoch = 7\n").unwrap();
+        let args = TrainArgs {
+            config: Some(file.clone()),
+            ..Default::default()
+        };
+        let err = format!("{:#}", args.resolve(&defaults()).unwrap_err());
+        assert!(err.contains("bad.toml") && err.contains("epoch"), "{err}");
+        let cli = Cli::parse_from(["t", "--batch-size", "0"]);
+        assert!(cli.args.resolve(&defaults()).is_err());
+    }
+
+    #[test]
+    fn lr_scaling() {
+        let mut cfg = Cli::parse_from(["t", "--lr-scaling", "linear"])
+            .args
+            .resolve(&defaults())
+            .unwrap();
+        assert_eq!(cfg.scaled_lr(4), 4e-3);
+        cfg.lr_scaling = LrScaling::Sqrt;
+        assert_eq!(cfg.scaled_lr(4), 2e-3);
+    }
+}

@@ -1,0 +1,467 @@
+//! The training loop shared by `train-mnist` and `train-pima`: a plain burn loop with the few
+//! lines DDP adds (wrap the model, set the sampler's epoch, sync the gradients), an exact
+//! evaluation over every test sample once, checkpoints and metrics on rank 0.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use burn::module::AutodiffModule;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamConfig, Optimizer, SgdConfig};
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ElementConversion;
+use ddp::{Compression, DdpConfig, DistributedDataParallel};
+use ddp_comm::{ProcessGroup, ReduceOp};
+use ddp_data::{BatchSource, DataLoader, DistributedSampler, LoaderConfig};
+use ddp_models::Classifier;
+use serde::Serialize;
+
+use crate::checkpoint::{self, CheckpointMeta};
+use crate::metrics::{EpochMetrics, MetricsWriter};
+use crate::options::{CompressionKind, OptimizerKind, TrainConfig};
+
+type Bytes = BinBytesRecorder<FullPrecisionSettings>;
+
+/// What a finished run reports (rank 0 prints it; every rank returns it).
+#[derive(Debug, Clone, Serialize)]
+pub struct RunSummary {
+    /// Model name.
+    pub model: String,
+    /// World size.
+    pub world_size: usize,
+    /// Epochs completed (including those before a resume).
+    pub epochs: usize,
+    /// Optimizer steps completed.
+    pub steps: u64,
+    /// Test accuracy after the last epoch.
+    pub test_accuracy: f64,
+    /// Correctly classified test samples after the last epoch.
+    pub test_correct: u64,
+    /// Test samples evaluated (each exactly once).
+    pub test_total: u64,
+    /// Mean training loss of the last epoch.
+    pub train_loss: f64,
+    /// Training samples per second over this run, all ranks together.
+    pub samples_per_sec: f64,
+    /// Seconds spent in gradient synchronisation on this rank.
+    pub comm_seconds: f64,
+    /// Wall time of this process's run, in seconds.
+    pub wall_seconds: f64,
+    /// Final parameters hash (FNV-1a of the f32 values), for reproducibility checks.
+    pub params_hash: String,
+    /// The checkpoint written last, if any.
+    pub checkpoint: Option<PathBuf>,
+    /// The safetensors export, if any.
+    pub export: Option<PathBuf>,
+    /// The metrics directory, if any.
+    pub metrics_dir: Option<PathBuf>,
+}
+
+/// A model, its data and its name: what a trainer hands to [`train`].
+pub struct Task<M, S> {
+    /// Short model name, stored in checkpoints (`cnn`, `mlp`, `pima-mlp`).
+    pub name: String,
+    /// The freshly initialised model (rank 0's values win at the start).
+    pub model: M,
+    /// Training set.
+    pub train: Arc<S>,
+    /// Test set.
+    pub test: Arc<S>,
+}
+
+/// Trains `task` with the settings in `cfg` on every rank of `pg`.
+pub fn train<B, M, S, const D: usize>(
+    cfg: &TrainConfig,
+    pg: Arc<ProcessGroup>,
+    device: B::Device,
+    task: Task<M, S>,
+) -> Result<RunSummary>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B> + Classifier<B, D>,
+    M::InnerModule: Classifier<B::InnerBackend, D>,
+    S: BatchSource<D> + 'static,
+{
+    match cfg.optimizer {
+        OptimizerKind::Adam => {
+            let optim = AdamConfig::new().with_epsilon(1e-8).init::<B, M>();
+            run(cfg, pg, device, task, optim)
+        }
+        OptimizerKind::Sgd => {
+            let momentum = (cfg.momentum > 0.0)
+                .then(|| MomentumConfig::new().with_momentum(cfg.momentum));
+            let optim = SgdConfig::new().with_momentum(momentum).init::<B, M>();
+            run(cfg, pg, device, task, optim)
+        }
+    }
+}
+
+/// Prints on rank 0, or on every rank with `--verbose`.
+struct Say {
+    on: bool,
+}
+
+impl Say {
+    fn line(&self, text: impl AsRef<str>) {
+        if self.on {
+            println!("{}", text.as_ref());
+        }
+    }
+}
+
+fn run<B, M, S, O, const D: usize>(
+    cfg: &TrainConfig,
+    pg: Arc<ProcessGroup>,
+    device: B::Device,
+    task: Task<M, S>,
+    mut optim: O,
+) -> Result<RunSummary>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B> + Classifier<B, D>,
+    M::InnerModule: Classifier<B::InnerBackend, D>,
+    S: BatchSource<D> + 'static,
+    O: Optimizer<M, B>,
+{
+    let started = Instant::now();
+    let (rank, world) = (pg.rank(), pg.world_size());
+    let say = Say {
+        on: rank == 0 || cfg.verbose,
+    };
+    let lr = cfg.scaled_lr(world);
+    let Task {
+        name,
+        mut model,
+        train,
+        test,
+    } = task;
+
+    // Resume: every rank reads the checkpoint (rank 0's values are broadcast anyway).
+    let mut start_epoch = 0;
+    let mut step: u64 = 0;
+    if cfg.resume {
+        let dir = cfg.checkpoint_dir.as_ref().context("--resume needs --checkpoint-dir")?;
+        let path = checkpoint::checkpoint_path(dir);
+        if path.exists() {
+            let ck = checkpoint::load(&path)?;
+            if ck.meta.model != name {
+                bail!(
+                    "{} holds a `{}` model, this run trains `{name}`",
+                    path.display(),
+                    ck.meta.model
+                );
+            }
+            let record = Recorder::<B>::load(&Bytes::default(), ck.model, &device)
+                .with_context(|| format!("{}: model record", path.display()))?;
+            model = model.load_record(record);
+            let record = Recorder::<B>::load(&Bytes::default(), ck.optim, &device)
+                .with_context(|| format!("{}: optimizer record", path.display()))?;
+            optim = optim.load_record(record);
+            start_epoch = ck.meta.epoch;
+            step = ck.meta.step;
+            say.line(format!(
+                "resuming from {} (epoch {}, step {})",
+                path.display(),
+                start_epoch,
+                step
+            ));
+        } else {
+            say.line(format!("no checkpoint at {}: starting fresh", path.display()));
+        }
+    }
+
+    let ddp_config = DdpConfig {
+        bucket_cap_mb: cfg.bucket_cap_mb,
+        compression: match cfg.compression {
+            CompressionKind::None => Compression::None,
+            CompressionKind::Bf16 => Compression::Bf16,
+            CompressionKind::F16 => Compression::F16,
+        },
+        ..DdpConfig::default()
+    };
+    let (wrapped, mut ddp) = DistributedDataParallel::new(model, pg.clone(), ddp_config)?;
+    model = wrapped;
+
+    let train_len = cfg.train_samples.map_or(train.len(), |n| n.min(train.len()));
+    let test_len = cfg.test_samples.map_or(test.len(), |n| n.min(test.len()));
+    let loader_config = LoaderConfig {
+        batch_size: cfg.batch_size,
+        num_workers: cfg.workers,
+        ..LoaderConfig::default()
+    };
+    let train_loader = DataLoader::<B, S, D>::new(train, loader_config, device.clone())?;
+    let test_loader =
+        DataLoader::<B::InnerBackend, S, D>::new(test, loader_config, device.clone())?;
+    let mut sampler = DistributedSampler::new(train_len, world, rank)?.with_seed(cfg.seed);
+    let eval_sampler = DistributedSampler::exact(test_len, world, rank)?;
+    let steps_per_epoch = train_loader.num_batches(sampler.num_samples());
+
+    say.line(format!(
+        "training {name}: world {world}, {train_len} training samples ({} per rank, {} steps per \
+         epoch), {test_len} test samples, batch {} per rank, lr {lr:e} ({:?} scaling), {:?}, \
+         {} epochs from epoch {}",
+        sampler.num_samples(),
+        steps_per_epoch,
+        cfg.batch_size,
+        cfg.lr_scaling,
+        cfg.optimizer,
+        cfg.epochs,
+        start_epoch + 1
+    ));
+
+    let mut metrics = match (&cfg.metrics_dir, rank) {
+        (Some(dir), 0) => Some(MetricsWriter::create(dir)?),
+        _ => None,
+    };
+    let mut summary = RunSummary {
+        model: name.clone(),
+        world_size: world,
+        epochs: start_epoch,
+        steps: step,
+        test_accuracy: 0.0,
+        test_correct: 0,
+        test_total: 0,
+        train_loss: f64::NAN,
+        samples_per_sec: 0.0,
+        comm_seconds: 0.0,
+        wall_seconds: 0.0,
+        params_hash: String::new(),
+        checkpoint: None,
+        export: None,
+        metrics_dir: cfg.metrics_dir.clone(),
+    };
+    let mut train_time = Duration::ZERO;
+    let mut samples_done: u64 = 0;
+    let at_limit = |step: u64| cfg.max_steps.is_some_and(|m| step >= m);
+
+    for epoch in start_epoch..cfg.epochs {
+        if at_limit(step) {
+            break;
+        }
+        sampler.set_epoch(epoch as u64);
+        // Dropout masks depend on (seed, epoch, rank) only, so a resumed run matches.
+        B::seed(&device, mix(cfg.seed, epoch as u64, rank as u64));
+        let epoch_start = Instant::now();
+        let bar = progress_bar(rank == 0, steps_per_epoch as u64, epoch + 1);
+        let mut loss_sum = 0.0;
+        let mut batches = 0usize;
+        let mut epoch_samples = 0u64;
+        for batch in train_loader.iter(sampler.indices())? {
+            if at_limit(step) {
+                break;
+            }
+            let n = batch.targets.dims()[0];
+            let (loss, _) = model.loss(batch.inputs, batch.targets);
+            let loss_value: f64 = loss.clone().into_scalar().elem();
+            let grads = ddp.backward(&model, loss)?;
+            model = optim.step(lr, model, grads);
+            step += 1;
+            batches += 1;
+            epoch_samples += n as u64;
+            loss_sum += loss_value;
+            if let Some(bar) = &bar {
+                bar.inc(1);
+                bar.set_message(format!("loss {loss_value:.4}"));
+            } else if step % cfg.log_interval as u64 == 0 {
+                say.line(format!(
+                    "epoch {} step {step} ({batches}/{steps_per_epoch}) loss {loss_value:.4}",
+                    epoch + 1
+                ));
+            }
+        }
+        if let Some(bar) = bar {
+            bar.finish_and_clear();
+        }
+        let elapsed = epoch_start.elapsed();
+        train_time += elapsed;
+        samples_done += epoch_samples;
+        let comm = ddp.take_stats();
+        summary.comm_seconds += comm.total().as_secs_f64();
+
+        let (correct, total, test_loss) = evaluate::<B, M, S, D>(&model, &test_loader, &eval_sampler, &pg)?;
+        let accuracy = correct as f64 / total.max(1) as f64;
+        let train_loss = loss_sum / batches.max(1) as f64;
+        let samples_per_sec = (epoch_samples * world as u64) as f64 / elapsed.as_secs_f64();
+        summary.epochs = epoch + 1;
+        summary.steps = step;
+        summary.test_accuracy = accuracy;
+        summary.test_correct = correct;
+        summary.test_total = total;
+        summary.train_loss = train_loss;
+        say.line(format!(
+            "epoch {}: train loss {train_loss:.4}, test accuracy {:.2}% ({correct}/{total}), \
+             test loss {test_loss:.4}, {samples_per_sec:.0} samples/s, {:.2} s in \
+             communication ({:.1}% of {:.1} s)",
+            epoch + 1,
+            100.0 * accuracy,
+            comm.total().as_secs_f64(),
+            100.0 * comm.total().as_secs_f64() / elapsed.as_secs_f64(),
+            elapsed.as_secs_f64()
+        ));
+        if let Some(m) = metrics.as_mut() {
+            m.write(&EpochMetrics {
+                epoch: epoch + 1,
+                step,
+                train_loss,
+                test_accuracy: accuracy,
+                test_loss,
+                samples_per_sec,
+                learning_rate: lr,
+                comm_seconds: comm.total().as_secs_f64(),
+            })?;
+        }
+        if let (Some(dir), 0) = (&cfg.checkpoint_dir, rank) {
+            let meta = CheckpointMeta {
+                epoch: epoch + 1,
+                step,
+                seed: cfg.seed,
+                world_size: world,
+                model: name.clone(),
+                model_len: 0,
+                optim_len: 0,
+                sha256: String::new(),
+            };
+            let model_bytes = Recorder::<B>::record(&Bytes::default(), model.clone().into_record(), ())?;
+            let optim_bytes = Recorder::<B>::record(&Bytes::default(), optim.to_record(), ())?;
+            summary.checkpoint = Some(checkpoint::save(dir, meta, &model_bytes, &optim_bytes)?);
+        }
+    }
+
+    summary.samples_per_sec = if train_time.is_zero() {
+        0.0
+    } else {
+        (samples_done * world as u64) as f64 / train_time.as_secs_f64()
+    };
+    let flat = ddp::flatten_params::<B, M>(&model);
+    summary.params_hash = format!("{:016x}", fnv1a_f32(&flat));
+    if let (Some(path), 0) = (&cfg.export, rank) {
+        ddp_models::export_safetensors::<B, M>(&model, path)
+            .with_context(|| format!("exporting weights to {}", path.display()))?;
+        summary.export = Some(path.clone());
+    }
+    // Nobody leaves before rank 0 has written its files.
+    pg.barrier()?;
+    summary.wall_seconds = started.elapsed().as_secs_f64();
+    say.line(format!(
+        "done: {} epochs, {} steps, test accuracy {:.2}% ({}/{}), {:.0} samples/s, {:.1} s{}{}{}",
+        summary.epochs,
+        summary.steps,
+        100.0 * summary.test_accuracy,
+        summary.test_correct,
+        summary.test_total,
+        summary.samples_per_sec,
+        summary.wall_seconds,
+        summary
+            .checkpoint
+            .as_ref()
+            .map(|p| format!("; checkpoint {}", p.display()))
+            .unwrap_or_default(),
+        summary
+            .export
+            .as_ref()
+            .map(|p| format!("; weights {}", p.display()))
+            .unwrap_or_default(),
+        summary
+            .metrics_dir
+            .as_ref()
+            .map(|p| format!("; metrics {}", p.display()))
+            .unwrap_or_default(),
+    ));
+    if cfg.json && (rank == 0 || cfg.verbose) {
+        println!("DDP_SUMMARY {}", serde_json::to_string(&summary)?);
+    }
+    Ok(summary)
+}
+
+/// Correct predictions, samples and mean loss over the whole test set: each rank evaluates its
+/// exact (unpadded) share, and the counts are summed across ranks.
+fn evaluate<B, M, S, const D: usize>(
+    model: &M,
+    loader: &DataLoader<B::InnerBackend, S, D>,
+    sampler: &DistributedSampler,
+    pg: &ProcessGroup,
+) -> Result<(u64, u64, f64)>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    M::InnerModule: Classifier<B::InnerBackend, D>,
+    S: BatchSource<D> + 'static,
+{
+    let eval = model.valid();
+    let (mut correct, mut total, mut loss_sum) = (0f64, 0f64, 0f64);
+    for batch in loader.iter(sampler.indices())? {
+        let n = batch.targets.dims()[0] as f64;
+        let (loss, output) = eval.loss(batch.inputs, batch.targets.clone());
+        let loss: f64 = loss.into_scalar().elem();
+        correct += eval.correct(&output, &batch.targets) as f64;
+        total += n;
+        loss_sum += loss * n;
+    }
+    let sums = pg.all_reduce(vec![correct, total, loss_sum], ReduceOp::Sum)?;
+    Ok((sums[0] as u64, sums[1] as u64, sums[2] / sums[1].max(1.0)))
+}
+
+fn progress_bar(rank0: bool, len: u64, epoch: usize) -> Option<indicatif::ProgressBar> {
+    if !rank0 || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "epoch {prefix} [{bar:30}] {pos}/{len} {per_sec} eta {eta} {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    bar.set_prefix(epoch.to_string());
+    Some(bar)
+}
+
+/// A seed for (seed, epoch, rank): splitmix64 of the three.
+fn mix(seed: u64, epoch: u64, rank: u64) -> u64 {
+    let mut z = seed ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ rank.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn fnv1a_f32(values: &[f32]) -> u64 {
+    values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+        v.to_bits()
+            .to_le_bytes()
+            .iter()
+            .fold(h, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3))
+    })
+}
+
+/// Compute threads for this rank: `threads` when given, else the cores divided among the
+/// local ranks (at least one), so that N ranks on one host do not oversubscribe it.
+pub fn threads_per_rank(threads: usize, local_world_size: usize) -> usize {
+    if threads > 0 {
+        return threads;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / local_world_size.max(1)).max(1)
+}
+
+/// Sizes burn's CPU thread pool (rayon's global pool). Call before any tensor work.
+pub fn set_compute_threads(threads: usize) -> Result<()> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .context("setting the compute thread pool")
+}
+
+/// Logging for the binaries: `RUST_LOG` drives tracing (warnings by default).
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}

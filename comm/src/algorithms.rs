@@ -1,0 +1,430 @@
+//! The collective algorithms, each one function over the transport's `send` and `recv`.
+//!
+//! # Ring all-reduce (large buffers)
+//!
+//! The N ranks form a ring: rank r sends to r+1 and receives from r-1 (mod N). The buffer is cut
+//! into N chunks of nearly equal length ([`chunk_range`]), and every chunk into segments of
+//! `segment_bytes` (1 MiB by default). The all-reduce is a reduce-scatter followed by an
+//! all-gather, N-1 steps each (Gloo's `allreduce_ring_chunked` has the same shape):
+//!
+//! * Reduce-scatter, step s = 0..N-2: rank r sends chunk (r - s) to the right and receives chunk
+//!   (r - s - 1) from the left, adding its own values to it. The chunk it receives at step s is
+//!   the one it sends at step s+1, so after N-1 steps chunk (r + 1) holds the contributions of
+//!   all N ranks, at rank r.
+//! * All-gather, step t = 0..N-2: rank r sends the finished chunk (r + 1 - t) to the right and
+//!   receives the finished chunk (r - t) from the left, which it forwards at the next step.
+//!
+//! Each byte crosses each link 2(N-1)/N times, the minimum for any all-reduce, whatever N is.
+//!
+//! The pipeline works segment by segment, not chunk by chunk: as soon as rank r has received and
+//! reduced segment k of a chunk, it queues that segment for the right neighbour (the writer thread
+//! of that link sends it while this thread receives and reduces segment k+1). Sends and receives
+//! on the two ring links are thus in flight together with the reduction, and the ring does not
+//! wait for whole chunks. Received segments are reduced *into the received buffer* (`incoming =
+//! incoming + mine`), copied into the result, and the very same buffer is queued to the right:
+//! one copy per segment, no extra allocation.
+//!
+//! The reduction order of every element is fixed: chunk c is summed as
+//! ((x_c + x_{c+1}) + x_{c+2}) + ... + x_{c-1} (ranks mod N), for every run with the same world
+//! size, length and segment size; and every rank ends up with the bytes computed once by the
+//! owning rank, so results are bit-identical across runs and across ranks. `Avg` divides the
+//! finished chunk once, at its owner, before the all-gather.
+//!
+//! # Direct exchange over the full mesh (small buffers)
+//!
+//! A ring needs 2(N-1) dependent message latencies; for small buffers latency dominates. Up to
+//! `small_allreduce_bytes` (256 KiB by default; the threshold is a knob, measured by the bench)
+//! every rank sends its whole buffer to every other rank at once, then reduces all N contributions
+//! in rank order 0, 1, ..., N-1: one message latency, (N-1)x the bytes, and again the same bits
+//! on every rank. The same direct pattern serves small reduce-scatters (each rank gets only its
+//! chunk from everyone), all-gathers, broadcasts (the root sends to everyone) and the barrier.
+//!
+//! # Other collectives
+//!
+//! * Reduce-scatter (large): the reduce-scatter half of the ring, shifted by one chunk so that
+//!   rank r ends with chunk r.
+//! * All-gather (large): the all-gather half of the ring over the N input blocks.
+//! * Broadcast (large): a pipelined chain root -> root+1 -> ... -> root-1, segment by segment;
+//!   every rank forwards a segment as soon as it has it, so the time is about one buffer transfer
+//!   plus N-2 segment transfers.
+//!
+//! Every frame carries the collective's fingerprint, and `recv` checks it and the payload's
+//! length; any mismatch fails the collective at once (see `wire.rs`).
+
+use std::ops::Range;
+
+use crate::element::{Element, ReduceOp};
+use crate::error::CommError;
+use crate::transport::{Buf, Mesh};
+use crate::wire::OpDesc;
+
+/// The balanced split of `len` elements into `world` chunks: chunk `index` of
+/// `chunk_range(len, world, index)`. The first `len % world` chunks are one element longer.
+///
+/// `reduce_scatter` returns chunk `rank` of the reduced buffer.
+///
+/// # Panics
+///
+/// If `world` is 0 or `index >= world`.
+pub fn chunk_range(len: usize, world: usize, index: usize) -> Range<usize> {
+    assert!(world > 0 && index < world, "chunk_range: index {index} of world {world}");
+    let base = len / world;
+    let extra = len % world;
+    let start = index * base + index.min(extra);
+    start..start + base + usize::from(index < extra)
+}
+
+/// Everything an algorithm needs: the mesh, the fingerprint of the running collective, tuning.
+pub(crate) struct Ctx<'a> {
+    pub mesh: &'a Mesh,
+    pub desc: OpDesc,
+    pub segment_bytes: usize,
+    pub small_bytes: usize,
+}
+
+impl Ctx<'_> {
+    fn rank(&self) -> usize {
+        self.mesh.rank
+    }
+    fn world(&self) -> usize {
+        self.mesh.world
+    }
+    fn right(&self) -> usize {
+        (self.rank() + 1) % self.world()
+    }
+    fn left(&self) -> usize {
+        (self.rank() + self.world() - 1) % self.world()
+    }
+    fn seg_elems<T>(&self) -> usize {
+        (self.segment_bytes / std::mem::size_of::<T>()).max(1)
+    }
+    fn send<T: Element>(&self, peer: usize, data: &[T]) -> Result<(), CommError> {
+        self.mesh.send(peer, &self.desc, Buf::from_slice(data))
+    }
+    fn forward(&self, peer: usize, buf: Buf) -> Result<(), CommError> {
+        self.mesh.send(peer, &self.desc, buf)
+    }
+    fn recv<T: Element>(&self, peer: usize, elems: usize) -> Result<Buf, CommError> {
+        self.mesh.recv(peer, &self.desc, elems * std::mem::size_of::<T>())
+    }
+    fn recv_into<T: Element>(&self, peer: usize, dst: &mut [T]) -> Result<(), CommError> {
+        let b = self.recv::<T>(peer, dst.len())?;
+        dst.copy_from_slice(b.as_slice());
+        Ok(())
+    }
+    fn peers(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.world()).filter(move |&p| p != self.rank())
+    }
+}
+
+/// The segments of `range`, each at most `seg` elements; always at least one (possibly empty)
+/// segment, so that every step of every collective exchanges at least one frame and so checks
+/// the fingerprint.
+fn segments(range: Range<usize>, seg: usize) -> impl Iterator<Item = Range<usize>> {
+    let n = range.len().div_ceil(seg).max(1);
+    (0..n).map(move |i| {
+        let s = range.start + i * seg;
+        s..(s + seg).min(range.end)
+    })
+}
+
+fn bytes_of<T>(len: usize) -> usize {
+    len.saturating_mul(std::mem::size_of::<T>())
+}
+
+/// Sum for `Avg` (divided at the end), the op itself otherwise.
+fn accumulate_op(op: ReduceOp) -> ReduceOp {
+    if op == ReduceOp::Avg {
+        ReduceOp::Sum
+    } else {
+        op
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// all_reduce
+
+pub(crate) fn all_reduce<T: Element>(cx: &Ctx, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+    if bytes_of::<T>(buf.len()) <= cx.small_bytes {
+        direct_all_reduce(cx, buf, op)
+    } else {
+        ring_reduce_scatter(cx, buf, op, 0, true)?;
+        let len = buf.len();
+        let n = cx.world();
+        ring_all_gather(cx, buf, |c| chunk_range(len, n, c), cx.rank() + 1, true)
+    }
+}
+
+fn direct_all_reduce<T: Element>(cx: &Ctx, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+    let seg = cx.seg_elems::<T>();
+    let all = 0..buf.len();
+    for p in cx.peers() {
+        for s in segments(all.clone(), seg) {
+            cx.send(p, &buf[s])?;
+        }
+    }
+    // buf becomes the accumulator, starting with rank 0's contribution.
+    let own = if cx.rank() != 0 { buf.to_vec() } else { Vec::new() };
+    if cx.rank() != 0 {
+        for s in segments(all.clone(), seg) {
+            cx.recv_into(0, &mut buf[s])?;
+        }
+    }
+    let acc_op = accumulate_op(op);
+    for p in 1..cx.world() {
+        if p == cx.rank() {
+            T::reduce_into(acc_op, buf, &own);
+        } else {
+            for s in segments(all.clone(), seg) {
+                let b = cx.recv::<T>(p, s.len())?;
+                T::reduce_into(acc_op, &mut buf[s], b.as_slice());
+            }
+        }
+    }
+    if op == ReduceOp::Avg {
+        T::divide(buf, cx.world());
+    }
+    Ok(())
+}
+
+/// The reduce-scatter half of the ring. At step s rank r sends chunk (r + shift - s) and
+/// receives chunk (r + shift - s - 1); it ends holding the finished chunk (r + shift + 1) (mod
+/// N). With `send_final`, each finished segment is queued to the right at once (step 0 of the
+/// all-gather that follows).
+fn ring_reduce_scatter<T: Element>(
+    cx: &Ctx,
+    buf: &mut [T],
+    op: ReduceOp,
+    shift: usize,
+    send_final: bool,
+) -> Result<(), CommError> {
+    let n = cx.world();
+    let r = cx.rank();
+    let len = buf.len();
+    let seg = cx.seg_elems::<T>();
+    let (left, right) = (cx.left(), cx.right());
+    let chunk = |c: usize| chunk_range(len, n, c % n);
+    let acc_op = accumulate_op(op);
+
+    for s in segments(chunk(r + shift), seg) {
+        cx.send(right, &buf[s])?;
+    }
+    for step in 0..n - 1 {
+        let c = (r + shift + 2 * n - step - 1) % n;
+        let last = step == n - 2;
+        for s in segments(chunk(c), seg) {
+            let mut incoming = cx.recv::<T>(left, s.len())?;
+            let acc = incoming.as_mut_slice::<T>();
+            T::reduce_into(acc_op, acc, &buf[s.clone()]);
+            if last && op == ReduceOp::Avg {
+                T::divide(acc, n);
+            }
+            buf[s].copy_from_slice(acc);
+            if !last || send_final {
+                cx.forward(right, incoming)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The all-gather half of the ring over blocks `block(0..N)` of `buf`: rank r starts owning
+/// block `own` (already sent to the right if `own_sent`); at step t it receives block
+/// (own - t - 1) from the left and forwards it, except at the last step.
+fn ring_all_gather<T: Element>(
+    cx: &Ctx,
+    buf: &mut [T],
+    block: impl Fn(usize) -> Range<usize>,
+    own: usize,
+    own_sent: bool,
+) -> Result<(), CommError> {
+    let n = cx.world();
+    let seg = cx.seg_elems::<T>();
+    let (left, right) = (cx.left(), cx.right());
+    if !own_sent {
+        for s in segments(block(own % n), seg) {
+            cx.send(right, &buf[s])?;
+        }
+    }
+    for step in 0..n - 1 {
+        let b = (own + 2 * n - step - 1) % n;
+        let forward = step < n - 2;
+        for s in segments(block(b), seg) {
+            let incoming = cx.recv::<T>(left, s.len())?;
+            buf[s].copy_from_slice(incoming.as_slice());
+            if forward {
+                cx.forward(right, incoming)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// reduce_scatter
+
+/// Reduces `buf` across ranks and returns this rank's chunk, `chunk_range(len, N, rank)`.
+pub(crate) fn reduce_scatter<T: Element>(cx: &Ctx, buf: &mut [T], op: ReduceOp) -> Result<Vec<T>, CommError> {
+    let n = cx.world();
+    let r = cx.rank();
+    let len = buf.len();
+    let mine = chunk_range(len, n, r);
+    if bytes_of::<T>(len) > cx.small_bytes {
+        // Shift by N-1 so that rank r ends with chunk r.
+        ring_reduce_scatter(cx, buf, op, n - 1, false)?;
+        return Ok(buf[mine].to_vec());
+    }
+    let seg = cx.seg_elems::<T>();
+    for p in cx.peers() {
+        for s in segments(chunk_range(len, n, p), seg) {
+            cx.send(p, &buf[s])?;
+        }
+    }
+    let own = &buf[mine.clone()];
+    let mut acc: Vec<T> = own.to_vec();
+    let local = |s: &Range<usize>| s.start - mine.start..s.end - mine.start;
+    if r != 0 {
+        for s in segments(mine.clone(), seg) {
+            cx.recv_into(0, &mut acc[local(&s)])?;
+        }
+    }
+    let acc_op = accumulate_op(op);
+    for p in 1..n {
+        if p == r {
+            T::reduce_into(acc_op, &mut acc, own);
+        } else {
+            for s in segments(mine.clone(), seg) {
+                let b = cx.recv::<T>(p, s.len())?;
+                T::reduce_into(acc_op, &mut acc[local(&s)], b.as_slice());
+            }
+        }
+    }
+    if op == ReduceOp::Avg {
+        T::divide(&mut acc, n);
+    }
+    Ok(acc)
+}
+
+// ---------------------------------------------------------------------------------------------
+// all_gather
+
+/// Concatenates every rank's `input` (equal lengths) in rank order.
+pub(crate) fn all_gather<T: Element>(cx: &Ctx, input: &[T]) -> Result<Vec<T>, CommError> {
+    let n = cx.world();
+    let r = cx.rank();
+    let l = input.len();
+    let total = l.checked_mul(n).ok_or_else(|| CommError::InvalidArgument {
+        rank: r,
+        op: cx.desc.to_string(),
+        message: format!("{l} elements times {n} ranks overflows"),
+    })?;
+    let mut out = vec![T::zeroed(); total];
+    out[r * l..(r + 1) * l].copy_from_slice(input);
+    let block = |b: usize| b * l..(b + 1) * l;
+    if bytes_of::<T>(total) > cx.small_bytes {
+        ring_all_gather(cx, &mut out, block, r, false)?;
+        return Ok(out);
+    }
+    let seg = cx.seg_elems::<T>();
+    for p in cx.peers() {
+        for s in segments(0..l, seg) {
+            cx.send(p, &input[s])?;
+        }
+    }
+    for p in cx.peers() {
+        for s in segments(block(p), seg) {
+            cx.recv_into(p, &mut out[s])?;
+        }
+    }
+    Ok(out)
+}
+
+// ---------------------------------------------------------------------------------------------
+// broadcast
+
+/// Overwrites `buf` on every rank with `root`'s `buf`.
+pub(crate) fn broadcast<T: Element>(cx: &Ctx, buf: &mut [T], root: usize) -> Result<(), CommError> {
+    let n = cx.world();
+    let r = cx.rank();
+    let seg = cx.seg_elems::<T>();
+    let all = 0..buf.len();
+    if bytes_of::<T>(buf.len()) <= cx.small_bytes {
+        if r == root {
+            for p in cx.peers() {
+                for s in segments(all.clone(), seg) {
+                    cx.send(p, &buf[s])?;
+                }
+            }
+        } else {
+            for s in segments(all, seg) {
+                cx.recv_into(root, &mut buf[s])?;
+            }
+        }
+        return Ok(());
+    }
+    // Pipelined chain root -> root+1 -> ... -> root-1.
+    let position = (r + n - root) % n;
+    if position == 0 {
+        for s in segments(all, seg) {
+            cx.send(cx.right(), &buf[s])?;
+        }
+    } else {
+        let last = position == n - 1;
+        for s in segments(all, seg) {
+            let incoming = cx.recv::<T>(cx.left(), s.len())?;
+            buf[s].copy_from_slice(incoming.as_slice());
+            if !last {
+                cx.forward(cx.right(), incoming)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// barrier
+
+/// Returns once every rank has entered the barrier: an empty frame to and from every peer.
+pub(crate) fn barrier(cx: &Ctx) -> Result<(), CommError> {
+    for p in cx.peers() {
+        cx.send::<u8>(p, &[])?;
+    }
+    for p in cx.peers() {
+        cx.recv::<u8>(p, 0)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_are_balanced_and_cover_everything() {
+        for len in 0..40 {
+            for world in 1..7 {
+                let mut next = 0;
+                for i in 0..world {
+                    let c = chunk_range(len, world, i);
+                    assert_eq!(c.start, next);
+                    assert!(c.len() == len / world || c.len() == len / world + 1);
+                    assert_eq!(c.len() == len / world + 1, i < len % world);
+                    next = c.end;
+                }
+                assert_eq!(next, len);
+            }
+        }
+        assert_eq!(chunk_range(10, 3, 0), 0..4);
+        assert_eq!(chunk_range(10, 3, 2), 7..10);
+    }
+
+    #[test]
+    fn segments_cover_the_range() {
+        let s: Vec<_> = segments(3..10, 3).collect();
+        assert_eq!(s, vec![3..6, 6..9, 9..10]);
+        let s: Vec<_> = segments(5..5, 3).collect();
+        assert_eq!(s, vec![5..5]);
+        let s: Vec<_> = segments(0..6, 3).collect();
+        assert_eq!(s, vec![0..3, 3..6]);
+    }
+}

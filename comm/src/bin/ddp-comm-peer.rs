@@ -1,0 +1,65 @@
+//! Test helper: joins a process group from the environment (RANK, WORLD_SIZE, MASTER_ADDR,
+//! MASTER_PORT, DDP_TIMEOUT, ...) and runs collectives in a loop, printing one line per step
+//! (`rank R step N ok`) and, on failure, `rank R error: <message>` before exiting with code 3.
+//!
+//! Used by comm's integration tests (a rank killed with SIGKILL, ...) and handy for trying a
+//! launcher: `ddprun --nproc-per-node 3 ddp-comm-peer`.
+//!
+//! Variables of its own: `PEER_STEPS` (default 20; 0 runs until an error), `PEER_ELEMS`
+//! (all-reduce length, default 100000), `PEER_SLEEP_MS` (pause between steps, default 0),
+//! `PEER_OP` (`all_reduce` (default) or `barrier`).
+
+use std::io::Write;
+use std::time::Duration;
+
+use ddp_comm::{ProcessGroup, ReduceOp};
+
+fn var(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn main() {
+    let steps = var("PEER_STEPS", 20);
+    let elems = var("PEER_ELEMS", 100_000) as usize;
+    let sleep = Duration::from_millis(var("PEER_SLEEP_MS", 0));
+    let op = std::env::var("PEER_OP").unwrap_or_else(|_| "all_reduce".into());
+    let pg = match ProcessGroup::from_env() {
+        Ok(pg) => pg,
+        Err(e) => {
+            println!("error: {e}");
+            std::process::exit(3);
+        }
+    };
+    let rank = pg.rank();
+    let world = pg.world_size();
+    let mut step = 0u64;
+    while steps == 0 || step < steps {
+        let result = if op == "barrier" {
+            pg.barrier()
+        } else {
+            let buf: Vec<f32> = (0..elems).map(|i| (i % 7) as f32 + rank as f32).collect();
+            pg.all_reduce(buf, ReduceOp::Sum).and_then(|out| {
+                let want = |i: usize| (world * (i % 7)) as f32 + (world * (world - 1) / 2) as f32;
+                match out.iter().enumerate().find(|(i, v)| **v != want(*i)) {
+                    None => Ok(()),
+                    Some((i, v)) => {
+                        println!("rank {rank} error: wrong value {v} at {i}, expected {}", want(i));
+                        std::process::exit(4);
+                    }
+                }
+            })
+        };
+        match result {
+            Ok(()) => println!("rank {rank} step {step} ok"),
+            Err(e) => {
+                println!("rank {rank} error: {e}");
+                let _ = std::io::stdout().flush();
+                std::process::exit(3);
+            }
+        }
+        let _ = std::io::stdout().flush();
+        step += 1;
+        std::thread::sleep(sleep);
+    }
+    println!("rank {rank} done");
+}

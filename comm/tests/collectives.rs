@@ -1,0 +1,521 @@
+//! Collectives on real sockets (127.0.0.1), one thread per rank: every op and dtype against a
+//! sequential reference that follows the documented reduction order, so results must match bit
+//! for bit (which also proves they are identical on all ranks and from run to run).
+
+mod common;
+
+use std::fmt::Debug;
+use std::time::{Duration, Instant};
+
+use common::{run_group, Rng};
+use ddp_comm::{chunk_range, CommError, Element, ProcessGroup, ReduceOp};
+use half::{bf16, f16};
+
+const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max];
+
+trait TestElem: Element + Debug + PartialEq {
+    fn random(rng: &mut Rng) -> Self;
+}
+impl TestElem for f32 {
+    fn random(rng: &mut Rng) -> Self {
+        (rng.unit() * 100.0) as f32
+    }
+}
+impl TestElem for f64 {
+    fn random(rng: &mut Rng) -> Self {
+        rng.unit() * 100.0
+    }
+}
+impl TestElem for bf16 {
+    fn random(rng: &mut Rng) -> Self {
+        bf16::from_f64(rng.unit() * 10.0)
+    }
+}
+impl TestElem for f16 {
+    fn random(rng: &mut Rng) -> Self {
+        f16::from_f64(rng.unit() * 10.0)
+    }
+}
+impl TestElem for i32 {
+    fn random(rng: &mut Rng) -> Self {
+        (rng.next_u64() % 2_000_001) as i32 - 1_000_000
+    }
+}
+impl TestElem for i64 {
+    fn random(rng: &mut Rng) -> Self {
+        rng.next_u64() as i64 // sums wrap
+    }
+}
+impl TestElem for u8 {
+    fn random(rng: &mut Rng) -> Self {
+        rng.next_u64() as u8
+    }
+}
+
+fn inputs<T: TestElem>(world: usize, len: usize, seed: u64) -> Vec<Vec<T>> {
+    (0..world)
+        .map(|r| {
+            let mut rng = Rng::new(seed * 1000 + r as u64 + 1);
+            (0..len).map(|_| T::random(&mut rng)).collect()
+        })
+        .collect()
+}
+
+fn acc_op(op: ReduceOp) -> ReduceOp {
+    if op == ReduceOp::Avg {
+        ReduceOp::Sum
+    } else {
+        op
+    }
+}
+
+/// Reduces `xs[order[0]][range], xs[order[1]][range], ...` left to right.
+fn fold<T: TestElem>(xs: &[Vec<T>], order: impl Iterator<Item = usize>, range: std::ops::Range<usize>, op: ReduceOp) -> Vec<T> {
+    let mut order = order;
+    let mut acc = xs[order.next().unwrap()][range.clone()].to_vec();
+    for r in order {
+        T::reduce_into(acc_op(op), &mut acc, &xs[r][range.clone()]);
+    }
+    if op == ReduceOp::Avg {
+        T::divide(&mut acc, xs.len());
+    }
+    acc
+}
+
+/// The documented result of all_reduce: rank order 0..N for the direct path; for the ring,
+/// chunk c summed from rank c around the ring.
+fn reference_all_reduce<T: TestElem>(xs: &[Vec<T>], op: ReduceOp, direct: bool) -> Vec<T> {
+    let n = xs.len();
+    let len = xs[0].len();
+    if direct || n == 1 {
+        return fold(xs, 0..n, 0..len, op);
+    }
+    let mut out = Vec::with_capacity(len);
+    for c in 0..n {
+        out.extend(fold(xs, (0..n).map(|k| (c + k) % n), chunk_range(len, n, c), op));
+    }
+    out
+}
+
+/// The documented result of reduce_scatter at `rank`: rank order for the direct path; for the
+/// ring, chunk c summed from rank c+1 around the ring, ending with rank c.
+fn reference_reduce_scatter<T: TestElem>(xs: &[Vec<T>], op: ReduceOp, direct: bool, rank: usize) -> Vec<T> {
+    let n = xs.len();
+    let range = chunk_range(xs[0].len(), n, rank);
+    if direct || n == 1 {
+        fold(xs, 0..n, range, op)
+    } else {
+        fold(xs, (1..=n).map(|k| (rank + k) % n), range, op)
+    }
+}
+
+fn assert_bits<T: TestElem>(got: &[T], want: &[T], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let g: &[u8] = bytemuck::cast_slice(got);
+    let w: &[u8] = bytemuck::cast_slice(want);
+    if g != w {
+        let i = got.iter().zip(want).position(|(a, b)| bytemuck::bytes_of(a) != bytemuck::bytes_of(b)).unwrap();
+        panic!("{what}: element {i} is {:?}, expected {:?}", got[i], want[i]);
+    }
+}
+
+/// Runs every collective over `T` for several lengths on this rank and checks it.
+fn check_dtype<T: TestElem>(pg: &ProcessGroup, small: usize, lens: &[usize], seed: u64) {
+    let (rank, n) = (pg.rank(), pg.world_size());
+    let name = T::DTYPE.name();
+    for (li, &len) in lens.iter().enumerate() {
+        let xs = inputs::<T>(n, len, seed + li as u64);
+        let direct = len * std::mem::size_of::<T>() <= small;
+        for op in OPS {
+            let what = format!("world {n} rank {rank}: all_reduce {len} {name} {op:?}");
+            let out = pg.all_reduce(xs[rank].clone(), op).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_bits(&out, &reference_all_reduce(&xs, op, direct), &what);
+
+            let what = format!("world {n} rank {rank}: reduce_scatter {len} {name} {op:?}");
+            let out = pg.reduce_scatter(xs[rank].clone(), op).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_bits(&out, &reference_reduce_scatter(&xs, op, direct, rank), &what);
+        }
+        let what = format!("world {n} rank {rank}: all_gather {len} {name}");
+        let out = pg.all_gather(xs[rank].clone()).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_bits(&out, &xs.concat(), &what);
+        for root in 0..n {
+            let what = format!("world {n} rank {rank}: broadcast {len} {name} from {root}");
+            let out = pg.broadcast(xs[rank].clone(), root).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_bits(&out, &xs[root], &what);
+        }
+    }
+    pg.barrier().unwrap();
+}
+
+fn check_everything(world: usize, small: usize, segment: usize) {
+    // 0 elements, 1 and 2 (fewer than the ranks), lengths not divisible by the world size, and
+    // enough for several segments of `segment` bytes.
+    let lens = [0usize, 1, 2, 7, 64, 301];
+    run_group(
+        world,
+        |_, b| b.small_allreduce_bytes(small).segment_bytes(segment),
+        |_, pg| {
+            check_dtype::<f32>(&pg, small, &lens, 1);
+            check_dtype::<f64>(&pg, small, &lens, 2);
+            check_dtype::<bf16>(&pg, small, &lens, 3);
+            check_dtype::<f16>(&pg, small, &lens, 4);
+            check_dtype::<i32>(&pg, small, &lens, 5);
+            check_dtype::<i64>(&pg, small, &lens, 6);
+            check_dtype::<u8>(&pg, small, &lens, 7);
+        },
+    );
+}
+
+#[test]
+fn every_op_and_dtype_world_1() {
+    check_everything(1, 1 << 20, 64);
+}
+
+#[test]
+fn every_op_and_dtype_world_2_direct_and_ring() {
+    check_everything(2, usize::MAX, 64);
+    check_everything(2, 0, 64);
+}
+
+#[test]
+fn every_op_and_dtype_world_3_direct_and_ring() {
+    check_everything(3, usize::MAX, 64);
+    check_everything(3, 0, 64);
+}
+
+#[test]
+fn every_op_and_dtype_world_4_direct_and_ring() {
+    check_everything(4, usize::MAX, 48);
+    check_everything(4, 0, 48);
+}
+
+#[test]
+fn every_op_and_dtype_world_5_direct_and_ring() {
+    check_everything(5, usize::MAX, 40);
+    check_everything(5, 0, 40);
+}
+
+#[test]
+fn integer_results_are_exact() {
+    // An independent check of the arithmetic (not of the order): small integers, plain math.
+    let out = run_group(
+        3,
+        |_, b| b.small_allreduce_bytes(0).segment_bytes(16),
+        |rank, pg| {
+            let buf: Vec<f32> = (0..50).map(|i| (i * (rank + 1)) as f32).collect();
+            let sum = pg.all_reduce(buf.clone(), ReduceOp::Sum).unwrap();
+            let avg = pg.all_reduce(buf.clone(), ReduceOp::Avg).unwrap();
+            let max = pg.all_reduce(buf.clone(), ReduceOp::Max).unwrap();
+            let min = pg.all_reduce(buf, ReduceOp::Min).unwrap();
+            let ints = pg.all_reduce(vec![rank as i32 * 7 + 1; 5], ReduceOp::Avg).unwrap();
+            (sum, avg, max, min, ints)
+        },
+    );
+    for (sum, avg, max, min, ints) in out {
+        for i in 0..50 {
+            assert_eq!(sum[i], (6 * i) as f32);
+            assert_eq!(avg[i], (2 * i) as f32);
+            assert_eq!(max[i], (3 * i) as f32);
+            assert_eq!(min[i], i as f32);
+        }
+        assert_eq!(ints, vec![(1 + 8 + 15) / 3; 5]);
+    }
+}
+
+#[test]
+fn large_buffers_use_the_pipelined_ring_and_are_bit_identical() {
+    // Default tuning: 1 MiB segments, so an 8 MiB buffer in 2 chunks has 4 segments per chunk.
+    let len = 2 * (1 << 20) + 3;
+    let xs = inputs::<f32>(2, len, 42);
+    let want = reference_all_reduce(&xs, ReduceOp::Sum, false);
+    let outs = run_group(2, |_, b| b, |rank, pg| pg.all_reduce(xs[rank].clone(), ReduceOp::Sum).unwrap());
+    for out in &outs {
+        assert_bits(out, &want, "8 MiB all_reduce, world 2");
+    }
+
+    // World 4 with 64 KiB segments: many segments in flight per chunk; twice in one group and
+    // once more in a new group, every time the same bits.
+    let len = 3 * (1 << 18) + 5;
+    let xs = inputs::<f32>(4, len, 43);
+    let hs = inputs::<bf16>(4, len, 44);
+    let want = reference_all_reduce(&xs, ReduceOp::Avg, false);
+    let want_h = reference_all_reduce(&hs, ReduceOp::Sum, false);
+    let want_rs = reference_reduce_scatter(&xs, ReduceOp::Sum, false, 0);
+    for _ in 0..2 {
+        let outs = run_group(
+            4,
+            |_, b| b.segment_bytes(64 << 10),
+            |rank, pg| {
+                let a = pg.all_reduce(xs[rank].clone(), ReduceOp::Avg).unwrap();
+                let b = pg.all_reduce(xs[rank].clone(), ReduceOp::Avg).unwrap();
+                let h = pg.all_reduce(hs[rank].clone(), ReduceOp::Sum).unwrap();
+                let rs = pg.reduce_scatter(xs[rank].clone(), ReduceOp::Sum).unwrap();
+                let g = pg.all_gather(xs[rank][..100_000].to_vec()).unwrap();
+                let bc = pg.broadcast(xs[rank].clone(), 3).unwrap();
+                (a, b, h, rs, g, bc)
+            },
+        );
+        for (rank, (a, b, h, rs, g, bc)) in outs.iter().enumerate() {
+            assert_bits(a, &want, "avg, first run");
+            assert_bits(b, &want, "avg, second run");
+            assert_bits(h, &want_h, "bf16 sum");
+            if rank == 0 {
+                assert_bits(rs, &want_rs, "reduce_scatter");
+            }
+            let gathered: Vec<f32> = xs.iter().flat_map(|x| x[..100_000].iter().copied()).collect();
+            assert_bits(g, &gathered, "all_gather");
+            assert_bits(bc, &xs[3], "broadcast");
+        }
+    }
+}
+
+#[test]
+fn async_work_runs_in_submission_order() {
+    let outs = run_group(
+        3,
+        |_, b| b.segment_bytes(4096),
+        |rank, pg| {
+            let big: Vec<f32> = vec![rank as f32 + 1.0; 300_000];
+            let a = pg.submit_all_reduce(big, ReduceOp::Sum);
+            let b = pg.submit_broadcast(vec![rank as u8; 10], 2);
+            let c = pg.submit_all_gather(vec![rank as i64; 2]);
+            let d = pg.submit_barrier();
+            let e = pg.submit_reduce_scatter(vec![1.0f64; 7], ReduceOp::Sum);
+            let f = pg.submit_all_reduce(vec![rank as i32], ReduceOp::Max);
+            // Wait for the last first: everything before it must be complete by then.
+            let f = f.wait().unwrap();
+            assert!(a.is_completed() && b.is_completed() && c.is_completed());
+            assert!(d.is_completed() && e.is_completed());
+            let e = e.wait().unwrap();
+            d.wait().unwrap();
+            let c = c.wait().unwrap();
+            let b = b.wait().unwrap();
+            let a = a.wait().unwrap();
+            (a, b, c, e, f)
+        },
+    );
+    for (rank, (a, b, c, e, f)) in outs.into_iter().enumerate() {
+        assert!(a.iter().all(|&x| x == 6.0));
+        assert_eq!(b, vec![2u8; 10]);
+        assert_eq!(c, vec![0, 0, 1, 1, 2, 2]);
+        assert_eq!(e, vec![3.0; chunk_range(7, 3, rank).len()]);
+        assert_eq!(f, vec![2]);
+    }
+}
+
+#[test]
+fn world_size_one_needs_nothing() {
+    let pg = ProcessGroup::builder().no_env().build().unwrap();
+    assert_eq!((pg.rank(), pg.world_size(), pg.local_rank(), pg.local_world_size()), (0, 1, 0, 1));
+    assert!(pg.store().is_none());
+    assert_eq!(pg.all_reduce(vec![3.0f32, 4.0], ReduceOp::Avg).unwrap(), [3.0, 4.0]);
+    assert_eq!(pg.reduce_scatter(vec![1u8, 2, 3], ReduceOp::Sum).unwrap(), [1, 2, 3]);
+    assert_eq!(pg.all_gather(vec![5i64]).unwrap(), [5]);
+    assert_eq!(pg.broadcast(vec![bf16::ONE], 0).unwrap(), [bf16::ONE]);
+    pg.barrier().unwrap();
+    let err = pg.broadcast(vec![1.0f32], 1).unwrap_err();
+    assert!(err.to_string().contains("root 1"), "{err}");
+    let w = pg.submit_all_reduce(vec![1.0f64], ReduceOp::Sum);
+    assert!(w.is_completed());
+    assert_eq!(w.wait().unwrap(), [1.0]);
+}
+
+#[test]
+fn store_is_usable_and_matching_tokens_work() {
+    let outs = run_group(
+        3,
+        |_, b| b.token("s3cret"),
+        |rank, pg| {
+            let store = pg.store().unwrap();
+            store.set(&format!("test/{rank}"), &[rank as u8]).unwrap();
+            let n = store.add("test/count", 1).unwrap();
+            store.wait(&["test/0", "test/1", "test/2"]).unwrap();
+            let v = store.get("test/2").unwrap();
+            pg.barrier().unwrap();
+            let total = store.add("test/count", 0).unwrap();
+            (n, v, total, pg.all_reduce(vec![1u8], ReduceOp::Sum).unwrap())
+        },
+    );
+    let mut ns: Vec<i64> = outs.iter().map(|o| o.0).collect();
+    ns.sort();
+    assert_eq!(ns, [1, 2, 3]);
+    for (_, v, total, sum) in outs {
+        assert_eq!((v, total, sum), (vec![2], 3, vec![3]));
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Errors
+
+fn message(r: &Result<impl Debug, CommError>) -> String {
+    match r {
+        Ok(v) => panic!("expected an error, got {v:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn mismatched_collectives_fail_on_both_ranks_naming_both() {
+    let outs = run_group(
+        2,
+        |_, b| b,
+        |rank, pg| {
+            let t = Instant::now();
+            let first = if rank == 0 {
+                pg.all_reduce(vec![0f32; 4096], ReduceOp::Sum).map(|_| ())
+            } else {
+                pg.broadcast(vec![0f32; 10], 0).map(|_| ())
+            };
+            let later = pg.barrier();
+            (first, later, t.elapsed())
+        },
+    );
+    for (rank, (first, later, took)) in outs.iter().enumerate() {
+        let msg = message(first);
+        assert!(msg.contains("all_reduce #0 (4096 f32, sum)"), "rank {rank}: {msg}");
+        assert!(msg.contains("broadcast #0 (10 f32, root 0)"), "rank {rank}: {msg}");
+        assert!(msg.contains("rank 1 is in broadcast") && msg.contains("rank 0 sent all_reduce"), "rank {rank}: {msg}");
+        assert!(*took < Duration::from_secs(5), "rank {rank} took {took:?}");
+        // Every later operation fails too, with the same root cause.
+        let later = message(later);
+        assert!(later.contains("barrier #1") && later.contains("failed earlier"), "{later}");
+    }
+
+    // A rank that skips a collective: the sequence numbers differ.
+    let outs = run_group(
+        2,
+        |_, b| b,
+        |rank, pg| {
+            if rank == 0 {
+                pg.barrier().unwrap_err();
+            }
+            pg.all_reduce(vec![1i64; 3], ReduceOp::Max).map(|_| ())
+        },
+    );
+    let msg = message(&outs[1]);
+    assert!(msg.contains("all_reduce #0") && msg.contains("barrier #0"), "{msg}");
+    // Same op and sequence, different length or type.
+    let outs = run_group(
+        2,
+        |_, b| b,
+        |rank, pg| {
+            if rank == 0 {
+                pg.all_reduce(vec![1i64; 3], ReduceOp::Sum).map(|_| ())
+            } else {
+                pg.all_reduce(vec![1f64; 4], ReduceOp::Sum).map(|_| ())
+            }
+        },
+    );
+    for out in &outs {
+        let msg = message(out);
+        assert!(msg.contains("(3 i64, sum)") && msg.contains("(4 f64, sum)"), "{msg}");
+    }
+}
+
+#[test]
+fn a_silent_rank_is_named_after_the_deadline() {
+    let outs = run_group(
+        3,
+        |_, b| b.timeout(Duration::from_millis(1500)),
+        |rank, pg| {
+            let t = Instant::now();
+            if rank == 2 {
+                std::thread::sleep(Duration::from_millis(2500));
+            }
+            (pg.all_reduce(vec![1f32; 100], ReduceOp::Sum), t.elapsed())
+        },
+    );
+    for (rank, (r, took)) in outs.iter().enumerate().take(2) {
+        let msg = message(r);
+        assert!(msg.contains("rank 2") && msg.contains("all_reduce #0"), "rank {rank}: {msg}");
+        assert!(*took >= Duration::from_millis(1400) && *took < Duration::from_secs(6), "rank {rank}: {took:?}");
+    }
+    // The silent rank learns of the failure too (the others aborted).
+    assert!(outs[2].0.is_err());
+}
+
+#[test]
+fn a_rank_that_leaves_early_is_named() {
+    let outs = run_group(
+        3,
+        |_, b| b,
+        |rank, pg| {
+            if rank == 1 {
+                drop(pg);
+                return None;
+            }
+            let t = Instant::now();
+            Some((pg.all_reduce(vec![1f32; 10], ReduceOp::Sum), t.elapsed()))
+        },
+    );
+    for (r, took) in outs.into_iter().flatten() {
+        let msg = message(&r);
+        assert!(msg.contains("rank 1") && msg.contains("all_reduce #0"), "{msg}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        assert_eq!(r.unwrap_err().peer(), Some(1));
+    }
+}
+
+#[test]
+fn a_wrong_token_is_refused() {
+    let outs = common::try_group(
+        2,
+        |rank, b| {
+            b.token(if rank == 0 { "right" } else { "wrong" })
+                .connect_timeout(Duration::from_secs(2))
+        },
+        |_, r| r.map(|pg| pg.rank()),
+    );
+    let msg = message(&outs[1]);
+    assert!(msg.contains("token mismatch") && msg.contains("127.0.0.1:"), "{msg}");
+    let msg = message(&outs[0]);
+    assert!(msg.contains("rank 0"), "{msg}");
+}
+
+#[test]
+fn connect_deadline_names_the_address() {
+    let port = common::closed_port();
+    let t = Instant::now();
+    let r = ProcessGroup::builder()
+        .no_env()
+        .rank(1)
+        .world_size(2)
+        .master_addr("127.0.0.1")
+        .master_port(port)
+        .connect_timeout(Duration::from_millis(500))
+        .build();
+    let msg = message(&r);
+    assert!(msg.contains(&format!("127.0.0.1:{port}")) && msg.contains("rendezvous store"), "{msg}");
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+}
+
+#[test]
+fn master_port_in_use_is_reported() {
+    let holder = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = holder.local_addr().unwrap().port();
+    let r = ProcessGroup::builder()
+        .no_env()
+        .rank(0)
+        .world_size(2)
+        .master_addr("127.0.0.1")
+        .master_port(port)
+        .connect_timeout(Duration::from_secs(2))
+        .build();
+    let msg = message(&r);
+    assert!(msg.contains("already in use") && msg.contains(&port.to_string()), "{msg}");
+    assert!(matches!(r.unwrap_err(), CommError::AddrInUse { .. }));
+}
+
+#[test]
+fn invalid_environment_values_name_the_variable() {
+    let env = |pairs: &'static [(&'static str, &'static str)]| {
+        move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    };
+    let err = ddp_comm::GroupConfig::from_vars(env(&[("RANK", "2"), ("WORLD_SIZE", "2")])).unwrap_err();
+    assert!(err.to_string().contains("RANK=2"), "{err}");
+    let err = ddp_comm::GroupConfig::from_vars(env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "abc")]))
+        .unwrap_err();
+    assert!(err.to_string().contains("MASTER_PORT"), "{err}");
+    let c = ddp_comm::GroupConfig::from_vars(env(&[])).unwrap();
+    assert_eq!((c.rank, c.world_size), (0, 1));
+}
