@@ -67,7 +67,10 @@ use crate::wire::OpDesc;
 ///
 /// If `world` is 0 or `index >= world`.
 pub fn chunk_range(len: usize, world: usize, index: usize) -> Range<usize> {
-    assert!(world > 0 && index < world, "chunk_range: index {index} of world {world}");
+    assert!(
+        world > 0 && index < world,
+        "chunk_range: index {index} of world {world}"
+    );
     let base = len / world;
     let extra = len % world;
     let start = index * base + index.min(extra);
@@ -99,13 +102,14 @@ impl Ctx<'_> {
         (self.segment_bytes / std::mem::size_of::<T>()).max(1)
     }
     fn send<T: Element>(&self, peer: usize, data: &[T]) -> Result<(), CommError> {
-        self.mesh.send(peer, &self.desc, Buf::from_slice(data))
+        self.mesh.send(peer, &self.desc, self.mesh.copy_of(data))
     }
     fn forward(&self, peer: usize, buf: Buf) -> Result<(), CommError> {
         self.mesh.send(peer, &self.desc, buf)
     }
     fn recv<T: Element>(&self, peer: usize, elems: usize) -> Result<Buf, CommError> {
-        self.mesh.recv(peer, &self.desc, elems * std::mem::size_of::<T>())
+        self.mesh
+            .recv(peer, &self.desc, elems * std::mem::size_of::<T>())
     }
     fn recv_into<T: Element>(&self, peer: usize, dst: &mut [T]) -> Result<(), CommError> {
         let b = self.recv::<T>(peer, dst.len())?;
@@ -144,7 +148,11 @@ fn accumulate_op(op: ReduceOp) -> ReduceOp {
 // ---------------------------------------------------------------------------------------------
 // all_reduce
 
-pub(crate) fn all_reduce<T: Element>(cx: &Ctx, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+pub(crate) fn all_reduce<T: Element>(
+    cx: &Ctx,
+    buf: &mut [T],
+    op: ReduceOp,
+) -> Result<(), CommError> {
     if bytes_of::<T>(buf.len()) <= cx.small_bytes {
         direct_all_reduce(cx, buf, op)
     } else {
@@ -164,7 +172,11 @@ fn direct_all_reduce<T: Element>(cx: &Ctx, buf: &mut [T], op: ReduceOp) -> Resul
         }
     }
     // buf becomes the accumulator, starting with rank 0's contribution.
-    let own = if cx.rank() != 0 { buf.to_vec() } else { Vec::new() };
+    let own = if cx.rank() != 0 {
+        buf.to_vec()
+    } else {
+        Vec::new()
+    };
     if cx.rank() != 0 {
         for s in segments(all.clone(), seg) {
             cx.recv_into(0, &mut buf[s])?;
@@ -264,7 +276,11 @@ fn ring_all_gather<T: Element>(
 // reduce_scatter
 
 /// Reduces `buf` across ranks and returns this rank's chunk, `chunk_range(len, N, rank)`.
-pub(crate) fn reduce_scatter<T: Element>(cx: &Ctx, buf: &mut [T], op: ReduceOp) -> Result<Vec<T>, CommError> {
+pub(crate) fn reduce_scatter<T: Element>(
+    cx: &Ctx,
+    buf: &mut [T],
+    op: ReduceOp,
+) -> Result<Vec<T>, CommError> {
     let n = cx.world();
     let r = cx.rank();
     let len = buf.len();

@@ -233,9 +233,11 @@ fn parse_var<T: std::str::FromStr>(
 ) -> Result<Option<T>, CommError> {
     match env(var) {
         None => Ok(None),
-        Some(raw) => raw.trim().parse::<T>().map(Some).map_err(|_| {
-            CommError::config(var, format!("{var}={raw:?} is not {what}"))
-        }),
+        Some(raw) => raw
+            .trim()
+            .parse::<T>()
+            .map(Some)
+            .map_err(|_| CommError::config(var, format!("{var}={raw:?} is not {what}"))),
     }
 }
 
@@ -248,7 +250,10 @@ fn parse_seconds(
         Some(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Some(Duration::from_secs_f64(s))),
         Some(_) => Err(CommError::config(
             var,
-            format!("{var}={:?} must be a positive number of seconds", env(var).unwrap_or_default()),
+            format!(
+                "{var}={:?} must be a positive number of seconds",
+                env(var).unwrap_or_default()
+            ),
         )),
     }
 }
@@ -281,7 +286,10 @@ fn pick<T>(
     None
 }
 
-fn resolve(b: &GroupBuilder, env: &dyn Fn(&str) -> Option<String>) -> Result<GroupConfig, CommError> {
+fn resolve(
+    b: &GroupBuilder,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<GroupConfig, CommError> {
     let torch = env("RANK").is_some() || env("WORLD_SIZE").is_some();
     let slurm = !torch && env("SLURM_PROCID").is_some() && env("SLURM_NTASKS").is_some();
     let num = "a non-negative integer";
@@ -299,8 +307,14 @@ fn resolve(b: &GroupBuilder, env: &dyn Fn(&str) -> Option<String>) -> Result<Gro
         b.world_size,
         "world_size",
         vec![
-            (read(b.world_size.is_some(), "WORLD_SIZE", torch)?, "WORLD_SIZE"),
-            (read(b.world_size.is_some(), "SLURM_NTASKS", slurm)?, "SLURM_NTASKS"),
+            (
+                read(b.world_size.is_some(), "WORLD_SIZE", torch)?,
+                "WORLD_SIZE",
+            ),
+            (
+                read(b.world_size.is_some(), "SLURM_NTASKS", slurm)?,
+                "SLURM_NTASKS",
+            ),
         ],
     )
     .unwrap_or(Sourced {
@@ -318,7 +332,10 @@ fn resolve(b: &GroupBuilder, env: &dyn Fn(&str) -> Option<String>) -> Result<Gro
         "rank",
         vec![
             (read(b.rank.is_some(), "RANK", torch)?, "RANK"),
-            (read(b.rank.is_some(), "SLURM_PROCID", slurm)?, "SLURM_PROCID"),
+            (
+                read(b.rank.is_some(), "SLURM_PROCID", slurm)?,
+                "SLURM_PROCID",
+            ),
         ],
     );
     let rank = match rank {
@@ -356,7 +373,10 @@ fn resolve(b: &GroupBuilder, env: &dyn Fn(&str) -> Option<String>) -> Result<Gro
         b.local_world_size,
         "local_world_size",
         vec![
-            (read(b.local_world_size.is_some(), "LOCAL_WORLD_SIZE", torch)?, "LOCAL_WORLD_SIZE"),
+            (
+                read(b.local_world_size.is_some(), "LOCAL_WORLD_SIZE", torch)?,
+                "LOCAL_WORLD_SIZE",
+            ),
             (slurm_local_world, "SLURM_TASKS_PER_NODE"),
         ],
     )
@@ -368,8 +388,14 @@ fn resolve(b: &GroupBuilder, env: &dyn Fn(&str) -> Option<String>) -> Result<Gro
         b.local_rank,
         "local_rank",
         vec![
-            (read(b.local_rank.is_some(), "LOCAL_RANK", torch)?, "LOCAL_RANK"),
-            (read(b.local_rank.is_some(), "SLURM_LOCALID", slurm)?, "SLURM_LOCALID"),
+            (
+                read(b.local_rank.is_some(), "LOCAL_RANK", torch)?,
+                "LOCAL_RANK",
+            ),
+            (
+                read(b.local_rank.is_some(), "SLURM_LOCALID", slurm)?,
+                "SLURM_LOCALID",
+            ),
         ],
     )
     .unwrap_or(Sourced {
@@ -412,7 +438,10 @@ fn resolve(b: &GroupBuilder, env: &dyn Fn(&str) -> Option<String>) -> Result<Gro
         },
     };
     if master_addr.is_empty() {
-        return Err(CommError::config("master_addr", "the master address is empty"));
+        return Err(CommError::config(
+            "master_addr",
+            "the master address is empty",
+        ));
     }
 
     let master_port = match b.master_port {
@@ -446,7 +475,10 @@ fn resolve(b: &GroupBuilder, env: &dyn Fn(&str) -> Option<String>) -> Result<Gro
         return Err(CommError::config("timeout", "the timeout must be positive"));
     }
     if connect_timeout.is_zero() {
-        return Err(CommError::config("connect_timeout", "the connect timeout must be positive"));
+        return Err(CommError::config(
+            "connect_timeout",
+            "the connect timeout must be positive",
+        ));
     }
     let token = match &b.token {
         Some(t) => Some(t.clone()),
@@ -456,7 +488,11 @@ fn resolve(b: &GroupBuilder, env: &dyn Fn(&str) -> Option<String>) -> Result<Gro
         if t.len() > crate::wire::MAX_TOKEN_BYTES {
             return Err(CommError::config(
                 "DDP_TOKEN",
-                format!("the token is {} bytes long; at most {} are allowed", t.len(), crate::wire::MAX_TOKEN_BYTES),
+                format!(
+                    "the token is {} bytes long; at most {} are allowed",
+                    t.len(),
+                    crate::wire::MAX_TOKEN_BYTES
+                ),
             ));
         }
     }
@@ -466,7 +502,11 @@ fn resolve(b: &GroupBuilder, env: &dyn Fn(&str) -> Option<String>) -> Result<Gro
             .unwrap_or(DEFAULT_SEGMENT_BYTES),
     };
     if segment_bytes == 0 || segment_bytes > MAX_SEGMENT_BYTES {
-        let var = if b.segment_bytes.is_some() { "segment_bytes" } else { "DDP_SEGMENT_BYTES" };
+        let var = if b.segment_bytes.is_some() {
+            "segment_bytes"
+        } else {
+            "DDP_SEGMENT_BYTES"
+        };
         return Err(CommError::config(
             var,
             format!("{var}={segment_bytes} must be between 1 and {MAX_SEGMENT_BYTES}"),
@@ -495,7 +535,9 @@ fn resolve(b: &GroupBuilder, env: &dyn Fn(&str) -> Option<String>) -> Result<Gro
 
 /// Number of tasks on this node under Slurm, from `SLURM_TASKS_PER_NODE` (e.g. `2(x3),1`) and
 /// `SLURM_NODEID`, or `SLURM_NTASKS_PER_NODE`.
-fn slurm_tasks_on_this_node(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<usize>, CommError> {
+fn slurm_tasks_on_this_node(
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<usize>, CommError> {
     if let Some(list) = env("SLURM_TASKS_PER_NODE") {
         let node = parse_var::<usize>(env, "SLURM_NODEID", "a node index")?.unwrap_or(0);
         let counts = parse_tasks_per_node(&list).ok_or_else(|| {
@@ -583,8 +625,10 @@ mod tests {
     use std::collections::HashMap;
 
     fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> =
-            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         move |k: &str| map.get(k).cloned()
     }
 
@@ -619,7 +663,10 @@ mod tests {
             ("SLURM_NTASKS", "6"),
         ]))
         .unwrap();
-        assert_eq!((c.rank, c.world_size, c.local_rank, c.local_world_size), (3, 8, 1, 2));
+        assert_eq!(
+            (c.rank, c.world_size, c.local_rank, c.local_world_size),
+            (3, 8, 1, 2)
+        );
         assert_eq!((c.master_addr.as_str(), c.master_port), ("node7", 1234));
         assert_eq!(c.timeout, Duration::from_millis(2500));
         assert_eq!(c.connect_timeout, DEFAULT_CONNECT_TIMEOUT);
@@ -639,7 +686,10 @@ mod tests {
             ("SLURM_JOB_ID", "123456"),
         ]))
         .unwrap();
-        assert_eq!((c.rank, c.world_size, c.local_rank, c.local_world_size), (5, 7, 1, 2));
+        assert_eq!(
+            (c.rank, c.world_size, c.local_rank, c.local_world_size),
+            (5, 7, 1, 2)
+        );
         assert_eq!(c.master_addr, "gpu07");
         assert_eq!(c.master_port, 20000 + 3456);
         // MASTER_ADDR / MASTER_PORT override Slurm's guesses.
@@ -657,12 +707,20 @@ mod tests {
 
     #[test]
     fn builder_overrides_and_skips_environment() {
-        let b = ProcessGroup::builder().rank(1).world_size(2).master_port(7).no_env();
+        let b = ProcessGroup::builder()
+            .rank(1)
+            .world_size(2)
+            .master_port(7)
+            .no_env();
         let c = b.config().unwrap();
         assert_eq!((c.rank, c.world_size, c.master_port), (1, 2, 7));
         // An explicit value means the (invalid) variable is not even read.
         let b = ProcessGroup::builder().rank(0).world_size(2).master_port(9);
-        let c = resolve(&b, &vars(&[("RANK", "x"), ("WORLD_SIZE", "y"), ("MASTER_PORT", "z")])).unwrap();
+        let c = resolve(
+            &b,
+            &vars(&[("RANK", "x"), ("WORLD_SIZE", "y"), ("MASTER_PORT", "z")]),
+        )
+        .unwrap();
         assert_eq!((c.rank, c.world_size, c.master_port), (0, 2, 9));
     }
 
@@ -674,16 +732,46 @@ mod tests {
             (vec![("RANK", "0"), ("WORLD_SIZE", "-1")], "WORLD_SIZE"),
             (vec![("RANK", "0"), ("WORLD_SIZE", "0")], "WORLD_SIZE"),
             (vec![("WORLD_SIZE", "2")], "RANK"),
-            (vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "http")], "MASTER_PORT"),
-            (vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "70000")], "MASTER_PORT"),
-            (vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "0")], "MASTER_PORT"),
-            (vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "2"), ("LOCAL_WORLD_SIZE", "2")], "LOCAL_RANK"),
-            (vec![("SLURM_PROCID", "3"), ("SLURM_NTASKS", "3")], "SLURM_PROCID"),
-            (vec![("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_NODELIST", "[")], "SLURM_JOB_NODELIST"),
+            (
+                vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "http")],
+                "MASTER_PORT",
+            ),
+            (
+                vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "70000")],
+                "MASTER_PORT",
+            ),
+            (
+                vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "0")],
+                "MASTER_PORT",
+            ),
+            (
+                vec![
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("LOCAL_RANK", "2"),
+                    ("LOCAL_WORLD_SIZE", "2"),
+                ],
+                "LOCAL_RANK",
+            ),
+            (
+                vec![("SLURM_PROCID", "3"), ("SLURM_NTASKS", "3")],
+                "SLURM_PROCID",
+            ),
+            (
+                vec![
+                    ("SLURM_PROCID", "0"),
+                    ("SLURM_NTASKS", "2"),
+                    ("SLURM_JOB_NODELIST", "["),
+                ],
+                "SLURM_JOB_NODELIST",
+            ),
             (vec![("DDP_TIMEOUT", "soon")], "DDP_TIMEOUT"),
             (vec![("DDP_CONNECT_TIMEOUT", "-3")], "DDP_CONNECT_TIMEOUT"),
             (vec![("DDP_SEGMENT_BYTES", "0")], "DDP_SEGMENT_BYTES"),
-            (vec![("DDP_SMALL_ALLREDUCE_BYTES", "1MB")], "DDP_SMALL_ALLREDUCE_BYTES"),
+            (
+                vec![("DDP_SMALL_ALLREDUCE_BYTES", "1MB")],
+                "DDP_SMALL_ALLREDUCE_BYTES",
+            ),
         ];
         for (pairs, var) in cases {
             let err = GroupConfig::from_vars(vars(&pairs)).unwrap_err();
@@ -691,7 +779,12 @@ mod tests {
             assert!(msg.contains(var), "{pairs:?}: {msg}");
             assert_eq!(err_var(err), var, "{pairs:?}");
         }
-        let err = ProcessGroup::builder().rank(2).world_size(2).no_env().config().unwrap_err();
+        let err = ProcessGroup::builder()
+            .rank(2)
+            .world_size(2)
+            .no_env()
+            .config()
+            .unwrap_err();
         assert_eq!(err_var(err), "rank");
     }
 
@@ -702,7 +795,10 @@ mod tests {
         assert_eq!(first_host("a,b").as_deref(), Some("a"));
         assert_eq!(first_host("host").as_deref(), Some("host"));
         assert_eq!(first_host(" host1 ").as_deref(), Some("host1"));
-        assert_eq!(first_host("rack[1-2]-gpu[3,5],x").as_deref(), Some("rack1-gpu3"));
+        assert_eq!(
+            first_host("rack[1-2]-gpu[3,5],x").as_deref(),
+            Some("rack1-gpu3")
+        );
         assert_eq!(first_host("gpu[1-2],cpu[3-4]").as_deref(), Some("gpu1"));
         assert_eq!(first_host(""), None);
         assert_eq!(first_host("node[01-04"), None);

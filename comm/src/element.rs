@@ -262,7 +262,15 @@ mod tests {
 
     #[test]
     fn dtype_wire_round_trip() {
-        for d in [DType::F32, DType::F64, DType::BF16, DType::F16, DType::I32, DType::I64, DType::U8] {
+        for d in [
+            DType::F32,
+            DType::F64,
+            DType::BF16,
+            DType::F16,
+            DType::I32,
+            DType::I64,
+            DType::U8,
+        ] {
             assert_eq!(DType::from_wire(d.to_wire()), Some(d));
         }
         assert_eq!(DType::from_wire(0), None);
@@ -285,10 +293,15 @@ mod tests {
         assert_eq!(a, [1.0, 2.0, 0.0]);
 
         // Longer than one conversion block; values exact in bf16.
-        let mut h: Vec<bf16> = (0..3000).map(|i| bf16::from_f32((i % 100) as f32)).collect();
+        let mut h: Vec<bf16> = (0..3000)
+            .map(|i| bf16::from_f32((i % 100) as f32))
+            .collect();
         let ones = vec![bf16::from_f32(1.0); 3000];
         bf16::reduce_into(ReduceOp::Sum, &mut h, &ones);
-        assert!(h.iter().enumerate().all(|(i, x)| x.to_f32() == (i % 100 + 1) as f32));
+        assert!(h
+            .iter()
+            .enumerate()
+            .all(|(i, x)| x.to_f32() == (i % 100 + 1) as f32));
         bf16::reduce_into(ReduceOp::Max, &mut h, &vec![bf16::from_f32(50.0); 3000]);
         assert_eq!((h[2].to_f32(), h[2999].to_f32()), (50.0, 100.0));
         let mut g = vec![f16::from_f32(3.0); 5];

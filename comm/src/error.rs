@@ -126,7 +126,9 @@ pub enum CommError {
         peer: usize,
     },
     /// A peer shut its process group down cleanly while this rank still needed it.
-    #[error("rank {peer} left the group (dropped its ProcessGroup) while rank {rank} still needed it")]
+    #[error(
+        "rank {peer} left the group (dropped its ProcessGroup) while rank {rank} still needed it"
+    )]
     PeerLeft {
         /// This rank.
         rank: usize,
@@ -150,6 +152,9 @@ pub enum CommError {
         rank: usize,
         /// The peer that aborted.
         peer: usize,
+        /// The rank the peer blamed for its failure, if any (the rank that died, stayed silent,
+        /// ...; may be `peer` itself or this rank).
+        blamed: Option<usize>,
         /// The peer's own error message.
         cause: String,
     },
@@ -235,14 +240,15 @@ impl CommError {
         }
     }
 
-    /// The peer rank this error blames, if any (the rank that closed, aborted, stayed silent,
-    /// sent a mismatched collective or broke the protocol).
+    /// The rank this error blames, if any: the rank that closed, stayed silent, sent a
+    /// mismatched collective or broke the protocol; for an ABORT received from a peer, the rank
+    /// that peer blamed (or the peer, if it blamed none).
     pub fn peer(&self) -> Option<usize> {
         match self.root_cause() {
+            CommError::PeerAborted { peer, blamed, .. } => Some(blamed.unwrap_or(*peer)),
             CommError::PeerClosed { peer, .. }
             | CommError::PeerLeft { peer, .. }
             | CommError::PeerIo { peer, .. }
-            | CommError::PeerAborted { peer, .. }
             | CommError::Timeout { peer, .. }
             | CommError::Mismatch { peer, .. }
             | CommError::Protocol { peer, .. } => Some(*peer),

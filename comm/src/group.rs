@@ -162,7 +162,12 @@ fn new_job_id() -> [u8; 16] {
         let mut h = RandomState::new().build_hasher();
         h.write_usize(i);
         h.write_u32(std::process::id());
-        h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+        h.write_u128(
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0),
+        );
         half.copy_from_slice(&h.finish().to_le_bytes());
     }
     id
@@ -185,11 +190,17 @@ impl ProcessGroup {
         ProcessGroup::init(config, None)
     }
 
-    pub(crate) fn init(config: GroupConfig, listener: Option<TcpListener>) -> Result<ProcessGroup, CommError> {
+    pub(crate) fn init(
+        config: GroupConfig,
+        listener: Option<TcpListener>,
+    ) -> Result<ProcessGroup, CommError> {
         if config.rank >= config.world_size {
             return Err(CommError::config(
                 "rank",
-                format!("rank {} must be less than the world size {}", config.rank, config.world_size),
+                format!(
+                    "rank {} must be less than the world size {}",
+                    config.rank, config.world_size
+                ),
             ));
         }
         if config.world_size == 1 {
@@ -202,7 +213,10 @@ impl ProcessGroup {
             });
         }
         if config.master_port == 0 && listener.is_none() {
-            return Err(CommError::config("MASTER_PORT", "port 0 cannot be reached by the other ranks"));
+            return Err(CommError::config(
+                "MASTER_PORT",
+                "port 0 cannot be reached by the other ranks",
+            ));
         }
         let rank = config.rank;
         let deadline = Instant::now() + config.connect_timeout;
@@ -225,12 +239,21 @@ impl ProcessGroup {
             job_id: [0; 16],
             token: config.token.clone(),
         };
-        let store = Store::connect(&me, &config.master_addr, config.master_port, deadline, config.timeout)?;
+        let store = Store::connect(
+            &me,
+            &config.master_addr,
+            config.master_port,
+            deadline,
+            config.timeout,
+        )?;
 
         // 2. Rank 0 publishes the job id and the tuning; the others adopt them.
         let (segment_bytes, small_bytes) = if rank == 0 {
             me.job_id = new_job_id();
-            store.set(TUNING_KEY, format!("{} {}", config.segment_bytes, config.small_allreduce_bytes).as_bytes())?;
+            store.set(
+                TUNING_KEY,
+                format!("{} {}", config.segment_bytes, config.small_allreduce_bytes).as_bytes(),
+            )?;
             store.set(JOB_ID_KEY, wire::job_id_hex(&me.job_id).as_bytes())?;
             (config.segment_bytes, config.small_allreduce_bytes)
         } else {
@@ -245,7 +268,9 @@ impl ProcessGroup {
             let text = String::from_utf8_lossy(&raw).into_owned();
             let mut parts = text.split_whitespace().map(|p| p.parse::<usize>());
             match (parts.next(), parts.next()) {
-                (Some(Ok(seg)), Some(Ok(small))) if seg > 0 && seg <= crate::config::MAX_SEGMENT_BYTES => {
+                (Some(Ok(seg)), Some(Ok(small)))
+                    if seg > 0 && seg <= crate::config::MAX_SEGMENT_BYTES =>
+                {
                     if (seg, small) != (config.segment_bytes, config.small_allreduce_bytes) {
                         tracing::debug!(
                             "rank {rank}: using rank 0's segment size {seg} and small-buffer threshold {small}"
@@ -266,7 +291,10 @@ impl ProcessGroup {
         if joined != 1 {
             return Err(CommError::config(
                 "RANK",
-                format!("two processes claim rank {rank} in the job at {}", store.address()),
+                format!(
+                    "two processes claim rank {rank} in the job at {}",
+                    store.address()
+                ),
             ));
         }
 
@@ -339,7 +367,10 @@ impl ProcessGroup {
         self.store.as_ref()
     }
 
-    fn submit<R: Send + 'static>(&self, f: impl FnOnce(&mut Engine) -> Result<R, CommError> + Send + 'static) -> Work<R> {
+    fn submit<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Engine) -> Result<R, CommError> + Send + 'static,
+    ) -> Work<R> {
         let rank = self.rank();
         let (tx, rx) = crossbeam_channel::bounded(1);
         let job: Job = Box::new(move |engine| {
@@ -381,16 +412,22 @@ impl ProcessGroup {
             return Work::ready(self.rank(), r);
         }
         self.submit(move |e| {
-            e.run(OpKind::Broadcast, T::DTYPE, buf.len(), root.min(u32::MAX as usize) as u32, |cx| {
-                if root >= world {
-                    return Err(CommError::InvalidArgument {
-                        rank: cx.mesh.rank,
-                        op: cx.desc.to_string(),
-                        message: format!("root {root} is not below the world size {world}"),
-                    });
-                }
-                algorithms::broadcast(cx, &mut buf, root)
-            })?;
+            e.run(
+                OpKind::Broadcast,
+                T::DTYPE,
+                buf.len(),
+                root.min(u32::MAX as usize) as u32,
+                |cx| {
+                    if root >= world {
+                        return Err(CommError::InvalidArgument {
+                            rank: cx.mesh.rank,
+                            op: cx.desc.to_string(),
+                            message: format!("root {root} is not below the world size {world}"),
+                        });
+                    }
+                    algorithms::broadcast(cx, &mut buf, root)
+                },
+            )?;
             Ok(buf)
         })
     }
@@ -402,7 +439,9 @@ impl ProcessGroup {
             return Work::ready(self.rank(), Ok(buf));
         }
         self.submit(move |e| {
-            e.run(OpKind::AllGather, T::DTYPE, buf.len(), 0, |cx| algorithms::all_gather(cx, &buf))
+            e.run(OpKind::AllGather, T::DTYPE, buf.len(), 0, |cx| {
+                algorithms::all_gather(cx, &buf)
+            })
         })
     }
 
@@ -413,9 +452,13 @@ impl ProcessGroup {
             return Work::ready(self.rank(), Ok(buf));
         }
         self.submit(move |e| {
-            e.run(OpKind::ReduceScatter, T::DTYPE, buf.len(), op.to_wire(), |cx| {
-                algorithms::reduce_scatter(cx, &mut buf, op)
-            })
+            e.run(
+                OpKind::ReduceScatter,
+                T::DTYPE,
+                buf.len(),
+                op.to_wire(),
+                |cx| algorithms::reduce_scatter(cx, &mut buf, op),
+            )
         })
     }
 
@@ -443,7 +486,11 @@ impl ProcessGroup {
     }
 
     /// Reduce-scatter, blocking: `submit_reduce_scatter(buf, op).wait()`.
-    pub fn reduce_scatter<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Result<Vec<T>, CommError> {
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        buf: Vec<T>,
+        op: ReduceOp,
+    ) -> Result<Vec<T>, CommError> {
         self.submit_reduce_scatter(buf, op).wait()
     }
 

@@ -20,7 +20,9 @@ use std::time::{Duration, Instant};
 
 use crate::error::CommError;
 use crate::transport::{connect_retry, handshake_accept, handshake_connect, remaining, Identity};
-use crate::wire::{HelloKind, StoreCmd, StoreRequest, StoreResponse, StoreStatus, MAX_STORE_VALUE_BYTES};
+use crate::wire::{
+    HelloKind, StoreCmd, StoreRequest, StoreResponse, StoreStatus, MAX_STORE_VALUE_BYTES,
+};
 
 /// Extra time a client waits for a response beyond the request's own deadline.
 const RESPONSE_MARGIN: Duration = Duration::from_secs(10);
@@ -32,7 +34,8 @@ struct ServerState {
     map: Mutex<HashMap<String, Vec<u8>>>,
     changed: Condvar,
     stop: AtomicBool,
-    conns: Mutex<Vec<TcpStream>>,
+    /// Clones of the open client connections (to shut them down when the server stops).
+    conns: Mutex<HashMap<u64, TcpStream>>,
     me: Identity,
 }
 
@@ -57,7 +60,10 @@ impl StoreServer {
             Some(l) => l,
             None => {
                 // Listen on every interface, as PyTorch does, in the address family of MASTER_ADDR.
-                let v6 = master_addr.parse::<std::net::IpAddr>().map(|ip| ip.is_ipv6()).unwrap_or(false);
+                let v6 = master_addr
+                    .parse::<std::net::IpAddr>()
+                    .map(|ip| ip.is_ipv6())
+                    .unwrap_or(false);
                 let bind: SocketAddr = if v6 {
                     (std::net::Ipv6Addr::UNSPECIFIED, port).into()
                 } else {
@@ -90,7 +96,7 @@ impl StoreServer {
             map: Mutex::new(HashMap::new()),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
-            conns: Mutex::new(Vec::new()),
+            conns: Mutex::new(HashMap::new()),
             me: Identity {
                 rank: 0,
                 world,
@@ -120,12 +126,25 @@ impl Drop for StoreServer {
         self.state.changed.notify_all();
         // Wake the blocking accept with a connection of our own.
         let ip = match self.local.ip() {
-            std::net::IpAddr::V4(ip) if ip.is_unspecified() => std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
-            std::net::IpAddr::V6(ip) if ip.is_unspecified() => std::net::IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+            std::net::IpAddr::V4(ip) if ip.is_unspecified() => {
+                std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)
+            }
+            std::net::IpAddr::V6(ip) if ip.is_unspecified() => {
+                std::net::IpAddr::V6(std::net::Ipv6Addr::LOCALHOST)
+            }
             ip => ip,
         };
-        let _ = TcpStream::connect_timeout(&SocketAddr::new(ip, self.local.port()), Duration::from_secs(1));
-        for c in self.state.conns.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        let _ = TcpStream::connect_timeout(
+            &SocketAddr::new(ip, self.local.port()),
+            Duration::from_secs(1),
+        );
+        for c in self
+            .state
+            .conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+        {
             let _ = c.shutdown(Shutdown::Both);
         }
         if let Some(a) = self.acceptor.take() {
@@ -135,22 +154,34 @@ impl Drop for StoreServer {
 }
 
 fn accept_loop(listener: TcpListener, state: Arc<ServerState>) {
-    for conn in listener.incoming() {
+    for (id, conn) in listener.incoming().enumerate() {
         if state.stop.load(Ordering::Acquire) {
             break;
         }
         let Ok(stream) = conn else { continue };
+        let id = id as u64;
         if let Ok(clone) = stream.try_clone() {
-            state.conns.lock().unwrap_or_else(|p| p.into_inner()).push(clone);
+            state
+                .conns
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(id, clone);
         }
         let st = state.clone();
         let _ = std::thread::Builder::new()
             .name("ddp-store-conn".into())
-            .spawn(move || serve_client(stream, st));
+            .spawn(move || {
+                serve_client(&stream, &st);
+                let _ = stream.shutdown(Shutdown::Both);
+                st.conns
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&id);
+            });
     }
 }
 
-fn serve_client(mut stream: TcpStream, state: Arc<ServerState>) {
+fn serve_client(mut stream: &TcpStream, state: &ServerState) {
     let me = &state.me;
     let reply = me.hello(HelloKind::Accept);
     let check = |h: &crate::wire::Hello| {
@@ -159,7 +190,7 @@ fn serve_client(mut stream: TcpStream, state: Arc<ServerState>) {
         }
         me.check(h, false)
     };
-    if handshake_accept(&mut stream, "the rendezvous store", &reply, check).is_err() {
+    if handshake_accept(stream, "the rendezvous store", &reply, check).is_err() {
         return;
     }
     let _ = stream.set_nodelay(true);
@@ -173,7 +204,7 @@ fn serve_client(mut stream: TcpStream, state: Arc<ServerState>) {
                 return;
             }
         };
-        let resp = handle(&state, req);
+        let resp = handle(state, req);
         if resp.write(&mut stream).is_err() {
             return;
         }
@@ -205,9 +236,14 @@ fn handle(state: &ServerState, req: StoreRequest) -> StoreResponse {
             };
             let current = match map.get(key) {
                 None => 0,
-                Some(v) => match std::str::from_utf8(v).ok().and_then(|s| s.parse::<i64>().ok()) {
+                Some(v) => match std::str::from_utf8(v)
+                    .ok()
+                    .and_then(|s| s.parse::<i64>().ok())
+                {
                     Some(n) => n,
-                    None => return error(&format!("ADD on key {key:?}, whose value is not a number")),
+                    None => {
+                        return error(&format!("ADD on key {key:?}, whose value is not a number"))
+                    }
                 },
             };
             let new = current.wrapping_add(req.num);
@@ -222,7 +258,8 @@ fn handle(state: &ServerState, req: StoreRequest) -> StoreResponse {
         StoreCmd::Get | StoreCmd::Wait => {
             let deadline = Instant::now() + Duration::from_millis(req.timeout_ms as u64);
             loop {
-                let missing: Vec<&String> = req.keys.iter().filter(|k| !map.contains_key(*k)).collect();
+                let missing: Vec<&String> =
+                    req.keys.iter().filter(|k| !map.contains_key(*k)).collect();
                 if missing.is_empty() {
                     break;
                 }
@@ -242,7 +279,12 @@ fn handle(state: &ServerState, req: StoreRequest) -> StoreResponse {
                     .0;
             }
             if req.cmd == StoreCmd::Get {
-                let value = req.keys.first().and_then(|k| map.get(k)).cloned().unwrap_or_default();
+                let value = req
+                    .keys
+                    .first()
+                    .and_then(|k| map.get(k))
+                    .cloned()
+                    .unwrap_or_default();
                 ok(0, value)
             } else {
                 ok(0, Vec::new())
@@ -276,7 +318,10 @@ pub struct Store {
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store").field("addr", &self.addr).field("rank", &self.rank).finish()
+        f.debug_struct("Store")
+            .field("addr", &self.addr)
+            .field("rank", &self.rank)
+            .finish()
     }
 }
 
@@ -292,16 +337,19 @@ impl Store {
         let addr = format!("{host}:{port}");
         let what = "the rendezvous store";
         let mut stream = connect_retry(me.rank, what, host, port, deadline)?;
-        let reply = handshake_connect(&mut stream, &me.hello(HelloKind::Store), deadline).map_err(|reason| {
-            CommError::Handshake {
+        let reply = handshake_connect(&mut stream, &me.hello(HelloKind::Store), deadline).map_err(
+            |reason| CommError::Handshake {
                 rank: me.rank,
                 what: what.into(),
                 addr: addr.clone(),
                 reason,
-            }
-        })?;
+            },
+        )?;
         if let Err(reason) = me.check(&reply, false) {
-            tracing::warn!("rank {} refused the rendezvous store at {addr}: {reason}", me.rank);
+            tracing::warn!(
+                "rank {} refused the rendezvous store at {addr}: {reason}",
+                me.rank
+            );
             return Err(CommError::Handshake {
                 rank: me.rank,
                 what: what.into(),
@@ -360,7 +408,9 @@ impl Store {
                     io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => {
                         "lost the connection (did rank 0 exit?)".to_string()
                     }
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => "no response in time".to_string(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                        "no response in time".to_string()
+                    }
                     _ => e.to_string(),
                 };
                 Err(self.err(what))
@@ -387,7 +437,12 @@ impl Store {
         d.as_millis().min(u32::MAX as u128) as u32
     }
 
-    fn expect_ok(&self, resp: StoreResponse, keys: &[&str], timeout: Duration) -> Result<StoreResponse, CommError> {
+    fn expect_ok(
+        &self,
+        resp: StoreResponse,
+        keys: &[&str],
+        timeout: Duration,
+    ) -> Result<StoreResponse, CommError> {
         match resp.status {
             StoreStatus::Ok => Ok(resp),
             StoreStatus::Timeout => Err(CommError::StoreTimeout {
@@ -408,7 +463,10 @@ impl Store {
     pub fn set(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
         self.check_key(key)?;
         if value.len() > MAX_STORE_VALUE_BYTES {
-            return Err(self.err(format!("value of {} bytes for key {key:?} (at most {MAX_STORE_VALUE_BYTES})", value.len())));
+            return Err(self.err(format!(
+                "value of {} bytes for key {key:?} (at most {MAX_STORE_VALUE_BYTES})",
+                value.len()
+            )));
         }
         let req = StoreRequest {
             cmd: StoreCmd::Set,
@@ -512,12 +570,21 @@ mod tests {
     fn server(token: Option<&str>) -> (StoreServer, u16) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
-        (StoreServer::start(Some(l), "127.0.0.1", port, 2, token.map(String::from)).unwrap(), port)
+        (
+            StoreServer::start(Some(l), "127.0.0.1", port, 2, token.map(String::from)).unwrap(),
+            port,
+        )
     }
 
     fn client(port: u16, rank: usize, token: Option<&str>) -> Result<Store, CommError> {
         let deadline = Instant::now() + Duration::from_secs(5);
-        Store::connect(&id(rank, token), "127.0.0.1", port, deadline, Duration::from_secs(5))
+        Store::connect(
+            &id(rank, token),
+            "127.0.0.1",
+            port,
+            deadline,
+            Duration::from_secs(5),
+        )
     }
 
     #[test]
@@ -547,18 +614,32 @@ mod tests {
         let (_server, port) = server(None);
         let a = client(port, 0, None).unwrap();
         let t = Instant::now();
-        let err = a.get_timeout("missing/key", Duration::from_millis(200)).unwrap_err();
+        let err = a
+            .get_timeout("missing/key", Duration::from_millis(200))
+            .unwrap_err();
         assert!(t.elapsed() >= Duration::from_millis(200));
         assert!(t.elapsed() < Duration::from_secs(3));
         let msg = err.to_string();
-        assert!(msg.contains("missing/key") && msg.contains("timed out"), "{msg}");
+        assert!(
+            msg.contains("missing/key") && msg.contains("timed out"),
+            "{msg}"
+        );
         a.set("x", b"1").unwrap();
-        let err = a.wait_timeout(&["x", "y"], Duration::from_millis(50)).unwrap_err();
-        assert!(err.to_string().contains("\"y\"") && !err.to_string().contains("\"x\""), "{err}");
+        let err = a
+            .wait_timeout(&["x", "y"], Duration::from_millis(50))
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("\"y\"") && !err.to_string().contains("\"x\""),
+            "{err}"
+        );
         // ADD on a non-number is an error, not a panic.
         assert!(a.add("x", 1).is_ok());
         a.set("s", b"abc").unwrap();
-        assert!(a.add("s", 1).unwrap_err().to_string().contains("not a number"));
+        assert!(a
+            .add("s", 1)
+            .unwrap_err()
+            .to_string()
+            .contains("not a number"));
     }
 
     #[test]
@@ -566,13 +647,17 @@ mod tests {
         let (_server, port) = server(Some("right"));
         let err = client(port, 1, Some("wrong")).unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains("token mismatch") && msg.contains(&port.to_string()), "{msg}");
+        assert!(
+            msg.contains("token mismatch") && msg.contains(&port.to_string()),
+            "{msg}"
+        );
         let err = client(port, 1, None).unwrap_err();
         assert!(err.to_string().contains("token"), "{err}");
         let deadline = Instant::now() + Duration::from_secs(5);
         let mut three = id(1, Some("right"));
         three.world = 3;
-        let err = Store::connect(&three, "127.0.0.1", port, deadline, Duration::from_secs(1)).unwrap_err();
+        let err = Store::connect(&three, "127.0.0.1", port, deadline, Duration::from_secs(1))
+            .unwrap_err();
         assert!(err.to_string().contains("world size"), "{err}");
         assert!(client(port, 1, Some("right")).is_ok());
     }

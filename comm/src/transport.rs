@@ -47,27 +47,72 @@ pub(crate) fn remaining(deadline: Instant) -> Duration {
 // ---------------------------------------------------------------------------------------------
 // Buffers
 
+/// Buffers at least this many bytes long go back to their pool when dropped.
+const POOL_MIN_BYTES: usize = 32 << 10;
+/// Most buffers a pool keeps.
+const POOL_CAPACITY: usize = 16;
+
+/// Recycled buffer storage, so that segments do not pay for fresh (zeroed, page-faulting)
+/// memory every time: a reader takes its receive buffer from here, and every large [`Buf`]
+/// returns here when dropped (after a writer sent it, or after the algorithm consumed it).
+pub(crate) struct Pool {
+    tx: Sender<Vec<u64>>,
+    rx: Receiver<Vec<u64>>,
+}
+
+impl Pool {
+    pub fn new() -> Arc<Pool> {
+        let (tx, rx) = crossbeam_channel::bounded(POOL_CAPACITY);
+        Arc::new(Pool { tx, rx })
+    }
+
+    /// A buffer of `len` bytes with unspecified contents (the caller overwrites all of them).
+    pub fn buf(self: &Arc<Self>, len: usize) -> Buf {
+        let words = len.div_ceil(8);
+        if len >= POOL_MIN_BYTES {
+            if let Ok(mut v) = self.rx.try_recv() {
+                if v.capacity() >= words {
+                    v.resize(words, 0); // no work when the size repeats (the usual case)
+                    return Buf {
+                        words: v,
+                        len,
+                        pool: Some(self.clone()),
+                    };
+                }
+            }
+        }
+        Buf {
+            words: vec![0u64; words],
+            len,
+            pool: (len >= POOL_MIN_BYTES).then(|| self.clone()),
+        }
+    }
+
+    /// A buffer holding a copy of `s`.
+    pub fn copy_of<T: Element>(self: &Arc<Self>, s: &[T]) -> Buf {
+        let bytes: &[u8] = bytemuck::cast_slice(s);
+        let mut b = self.buf(bytes.len());
+        b.as_bytes_mut().copy_from_slice(bytes);
+        b
+    }
+}
+
 /// A byte buffer aligned to 8 bytes, so that it can be viewed as a slice of any [`Element`].
 pub(crate) struct Buf {
     words: Vec<u64>,
     len: usize,
+    pool: Option<Arc<Pool>>,
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            let _ = pool.tx.try_send(std::mem::take(&mut self.words));
+        }
+    }
 }
 
 impl Buf {
-    pub fn zeroed(len: usize) -> Buf {
-        Buf {
-            words: vec![0u64; len.div_ceil(8)],
-            len,
-        }
-    }
-
-    pub fn from_slice<T: Element>(s: &[T]) -> Buf {
-        let bytes: &[u8] = bytemuck::cast_slice(s);
-        let mut b = Buf::zeroed(bytes.len());
-        b.as_bytes_mut().copy_from_slice(bytes);
-        b
-    }
-
     pub fn len(&self) -> usize {
         self.len
     }
@@ -110,7 +155,8 @@ pub(crate) fn connect_retry(
         match (host, port).to_socket_addrs() {
             Ok(addrs) => {
                 for addr in addrs {
-                    let left = remaining(deadline).clamp(Duration::from_millis(50), Duration::from_secs(5));
+                    let left = remaining(deadline)
+                        .clamp(Duration::from_millis(50), Duration::from_secs(5));
                     match TcpStream::connect_timeout(&addr, left) {
                         Ok(s) => return Ok(s),
                         Err(e) => last_error = format!("{addr}: {e}"),
@@ -177,7 +223,10 @@ impl Identity {
             ));
         }
         if h.rank as usize >= self.world {
-            return Err(format!("rank {} is not below the world size {}", h.rank, self.world));
+            return Err(format!(
+                "rank {} is not below the world size {}",
+                h.rank, self.world
+            ));
         }
         if check_job && h.job_id != self.job_id {
             return Err(format!(
@@ -196,16 +245,26 @@ fn describe_handshake_error(e: &io::Error) -> String {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
             "no handshake arrived in time".to_string()
         }
-        io::ErrorKind::UnexpectedEof => "the other side closed the connection during the handshake".to_string(),
+        io::ErrorKind::UnexpectedEof => {
+            "the other side closed the connection during the handshake".to_string()
+        }
         _ => e.to_string(),
     }
 }
 
 /// Connecting side: sends `hello`, returns the acceptor's ACCEPT, or the reason it failed.
-pub(crate) fn handshake_connect(stream: &mut TcpStream, hello: &Hello, deadline: Instant) -> Result<Hello, String> {
+pub(crate) fn handshake_connect(
+    stream: &mut TcpStream,
+    hello: &Hello,
+    deadline: Instant,
+) -> Result<Hello, String> {
     let t = remaining(deadline).clamp(Duration::from_millis(100), HANDSHAKE_TIMEOUT);
-    stream.set_read_timeout(Some(t)).map_err(|e| e.to_string())?;
-    hello.write(stream).map_err(|e| format!("sending the handshake: {e}"))?;
+    stream
+        .set_read_timeout(Some(t))
+        .map_err(|e| e.to_string())?;
+    hello
+        .write(stream)
+        .map_err(|e| format!("sending the handshake: {e}"))?;
     let reply = Hello::read(stream).map_err(|e| describe_handshake_error(&e))?;
     stream.set_read_timeout(None).map_err(|e| e.to_string())?;
     match reply.kind {
@@ -218,7 +277,7 @@ pub(crate) fn handshake_connect(stream: &mut TcpStream, hello: &Hello, deadline:
 /// Accepting side: reads a HELLO, runs `check` on it, answers ACCEPT (`reply`) or REJECT. A
 /// refusal is logged with `tracing::warn!` and returned as the reason.
 pub(crate) fn handshake_accept(
-    stream: &mut TcpStream,
+    stream: &TcpStream,
     what: &str,
     reply: &Hello,
     check: impl FnOnce(&Hello) -> Result<(), String>,
@@ -227,9 +286,12 @@ pub(crate) fn handshake_accept(
         .peer_addr()
         .map(|a| a.to_string())
         .unwrap_or_else(|_| "an unknown address".into());
+    let mut stream = stream;
     let result = (|| {
-        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| e.to_string())?;
-        let hello = Hello::read(stream).map_err(|e| describe_handshake_error(&e))?;
+        stream
+            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+            .map_err(|e| e.to_string())?;
+        let hello = Hello::read(&mut stream).map_err(|e| describe_handshake_error(&e))?;
         if let Err(reason) = check(&hello) {
             let reject = Hello {
                 kind: HelloKind::Reject,
@@ -238,10 +300,12 @@ pub(crate) fn handshake_accept(
                 world: reply.world,
                 text: reason.clone(),
             };
-            let _ = reject.write(stream);
+            let _ = reject.write(&mut stream);
             return Err(reason);
         }
-        reply.write(stream).map_err(|e| format!("sending the handshake reply: {e}"))?;
+        reply
+            .write(&mut stream)
+            .map_err(|e| format!("sending the handshake reply: {e}"))?;
         stream.set_read_timeout(None).map_err(|e| e.to_string())?;
         Ok(hello)
     })();
@@ -285,22 +349,28 @@ pub(crate) fn connect_mesh(
 
     let higher = me.world - rank - 1;
     let mut streams: Vec<Option<TcpStream>> = (0..me.world).map(|_| None).collect();
+    let give_up = AtomicBool::new(false);
     let accepted = std::thread::scope(|scope| -> Result<Vec<(usize, TcpStream)>, CommError> {
-        let acceptor = scope.spawn(|| accept_peers(me, &listener, listen_addr, higher, deadline));
+        let acceptor =
+            scope.spawn(|| accept_peers(me, &listener, listen_addr, higher, deadline, &give_up));
         // Connect to every lower rank, in order.
         let mut result = Ok(());
-        for peer in 0..rank {
+        for (peer, slot) in streams.iter_mut().enumerate().take(rank) {
             match connect_peer(me, store, peer, deadline) {
-                Ok(s) => streams[peer] = Some(s),
+                Ok(s) => *slot = Some(s),
                 Err(e) => {
+                    give_up.store(true, Ordering::Release);
                     result = Err(e);
                     break;
                 }
             }
         }
-        let accepted = acceptor
-            .join()
-            .unwrap_or_else(|_| Err(CommError::Internal { rank, message: "peer acceptor thread panicked".into() }));
+        let accepted = acceptor.join().unwrap_or_else(|_| {
+            Err(CommError::Internal {
+                rank,
+                message: "peer acceptor thread panicked".into(),
+            })
+        });
         result?;
         accepted
     })?;
@@ -324,24 +394,37 @@ fn connect_peer(
         message: format!("rank {peer} published an invalid address {text:?}"),
     })?;
     let what = format!("rank {peer}");
-    let mut stream = connect_retry(me.rank, &what, &addr.ip().to_string(), addr.port(), deadline)?;
-    let reply = handshake_connect(&mut stream, &me.hello(HelloKind::Peer), deadline).map_err(|reason| {
-        CommError::Handshake {
-            rank: me.rank,
-            what: what.clone(),
-            addr: text.clone(),
-            reason,
-        }
-    })?;
+    let mut stream = connect_retry(
+        me.rank,
+        &what,
+        &addr.ip().to_string(),
+        addr.port(),
+        deadline,
+    )?;
+    let reply =
+        handshake_connect(&mut stream, &me.hello(HelloKind::Peer), deadline).map_err(|reason| {
+            CommError::Handshake {
+                rank: me.rank,
+                what: what.clone(),
+                addr: text.clone(),
+                reason,
+            }
+        })?;
     let check = me.check(&reply, true).and_then(|()| {
         if reply.rank as usize == peer {
             Ok(())
         } else {
-            Err(format!("expected rank {peer} at {text}, found rank {}", reply.rank))
+            Err(format!(
+                "expected rank {peer} at {text}, found rank {}",
+                reply.rank
+            ))
         }
     });
     if let Err(reason) = check {
-        tracing::warn!("rank {} refused the connection to {text}: {reason}", me.rank);
+        tracing::warn!(
+            "rank {} refused the connection to {text}: {reason}",
+            me.rank
+        );
         return Err(CommError::Handshake {
             rank: me.rank,
             what,
@@ -358,34 +441,42 @@ fn accept_peers(
     listen_addr: SocketAddr,
     count: usize,
     deadline: Instant,
+    give_up: &AtomicBool,
 ) -> Result<Vec<(usize, TcpStream)>, CommError> {
     let start = Instant::now();
     let mut got: Vec<(usize, TcpStream)> = Vec::new();
-    listener.set_nonblocking(true).map_err(|e| CommError::Listen {
-        rank: me.rank,
-        what: "peer connections".into(),
-        addr: listen_addr.to_string(),
-        message: e.to_string(),
-    })?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| CommError::Listen {
+            rank: me.rank,
+            what: "peer connections".into(),
+            addr: listen_addr.to_string(),
+            message: e.to_string(),
+        })?;
     let what = format!("rank {} (listening on {listen_addr})", me.rank);
     while got.len() < count {
         match listener.accept() {
-            Ok((mut stream, _)) => {
+            Ok((stream, _)) => {
                 if stream.set_nonblocking(false).is_err() {
                     continue;
                 }
                 let taken: Vec<usize> = got.iter().map(|(r, _)| *r).collect();
-                let result = handshake_accept(&mut stream, &what, &me.hello(HelloKind::Accept), |h| {
+                let result = handshake_accept(&stream, &what, &me.hello(HelloKind::Accept), |h| {
                     if h.kind != HelloKind::Peer {
                         return Err(format!("expected a peer handshake, got {:?}", h.kind));
                     }
                     me.check(h, true)?;
                     let r = h.rank as usize;
                     if r <= me.rank {
-                        return Err(format!("rank {r} should not connect to rank {} (lower ranks accept)", me.rank));
+                        return Err(format!(
+                            "rank {r} should not connect to rank {} (lower ranks accept)",
+                            me.rank
+                        ));
                     }
                     if taken.contains(&r) {
-                        return Err(format!("rank {r} is already connected (two processes with rank {r}?)"));
+                        return Err(format!(
+                            "rank {r} is already connected (two processes with rank {r}?)"
+                        ));
                     }
                     Ok(())
                 });
@@ -393,8 +484,11 @@ fn accept_peers(
                     got.push((h.rank as usize, stream));
                 }
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {
-                if Instant::now() >= deadline {
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    || e.kind() == io::ErrorKind::Interrupted =>
+            {
+                if Instant::now() >= deadline || give_up.load(Ordering::Acquire) {
                     let missing: Vec<String> = (me.rank + 1..me.world)
                         .filter(|r| !got.iter().any(|(g, _)| g == r))
                         .map(|r| r.to_string())
@@ -427,7 +521,8 @@ fn accept_peers(
 /// What the communication thread hands a writer thread.
 enum Outgoing {
     Data(Header, Buf),
-    Abort(String),
+    /// The error text and the rank it blames.
+    Abort(String, Option<usize>),
     Goodbye,
 }
 
@@ -484,10 +579,19 @@ impl Shared {
             *slot = Some(err.clone());
             self.failed.store(true, Ordering::Release);
         }
-        self.abort_tx.lock().unwrap_or_else(|p| p.into_inner()).take();
+        self.abort_tx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         let text = err.to_string();
-        for w in self.writers.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            let _ = w.send(Outgoing::Abort(text.clone()));
+        let blamed = err.peer();
+        for w in self
+            .writers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            let _ = w.send(Outgoing::Abort(text.clone(), blamed));
         }
     }
 }
@@ -509,6 +613,7 @@ pub(crate) struct Mesh {
     shared: Arc<Shared>,
     timeout: Duration,
     readers_done: Receiver<()>,
+    pool: Arc<Pool>,
 }
 
 impl Mesh {
@@ -522,6 +627,7 @@ impl Mesh {
     ) -> Result<Mesh, CommError> {
         let world = streams.len();
         let shared = Arc::new(Shared::new(rank));
+        let pool = Pool::new();
         let (done_tx, readers_done) = crossbeam_channel::bounded::<()>(0);
         let mut links = Vec::with_capacity(world);
         let io_err = |peer: usize, e: io::Error| CommError::PeerIo {
@@ -535,7 +641,9 @@ impl Mesh {
                 continue;
             };
             stream.set_nodelay(true).map_err(|e| io_err(peer, e))?;
-            stream.set_write_timeout(Some(timeout)).map_err(|e| io_err(peer, e))?;
+            stream
+                .set_write_timeout(Some(timeout))
+                .map_err(|e| io_err(peer, e))?;
             stream.set_read_timeout(None).map_err(|e| io_err(peer, e))?;
             let (tx, wrx) = unbounded();
             let (rtx, rx) = unbounded();
@@ -545,13 +653,32 @@ impl Mesh {
             let (sh, gb) = (shared.clone(), goodbye.clone());
             let writer = std::thread::Builder::new()
                 .name(format!("ddp-w{rank}->{peer}"))
-                .spawn(move || writer_loop(w_stream, rank, peer, wrx, sh, gb, timeout))
+                .spawn(move || {
+                    let side = LinkSide {
+                        rank,
+                        peer,
+                        shared: sh,
+                        goodbye: gb,
+                    };
+                    writer_loop(w_stream, side, wrx, timeout)
+                })
                 .map_err(|e| io_err(peer, e))?;
-            let (sh, gb, done) = (shared.clone(), goodbye.clone(), done_tx.clone());
+            let (sh, gb, done, pl) = (
+                shared.clone(),
+                goodbye.clone(),
+                done_tx.clone(),
+                pool.clone(),
+            );
             let reader = std::thread::Builder::new()
                 .name(format!("ddp-r{rank}<-{peer}"))
                 .spawn(move || {
-                    reader_loop(r_stream, rank, peer, rtx, sh, gb, max_frame);
+                    let side = LinkSide {
+                        rank,
+                        peer,
+                        shared: sh,
+                        goodbye: gb,
+                    };
+                    reader_loop(r_stream, side, rtx, pl, max_frame);
                     drop(done);
                 })
                 .map_err(|e| io_err(peer, e))?;
@@ -572,7 +699,13 @@ impl Mesh {
             shared,
             timeout,
             readers_done,
+            pool,
         })
+    }
+
+    /// A buffer holding a copy of `s`, from the mesh's pool.
+    pub fn copy_of<T: Element>(&self, s: &[T]) -> Buf {
+        self.pool.copy_of(s)
     }
 
     pub fn shared(&self) -> &Shared {
@@ -589,9 +722,15 @@ impl Mesh {
             return e;
         }
         if self.link(peer).goodbye.load(Ordering::Acquire) {
-            CommError::PeerLeft { rank: self.rank, peer }
+            CommError::PeerLeft {
+                rank: self.rank,
+                peer,
+            }
         } else {
-            CommError::PeerClosed { rank: self.rank, peer }
+            CommError::PeerClosed {
+                rank: self.rank,
+                peer,
+            }
         }
     }
 
@@ -647,7 +786,10 @@ impl Mesh {
                 }
                 Ok(buf)
             }
-            Ok(Incoming::Goodbye) => Err(CommError::PeerLeft { rank: self.rank, peer }),
+            Ok(Incoming::Goodbye) => Err(CommError::PeerLeft {
+                rank: self.rank,
+                peer,
+            }),
             Err(_) => Err(self.gone(peer)),
         }
     }
@@ -663,7 +805,11 @@ impl Drop for Mesh {
             let _ = link.stream.set_write_timeout(Some(grace));
             let _ = link.tx.send(Outgoing::Goodbye);
         }
-        self.shared.writers.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.shared
+            .writers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
         for link in self.links.iter_mut().flatten() {
             if let Some(w) = link.writer.take() {
                 let _ = w.join();
@@ -681,15 +827,21 @@ impl Drop for Mesh {
     }
 }
 
-fn writer_loop(
-    mut stream: TcpStream,
+/// What a link's reader and writer threads share.
+struct LinkSide {
     rank: usize,
     peer: usize,
-    rx: Receiver<Outgoing>,
     shared: Arc<Shared>,
     goodbye: Arc<AtomicBool>,
-    timeout: Duration,
-) {
+}
+
+fn writer_loop(mut stream: TcpStream, side: LinkSide, rx: Receiver<Outgoing>, timeout: Duration) {
+    let LinkSide {
+        rank,
+        peer,
+        shared,
+        goodbye,
+    } = side;
     for msg in rx.iter() {
         match msg {
             Outgoing::Data(header, buf) => {
@@ -724,14 +876,17 @@ fn writer_loop(
                     break;
                 }
             }
-            Outgoing::Abort(text) => {
+            Outgoing::Abort(text, blamed) => {
                 let bytes = text.as_bytes();
                 let bytes = &bytes[..bytes.len().min(wire::MAX_ABORT_BYTES)];
-                let _ = wire::write_frame(&mut stream, &Header::control(FrameKind::Abort, bytes.len()), bytes);
+                let mut header = Header::control(FrameKind::Abort, bytes.len());
+                header.arg = blamed.map_or(u32::MAX, |r| r.min(u32::MAX as usize - 1) as u32);
+                let _ = wire::write_frame(&mut stream, &header, bytes);
                 break;
             }
             Outgoing::Goodbye => {
-                let _ = wire::write_frame(&mut stream, &Header::control(FrameKind::Goodbye, 0), &[]);
+                let _ =
+                    wire::write_frame(&mut stream, &Header::control(FrameKind::Goodbye, 0), &[]);
                 break;
             }
         }
@@ -741,15 +896,23 @@ fn writer_loop(
 
 fn reader_loop(
     stream: TcpStream,
-    rank: usize,
-    peer: usize,
+    side: LinkSide,
     tx: Sender<Incoming>,
-    shared: Arc<Shared>,
-    goodbye: Arc<AtomicBool>,
+    pool: Arc<Pool>,
     max_frame: usize,
 ) {
+    let LinkSide {
+        rank,
+        peer,
+        shared,
+        goodbye,
+    } = side;
     let mut reader = BufReader::with_capacity(64 << 10, &stream);
-    let protocol = |message: String| CommError::Protocol { rank, peer, message };
+    let protocol = |message: String| CommError::Protocol {
+        rank,
+        peer,
+        message,
+    };
     let end: Option<CommError> = loop {
         let mut hb = [0u8; HEADER_BYTES];
         if let Err(e) = reader.read_exact(&mut hb) {
@@ -767,7 +930,7 @@ fn reader_loop(
                         "a frame of {len} bytes exceeds the limit of {max_frame} bytes"
                     )));
                 }
-                let mut buf = Buf::zeroed(len);
+                let mut buf = pool.buf(len);
                 if let Err(e) = reader.read_exact(buf.as_bytes_mut()) {
                     break Some(read_error(rank, peer, e));
                 }
@@ -787,7 +950,13 @@ fn reader_loop(
                     break Some(read_error(rank, peer, e));
                 }
                 let cause = String::from_utf8_lossy(&text).into_owned();
-                shared.fail(CommError::PeerAborted { rank, peer, cause });
+                let blamed = (header.arg != u32::MAX).then_some(header.arg as usize);
+                shared.fail(CommError::PeerAborted {
+                    rank,
+                    peer,
+                    blamed,
+                    cause,
+                });
             }
             FrameKind::Goodbye => {
                 goodbye.store(true, Ordering::Release);
@@ -807,9 +976,9 @@ fn reader_loop(
 
 fn read_error(rank: usize, peer: usize, e: io::Error) -> CommError {
     match e.kind() {
-        io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted => {
-            CommError::PeerClosed { rank, peer }
-        }
+        io::ErrorKind::UnexpectedEof
+        | io::ErrorKind::ConnectionReset
+        | io::ErrorKind::ConnectionAborted => CommError::PeerClosed { rank, peer },
         _ => CommError::PeerIo {
             rank,
             peer,

@@ -39,7 +39,8 @@
 //!  5     1    op            1 all_reduce, 2 broadcast, 3 all_gather, 4 reduce_scatter, 5 barrier
 //!  6     1    dtype         1 f32, 2 f64, 3 bf16, 4 f16, 5 i32, 6 i64, 7 u8
 //!  7     1    reserved      0
-//!  8     4    arg           reduce op (1 sum, 2 avg, 3 min, 4 max) or broadcast root
+//!  8     4    arg           reduce op (1 sum, 2 avg, 3 min, 4 max) or broadcast root;
+//!                           in an ABORT, the rank the sender blames (0xFFFFFFFF: none)
 //! 12     4    payload len   bytes that follow; at most the segment size (DATA) or 64 KiB (ABORT)
 //! 16     8    seq           the collective's sequence number in the group (0, 1, 2, ...)
 //! 24     8    count         elements in the collective's input buffer
@@ -180,7 +181,9 @@ impl Hello {
         let world = u32::from_le_bytes(fixed[28..32].try_into().unwrap());
         let len = u16::from_le_bytes([fixed[32], fixed[33]]) as usize;
         if len > MAX_HELLO_TEXT {
-            return Err(invalid(format!("handshake text of {len} bytes (at most {MAX_HELLO_TEXT})")));
+            return Err(invalid(format!(
+                "handshake text of {len} bytes (at most {MAX_HELLO_TEXT})"
+            )));
         }
         let mut text = vec![0u8; len];
         r.read_exact(&mut text)?;
@@ -405,7 +408,12 @@ pub(crate) fn write_frame(w: &mut impl Write, header: &Header, payload: &[u8]) -
     }
     while !slices.is_empty() {
         match w.write_vectored(slices) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "connection closed while writing")),
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "connection closed while writing",
+                ))
+            }
             Ok(n) => io::IoSlice::advance_slices(&mut slices, n),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
@@ -484,7 +492,9 @@ impl StoreRequest {
         };
         let nkeys = u16::from_le_bytes([fixed[1], fixed[2]]) as usize;
         if nkeys > MAX_STORE_KEYS {
-            return Err(invalid(format!("{nkeys} keys in one request (at most {MAX_STORE_KEYS})")));
+            return Err(invalid(format!(
+                "{nkeys} keys in one request (at most {MAX_STORE_KEYS})"
+            )));
         }
         let timeout_ms = u32::from_le_bytes(fixed[3..7].try_into().unwrap());
         let num = i64::from_le_bytes(fixed[7..15].try_into().unwrap());
@@ -494,7 +504,9 @@ impl StoreRequest {
             r.read_exact(&mut l)?;
             let len = u16::from_le_bytes(l) as usize;
             if len > MAX_STORE_KEY_BYTES {
-                return Err(invalid(format!("a key of {len} bytes (at most {MAX_STORE_KEY_BYTES})")));
+                return Err(invalid(format!(
+                    "a key of {len} bytes (at most {MAX_STORE_KEY_BYTES})"
+                )));
             }
             let mut k = vec![0u8; len];
             r.read_exact(&mut k)?;
@@ -570,10 +582,16 @@ mod tests {
         assert!(err.to_string().contains("magic"), "{err}");
         let mut v2 = bytes.clone();
         v2[4] = 9;
-        assert!(Hello::read(&mut &v2[..]).unwrap_err().to_string().contains("version 9"));
+        assert!(Hello::read(&mut &v2[..])
+            .unwrap_err()
+            .to_string()
+            .contains("version 9"));
         let mut long = bytes.clone();
         long[32..34].copy_from_slice(&u16::MAX.to_le_bytes());
-        assert!(Hello::read(&mut &long[..]).unwrap_err().to_string().contains("65535"));
+        assert!(Hello::read(&mut &long[..])
+            .unwrap_err()
+            .to_string()
+            .contains("65535"));
         // Truncated input is an error, not a panic.
         for cut in 0..bytes.len() {
             assert!(Hello::read(&mut &bytes[..cut]).is_err());
@@ -634,7 +652,10 @@ mod tests {
         // A value length far beyond the cap is refused before allocating.
         let mut huge = vec![1u8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
         huge.extend_from_slice(&u32::MAX.to_le_bytes());
-        assert!(StoreRequest::read(&mut &huge[..]).unwrap_err().to_string().contains("at most"));
+        assert!(StoreRequest::read(&mut &huge[..])
+            .unwrap_err()
+            .to_string()
+            .contains("at most"));
         let resp = StoreResponse {
             status: StoreStatus::Timeout,
             num: 9,

@@ -70,7 +70,12 @@ fn acc_op(op: ReduceOp) -> ReduceOp {
 }
 
 /// Reduces `xs[order[0]][range], xs[order[1]][range], ...` left to right.
-fn fold<T: TestElem>(xs: &[Vec<T>], order: impl Iterator<Item = usize>, range: std::ops::Range<usize>, op: ReduceOp) -> Vec<T> {
+fn fold<T: TestElem>(
+    xs: &[Vec<T>],
+    order: impl Iterator<Item = usize>,
+    range: std::ops::Range<usize>,
+    op: ReduceOp,
+) -> Vec<T> {
     let mut order = order;
     let mut acc = xs[order.next().unwrap()][range.clone()].to_vec();
     for r in order {
@@ -92,14 +97,24 @@ fn reference_all_reduce<T: TestElem>(xs: &[Vec<T>], op: ReduceOp, direct: bool) 
     }
     let mut out = Vec::with_capacity(len);
     for c in 0..n {
-        out.extend(fold(xs, (0..n).map(|k| (c + k) % n), chunk_range(len, n, c), op));
+        out.extend(fold(
+            xs,
+            (0..n).map(|k| (c + k) % n),
+            chunk_range(len, n, c),
+            op,
+        ));
     }
     out
 }
 
 /// The documented result of reduce_scatter at `rank`: rank order for the direct path; for the
 /// ring, chunk c summed from rank c+1 around the ring, ending with rank c.
-fn reference_reduce_scatter<T: TestElem>(xs: &[Vec<T>], op: ReduceOp, direct: bool, rank: usize) -> Vec<T> {
+fn reference_reduce_scatter<T: TestElem>(
+    xs: &[Vec<T>],
+    op: ReduceOp,
+    direct: bool,
+    rank: usize,
+) -> Vec<T> {
     let n = xs.len();
     let range = chunk_range(xs[0].len(), n, rank);
     if direct || n == 1 {
@@ -114,8 +129,15 @@ fn assert_bits<T: TestElem>(got: &[T], want: &[T], what: &str) {
     let g: &[u8] = bytemuck::cast_slice(got);
     let w: &[u8] = bytemuck::cast_slice(want);
     if g != w {
-        let i = got.iter().zip(want).position(|(a, b)| bytemuck::bytes_of(a) != bytemuck::bytes_of(b)).unwrap();
-        panic!("{what}: element {i} is {:?}, expected {:?}", got[i], want[i]);
+        let i = got
+            .iter()
+            .zip(want)
+            .position(|(a, b)| bytemuck::bytes_of(a) != bytemuck::bytes_of(b))
+            .unwrap();
+        panic!(
+            "{what}: element {i} is {:?}, expected {:?}",
+            got[i], want[i]
+        );
     }
 }
 
@@ -128,19 +150,31 @@ fn check_dtype<T: TestElem>(pg: &ProcessGroup, small: usize, lens: &[usize], see
         let direct = len * std::mem::size_of::<T>() <= small;
         for op in OPS {
             let what = format!("world {n} rank {rank}: all_reduce {len} {name} {op:?}");
-            let out = pg.all_reduce(xs[rank].clone(), op).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let out = pg
+                .all_reduce(xs[rank].clone(), op)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
             assert_bits(&out, &reference_all_reduce(&xs, op, direct), &what);
 
             let what = format!("world {n} rank {rank}: reduce_scatter {len} {name} {op:?}");
-            let out = pg.reduce_scatter(xs[rank].clone(), op).unwrap_or_else(|e| panic!("{what}: {e}"));
-            assert_bits(&out, &reference_reduce_scatter(&xs, op, direct, rank), &what);
+            let out = pg
+                .reduce_scatter(xs[rank].clone(), op)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_bits(
+                &out,
+                &reference_reduce_scatter(&xs, op, direct, rank),
+                &what,
+            );
         }
         let what = format!("world {n} rank {rank}: all_gather {len} {name}");
-        let out = pg.all_gather(xs[rank].clone()).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let out = pg
+            .all_gather(xs[rank].clone())
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
         assert_bits(&out, &xs.concat(), &what);
         for root in 0..n {
             let what = format!("world {n} rank {rank}: broadcast {len} {name} from {root}");
-            let out = pg.broadcast(xs[rank].clone(), root).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let out = pg
+                .broadcast(xs[rank].clone(), root)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
             assert_bits(&out, &xs[root], &what);
         }
     }
@@ -207,7 +241,9 @@ fn integer_results_are_exact() {
             let avg = pg.all_reduce(buf.clone(), ReduceOp::Avg).unwrap();
             let max = pg.all_reduce(buf.clone(), ReduceOp::Max).unwrap();
             let min = pg.all_reduce(buf, ReduceOp::Min).unwrap();
-            let ints = pg.all_reduce(vec![rank as i32 * 7 + 1; 5], ReduceOp::Avg).unwrap();
+            let ints = pg
+                .all_reduce(vec![rank as i32 * 7 + 1; 5], ReduceOp::Avg)
+                .unwrap();
             (sum, avg, max, min, ints)
         },
     );
@@ -228,7 +264,11 @@ fn large_buffers_use_the_pipelined_ring_and_are_bit_identical() {
     let len = 2 * (1 << 20) + 3;
     let xs = inputs::<f32>(2, len, 42);
     let want = reference_all_reduce(&xs, ReduceOp::Sum, false);
-    let outs = run_group(2, |_, b| b, |rank, pg| pg.all_reduce(xs[rank].clone(), ReduceOp::Sum).unwrap());
+    let outs = run_group(
+        2,
+        |_, b| b,
+        |rank, pg| pg.all_reduce(xs[rank].clone(), ReduceOp::Sum).unwrap(),
+    );
     for out in &outs {
         assert_bits(out, &want, "8 MiB all_reduce, world 2");
     }
@@ -262,7 +302,10 @@ fn large_buffers_use_the_pipelined_ring_and_are_bit_identical() {
             if rank == 0 {
                 assert_bits(rs, &want_rs, "reduce_scatter");
             }
-            let gathered: Vec<f32> = xs.iter().flat_map(|x| x[..100_000].iter().copied()).collect();
+            let gathered: Vec<f32> = xs
+                .iter()
+                .flat_map(|x| x[..100_000].iter().copied())
+                .collect();
             assert_bits(g, &gathered, "all_gather");
             assert_bits(bc, &xs[3], "broadcast");
         }
@@ -306,10 +349,24 @@ fn async_work_runs_in_submission_order() {
 #[test]
 fn world_size_one_needs_nothing() {
     let pg = ProcessGroup::builder().no_env().build().unwrap();
-    assert_eq!((pg.rank(), pg.world_size(), pg.local_rank(), pg.local_world_size()), (0, 1, 0, 1));
+    assert_eq!(
+        (
+            pg.rank(),
+            pg.world_size(),
+            pg.local_rank(),
+            pg.local_world_size()
+        ),
+        (0, 1, 0, 1)
+    );
     assert!(pg.store().is_none());
-    assert_eq!(pg.all_reduce(vec![3.0f32, 4.0], ReduceOp::Avg).unwrap(), [3.0, 4.0]);
-    assert_eq!(pg.reduce_scatter(vec![1u8, 2, 3], ReduceOp::Sum).unwrap(), [1, 2, 3]);
+    assert_eq!(
+        pg.all_reduce(vec![3.0f32, 4.0], ReduceOp::Avg).unwrap(),
+        [3.0, 4.0]
+    );
+    assert_eq!(
+        pg.reduce_scatter(vec![1u8, 2, 3], ReduceOp::Sum).unwrap(),
+        [1, 2, 3]
+    );
     assert_eq!(pg.all_gather(vec![5i64]).unwrap(), [5]);
     assert_eq!(pg.broadcast(vec![bf16::ONE], 0).unwrap(), [bf16::ONE]);
     pg.barrier().unwrap();
@@ -333,7 +390,12 @@ fn store_is_usable_and_matching_tokens_work() {
             let v = store.get("test/2").unwrap();
             pg.barrier().unwrap();
             let total = store.add("test/count", 0).unwrap();
-            (n, v, total, pg.all_reduce(vec![1u8], ReduceOp::Sum).unwrap())
+            (
+                n,
+                v,
+                total,
+                pg.all_reduce(vec![1u8], ReduceOp::Sum).unwrap(),
+            )
         },
     );
     let mut ns: Vec<i64> = outs.iter().map(|o| o.0).collect();
@@ -372,13 +434,25 @@ fn mismatched_collectives_fail_on_both_ranks_naming_both() {
     );
     for (rank, (first, later, took)) in outs.iter().enumerate() {
         let msg = message(first);
-        assert!(msg.contains("all_reduce #0 (4096 f32, sum)"), "rank {rank}: {msg}");
-        assert!(msg.contains("broadcast #0 (10 f32, root 0)"), "rank {rank}: {msg}");
-        assert!(msg.contains("rank 1 is in broadcast") && msg.contains("rank 0 sent all_reduce"), "rank {rank}: {msg}");
+        assert!(
+            msg.contains("all_reduce #0 (4096 f32, sum)"),
+            "rank {rank}: {msg}"
+        );
+        assert!(
+            msg.contains("broadcast #0 (10 f32, root 0)"),
+            "rank {rank}: {msg}"
+        );
+        assert!(
+            msg.contains("rank 1 is in broadcast") && msg.contains("rank 0 sent all_reduce"),
+            "rank {rank}: {msg}"
+        );
         assert!(*took < Duration::from_secs(5), "rank {rank} took {took:?}");
         // Every later operation fails too, with the same root cause.
         let later = message(later);
-        assert!(later.contains("barrier #1") && later.contains("failed earlier"), "{later}");
+        assert!(
+            later.contains("barrier #1") && later.contains("failed earlier"),
+            "{later}"
+        );
     }
 
     // A rank that skips a collective: the sequence numbers differ.
@@ -393,7 +467,10 @@ fn mismatched_collectives_fail_on_both_ranks_naming_both() {
         },
     );
     let msg = message(&outs[1]);
-    assert!(msg.contains("all_reduce #0") && msg.contains("barrier #0"), "{msg}");
+    assert!(
+        msg.contains("all_reduce #0") && msg.contains("barrier #0"),
+        "{msg}"
+    );
     // Same op and sequence, different length or type.
     let outs = run_group(
         2,
@@ -408,7 +485,10 @@ fn mismatched_collectives_fail_on_both_ranks_naming_both() {
     );
     for out in &outs {
         let msg = message(out);
-        assert!(msg.contains("(3 i64, sum)") && msg.contains("(4 f64, sum)"), "{msg}");
+        assert!(
+            msg.contains("(3 i64, sum)") && msg.contains("(4 f64, sum)"),
+            "{msg}"
+        );
     }
 }
 
@@ -427,8 +507,14 @@ fn a_silent_rank_is_named_after_the_deadline() {
     );
     for (rank, (r, took)) in outs.iter().enumerate().take(2) {
         let msg = message(r);
-        assert!(msg.contains("rank 2") && msg.contains("all_reduce #0"), "rank {rank}: {msg}");
-        assert!(*took >= Duration::from_millis(1400) && *took < Duration::from_secs(6), "rank {rank}: {took:?}");
+        assert!(
+            msg.contains("rank 2") && msg.contains("all_reduce #0"),
+            "rank {rank}: {msg}"
+        );
+        assert!(
+            *took >= Duration::from_millis(1400) && *took < Duration::from_secs(6),
+            "rank {rank}: {took:?}"
+        );
     }
     // The silent rank learns of the failure too (the others aborted).
     assert!(outs[2].0.is_err());
@@ -450,7 +536,10 @@ fn a_rank_that_leaves_early_is_named() {
     );
     for (r, took) in outs.into_iter().flatten() {
         let msg = message(&r);
-        assert!(msg.contains("rank 1") && msg.contains("all_reduce #0"), "{msg}");
+        assert!(
+            msg.contains("rank 1") && msg.contains("all_reduce #0"),
+            "{msg}"
+        );
         assert!(took < Duration::from_secs(5), "{took:?}");
         assert_eq!(r.unwrap_err().peer(), Some(1));
     }
@@ -467,7 +556,10 @@ fn a_wrong_token_is_refused() {
         |_, r| r.map(|pg| pg.rank()),
     );
     let msg = message(&outs[1]);
-    assert!(msg.contains("token mismatch") && msg.contains("127.0.0.1:"), "{msg}");
+    assert!(
+        msg.contains("token mismatch") && msg.contains("127.0.0.1:"),
+        "{msg}"
+    );
     let msg = message(&outs[0]);
     assert!(msg.contains("rank 0"), "{msg}");
 }
@@ -485,7 +577,10 @@ fn connect_deadline_names_the_address() {
         .connect_timeout(Duration::from_millis(500))
         .build();
     let msg = message(&r);
-    assert!(msg.contains(&format!("127.0.0.1:{port}")) && msg.contains("rendezvous store"), "{msg}");
+    assert!(
+        msg.contains(&format!("127.0.0.1:{port}")) && msg.contains("rendezvous store"),
+        "{msg}"
+    );
     assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
 }
 
@@ -502,19 +597,32 @@ fn master_port_in_use_is_reported() {
         .connect_timeout(Duration::from_secs(2))
         .build();
     let msg = message(&r);
-    assert!(msg.contains("already in use") && msg.contains(&port.to_string()), "{msg}");
+    assert!(
+        msg.contains("already in use") && msg.contains(&port.to_string()),
+        "{msg}"
+    );
     assert!(matches!(r.unwrap_err(), CommError::AddrInUse { .. }));
 }
 
 #[test]
 fn invalid_environment_values_name_the_variable() {
     let env = |pairs: &'static [(&'static str, &'static str)]| {
-        move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        move |k: &str| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
     };
-    let err = ddp_comm::GroupConfig::from_vars(env(&[("RANK", "2"), ("WORLD_SIZE", "2")])).unwrap_err();
+    let err =
+        ddp_comm::GroupConfig::from_vars(env(&[("RANK", "2"), ("WORLD_SIZE", "2")])).unwrap_err();
     assert!(err.to_string().contains("RANK=2"), "{err}");
-    let err = ddp_comm::GroupConfig::from_vars(env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "abc")]))
-        .unwrap_err();
+    let err = ddp_comm::GroupConfig::from_vars(env(&[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_PORT", "abc"),
+    ]))
+    .unwrap_err();
     assert!(err.to_string().contains("MASTER_PORT"), "{err}");
     let c = ddp_comm::GroupConfig::from_vars(env(&[])).unwrap();
     assert_eq!((c.rank, c.world_size), (0, 1));

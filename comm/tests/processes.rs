@@ -19,7 +19,13 @@ fn start(world: usize, op: &str, elems: usize) -> Vec<Peer> {
     (0..world)
         .map(|rank| {
             let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddp-comm-peer"));
-            for var in ["SLURM_PROCID", "SLURM_NTASKS", "DDP_TOKEN", "DDP_SEGMENT_BYTES", "DDP_SMALL_ALLREDUCE_BYTES"] {
+            for var in [
+                "SLURM_PROCID",
+                "SLURM_NTASKS",
+                "DDP_TOKEN",
+                "DDP_SEGMENT_BYTES",
+                "DDP_SMALL_ALLREDUCE_BYTES",
+            ] {
                 cmd.env_remove(var);
             }
             cmd.env("RANK", rank.to_string())
@@ -107,8 +113,14 @@ fn kill_and_check(mut peers: Vec<Peer>, victim: usize) {
             std::thread::sleep(Duration::from_millis(10));
         };
         assert_eq!(status.code(), Some(3), "rank {rank}: {error}");
-        assert!(error.contains(&format!("rank {victim}")), "rank {rank} does not name rank {victim}: {error}");
-        eprintln!("rank {rank} failed {:?} after the kill: {error}", killed_at.elapsed());
+        assert!(
+            error.contains(&format!("rank {victim}")),
+            "rank {rank} does not name rank {victim}: {error}"
+        );
+        eprintln!(
+            "rank {rank} failed {:?} after the kill: {error}",
+            killed_at.elapsed()
+        );
     }
 }
 

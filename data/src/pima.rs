@@ -170,7 +170,9 @@ impl PimaTable {
         let mut train_rows = Vec::new();
         let mut test_rows = Vec::new();
         for class in [0u8, 1] {
-            let mut rows: Vec<usize> = (0..self.len()).filter(|&i| self.labels[i] == class).collect();
+            let mut rows: Vec<usize> = (0..self.len())
+                .filter(|&i| self.labels[i] == class)
+                .collect();
             // A stream per class, so the two classes are shuffled independently.
             let mut rng = SplitMix64::for_stream(seed, 0x5049_4d41 + u64::from(class));
             for i in (1..rows.len()).rev() {

@@ -41,7 +41,12 @@ fn normalised_train_pixels_have_mean_0_and_std_1() {
     }
     let table = train.normalization_table();
     let n = train.pixels().len() as f64;
-    let mean: f64 = histogram.iter().zip(table).map(|(&c, &v)| c as f64 * f64::from(v)).sum::<f64>() / n;
+    let mean: f64 = histogram
+        .iter()
+        .zip(table)
+        .map(|(&c, &v)| c as f64 * f64::from(v))
+        .sum::<f64>()
+        / n;
     let var: f64 = histogram
         .iter()
         .zip(table)
@@ -53,7 +58,10 @@ fn normalised_train_pixels_have_mean_0_and_std_1() {
 
     // write_sample applies exactly (p / 255 - 0.1307) / 0.3081.
     let mut out = vec![0f32; 784];
-    assert_eq!(train.write_sample(7, &mut out), i64::from(train.labels()[7]));
+    assert_eq!(
+        train.write_sample(7, &mut out),
+        i64::from(train.labels()[7])
+    );
     for (o, &p) in out.iter().zip(train.image(7).unwrap()) {
         assert_eq!(*o, (p as f32 / 255.0 - 0.1307) / 0.3081);
     }
@@ -73,9 +81,11 @@ fn real_test_set_raw_and_gzip_agree() {
     let tmp = tempfile::tempdir().unwrap();
     for name in ["t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"] {
         let mut bytes = Vec::new();
-        flate2::read::GzDecoder::new(std::fs::File::open(shared_mnist().join(format!("{name}.gz"))).unwrap())
-            .read_to_end(&mut bytes)
-            .unwrap();
+        flate2::read::GzDecoder::new(
+            std::fs::File::open(shared_mnist().join(format!("{name}.gz"))).unwrap(),
+        )
+        .read_to_end(&mut bytes)
+        .unwrap();
         std::fs::write(tmp.path().join(name), bytes).unwrap();
     }
     let raw = Mnist::load(tmp.path(), MnistSplit::Test).unwrap();
@@ -136,7 +146,17 @@ fn truncated_data() {
     images.truncate(16 + 2 * 784 + 100);
     let (tmp, result) = load(&images, &good_labels(&[0, 1, 2]));
     let (err, msg) = message(result);
-    assert!(matches!(err, DataError::Truncated { offset: 1684, decompressed: false, .. }), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            DataError::Truncated {
+                offset: 1684,
+                decompressed: false,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     let file = tmp.path().join("train-images-idx3-ubyte");
     assert_eq!(
         msg,
@@ -162,7 +182,9 @@ fn truncated_header() {
         )
     );
     let (_, result) = load(&images[..2], &good_labels(&[0, 1, 2]));
-    assert!(message(result).1.contains("truncated at byte offset 2: the 4-byte IDX magic number"));
+    assert!(message(result)
+        .1
+        .contains("truncated at byte offset 2: the 4-byte IDX magic number"));
 }
 
 #[test]
@@ -170,7 +192,17 @@ fn wrong_magic() {
     // A labels file where the images file should be.
     let (tmp, result) = load(&good_labels(&[1, 2]), &good_labels(&[1, 2]));
     let (err, msg) = message(result);
-    assert!(matches!(err, DataError::BadMagic { found: 0x801, expected: 0x803, .. }), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            DataError::BadMagic {
+                found: 0x801,
+                expected: 0x803,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     assert_eq!(
         msg,
         format!(
@@ -180,7 +212,9 @@ fn wrong_magic() {
     );
     // A file of text.
     let (_, result) = load(&good_images(2), b"hello world");
-    assert!(message(result).1.contains("bad IDX magic number 0x68656c6c at byte offset 0, expected 0x00000801 (labels)"));
+    assert!(message(result).1.contains(
+        "bad IDX magic number 0x68656c6c at byte offset 0, expected 0x00000801 (labels)"
+    ));
 }
 
 #[test]
@@ -189,7 +223,10 @@ fn header_dimensions_that_do_not_fit_the_length() {
     let mut images = idx(0x803, &[2, 28, 28], &vec![0u8; 3 * 784]);
     let (tmp, result) = load(&images, &good_labels(&[1, 2]));
     let (err, msg) = message(result);
-    assert!(matches!(err, DataError::TrailingBytes { offset: 1584, .. }), "{err:?}");
+    assert!(
+        matches!(err, DataError::TrailingBytes { offset: 1584, .. }),
+        "{err:?}"
+    );
     assert_eq!(
         msg,
         format!(
@@ -203,17 +240,36 @@ fn header_dimensions_that_do_not_fit_the_length() {
     images = idx(0x803, &[u32::MAX, u32::MAX, u32::MAX], &[0u8; 10]);
     let (_, result) = load(&images, &good_labels(&[1, 2]));
     let (err, _) = message(result);
-    assert!(matches!(err, DataError::BadHeader { .. } | DataError::Truncated { .. }), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            DataError::BadHeader { .. } | DataError::Truncated { .. }
+        ),
+        "{err:?}"
+    );
     // Zero-sized images.
     let (_, result) = load(&idx(0x803, &[2, 0, 28], &[]), &good_labels(&[1, 2]));
-    assert!(message(result).1.contains("bad IDX header at byte offset 8: images of 0x28 pixels"));
+    assert!(message(result)
+        .1
+        .contains("bad IDX header at byte offset 8: images of 0x28 pixels"));
 }
 
 #[test]
 fn label_out_of_range() {
     let (tmp, result) = load(&good_images(4), &good_labels(&[3, 9, 10, 1]));
     let (err, msg) = message(result);
-    assert!(matches!(err, DataError::LabelOutOfRange { index: 2, label: 10, offset: 10, .. }), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            DataError::LabelOutOfRange {
+                index: 2,
+                label: 10,
+                offset: 10,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     assert_eq!(
         msg,
         format!(
@@ -245,11 +301,18 @@ fn gzip_garbage() {
     garbage.extend((0..200u32).map(|i| (i * 37 % 251) as u8));
     let file = tmp.path().join("train-images-idx3-ubyte.gz");
     std::fs::write(&file, &garbage).unwrap();
-    std::fs::write(tmp.path().join("train-labels-idx1-ubyte.gz"), gzip(&good_labels(&[1]))).unwrap();
+    std::fs::write(
+        tmp.path().join("train-labels-idx1-ubyte.gz"),
+        gzip(&good_labels(&[1])),
+    )
+    .unwrap();
     let (err, msg) = message(Mnist::load(tmp.path(), MnistSplit::Train));
     assert!(matches!(err, DataError::Gzip { .. }), "{err:?}");
     assert!(
-        msg.starts_with(&format!("{}: not a valid gzip stream (corrupt or truncated): ", file.display())),
+        msg.starts_with(&format!(
+            "{}: not a valid gzip stream (corrupt or truncated): ",
+            file.display()
+        )),
         "{msg}"
     );
 }
@@ -258,9 +321,19 @@ fn gzip_garbage() {
 fn truncated_gzip_stream() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("train-images-idx3-ubyte.gz");
-    let gz = gzip(&idx(0x803, &[2, 28, 28], &(0..2 * 784).map(|i| (i * 7 % 256) as u8).collect::<Vec<_>>()));
+    let gz = gzip(&idx(
+        0x803,
+        &[2, 28, 28],
+        &(0..2 * 784)
+            .map(|i| (i * 7 % 256) as u8)
+            .collect::<Vec<_>>(),
+    ));
     std::fs::write(&file, &gz[..gz.len() / 2]).unwrap();
-    std::fs::write(tmp.path().join("train-labels-idx1-ubyte.gz"), gzip(&good_labels(&[1, 2]))).unwrap();
+    std::fs::write(
+        tmp.path().join("train-labels-idx1-ubyte.gz"),
+        gzip(&good_labels(&[1, 2])),
+    )
+    .unwrap();
     let (err, msg) = message(Mnist::load(tmp.path(), MnistSplit::Train));
     assert!(matches!(err, DataError::Gzip { .. }), "{err:?}");
     assert!(msg.starts_with(&file.display().to_string()), "{msg}");
@@ -271,17 +344,37 @@ fn gzip_of_a_short_file_reports_decompressed_offsets() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("train-images-idx3-ubyte.gz");
     std::fs::write(&file, gzip(&idx(0x803, &[2, 28, 28], &[0u8; 784]))).unwrap();
-    std::fs::write(tmp.path().join("train-labels-idx1-ubyte.gz"), gzip(&good_labels(&[1, 2]))).unwrap();
+    std::fs::write(
+        tmp.path().join("train-labels-idx1-ubyte.gz"),
+        gzip(&good_labels(&[1, 2])),
+    )
+    .unwrap();
     let (_, msg) = message(Mnist::load(tmp.path(), MnistSplit::Train));
     assert!(
-        msg.starts_with(&format!("{}: truncated at byte offset 800 of the decompressed data: ", file.display())),
+        msg.starts_with(&format!(
+            "{}: truncated at byte offset 800 of the decompressed data: ",
+            file.display()
+        )),
         "{msg}"
     );
     // And one that is too long.
     std::fs::write(&file, gzip(&idx(0x803, &[1, 28, 28], &[0u8; 785]))).unwrap();
     let (err, msg) = message(Mnist::load(tmp.path(), MnistSplit::Train));
-    assert!(matches!(err, DataError::TrailingBytes { offset: 800, decompressed: true, .. }), "{err:?}");
-    assert!(msg.contains("unexpected bytes from byte offset 800 of the decompressed data"), "{msg}");
+    assert!(
+        matches!(
+            err,
+            DataError::TrailingBytes {
+                offset: 800,
+                decompressed: true,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(
+        msg.contains("unexpected bytes from byte offset 800 of the decompressed data"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -296,7 +389,13 @@ fn missing_and_unreadable_files() {
             tmp.path().display()
         )
     );
-    let (err, msg) = message(Mnist::from_files(&tmp.path().join("nope"), &tmp.path().join("nope2")));
+    let (err, msg) = message(Mnist::from_files(
+        &tmp.path().join("nope"),
+        &tmp.path().join("nope2"),
+    ));
     assert!(matches!(err, DataError::Io { .. }), "{err:?}");
-    assert!(msg.starts_with(&tmp.path().join("nope").display().to_string()), "{msg}");
+    assert!(
+        msg.starts_with(&tmp.path().join("nope").display().to_string()),
+        "{msg}"
+    );
 }

@@ -11,9 +11,13 @@ fn bundled_table_is_the_shared_file() {
     assert_eq!(table.len(), 768);
     assert_eq!(table.labels().iter().filter(|&&l| l == 1).count(), 268);
     let first = table.get(0).unwrap();
-    assert_eq!(first.features, [6.0, 148.0, 72.0, 35.0, 0.0, 33.6, 0.627, 50.0]);
+    assert_eq!(
+        first.features,
+        [6.0, 148.0, 72.0, 35.0, 0.0, 33.6, 0.627, 50.0]
+    );
     assert_eq!(first.label, 1);
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/pima/pima-indians-diabetes.csv");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/data/pima/pima-indians-diabetes.csv");
     assert_eq!(std::fs::read_to_string(&path).unwrap(), BUNDLED_CSV);
     assert_eq!(PimaTable::load(Some(&path)).unwrap(), table);
 }
@@ -27,7 +31,13 @@ fn stratified_split_is_seeded_and_disjoint() {
     assert_eq!(positives(split.train.labels()), 214);
     assert_eq!(positives(split.test.labels()), 54);
 
-    let mut all: Vec<usize> = split.train.source_rows().iter().chain(split.test.source_rows()).copied().collect();
+    let mut all: Vec<usize> = split
+        .train
+        .source_rows()
+        .iter()
+        .chain(split.test.source_rows())
+        .copied()
+        .collect();
     all.sort_unstable();
     assert_eq!(all, (0..768).collect::<Vec<_>>());
 
@@ -38,8 +48,14 @@ fn stratified_split_is_seeded_and_disjoint() {
 
     let none = table.split(0.0, 0).unwrap();
     assert_eq!((none.train.len(), none.test.len()), (768, 0));
-    assert!(matches!(table.split(1.0, 0), Err(DataError::InvalidArgument(_))));
-    assert!(matches!(table.split(-0.1, 0), Err(DataError::InvalidArgument(_))));
+    assert!(matches!(
+        table.split(1.0, 0),
+        Err(DataError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        table.split(-0.1, 0),
+        Err(DataError::InvalidArgument(_))
+    ));
 }
 
 #[test]
@@ -49,16 +65,31 @@ fn features_are_standardised_with_training_statistics_only() {
     // Statistics recomputed here from the raw training rows.
     let rows = split.train.source_rows();
     for j in 0..NUM_FEATURES {
-        let values: Vec<f64> = rows.iter().map(|&r| f64::from(table.get(r).unwrap().features[j])).collect();
+        let values: Vec<f64> = rows
+            .iter()
+            .map(|&r| f64::from(table.get(r).unwrap().features[j]))
+            .collect();
         let mean = values.iter().sum::<f64>() / values.len() as f64;
-        let std = (values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / values.len() as f64).sqrt();
-        assert!((f64::from(split.standardizer.mean[j]) - mean).abs() < 1e-3 * mean.abs().max(1.0), "feature {j}");
-        assert!((f64::from(split.standardizer.std[j]) - std).abs() < 1e-3 * std, "feature {j}");
+        let std =
+            (values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / values.len() as f64).sqrt();
+        assert!(
+            (f64::from(split.standardizer.mean[j]) - mean).abs() < 1e-3 * mean.abs().max(1.0),
+            "feature {j}"
+        );
+        assert!(
+            (f64::from(split.standardizer.std[j]) - std).abs() < 1e-3 * std,
+            "feature {j}"
+        );
         // The training features come out with mean 0 and std 1.
-        let z: Vec<f64> = (0..split.train.len()).map(|i| f64::from(split.train.get(i).unwrap().features[j])).collect();
+        let z: Vec<f64> = (0..split.train.len())
+            .map(|i| f64::from(split.train.get(i).unwrap().features[j]))
+            .collect();
         let zmean = z.iter().sum::<f64>() / z.len() as f64;
         let zstd = (z.iter().map(|v| (v - zmean).powi(2)).sum::<f64>() / z.len() as f64).sqrt();
-        assert!(zmean.abs() < 1e-4 && (zstd - 1.0).abs() < 1e-4, "feature {j}: {zmean} {zstd}");
+        assert!(
+            zmean.abs() < 1e-4 && (zstd - 1.0).abs() < 1e-4,
+            "feature {j}: {zmean} {zstd}"
+        );
     }
     // A test row is standardised with the same (training) statistics.
     let i = 3;
@@ -77,23 +108,49 @@ fn features_are_standardised_with_training_statistics_only() {
 
 #[test]
 fn csv_row_with_a_missing_column() {
-    let text = "6,148,72,35,0,33.6,0.627,50,1\n1,85,66,29,0,26.6,0.351,31,0\n8,183,64,0,0,23.3,0.672,1\n";
+    let text =
+        "6,148,72,35,0,33.6,0.627,50,1\n1,85,66,29,0,26.6,0.351,31,0\n8,183,64,0,0,23.3,0.672,1\n";
     let err = PimaTable::parse(text, "my.csv").unwrap_err();
-    assert!(matches!(err, DataError::Csv { line: 3, column: None, .. }), "{err:?}");
-    assert_eq!(err.to_string(), "my.csv:3: expected 9 columns (8 features and the label), found 8");
+    assert!(
+        matches!(
+            err,
+            DataError::Csv {
+                line: 3,
+                column: None,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(
+        err.to_string(),
+        "my.csv:3: expected 9 columns (8 features and the label), found 8"
+    );
 }
 
 #[test]
 fn csv_field_that_is_not_a_number() {
     let text = "6,148,72,35,0,33.6,0.627,50,1\n1,85,66,abc,0,26.6,0.351,31,0\n";
     let err = PimaTable::parse(text, "my.csv").unwrap_err();
-    assert_eq!(err.to_string(), "my.csv:2:4: expected a finite number, found \"abc\"");
+    assert_eq!(
+        err.to_string(),
+        "my.csv:2:4: expected a finite number, found \"abc\""
+    );
     let err = PimaTable::parse("1,2,3,4,5,6,7,,0", "x.csv").unwrap_err();
-    assert_eq!(err.to_string(), "x.csv:1:8: expected a finite number, found \"\"");
+    assert_eq!(
+        err.to_string(),
+        "x.csv:1:8: expected a finite number, found \"\""
+    );
     let err = PimaTable::parse("1,2,3,4,5,6,7,NaN,0", "x.csv").unwrap_err();
-    assert_eq!(err.to_string(), "x.csv:1:8: expected a finite number, found \"NaN\"");
+    assert_eq!(
+        err.to_string(),
+        "x.csv:1:8: expected a finite number, found \"NaN\""
+    );
     let err = PimaTable::parse("1,2,3,4,5,6,7,8,2", "x.csv").unwrap_err();
-    assert_eq!(err.to_string(), "x.csv:1:9: the label must be 0 or 1, found 2");
+    assert_eq!(
+        err.to_string(),
+        "x.csv:1:9: the label must be 0 or 1, found 2"
+    );
 }
 
 #[test]
@@ -104,11 +161,18 @@ fn csv_errors_from_a_file_name_the_file() {
     let err = PimaTable::load(Some(&path)).unwrap_err();
     assert_eq!(
         err.to_string(),
-        format!("{}:3: expected 9 columns (8 features and the label), found 10", path.display())
+        format!(
+            "{}:3: expected 9 columns (8 features and the label), found 10",
+            path.display()
+        )
     );
     let err = PimaTable::load(Some(&tmp.path().join("absent.csv"))).unwrap_err();
     assert!(matches!(err, DataError::Io { .. }), "{err:?}");
     // Windows line endings and blank lines are fine.
-    let table = PimaTable::parse("1,2,3,4,5,6,7,8,0\r\n\r\n 1, 2,3,4,5,6,7,8,1 \r\n", "crlf.csv").unwrap();
+    let table = PimaTable::parse(
+        "1,2,3,4,5,6,7,8,0\r\n\r\n 1, 2,3,4,5,6,7,8,1 \r\n",
+        "crlf.csv",
+    )
+    .unwrap();
     assert_eq!(table.labels(), &[0, 1]);
 }

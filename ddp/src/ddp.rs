@@ -222,7 +222,12 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     pub fn bucket_layout(&self) -> Vec<Vec<String>> {
         self.buckets
             .iter()
-            .map(|b| b.params.iter().map(|&i| self.params[i].name.clone()).collect())
+            .map(|b| {
+                b.params
+                    .iter()
+                    .map(|&i| self.params[i].name.clone())
+                    .collect()
+            })
             .collect()
     }
 
@@ -276,7 +281,6 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         }
 
         let pack_start = Instant::now();
-        self.micro_steps += 1;
         let mut in_flight = Vec::with_capacity(self.buckets.len());
         for b in 0..self.buckets.len() {
             self.pack(b, &mut grads);
@@ -284,7 +288,8 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         }
         self.stats.pack += pack_start.elapsed();
 
-        let denom = (self.pg.world_size() * self.micro_steps) as f32;
+        // This step counts as one more micro-step; the buffers start afresh next time.
+        let denom = (self.pg.world_size() * (self.micro_steps + 1)) as f32;
         self.micro_steps = 0;
         let mut first_error = None;
         for (b, work) in in_flight.into_iter().enumerate() {
@@ -487,7 +492,9 @@ fn verify_same_params(pg: &ProcessGroup, params: &[ParamInfo]) -> Result<(), Ddp
         .find(|&i| reference.get(i) != theirs.get(i))
         .unwrap_or(n);
     let show = |l: Option<&String>| l.cloned().unwrap_or_else(|| "nothing".into());
-    let others: Vec<usize> = (0..hashes.len()).filter(|&r| hashes[r] != hashes[0]).collect();
+    let others: Vec<usize> = (0..hashes.len())
+        .filter(|&r| hashes[r] != hashes[0])
+        .collect();
     Err(DdpError::ParamMismatch(format!(
         "rank {bad} differs from rank 0 at parameter #{at}: rank 0 has `{}`, rank {bad} has `{}` \
          (rank 0 has {} parameters, rank {bad} has {}; ranks differing from rank 0: {others:?}; \

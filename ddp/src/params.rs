@@ -105,7 +105,10 @@ macro_rules! with_rank {
 
 /// Checks that every parameter's rank is one [`with_rank!`] handles.
 pub(crate) fn check_ranks(infos: &[ParamInfo]) -> Result<(), DdpError> {
-    match infos.iter().find(|p| p.shape.is_empty() || p.shape.len() > 6) {
+    match infos
+        .iter()
+        .find(|p| p.shape.is_empty() || p.shape.len() > 6)
+    {
         Some(p) => Err(DdpError::UnsupportedParam {
             name: p.name.clone(),
             reason: format!("rank {} (supported: 1 to 6)", p.shape.len()),

@@ -5,7 +5,9 @@
 //! ```
 //!
 //! Besides the step itself it times what a data-parallel wrapper adds around it on one rank:
-//! taking every gradient out as flat `f32` and putting it back.
+//! taking every gradient out as flat `f32` and putting it back. Each line ends with a
+//! fingerprint of the trained parameters: run the example twice to check that the same seed
+//! gives bit-identical training in separate processes.
 
 use std::time::{Duration, Instant};
 
@@ -95,14 +97,24 @@ fn time_steps<M, const D: usize>(
         (v[v.len() / 2].as_secs_f64() * 1e3, v[0].as_secs_f64() * 1e3)
     };
     println!(
-        "{name:<16} step {:>8.2} ms (min {:>8.2})  forward {:>7.2}  backward {:>7.2}  grads->Vec->grads {:>6.2}  adam {:>6.2}",
+        "{name:<12} step {:>7.2} (min {:>7.2})  forward {:>7.2}  backward {:>7.2}  grads->Vec->grads {:>5.2}  adam {:>5.2}  params fnv {:016x}",
         total.0,
         total.1,
         median(|p| p.forward),
         median(|p| p.backward),
         median(|p| p.flatten),
         median(|p| p.optim),
+        fingerprint(&model),
     );
+}
+
+/// FNV-1a over the little-endian bytes of every parameter: equal across processes exactly when
+/// the parameters are bit-identical.
+fn fingerprint<M: Module<B>>(model: &M) -> u64 {
+    let bytes = ddp_models::safetensors_bytes(model).unwrap();
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 fn images(n: usize, device: &burn::tensor::Device<B>) -> (Tensor<B, 4>, Tensor<B, 1, Int>) {

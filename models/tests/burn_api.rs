@@ -243,15 +243,25 @@ fn module_mapper_overwrites_values_keeping_ids() {
     // The overwritten model still trains: its gradients come back under the kept ids.
     let (x, y) = batch(2);
     let (loss, _) = rank1.loss(x, y);
-    let grads = GradientsParams::from_grads(loss.backward(), &rank1);
+    let mut grads = GradientsParams::from_grads(loss.backward(), &rank1);
     assert_eq!(grads.len(), 8);
-    for id in ids_after {
-        assert!(
-            grads.get::<Inner, 1>(id).is_some()
-                || grads.get::<Inner, 2>(id).is_some()
-                || grads.get::<Inner, 4>(id).is_some()
-        );
+    assert!(take_grads(&rank1, &mut grads).iter().all(Option::is_some));
+
+    // Pitfall: a tensor made with `from_data` on an autodiff backend does not require a
+    // gradient. A mapper that forgets `set_require_grad` silently freezes the parameter.
+    struct Forgetful;
+    impl ModuleMapper<B> for Forgetful {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, old, mapper) = param.consume();
+            let new = Tensor::<B, D>::from_data(old.to_data(), &old.device());
+            Param::from_mapped_value(id, new, mapper)
+        }
     }
+    let frozen = rank1.map(&mut Forgetful);
+    let (x, y) = batch(2);
+    let (loss, _) = frozen.loss(x, y);
+    let grads = GradientsParams::from_grads(loss.backward(), &frozen);
+    assert_eq!(grads.len(), 0);
 }
 
 #[test]
@@ -352,4 +362,84 @@ fn dropout_draws_from_the_global_seeded_rng_and_is_off_in_valid() {
         .unwrap();
     let e2 = eval.forward(x_inner).into_data().to_vec::<f32>().unwrap();
     assert!(e1 == e2, "no dropout on the inner backend");
+}
+
+/// An identity op whose backward step records its label: the only kind of "gradient hook"
+/// out-of-tree code can add to burn 0.21's autodiff (custom ops are public API).
+mod hook {
+    use super::*;
+    use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::NoCheckpointing};
+    use burn::backend::autodiff::grads::Gradients;
+    use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
+    use burn::tensor::TensorPrimitive;
+    use std::sync::Mutex;
+
+    pub static EVENTS: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+
+    #[derive(Debug)]
+    struct Hook;
+
+    impl<Bk: Backend> Backward<Bk, 1> for Hook {
+        type State = &'static str;
+        fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+            EVENTS.lock().unwrap().push(ops.state);
+            unary::<Bk, _>(ops.parents, ops.node, grads, |grad| grad);
+        }
+    }
+
+    /// `x`, with a backward step that logs `label` when it runs.
+    pub fn hooked<const D: usize>(x: Tensor<B, D>, label: &'static str) -> Tensor<B, D> {
+        let TensorPrimitive::Float(x) = x.into_primitive() else {
+            unreachable!("float tensor")
+        };
+        let out = match Hook
+            .prepare::<NoCheckpointing>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(label, x.primitive),
+            OpsKind::UnTracked(prep) => prep.finish(x.primitive),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(out))
+    }
+
+    /// Wraps every parameter of a two-layer model in a hook named after it, keeping ids.
+    pub struct HookParams(pub std::vec::IntoIter<&'static str>);
+    impl ModuleMapper<B> for HookParams {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, value, mapper) = param.consume();
+            Param::from_mapped_value(id, hooked(value, self.0.next().unwrap()), mapper)
+        }
+    }
+}
+
+#[test]
+fn custom_backward_ops_run_in_depth_order_so_param_hooks_fire_last() {
+    let _rng = rng_lock();
+    let device = Default::default();
+    let model = ddp_models::materialize(HalfUsed::<B> {
+        used: LinearConfig::new(4, 4).init(&device),
+        unused: LinearConfig::new(4, 2).init(&device),
+    });
+    let names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"];
+    let model = model.map(&mut hook::HookParams(names.to_vec().into_iter()));
+    hook::EVENTS.lock().unwrap().clear();
+
+    // fc2(relu(fc1(x))), with a marker on fc1's output.
+    let x = Tensor::<B, 2>::ones([3, 4], &device);
+    let h = hook::hooked(model.used.forward(x), "fc1 output");
+    let y = model.unused.forward(burn::tensor::activation::relu(h));
+    let mut grads = y.sum().backward();
+    let events = hook::EVENTS.lock().unwrap().clone();
+
+    // PyTorch would release fc2's gradients before reaching fc1; burn runs steps by graph
+    // depth, and a parameter's hook sits at depth 1, so all of them run at the very end.
+    assert_eq!(events[0], "fc1 output", "{events:?}");
+    let mut params: Vec<_> = events[1..].to_vec();
+    params.sort();
+    assert_eq!(params, ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]);
+
+    // And the hooked (non-leaf) parameter values have no gradient left for from_grads:
+    // burn frees an intermediate node's gradient once its step has consumed it.
+    assert!(model.used.weight.val().grad_remove(&mut grads).is_none());
 }

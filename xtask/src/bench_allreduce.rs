@@ -1,7 +1,7 @@
 //! `cargo xtask bench-allreduce`: all-reduce timings over 2 and 4 local ranks, next to
 //! torch.distributed's gloo when a python with torch is at hand.
 //!
-//! It builds `ddp-apps` in release and runs `ddprun --nproc-per-node N -- ddp-allreduce-bench`
+//! It builds ddprun and the bench binary of `ddp-apps` in release and runs `ddprun --nproc-per-node N -- ddp-allreduce-bench`
 //! for every rank count and algorithm asked for, then the same sizes through
 //! `xtask/scripts/gloo_allreduce.py` under ddprun. Both check every result exactly and write
 //! JSON; this task gathers those into `allreduce.json` and `allreduce.md` under `target/bench/`
@@ -190,7 +190,7 @@ pub fn run(args: Args) -> Result<()> {
         .filter(|&s| args.max_size.is_none_or(|max| s <= max))
         .collect();
 
-    let bin = util::build_release_bins(&["ddp-apps"])?;
+    let bin = util::build_release_bins("ddp-apps", &["ddprun", "ddp-allreduce-bench"])?;
     let out = match &args.out {
         Some(out) => out.clone(),
         None => util::target_dir()?.join("bench"),

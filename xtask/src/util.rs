@@ -38,17 +38,18 @@ pub fn target_dir() -> Result<PathBuf> {
     Ok(PathBuf::from(dir))
 }
 
-/// Builds the binaries of `packages` in release and returns the folder that holds them
-/// (`target/release`).
-pub fn build_release_bins(packages: &[&str]) -> Result<PathBuf> {
+/// Builds binaries of `package` in release (`bins`, or all of them when `bins` is empty) and
+/// returns the folder that holds them (`target/release`).
+pub fn build_release_bins(package: &str, bins: &[&str]) -> Result<PathBuf> {
     let mut command = cargo();
-    command
-        .args(["build", "--release", "--bins"])
-        .current_dir(workspace_root());
-    for package in packages {
-        command.args(["-p", package]);
+    command.args(["build", "--release", "-p", package]);
+    if bins.is_empty() {
+        command.arg("--bins");
     }
-    run(&mut command)?;
+    for bin in bins {
+        command.args(["--bin", bin]);
+    }
+    run(command.current_dir(workspace_root()))?;
     Ok(target_dir()?.join("release"))
 }
 

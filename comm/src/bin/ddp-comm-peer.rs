@@ -15,7 +15,10 @@ use std::time::Duration;
 use ddp_comm::{ProcessGroup, ReduceOp};
 
 fn var(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 fn main() {
@@ -43,7 +46,10 @@ fn main() {
                 match out.iter().enumerate().find(|(i, v)| **v != want(*i)) {
                     None => Ok(()),
                     Some((i, v)) => {
-                        println!("rank {rank} error: wrong value {v} at {i}, expected {}", want(i));
+                        println!(
+                            "rank {rank} error: wrong value {v} at {i}, expected {}",
+                            want(i)
+                        );
                         std::process::exit(4);
                     }
                 }

@@ -37,7 +37,9 @@ pub fn run_group<R: Send>(
                 let b = tune(rank, b);
                 let f = &f;
                 s.spawn(move || {
-                    let pg = b.build().unwrap_or_else(|e| panic!("rank {rank} could not join: {e}"));
+                    let pg = b
+                        .build()
+                        .unwrap_or_else(|e| panic!("rank {rank} could not join: {e}"));
                     f(rank, pg)
                 })
             })
