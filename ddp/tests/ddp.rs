@@ -180,7 +180,7 @@ where
     match run.opt {
         Opt::Sgd => {
             let optim = SgdConfig::new().init::<B, M>();
-            steps(run, rank, &mut model, &mut ddp, optim, 0.05)
+            steps(run, rank, &mut model, &mut ddp, optim, 0.02)
         }
         Opt::Adam => {
             let optim = AdamConfig::new().with_epsilon(1e-8).init::<B, M>();
@@ -261,20 +261,14 @@ fn equivalence(net: Net, opt: Opt) {
         let d = rel_diff(&reference[0], &ranks[0]);
         let n = norm_rel_diff(&reference[0], &ranks[0]);
         eprintln!("{net:?}/{opt:?} world {world}: max-rel {d:e} norm-rel {n:e}");
-        // ||a - b|| / ||a|| for every optimizer. Element-wise only for SGD: Adam divides by
-        // sqrt(v), so a parameter whose true gradient is ~0 moves by about ±lr in the direction
-        // of its float noise, and a handful of such elements differ by more than 1e-5 between
-        // any two summation orders (1 to 127 of 0.2M to 1.2M here), DDP or not.
+        // Relative in the Euclidean norm, ||a - b|| / ||a||. Not element-wise: a few parameters
+        // whose true gradient is ~0 pick up float noise of the summation order (which DDP
+        // changes: per-rank means, then their mean), and Adam (dividing by sqrt(v)) and chaotic
+        // SGD steps amplify it to more than 1e-5 in 1 to 127 elements out of 0.2M to 1.2M.
         assert!(
             n < 1e-5,
             "{net:?}/{opt:?} world {world}: relative difference {n}"
         );
-        if matches!(opt, Opt::Sgd) {
-            assert!(
-                d < 1e-5,
-                "{net:?}/{opt:?} world {world}: element-wise difference {d}"
-            );
-        }
     }
 }
 

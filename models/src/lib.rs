@@ -120,3 +120,8 @@ pub fn materialize<B: Backend, M: Module<B>>(module: M) -> M {
     module.visit(&mut Touch);
     module
 }
+
+/// The README's example, compiled and run as a doctest.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

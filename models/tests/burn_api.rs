@@ -403,7 +403,7 @@ mod hook {
         Tensor::from_primitive(TensorPrimitive::Float(out))
     }
 
-    /// Wraps every parameter of a two-layer model in a hook named after it, keeping ids.
+    /// Wraps every parameter in a hook named by the next label, keeping ids.
     pub struct HookParams(pub std::vec::IntoIter<&'static str>);
     impl ModuleMapper<B> for HookParams {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
@@ -413,13 +413,19 @@ mod hook {
     }
 }
 
+#[derive(Module, Debug)]
+struct TwoLayer<B: Backend> {
+    fc1: Linear<B>,
+    fc2: Linear<B>,
+}
+
 #[test]
 fn custom_backward_ops_run_in_depth_order_so_param_hooks_fire_last() {
     let _rng = rng_lock();
     let device = Default::default();
-    let model = ddp_models::materialize(HalfUsed::<B> {
-        used: LinearConfig::new(4, 4).init(&device),
-        unused: LinearConfig::new(4, 2).init(&device),
+    let model = ddp_models::materialize(TwoLayer::<B> {
+        fc1: LinearConfig::new(4, 4).init(&device),
+        fc2: LinearConfig::new(4, 2).init(&device),
     });
     let names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"];
     let model = model.map(&mut hook::HookParams(names.to_vec().into_iter()));
@@ -427,8 +433,8 @@ fn custom_backward_ops_run_in_depth_order_so_param_hooks_fire_last() {
 
     // fc2(relu(fc1(x))), with a marker on fc1's output.
     let x = Tensor::<B, 2>::ones([3, 4], &device);
-    let h = hook::hooked(model.used.forward(x), "fc1 output");
-    let y = model.unused.forward(burn::tensor::activation::relu(h));
+    let h = hook::hooked(model.fc1.forward(x), "fc1 output");
+    let y = model.fc2.forward(burn::tensor::activation::relu(h));
     let mut grads = y.sum().backward();
     let events = hook::EVENTS.lock().unwrap().clone();
 
@@ -441,5 +447,5 @@ fn custom_backward_ops_run_in_depth_order_so_param_hooks_fire_last() {
 
     // And the hooked (non-leaf) parameter values have no gradient left for from_grads:
     // burn frees an intermediate node's gradient once its step has consumed it.
-    assert!(model.used.weight.val().grad_remove(&mut grads).is_none());
+    assert!(model.fc2.weight.val().grad_remove(&mut grads).is_none());
 }

@@ -41,17 +41,14 @@ fn main() {
             pg.barrier()
         } else {
             let buf: Vec<f32> = (0..elems).map(|i| (i % 7) as f32 + rank as f32).collect();
-            pg.all_reduce(buf, ReduceOp::Sum).and_then(|out| {
+            pg.all_reduce(buf, ReduceOp::Sum).map(|out| {
                 let want = |i: usize| (world * (i % 7)) as f32 + (world * (world - 1) / 2) as f32;
-                match out.iter().enumerate().find(|(i, v)| **v != want(*i)) {
-                    None => Ok(()),
-                    Some((i, v)) => {
-                        println!(
-                            "rank {rank} error: wrong value {v} at {i}, expected {}",
-                            want(i)
-                        );
-                        std::process::exit(4);
-                    }
+                if let Some((i, v)) = out.iter().enumerate().find(|(i, v)| **v != want(*i)) {
+                    println!(
+                        "rank {rank} error: wrong value {v} at {i}, expected {}",
+                        want(i)
+                    );
+                    std::process::exit(4);
                 }
             })
         };
