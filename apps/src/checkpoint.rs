@@ -172,7 +172,10 @@ mod tests {
         bytes[n - 2] ^= 0xff;
         std::fs::write(&path, &bytes).unwrap();
         let err = load(&path).unwrap_err().to_string();
-        assert!(err.contains("corrupted") && err.contains("checkpoint.ddpck"), "{err}");
+        assert!(
+            err.contains("corrupted") && err.contains("checkpoint.ddpck"),
+            "{err}"
+        );
 
         std::fs::write(&path, &bytes[..n - 3]).unwrap();
         let err = load(&path).unwrap_err().to_string();

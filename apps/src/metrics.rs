@@ -327,6 +327,10 @@ mod tests {
         assert_eq!(scalars.len(), 6);
         let csv = std::fs::read_to_string(dir.path().join("metrics.csv")).unwrap();
         assert!(csv.starts_with("epoch,step,train_loss"));
-        assert!(csv.lines().nth(1).unwrap().starts_with("1,42,0.500000,0.970000"));
+        assert!(csv
+            .lines()
+            .nth(1)
+            .unwrap()
+            .starts_with("1,42,0.500000,0.970000"));
     }
 }

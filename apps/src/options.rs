@@ -163,7 +163,8 @@ impl TrainArgs {
             None => TrainArgs::default(),
         };
         let a = self.or(&file).or(defaults);
-        let need = |name: &str| anyhow::anyhow!("no value for `{name}` (no flag, config or default)");
+        let need =
+            |name: &str| anyhow::anyhow!("no value for `{name}` (no flag, config or default)");
         let cfg = TrainConfig {
             epochs: a.epochs.ok_or_else(|| need("epochs"))?,
             batch_size: a.batch_size.ok_or_else(|| need("batch-size"))?,

@@ -92,8 +92,8 @@ where
             run(cfg, pg, device, task, optim)
         }
         OptimizerKind::Sgd => {
-            let momentum = (cfg.momentum > 0.0)
-                .then(|| MomentumConfig::new().with_momentum(cfg.momentum));
+            let momentum =
+                (cfg.momentum > 0.0).then(|| MomentumConfig::new().with_momentum(cfg.momentum));
             let optim = SgdConfig::new().with_momentum(momentum).init::<B, M>();
             run(cfg, pg, device, task, optim)
         }
@@ -144,7 +144,10 @@ where
     let mut start_epoch = 0;
     let mut step: u64 = 0;
     if cfg.resume {
-        let dir = cfg.checkpoint_dir.as_ref().context("--resume needs --checkpoint-dir")?;
+        let dir = cfg
+            .checkpoint_dir
+            .as_ref()
+            .context("--resume needs --checkpoint-dir")?;
         let path = checkpoint::checkpoint_path(dir);
         if path.exists() {
             let ck = checkpoint::load(&path)?;
@@ -170,7 +173,10 @@ where
                 step
             ));
         } else {
-            say.line(format!("no checkpoint at {}: starting fresh", path.display()));
+            say.line(format!(
+                "no checkpoint at {}: starting fresh",
+                path.display()
+            ));
         }
     }
 
@@ -186,7 +192,9 @@ where
     let (wrapped, mut ddp) = DistributedDataParallel::new(model, pg.clone(), ddp_config)?;
     model = wrapped;
 
-    let train_len = cfg.train_samples.map_or(train.len(), |n| n.min(train.len()));
+    let train_len = cfg
+        .train_samples
+        .map_or(train.len(), |n| n.min(train.len()));
     let test_len = cfg.test_samples.map_or(test.len(), |n| n.min(test.len()));
     let loader_config = LoaderConfig {
         batch_size: cfg.batch_size,
@@ -282,7 +290,8 @@ where
         let comm = ddp.take_stats();
         summary.comm_seconds += comm.total().as_secs_f64();
 
-        let (correct, total, test_loss) = evaluate::<B, M, S, D>(&model, &test_loader, &eval_sampler, &pg)?;
+        let (correct, total, test_loss) =
+            evaluate::<B, M, S, D>(&model, &test_loader, &eval_sampler, &pg)?;
         let accuracy = correct as f64 / total.max(1) as f64;
         let train_loss = loss_sum / batches.max(1) as f64;
         let samples_per_sec = (epoch_samples * world as u64) as f64 / elapsed.as_secs_f64();
@@ -325,7 +334,8 @@ where
                 optim_len: 0,
                 sha256: String::new(),
             };
-            let model_bytes = Recorder::<B>::record(&Bytes::default(), model.clone().into_record(), ())?;
+            let model_bytes =
+                Recorder::<B>::record(&Bytes::default(), model.clone().into_record(), ())?;
             let optim_bytes = Recorder::<B>::record(&Bytes::default(), optim.to_record(), ())?;
             summary.checkpoint = Some(checkpoint::save(dir, meta, &model_bytes, &optim_bytes)?);
         }
@@ -423,7 +433,8 @@ fn progress_bar(rank0: bool, len: u64, epoch: usize) -> Option<indicatif::Progre
 
 /// A seed for (seed, epoch, rank): splitmix64 of the three.
 fn mix(seed: u64, epoch: u64, rank: u64) -> u64 {
-    let mut z = seed ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ rank.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    let mut z =
+        seed ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ rank.wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
@@ -431,10 +442,9 @@ fn mix(seed: u64, epoch: u64, rank: u64) -> u64 {
 
 fn fnv1a_f32(values: &[f32]) -> u64 {
     values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-        v.to_bits()
-            .to_le_bytes()
-            .iter()
-            .fold(h, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3))
+        v.to_bits().to_le_bytes().iter().fold(h, |h, b| {
+            (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
     })
 }
 

@@ -6,8 +6,9 @@
 //! (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_TASKS_PER_NODE`/`SLURM_NODEID`, the
 //! first host of `SLURM_JOB_NODELIST`, a port derived from `SLURM_JOB_ID`), then the defaults of
 //! a single process (rank 0 of 1). Slurm's variables are used only when neither `RANK` nor
-//! `WORLD_SIZE` is set. The tuning variables `DDP_TIMEOUT`, `DDP_CONNECT_TIMEOUT` (seconds),
-//! `DDP_TOKEN`, `DDP_SEGMENT_BYTES` and `DDP_SMALL_ALLREDUCE_BYTES` apply in every case.
+//! `WORLD_SIZE` is set. The variables `DDP_TIMEOUT`, `DDP_CONNECT_TIMEOUT` (seconds),
+//! `DDP_TOKEN`, `DDP_JOB_ID`, `DDP_SEGMENT_BYTES` and `DDP_SMALL_ALLREDUCE_BYTES` apply in every
+//! case.
 
 use std::net::TcpListener;
 use std::time::Duration;
@@ -53,6 +54,10 @@ pub struct GroupConfig {
     pub connect_timeout: Duration,
     /// Shared secret every connection must present (`DDP_TOKEN`), if any.
     pub token: Option<String>,
+    /// The launcher's name for this job (`DDP_JOB_ID`, set by ddprun), if any. When set, a
+    /// process with a different (or no) job name is refused by the store, so two jobs that
+    /// share a master port by mistake never mix; otherwise rank 0 makes a random job id.
+    pub job_id: Option<String>,
     /// Size of one message segment of the pipelined algorithms, in bytes. Rank 0's value is
     /// used by every rank.
     pub segment_bytes: usize,
@@ -74,6 +79,7 @@ impl Default for GroupConfig {
             timeout: DEFAULT_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             token: None,
+            job_id: None,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             small_allreduce_bytes: DEFAULT_SMALL_ALLREDUCE_BYTES,
         }
@@ -126,6 +132,7 @@ pub struct GroupBuilder {
     timeout: Option<Duration>,
     connect_timeout: Option<Duration>,
     token: Option<String>,
+    job_id: Option<String>,
     segment_bytes: Option<usize>,
     small_allreduce_bytes: Option<usize>,
     master_listener: Option<TcpListener>,
@@ -176,6 +183,11 @@ impl GroupBuilder {
     /// Shared secret that every connection must present (overrides `DDP_TOKEN`).
     pub fn token(mut self, token: impl Into<String>) -> Self {
         self.token = Some(token.into());
+        self
+    }
+    /// The job's name (overrides `DDP_JOB_ID`); every rank must give the same.
+    pub fn job_id(mut self, job_id: impl Into<String>) -> Self {
+        self.job_id = Some(job_id.into());
         self
     }
     /// Segment size of the pipelined algorithms in bytes (default 1 MiB).
@@ -496,6 +508,10 @@ fn resolve(
             ));
         }
     }
+    let job_id = match &b.job_id {
+        Some(j) => Some(j.clone()),
+        None => env("DDP_JOB_ID").filter(|j| !j.trim().is_empty()),
+    };
     let segment_bytes = match b.segment_bytes {
         Some(s) => s,
         None => parse_var::<usize>(env, "DDP_SEGMENT_BYTES", "a number of bytes")?
@@ -528,6 +544,7 @@ fn resolve(
         timeout,
         connect_timeout,
         token,
+        job_id,
         segment_bytes,
         small_allreduce_bytes,
     })
@@ -656,6 +673,7 @@ mod tests {
             ("MASTER_PORT", "1234"),
             ("DDP_TIMEOUT", "2.5"),
             ("DDP_TOKEN", "s3cret"),
+            ("DDP_JOB_ID", "job-7"),
             ("DDP_SEGMENT_BYTES", "4096"),
             ("DDP_SMALL_ALLREDUCE_BYTES", "0"),
             // Ignored: torchrun's variables win.
@@ -671,6 +689,7 @@ mod tests {
         assert_eq!(c.timeout, Duration::from_millis(2500));
         assert_eq!(c.connect_timeout, DEFAULT_CONNECT_TIMEOUT);
         assert_eq!(c.token.as_deref(), Some("s3cret"));
+        assert_eq!(c.job_id.as_deref(), Some("job-7"));
         assert_eq!((c.segment_bytes, c.small_allreduce_bytes), (4096, 0));
     }
 

@@ -221,7 +221,9 @@ impl ProcessGroup {
         let rank = config.rank;
         let deadline = Instant::now() + config.connect_timeout;
 
-        // 1. Rank 0 hosts the store; every rank (rank 0 too) connects to it.
+        // 1. Rank 0 hosts the store; every rank (rank 0 too) connects to it. With a launcher's job
+        // name, the store handshake carries its hash, so processes of other jobs are refused.
+        let named_job = config.job_id.as_deref().map(wire::job_id_from_name);
         let server = if rank == 0 {
             Some(StoreServer::start(
                 listener,
@@ -229,6 +231,7 @@ impl ProcessGroup {
                 config.master_port,
                 config.world_size,
                 config.token.clone(),
+                named_job.unwrap_or([0; 16]),
             )?)
         } else {
             None
@@ -236,7 +239,7 @@ impl ProcessGroup {
         let mut me = Identity {
             rank,
             world: config.world_size,
-            job_id: [0; 16],
+            job_id: named_job.unwrap_or([0; 16]),
             token: config.token.clone(),
         };
         let store = Store::connect(
@@ -249,7 +252,7 @@ impl ProcessGroup {
 
         // 2. Rank 0 publishes the job id and the tuning; the others adopt them.
         let (segment_bytes, small_bytes) = if rank == 0 {
-            me.job_id = new_job_id();
+            me.job_id = named_job.unwrap_or_else(new_job_id);
             store.set(
                 TUNING_KEY,
                 format!("{} {}", config.segment_bytes, config.small_allreduce_bytes).as_bytes(),
@@ -300,6 +303,16 @@ impl ProcessGroup {
 
         // 3. The full mesh of peer connections, then its threads.
         let streams = connect_mesh(&me, &store, store.local_addr().ip(), deadline)?;
+        // Nobody returns before everyone is connected: then rank 0 may drop the group (and the
+        // store) at once without stranding a rank that still needs the store.
+        store.set(&format!("ddp/ready/{rank}"), b"")?;
+        let ready: Vec<String> = (0..config.world_size)
+            .map(|r| format!("ddp/ready/{r}"))
+            .collect();
+        for keys in ready.chunks(1000) {
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            store.wait_timeout(&keys, remaining(deadline))?;
+        }
         let max_frame = segment_bytes.max(8);
         let mesh = Mesh::start(rank, streams, config.timeout, max_frame)?;
         tracing::debug!(

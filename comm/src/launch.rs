@@ -603,8 +603,8 @@ fn poll_exit(rank: &mut Rank, wait_error: &mut Option<LaunchError>) -> Option<Ra
 /// Makes the child receive SIGKILL when the launcher dies before stopping it (Linux only).
 #[cfg(target_os = "linux")]
 fn die_with_parent(command: &mut Command) {
-    // SAFETY: getpid, prctl and getppid are async-signal-safe, and the closure allocates nothing.
-    let parent = unsafe { libc::getpid() };
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: prctl, getppid and _exit are async-signal-safe, and the closure allocates nothing.
     unsafe {
         command.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {

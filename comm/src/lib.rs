@@ -47,3 +47,8 @@ pub use error::CommError;
 pub use group::{ProcessGroup, Work};
 pub use store::Store;
 pub use wire::MAX_TOKEN_BYTES;
+
+/// The README's code blocks, compiled (and run) as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -55,6 +55,7 @@ impl StoreServer {
         port: u16,
         world: usize,
         token: Option<String>,
+        job_id: [u8; 16],
     ) -> Result<StoreServer, CommError> {
         let listener = match listener {
             Some(l) => l,
@@ -100,7 +101,7 @@ impl StoreServer {
             me: Identity {
                 rank: 0,
                 world,
-                job_id: [0; 16],
+                job_id,
                 token,
             },
         });
@@ -188,9 +189,10 @@ fn serve_client(mut stream: &TcpStream, state: &ServerState) {
         if h.kind != HelloKind::Store {
             return Err(format!("expected a store handshake, got {:?}", h.kind));
         }
-        me.check(h, false)
+        me.check(h, true)
     };
-    if handshake_accept(stream, "the rendezvous store", &reply, check).is_err() {
+    let timeout = crate::transport::HANDSHAKE_TIMEOUT;
+    if handshake_accept(stream, timeout, "the rendezvous store", &reply, check).is_err() {
         return;
     }
     let _ = stream.set_nodelay(true);
@@ -345,7 +347,7 @@ impl Store {
                 reason,
             },
         )?;
-        if let Err(reason) = me.check(&reply, false) {
+        if let Err(reason) = me.check(&reply, true) {
             tracing::warn!(
                 "rank {} refused the rendezvous store at {addr}: {reason}",
                 me.rank
@@ -571,7 +573,15 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
         (
-            StoreServer::start(Some(l), "127.0.0.1", port, 2, token.map(String::from)).unwrap(),
+            StoreServer::start(
+                Some(l),
+                "127.0.0.1",
+                port,
+                2,
+                token.map(String::from),
+                [0; 16],
+            )
+            .unwrap(),
             port,
         )
     }

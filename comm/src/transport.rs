@@ -35,7 +35,7 @@ use crate::error::CommError;
 use crate::wire::{self, FrameKind, Header, Hello, HelloKind, OpDesc, HEADER_BYTES};
 
 /// Longest a single handshake may take once connected.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest the shutdown of a group waits for its peers to close their side.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
@@ -230,7 +230,8 @@ impl Identity {
         }
         if check_job && h.job_id != self.job_id {
             return Err(format!(
-                "job id mismatch: the other side (rank {}) is in job {}, this side is in job {} (a process of another job?)",
+                "job id mismatch: the other side (rank {}) is in job {}, this side is in job {} \
+                 (a process of another job? is DDP_JOB_ID the same on every rank?)",
                 h.rank,
                 wire::job_id_hex(&h.job_id),
                 wire::job_id_hex(&self.job_id)
@@ -278,6 +279,7 @@ pub(crate) fn handshake_connect(
 /// refusal is logged with `tracing::warn!` and returned as the reason.
 pub(crate) fn handshake_accept(
     stream: &TcpStream,
+    timeout: Duration,
     what: &str,
     reply: &Hello,
     check: impl FnOnce(&Hello) -> Result<(), String>,
@@ -289,7 +291,7 @@ pub(crate) fn handshake_accept(
     let mut stream = stream;
     let result = (|| {
         stream
-            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+            .set_read_timeout(Some(timeout.max(Duration::from_millis(100))))
             .map_err(|e| e.to_string())?;
         let hello = Hello::read(&mut stream).map_err(|e| describe_handshake_error(&e))?;
         if let Err(reason) = check(&hello) {
@@ -461,7 +463,9 @@ fn accept_peers(
                     continue;
                 }
                 let taken: Vec<usize> = got.iter().map(|(r, _)| *r).collect();
-                let result = handshake_accept(&stream, &what, &me.hello(HelloKind::Accept), |h| {
+                let timeout = remaining(deadline).min(HANDSHAKE_TIMEOUT);
+                let reply = me.hello(HelloKind::Accept);
+                let result = handshake_accept(&stream, timeout, &what, &reply, |h| {
                     if h.kind != HelloKind::Peer {
                         return Err(format!("expected a peer handshake, got {:?}", h.kind));
                     }
@@ -984,5 +988,86 @@ fn read_error(rank: usize, peer: usize, e: io::Error) -> CommError {
             peer,
             message: format!("receiving from rank {peer}: {e}"),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn stray_and_foreign_connections_are_refused_not_taken_for_peers() {
+        let me = Identity {
+            rank: 0,
+            world: 2,
+            job_id: [1; 16],
+            token: Some("t".into()),
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let give_up = AtomicBool::new(false);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        std::thread::scope(|s| {
+            let acceptor = s.spawn(|| accept_peers(&me, &listener, addr, 1, deadline, &give_up));
+            // Not ddp-comm at all.
+            let mut g = TcpStream::connect(addr).unwrap();
+            g.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+            let mut sink = Vec::new();
+            g.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let _ = g.read_to_end(&mut sink);
+            // Another job, a wrong token, a wrong world size, a rank that must not connect.
+            let cases = [
+                (1, 2, [2u8; 16], "t", "job id mismatch"),
+                (1, 2, [1; 16], "x", "token mismatch"),
+                (1, 3, [1; 16], "t", "world size mismatch"),
+                (0, 2, [1; 16], "t", "should not connect"),
+            ];
+            for (rank, world, job_id, token, why) in cases {
+                let other = Identity {
+                    rank,
+                    world,
+                    job_id,
+                    token: Some(token.into()),
+                };
+                let mut f = TcpStream::connect(addr).unwrap();
+                let err =
+                    handshake_connect(&mut f, &other.hello(HelloKind::Peer), deadline).unwrap_err();
+                assert!(err.contains("refused") && err.contains(why), "{err}");
+            }
+            // The real peer is still accepted.
+            let good = Identity {
+                rank: 1,
+                world: 2,
+                job_id: [1; 16],
+                token: Some("t".into()),
+            };
+            let mut p = TcpStream::connect(addr).unwrap();
+            let reply = handshake_connect(&mut p, &good.hello(HelloKind::Peer), deadline).unwrap();
+            assert_eq!((reply.kind, reply.rank), (HelloKind::Accept, 0));
+            let got = acceptor.join().unwrap().unwrap();
+            assert_eq!(got.len(), 1);
+            assert_eq!(got[0].0, 1);
+        });
+    }
+
+    #[test]
+    fn missing_peers_are_named() {
+        let me = Identity {
+            rank: 1,
+            world: 4,
+            job_id: [1; 16],
+            token: None,
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let deadline = Instant::now() + Duration::from_millis(200);
+        let err =
+            accept_peers(&me, &listener, addr, 2, deadline, &AtomicBool::new(false)).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("rank(s) 2, 3") && msg.contains(&addr.to_string()),
+            "{msg}"
+        );
     }
 }

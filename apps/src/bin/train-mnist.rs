@@ -48,7 +48,9 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     let cfg = cli.args.resolve(&defaults())?;
     if cfg.backend == BackendKind::Cuda {
-        anyhow::bail!("--backend cuda: this build has no CUDA support (build with --features cuda)");
+        anyhow::bail!(
+            "--backend cuda: this build has no CUDA support (build with --features cuda)"
+        );
     }
     let pg = Arc::new(ProcessGroup::from_env().context("joining the process group")?);
     train::set_compute_threads(train::threads_per_rank(cfg.threads, pg.local_world_size()))?;
