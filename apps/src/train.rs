@@ -51,6 +51,8 @@ pub struct RunSummary {
     pub comm_seconds: f64,
     /// Wall time of this process's run, in seconds.
     pub wall_seconds: f64,
+    /// Peak resident memory of each rank in MiB, in rank order.
+    pub peak_rss_mib: Vec<f64>,
     /// Final parameters hash (FNV-1a of the f32 values), for reproducibility checks.
     pub params_hash: String,
     /// The checkpoint written last, if any.
@@ -237,6 +239,7 @@ where
         samples_per_sec: 0.0,
         comm_seconds: 0.0,
         wall_seconds: 0.0,
+        peak_rss_mib: Vec::new(),
         params_hash: String::new(),
         checkpoint: None,
         export: None,
@@ -353,8 +356,8 @@ where
             .with_context(|| format!("exporting weights to {}", path.display()))?;
         summary.export = Some(path.clone());
     }
-    // Nobody leaves before rank 0 has written its files.
-    pg.barrier()?;
+    // Also makes sure nobody leaves before rank 0 has written its files.
+    summary.peak_rss_mib = pg.all_gather(vec![peak_rss_mib()])?;
     summary.wall_seconds = started.elapsed().as_secs_f64();
     say.line(format!(
         "done: {} epochs, {} steps, test accuracy {:.2}% ({}/{}), {:.0} samples/s, {:.1} s{}{}{}",
@@ -429,6 +432,16 @@ fn progress_bar(rank0: bool, len: u64, epoch: usize) -> Option<indicatif::Progre
     );
     bar.set_prefix(epoch.to_string());
     Some(bar)
+}
+
+/// This process's peak resident set size in MiB (Linux `ru_maxrss` is in KiB).
+fn peak_rss_mib() -> f64 {
+    // SAFETY: getrusage only writes the struct we pass.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
+        return f64::NAN;
+    }
+    usage.ru_maxrss as f64 / 1024.0
 }
 
 /// A seed for (seed, epoch, rank): splitmix64 of the three.

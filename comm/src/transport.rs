@@ -616,7 +616,8 @@ pub(crate) struct Mesh {
     links: Vec<Option<Link>>,
     shared: Arc<Shared>,
     timeout: Duration,
-    readers_done: Receiver<()>,
+    /// Disconnected once every reader and writer thread has ended.
+    threads_done: Receiver<()>,
     pool: Arc<Pool>,
 }
 
@@ -632,7 +633,7 @@ impl Mesh {
         let world = streams.len();
         let shared = Arc::new(Shared::new(rank));
         let pool = Pool::new();
-        let (done_tx, readers_done) = crossbeam_channel::bounded::<()>(0);
+        let (done_tx, threads_done) = crossbeam_channel::bounded::<()>(0);
         let mut links = Vec::with_capacity(world);
         let io_err = |peer: usize, e: io::Error| CommError::PeerIo {
             rank,
@@ -654,7 +655,7 @@ impl Mesh {
             let goodbye = Arc::new(AtomicBool::new(false));
             let w_stream = stream.try_clone().map_err(|e| io_err(peer, e))?;
             let r_stream = stream.try_clone().map_err(|e| io_err(peer, e))?;
-            let (sh, gb) = (shared.clone(), goodbye.clone());
+            let (sh, gb, done) = (shared.clone(), goodbye.clone(), done_tx.clone());
             let writer = std::thread::Builder::new()
                 .name(format!("ddp-w{rank}->{peer}"))
                 .spawn(move || {
@@ -664,7 +665,8 @@ impl Mesh {
                         shared: sh,
                         goodbye: gb,
                     };
-                    writer_loop(w_stream, side, wrx, timeout)
+                    writer_loop(w_stream, side, wrx, timeout);
+                    drop(done);
                 })
                 .map_err(|e| io_err(peer, e))?;
             let (sh, gb, done, pl) = (
@@ -702,7 +704,7 @@ impl Mesh {
             links,
             shared,
             timeout,
-            readers_done,
+            threads_done,
             pool,
         })
     }
@@ -801,12 +803,11 @@ impl Mesh {
 
 impl Drop for Mesh {
     /// Clean shutdown: GOODBYE to every peer (unless the group failed: then the ABORTs are
-    /// already queued), wait briefly for the peers to close their side, then close.
+    /// already queued), then wait briefly for the writers to finish and for the peers to close
+    /// their side, then close whatever is left (a stuck peer cannot hold this up).
     fn drop(&mut self) {
         self.shared.closing.store(true, Ordering::Release);
-        let grace = self.timeout.min(CLOSE_GRACE);
         for link in self.links.iter().flatten() {
-            let _ = link.stream.set_write_timeout(Some(grace));
             let _ = link.tx.send(Outgoing::Goodbye);
         }
         self.shared
@@ -814,18 +815,15 @@ impl Drop for Mesh {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clear();
-        for link in self.links.iter_mut().flatten() {
-            if let Some(w) = link.writer.take() {
-                let _ = w.join();
-            }
-        }
-        // Readers end when the peers close their side; give them a moment, then force.
-        let deadline = Instant::now() + grace;
-        while self.readers_done.recv_deadline(deadline).is_ok() {}
+        let deadline = Instant::now() + self.timeout.min(CLOSE_GRACE);
+        while self.threads_done.recv_deadline(deadline).is_ok() {}
         for link in self.links.iter_mut().flatten() {
             let _ = link.stream.shutdown(Shutdown::Both);
-            if let Some(r) = link.reader.take() {
-                let _ = r.join();
+            for thread in [link.writer.take(), link.reader.take()]
+                .into_iter()
+                .flatten()
+            {
+                let _ = thread.join();
             }
         }
     }

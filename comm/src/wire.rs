@@ -56,7 +56,7 @@
 //! (0.003% at 1 MiB segments).
 //!
 //! ABORT carries the sender's error message as UTF-8 text: the sender failed and every later
-//! frame would be meaningless; the receiver fails with "rank X aborted: <text>". GOODBYE (no
+//! frame would be meaningless; the receiver fails with `rank X aborted: <text>`. GOODBYE (no
 //! payload) says the sender dropped its group cleanly; the connection's close after it is not an
 //! error, but waiting for data from that peer afterwards is.
 //!

@@ -527,7 +527,14 @@ fn a_rank_that_leaves_early_is_named() {
         |_, b| b,
         |rank, pg| {
             if rank == 1 {
+                // Leaving does not wait for the others (they are alive and answer the goodbye).
+                let t = Instant::now();
                 drop(pg);
+                assert!(
+                    t.elapsed() < Duration::from_millis(1500),
+                    "drop took {:?}",
+                    t.elapsed()
+                );
                 return None;
             }
             let t = Instant::now();

@@ -6,6 +6,8 @@
 //! training or communication logic lives here.
 
 mod bench_allreduce;
+mod bench_scaling;
+mod train;
 mod util;
 
 use anyhow::Result;
@@ -25,10 +27,20 @@ enum Task {
     /// Time all-reduce over 2 and 4 local ranks, checked, with gloo beside it when torch is at
     /// hand.
     BenchAllreduce(bench_allreduce::Args),
+    /// Train the CNN for a fixed number of steps at 1, 2 and 4 ranks: samples/s, efficiency,
+    /// communication per step, peak RSS; writes a Markdown table, JSON and a PNG plot.
+    BenchScaling(bench_scaling::Args),
+    /// Train the MNIST CNN on N local ranks (default 2) through ddprun.
+    TrainMnist(train::Args),
+    /// Train the Pima diabetes MLP on N local ranks (default 2) through ddprun.
+    TrainPima(train::Args),
 }
 
 fn main() -> Result<()> {
     match Cli::parse().task {
         Task::BenchAllreduce(args) => bench_allreduce::run(args),
+        Task::BenchScaling(args) => bench_scaling::run(args),
+        Task::TrainMnist(args) => train::run("train-mnist", args),
+        Task::TrainPima(args) => train::run("train-pima", args),
     }
 }

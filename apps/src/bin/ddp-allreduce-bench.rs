@@ -30,7 +30,7 @@ const FULL_COUNT_BYTES: usize = 16 << 20;
 
 /// Time all-reduce of f32 buffers across the ranks started by ddprun, checking every result.
 #[derive(Debug, Parser)]
-#[command(name = "ddp-allreduce-bench", version, about, long_about = None)]
+#[command(name = "ddp-allreduce-bench", version)]
 struct Args {
     /// Buffer sizes in bytes, comma separated; K, M, G suffixes are powers of 1024.
     #[arg(long, value_delimiter = ',', value_parser = parse_size,

@@ -19,7 +19,11 @@ use ddp_comm::launch::{self, LaunchConfig, LaunchError};
 
 /// Start N local ranks of a distributed job with the torchrun environment variables set.
 #[derive(Debug, Parser)]
-#[command(name = "ddprun", version, about, long_about = None)]
+#[command(
+    name = "ddprun",
+    version,
+    override_usage = "ddprun [OPTIONS] -- <CMD>..."
+)]
 struct Args {
     /// Ranks to start on this node.
     #[arg(long, value_name = "N", default_value_t = 1)]

@@ -1,0 +1,152 @@
+//! `cargo xtask train-mnist` and `cargo xtask train-pima`: build in release, launch N local
+//! ranks of a trainer through `ddprun`, and say where the results went.
+//!
+//! The trainer itself obtains MNIST when needed (into `~/.cache/ddp-rs/mnist` or
+//! `$DDP_DATA_DIR`, unless `--data-dir` is given), writes checkpoints, metrics and the
+//! safetensors export; this task only chooses the output folder and reads the trainer's
+//! closing `DDP_SUMMARY` line.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+
+use crate::util;
+
+/// Options of `train-mnist` / `train-pima`; anything else goes to the trainer as it is.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Ranks (processes) on this machine.
+    #[arg(long, default_value_t = 2)]
+    pub nproc: usize,
+    /// Epochs (the trainer's default when absent).
+    #[arg(long)]
+    pub epochs: Option<usize>,
+    /// Folder for checkpoints, metrics and weights (default `runs/<trainer>-<unix time>`).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Flags for the trainer (see `train-mnist --help`), e.g. `--batch-size 32 --lr 2e-3`.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub trainer_args: Vec<String>,
+}
+
+/// What the trainer reported at the end, as far as this task uses it.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct Summary {
+    /// Test accuracy after the last epoch.
+    pub test_accuracy: f64,
+    /// Correct test predictions.
+    pub test_correct: u64,
+    /// Test samples.
+    pub test_total: u64,
+    /// Epochs done.
+    pub epochs: usize,
+    /// Steps done.
+    pub steps: u64,
+    /// Training samples per second, all ranks.
+    pub samples_per_sec: f64,
+    /// Seconds in gradient synchronisation (rank 0).
+    pub comm_seconds: f64,
+    /// Wall time of rank 0's run.
+    pub wall_seconds: f64,
+    /// Peak resident memory of each rank, MiB.
+    #[serde(default)]
+    pub peak_rss_mib: Vec<f64>,
+}
+
+/// Runs `trainer` on `nproc` local ranks through ddprun with `args`, streaming its output, and
+/// returns the summary rank 0 printed.
+pub fn launch(
+    bin_dir: &std::path::Path,
+    trainer: &str,
+    nproc: usize,
+    args: &[String],
+) -> Result<Summary> {
+    let mut command = Command::new(bin_dir.join("ddprun"));
+    command
+        .args(["--nproc-per-node", &nproc.to_string(), "--"])
+        .arg(bin_dir.join(trainer))
+        .arg("--json")
+        .args(args)
+        .stdout(Stdio::piped());
+    eprintln!("$ {}", util::command_line(&command));
+    let mut child = command.spawn().context("starting ddprun")?;
+    let stdout = child.stdout.take().context("ddprun's output")?;
+    let mut summary = None;
+    for line in BufReader::new(stdout).lines() {
+        let line = line?;
+        match line.split_once("DDP_SUMMARY ") {
+            Some((_, json)) => {
+                summary =
+                    Some(serde_json::from_str::<Summary>(json).context("the trainer's summary")?)
+            }
+            None => println!("{line}"),
+        }
+    }
+    let status = child.wait()?;
+    if !status.success() {
+        bail!("{trainer} failed ({status}); see the output above");
+    }
+    summary.context("the trainer printed no summary")
+}
+
+/// `cargo xtask train-mnist` / `train-pima`.
+pub fn run(trainer: &str, args: Args) -> Result<()> {
+    let started = Instant::now();
+    let bin_dir = util::build_release_bins("ddp-apps", &["ddprun", trainer])?;
+    let out = match args.out {
+        Some(out) => out,
+        None => {
+            let now = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
+            util::workspace_root()
+                .join("runs")
+                .join(format!("{trainer}-{now}"))
+        }
+    };
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let (checkpoints, metrics, weights) = (
+        out.join("checkpoints"),
+        out.join("metrics"),
+        out.join("model.safetensors"),
+    );
+    let mut trainer_args: Vec<String> = vec![
+        "--checkpoint-dir".into(),
+        checkpoints.display().to_string(),
+        "--metrics-dir".into(),
+        metrics.display().to_string(),
+        "--export".into(),
+        weights.display().to_string(),
+    ];
+    if let Some(epochs) = args.epochs {
+        trainer_args.extend(["--epochs".into(), epochs.to_string()]);
+    }
+    trainer_args.extend(args.trainer_args);
+    let s = launch(&bin_dir, trainer, args.nproc, &trainer_args)?;
+    println!();
+    println!(
+        "final test accuracy: {:.2}% ({}/{}) after {} epochs ({} steps) on {} ranks",
+        100.0 * s.test_accuracy,
+        s.test_correct,
+        s.test_total,
+        s.epochs,
+        s.steps,
+        args.nproc
+    );
+    println!(
+        "wall time: {:.1} s in all ({:.1} s training run), {:.0} samples/s, {:.1} s in gradient \
+         communication on rank 0",
+        started.elapsed().as_secs_f64(),
+        s.wall_seconds,
+        s.samples_per_sec,
+        s.comm_seconds
+    );
+    println!(
+        "weights (safetensors, PyTorch names): {}",
+        weights.display()
+    );
+    println!("checkpoints: {}", checkpoints.display());
+    println!("metrics (CSV, TensorBoard): {}", metrics.display());
+    Ok(())
+}
