@@ -23,6 +23,10 @@ step "tests: the README's test command"
 # Keep in sync with README.md ("Run the tests").
 cargo test --release --workspace
 
+step "end to end: 2 ranks of train-mnist, 200 steps on the real MNIST"
+cargo xtask train-mnist --nproc 2 --epochs 1 --out target/ci-run --min-accuracy 0.95 \
+  --data-dir ../shared/data/mnist --max-steps 200 --log-interval 50
+
 step "clippy"
 cargo clippy --release --workspace --all-targets -- -D warnings
 

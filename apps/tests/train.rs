@@ -183,3 +183,30 @@ fn config_file_values_apply_and_flags_override_them() {
     assert_eq!(s["test_total"], 100, "the file's test-samples applies");
     assert_eq!(s["world_size"], 1);
 }
+
+#[test]
+fn a_corrupt_data_file_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in [
+        "train-images-idx3-ubyte.gz",
+        "t10k-images-idx3-ubyte.gz",
+        "t10k-labels-idx1-ubyte.gz",
+    ] {
+        std::fs::copy(mnist_dir().join(name), dir.path().join(name)).unwrap();
+    }
+    // A labels file cut short, as an interrupted copy would leave it.
+    let labels = std::fs::read(mnist_dir().join("train-labels-idx1-ubyte.gz")).unwrap();
+    std::fs::write(
+        dir.path().join("train-labels-idx1-ubyte.gz"),
+        &labels[..labels.len() / 2],
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_train-mnist"))
+        .arg("--data-dir")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let all = text(&out);
+    assert!(all.contains("train-labels-idx1-ubyte.gz"), "{all}");
+}

@@ -203,12 +203,21 @@ macro_rules! int_element {
                 }
             }
             fn divide(buf: &mut [Self], n: usize) {
-                let n = n as $t;
                 if n == 0 {
                     return;
                 }
-                for x in buf.iter_mut() {
-                    *x /= n;
+                match <$t>::try_from(n) {
+                    Ok(d) => {
+                        for x in buf.iter_mut() {
+                            *x /= d;
+                        }
+                    }
+                    // A world larger than the type's range (u8 beyond 255 ranks).
+                    Err(_) => {
+                        for x in buf.iter_mut() {
+                            *x = (*x as i128 / n as i128) as $t;
+                        }
+                    }
                 }
             }
         }
@@ -313,6 +322,9 @@ mod tests {
         assert_eq!(i, [-2, i64::MIN]);
         i64::divide(&mut i, 2);
         assert_eq!(i[0], -1);
+        let mut big = vec![255u8, 3];
+        u8::divide(&mut big, 300);
+        assert_eq!(big, [0, 0]);
         let mut u = vec![250u8];
         u8::reduce_into(ReduceOp::Sum, &mut u, &[10]);
         assert_eq!(u, [4]);

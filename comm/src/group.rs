@@ -59,6 +59,14 @@ struct Engine {
 }
 
 impl Engine {
+    /// The start-up barrier (not numbered; its frames carry [`OpKind::Join`]).
+    fn join(&mut self) -> Result<(), CommError> {
+        let seq = self.seq;
+        let result = self.run(OpKind::Join, DType::U8, 0, 0, algorithms::barrier);
+        self.seq = seq;
+        result
+    }
+
     /// Runs one collective: numbers it, refuses it if the group already failed, and turns any
     /// error (or panic) into a failure of the whole group.
     fn run<R>(
@@ -302,17 +310,8 @@ impl ProcessGroup {
         }
 
         // 3. The full mesh of peer connections, then its threads.
-        let streams = connect_mesh(&me, &store, store.local_addr().ip(), deadline)?;
-        // Nobody returns before everyone is connected: then rank 0 may drop the group (and the
-        // store) at once without stranding a rank that still needs the store.
-        store.set(&format!("ddp/ready/{rank}"), b"")?;
-        let ready: Vec<String> = (0..config.world_size)
-            .map(|r| format!("ddp/ready/{r}"))
-            .collect();
-        for keys in ready.chunks(1000) {
-            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-            store.wait_timeout(&keys, remaining(deadline))?;
-        }
+        let local_ip = store.local_addr().ip();
+        let streams = connect_mesh(&me, &store, local_ip, &config.master_addr, deadline)?;
         let max_frame = segment_bytes.max(8);
         let mesh = Mesh::start(rank, streams, config.timeout, max_frame)?;
         tracing::debug!(
@@ -321,14 +320,18 @@ impl ProcessGroup {
             wire::job_id_hex(&me.job_id)
         );
 
-        // 4. The communication thread.
-        let (jobs, rx) = crossbeam_channel::unbounded::<Job>();
+        // 4. A barrier over the mesh: nobody returns before everyone is connected, so rank 0 may
+        // drop the group (and the store) at once without stranding a rank still starting up.
         let mut engine = Engine {
             mesh,
             seq: 0,
             segment_bytes,
             small_bytes,
         };
+        engine.join()?;
+
+        // 5. The communication thread.
+        let (jobs, rx) = crossbeam_channel::unbounded::<Job>();
         let thread = std::thread::Builder::new()
             .name(format!("ddp-comm-{rank}"))
             .spawn(move || {

@@ -24,7 +24,8 @@
 //! - `algorithms.rs`: the ring all-reduce and the other collectives;
 //! - `group.rs`: [`ProcessGroup`], its communication thread and [`Work`];
 //! - `element.rs`: [`Element`], [`DType`], [`ReduceOp`] and the reduction kernels;
-//! - `launch.rs`: the `ddprun` launcher library.
+//! - `launch.rs`: the `ddprun` launcher library;
+//! - `nccl.rs` (feature `nccl`): `nccl::NcclGroup`, collectives on CUDA buffers through NCCL.
 #![warn(missing_docs)]
 
 mod algorithms;
@@ -33,6 +34,8 @@ mod element;
 mod error;
 mod group;
 pub mod launch;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod store;
 mod transport;
 mod wire;

@@ -328,26 +328,40 @@ pub(crate) fn addr_key(rank: usize) -> String {
 /// Connects this rank to every other rank: rank r connects to ranks below it and accepts
 /// connections from ranks above it, each with a handshake. Returns the streams indexed by peer
 /// rank (`None` at this rank's index).
+///
+/// Where a rank listens: rank 0 on every interface, advertising `MASTER_ADDR` (which every rank
+/// reaches by definition, whatever this host believes its own name resolves to); the others on
+/// `local_ip`, the address of their connection to the store (the interface that routes to rank
+/// 0).
 pub(crate) fn connect_mesh(
     me: &Identity,
     store: &crate::store::Store,
     local_ip: std::net::IpAddr,
+    master_addr: &str,
     deadline: Instant,
 ) -> Result<Vec<Option<TcpStream>>, CommError> {
     let rank = me.rank;
-    let listener = TcpListener::bind((local_ip, 0)).map_err(|e| CommError::Listen {
+    let (bind_ip, host) = if rank == 0 {
+        let any: std::net::IpAddr = if local_ip.is_ipv6() {
+            std::net::Ipv6Addr::UNSPECIFIED.into()
+        } else {
+            std::net::Ipv4Addr::UNSPECIFIED.into()
+        };
+        (any, master_addr.to_string())
+    } else {
+        (local_ip, local_ip.to_string())
+    };
+    let listen_err = |e: io::Error| CommError::Listen {
         rank,
         what: "peer connections".into(),
-        addr: format!("{local_ip}:0"),
+        addr: format!("{bind_ip}:0"),
         message: e.to_string(),
-    })?;
-    let listen_addr = listener.local_addr().map_err(|e| CommError::Listen {
-        rank,
-        what: "peer connections".into(),
-        addr: format!("{local_ip}:0"),
-        message: e.to_string(),
-    })?;
-    store.set(&addr_key(rank), listen_addr.to_string().as_bytes())?;
+    };
+    let listener = TcpListener::bind((bind_ip, 0)).map_err(listen_err)?;
+    let listen_addr = listener.local_addr().map_err(listen_err)?;
+    // "HOST PORT" (HOST may be a name or an IPv6 address, so no "host:port").
+    let published = format!("{host} {}", listen_addr.port());
+    store.set(&addr_key(rank), published.as_bytes())?;
 
     let higher = me.world - rank - 1;
     let mut streams: Vec<Option<TcpStream>> = (0..me.world).map(|_| None).collect();
@@ -389,20 +403,22 @@ fn connect_peer(
     deadline: Instant,
 ) -> Result<TcpStream, CommError> {
     let raw = store.get_timeout(&addr_key(peer), remaining(deadline))?;
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let addr: SocketAddr = text.parse().map_err(|_| CommError::Store {
+    let published = String::from_utf8_lossy(&raw).into_owned();
+    let parsed = published
+        .rsplit_once(' ')
+        .and_then(|(host, port)| Some((host.to_string(), port.parse::<u16>().ok()?)));
+    let (host, port) = parsed.ok_or_else(|| CommError::Store {
         rank: me.rank,
         addr: store.address().to_string(),
-        message: format!("rank {peer} published an invalid address {text:?}"),
+        message: format!("rank {peer} published an invalid address {published:?}"),
     })?;
+    let text = if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    };
     let what = format!("rank {peer}");
-    let mut stream = connect_retry(
-        me.rank,
-        &what,
-        &addr.ip().to_string(),
-        addr.port(),
-        deadline,
-    )?;
+    let mut stream = connect_retry(me.rank, &what, &host, port, deadline)?;
     let reply =
         handshake_connect(&mut stream, &me.hello(HelloKind::Peer), deadline).map_err(|reason| {
             CommError::Handshake {

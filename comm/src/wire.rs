@@ -37,7 +37,8 @@
 //! offset size field
 //!  0     4    marker        b"DDPF" (catches a desynchronised stream at once)
 //!  4     1    kind          1 DATA, 2 ABORT, 3 GOODBYE
-//!  5     1    op            1 all_reduce, 2 broadcast, 3 all_gather, 4 reduce_scatter, 5 barrier
+//!  5     1    op            1 all_reduce, 2 broadcast, 3 all_gather, 4 reduce_scatter, 5 barrier,
+//!                           6 start-up barrier (ends every group's start-up; not numbered)
 //!  6     1    dtype         1 f32, 2 f64, 3 bf16, 4 f16, 5 i32, 6 i64, 7 u8
 //!  7     1    reserved      0
 //!  8     4    arg           reduce op (1 sum, 2 avg, 3 min, 4 max) or broadcast root;
@@ -245,6 +246,8 @@ pub(crate) enum OpKind {
     AllGather = 3,
     ReduceScatter = 4,
     Barrier = 5,
+    /// The barrier that ends the group's start-up (not a user collective).
+    Join = 6,
 }
 
 impl OpKind {
@@ -255,6 +258,7 @@ impl OpKind {
             OpKind::AllGather => "all_gather",
             OpKind::ReduceScatter => "reduce_scatter",
             OpKind::Barrier => "barrier",
+            OpKind::Join => "start-up barrier",
         }
     }
 
@@ -265,6 +269,7 @@ impl OpKind {
             3 => OpKind::AllGather,
             4 => OpKind::ReduceScatter,
             5 => OpKind::Barrier,
+            6 => OpKind::Join,
             _ => return None,
         })
     }
@@ -284,9 +289,12 @@ pub(crate) struct OpDesc {
 impl fmt::Display for OpDesc {
     /// `all_reduce #57 (4096 f32, sum)`, `broadcast #3 (10 u8, root 0)`, `barrier #9`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.op == OpKind::Join {
+            return f.write_str(self.op.name());
+        }
         write!(f, "{} #{}", self.op.name(), self.seq)?;
         match self.op {
-            OpKind::Barrier => Ok(()),
+            OpKind::Barrier | OpKind::Join => Ok(()),
             OpKind::AllReduce | OpKind::ReduceScatter => {
                 let op = ReduceOp::from_wire(self.arg).map(|o| o.name().to_string());
                 let op = op.unwrap_or_else(|| format!("reduce op {}", self.arg));

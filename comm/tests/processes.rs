@@ -13,8 +13,9 @@ struct Peer {
     lines: mpsc::Receiver<String>,
 }
 
-/// Starts `world` peers running `op` in a loop forever, each with torchrun's variables.
-fn start(world: usize, op: &str, elems: usize) -> Vec<Peer> {
+/// Starts `world` peers running `op` in a loop forever (pausing `sleep_ms` between steps), each
+/// with torchrun's variables.
+fn start(world: usize, op: &str, elems: usize, sleep_ms: u64) -> Vec<Peer> {
     let port = common::closed_port();
     (0..world)
         .map(|rank| {
@@ -41,7 +42,7 @@ fn start(world: usize, op: &str, elems: usize) -> Vec<Peer> {
                 .env("PEER_STEPS", "0")
                 .env("PEER_OP", op)
                 .env("PEER_ELEMS", elems.to_string())
-                .env("PEER_SLEEP_MS", "5")
+                .env("PEER_SLEEP_MS", sleep_ms.to_string())
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::null());
@@ -126,8 +127,9 @@ fn kill_and_check(mut peers: Vec<Peer>, victim: usize) {
 
 #[test]
 fn sigkill_during_ring_all_reduce_is_named_by_every_rank() {
-    // 300k f32 (1.2 MB) is above the small-buffer threshold: the ring runs.
-    let peers = start(4, "all_reduce", 300_000);
+    // 300k f32 (1.2 MB) is above the small-buffer threshold: the ring runs, back to back, so
+    // the kill lands in the middle of a collective.
+    let peers = start(4, "all_reduce", 300_000, 0);
     wait_for_steps(&peers, 3);
     kill_and_check(peers, 2);
 }
@@ -135,7 +137,7 @@ fn sigkill_during_ring_all_reduce_is_named_by_every_rank() {
 #[test]
 fn sigkill_of_rank_0_during_barriers_is_named_by_every_rank() {
     // Rank 0 also hosts the rendezvous store: its death must not matter beyond its sockets.
-    let peers = start(3, "barrier", 0);
+    let peers = start(3, "barrier", 0, 5);
     wait_for_steps(&peers, 5);
     kill_and_check(peers, 0);
 }

@@ -27,6 +27,9 @@ pub struct Args {
     /// Folder for checkpoints, metrics and weights (default `runs/<trainer>-<unix time>`).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Fail unless the final test accuracy reaches this fraction (for CI), e.g. 0.95.
+    #[arg(long)]
+    pub min_accuracy: Option<f64>,
     /// Flags for the trainer (see `train-mnist --help`), e.g. `--batch-size 32 --lr 2e-3`.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
     pub trainer_args: Vec<String>,
@@ -148,5 +151,19 @@ pub fn run(trainer: &str, args: Args) -> Result<()> {
     );
     println!("checkpoints: {}", checkpoints.display());
     println!("metrics (CSV, TensorBoard): {}", metrics.display());
+    if let Some(min) = args.min_accuracy {
+        if s.test_accuracy < min {
+            bail!(
+                "test accuracy {:.2}% is below the required {:.2}%",
+                100.0 * s.test_accuracy,
+                100.0 * min
+            );
+        }
+        println!(
+            "accuracy check passed: {:.2}% >= {:.2}%",
+            100.0 * s.test_accuracy,
+            100.0 * min
+        );
+    }
     Ok(())
 }
