@@ -3,6 +3,8 @@
 //! binaries themselves only parse arguments and wire these and the library crates together.
 
 pub mod checkpoint;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod metrics;
 pub mod options;
 pub mod train;

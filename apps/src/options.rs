@@ -193,7 +193,7 @@ impl TrainArgs {
         if cfg.batch_size == 0 {
             bail!("batch-size must be at least 1");
         }
-        if !(cfg.lr > 0.0) {
+        if cfg.lr.is_nan() || cfg.lr <= 0.0 {
             bail!("lr must be positive (got {})", cfg.lr);
         }
         if cfg.resume && cfg.checkpoint_dir.is_none() {

@@ -47,8 +47,14 @@ pub struct RunSummary {
     pub train_loss: f64,
     /// Training samples per second over this run, all ranks together.
     pub samples_per_sec: f64,
-    /// Seconds spent in gradient synchronisation on this rank.
+    /// Seconds spent in gradient synchronisation on this rank (pack + wait + unpack).
     pub comm_seconds: f64,
+    /// Of which: copying gradients into buckets and submitting them.
+    pub pack_seconds: f64,
+    /// Of which: blocked waiting for all-reduces.
+    pub wait_seconds: f64,
+    /// Of which: turning reduced buckets back into gradient tensors.
+    pub unpack_seconds: f64,
     /// Wall time of this process's run, in seconds.
     pub wall_seconds: f64,
     /// Peak resident memory of each rank in MiB, in rank order.
@@ -238,6 +244,9 @@ where
         train_loss: f64::NAN,
         samples_per_sec: 0.0,
         comm_seconds: 0.0,
+        pack_seconds: 0.0,
+        wait_seconds: 0.0,
+        unpack_seconds: 0.0,
         wall_seconds: 0.0,
         peak_rss_mib: Vec::new(),
         params_hash: String::new(),
@@ -277,7 +286,7 @@ where
             if let Some(bar) = &bar {
                 bar.inc(1);
                 bar.set_message(format!("loss {loss_value:.4}"));
-            } else if step % cfg.log_interval as u64 == 0 {
+            } else if step.is_multiple_of(cfg.log_interval as u64) {
                 say.line(format!(
                     "epoch {} step {step} ({batches}/{steps_per_epoch}) loss {loss_value:.4}",
                     epoch + 1
@@ -292,6 +301,9 @@ where
         samples_done += epoch_samples;
         let comm = ddp.take_stats();
         summary.comm_seconds += comm.total().as_secs_f64();
+        summary.pack_seconds += comm.pack.as_secs_f64();
+        summary.wait_seconds += comm.wait.as_secs_f64();
+        summary.unpack_seconds += comm.unpack.as_secs_f64();
 
         let (correct, total, test_loss) =
             evaluate::<B, M, S, D>(&model, &test_loader, &eval_sampler, &pg)?;

@@ -456,6 +456,16 @@ impl<T> NcclWork<T> {
         Ok(value)
     }
 
+    /// Returns the buffer at once, without waiting for the GPU: work queued later on the group's
+    /// stream, or on any stream that uses the buffer through cudarc (its event tracking), runs
+    /// after the collective. An error of the collective itself then surfaces at the next
+    /// [`NcclWork::wait`] of this group. For back-to-back collectives on one buffer (as
+    /// benchmarks do); do not use it for works of
+    /// [`NcclGroup::submit_all_reduce_ptr`], whose memory must stay untouched until `wait`.
+    pub fn without_waiting(self) -> Result<T, CommError> {
+        self.value
+    }
+
     /// Whether the collective has finished on the GPU (so that [`NcclWork::wait`] returns at
     /// once). An error also counts as finished.
     pub fn is_completed(&self) -> bool {

@@ -42,6 +42,12 @@ use crate::params::{
 };
 use crate::DdpError;
 
+/// The gradient path on the GPU through NCCL (feature `cuda`), a child module so that it can
+/// use the bucket layout.
+#[cfg(feature = "cuda")]
+#[path = "cuda.rs"]
+mod cuda;
+
 const MIB: f64 = 1024.0 * 1024.0;
 
 /// Element type of the gradient all-reduce.
@@ -154,6 +160,9 @@ pub struct DistributedDataParallel<B: AutodiffBackend> {
     device: B::Device,
     config: DdpConfig,
     stats: SyncStats,
+    /// Set when gradients are all-reduced on the GPU through NCCL.
+    #[cfg(feature = "cuda")]
+    device_path: Option<cuda::DevicePath<B>>,
 }
 
 impl<B: AutodiffBackend> DistributedDataParallel<B> {
@@ -194,6 +203,8 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         let buckets = plan_buckets(&params, &config);
         let buffers = buckets.iter().map(|b| vec![0.0; b.len()]).collect();
         let device = model.devices().into_iter().next().unwrap_or_default();
+        #[cfg(feature = "cuda")]
+        let device_path = cuda::DevicePath::detect(&pg, buckets.len())?;
         let ddp = Self {
             pg,
             params,
@@ -204,6 +215,8 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
             device,
             config,
             stats: SyncStats::default(),
+            #[cfg(feature = "cuda")]
+            device_path,
         };
         Ok((model, ddp))
     }
@@ -236,6 +249,19 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         &self.config
     }
 
+    /// Whether gradients are all-reduced on the GPU through NCCL (feature `cuda`, burn's CUDA
+    /// backend, more than one rank) rather than through the host and the process group.
+    pub fn gradients_on_device(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            self.device_path.is_some()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
+        }
+    }
+
     /// Statistics gathered since the last call, then reset.
     pub fn take_stats(&mut self) -> SyncStats {
         std::mem::take(&mut self.stats)
@@ -255,6 +281,10 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     /// micro-step's gradients to local buffers. The next [`sync`](Self::sync) all-reduces the
     /// sum of all accumulated micro-steps once.
     pub fn accumulate(&mut self, mut grads: GradientsParams) {
+        #[cfg(feature = "cuda")]
+        if self.device_path.is_some() {
+            return self.accumulate_on_device(grads);
+        }
         let start = Instant::now();
         for b in 0..self.buckets.len() {
             self.pack(b, &mut grads);
@@ -275,7 +305,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     ) -> Result<GradientsParams, DdpError> {
         self.syncs += 1;
         if let Some(every) = self.config.check_replicas_every {
-            if self.syncs % every == 0 {
+            if self.syncs.is_multiple_of(every) {
                 self.check_replicas(model)?;
             }
         }
@@ -284,6 +314,10 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
             // Averaging over one rank and one micro-step is the identity: skip the copies.
             self.stats.steps += 1;
             return Ok(grads);
+        }
+        #[cfg(feature = "cuda")]
+        if self.device_path.is_some() {
+            return self.sync_on_device(grads);
         }
         let pack_start = Instant::now();
         let mut in_flight = Vec::with_capacity(self.buckets.len());

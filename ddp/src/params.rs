@@ -142,6 +142,31 @@ pub(crate) fn put_grad<B: AutodiffBackend>(
     }, ())
 }
 
+/// Takes the gradient of `info` out of `grads` as a flat tensor on its device (no copy to the
+/// host), or `None` when the parameter got no gradient this step.
+#[cfg(feature = "cuda")]
+pub(crate) fn take_grad_tensor<B: AutodiffBackend>(
+    grads: &mut GradientsParams,
+    info: &ParamInfo,
+) -> Option<Tensor<B::InnerBackend, 1>> {
+    with_rank!(info.shape.len(), D => {
+        grads.remove::<B::InnerBackend, D>(info.id).map(|t| t.reshape([info.numel()]))
+    }, None)
+}
+
+/// Puts a flat gradient tensor back for `info`, in the parameter's shape.
+#[cfg(feature = "cuda")]
+pub(crate) fn put_grad_tensor<B: AutodiffBackend>(
+    grads: &mut GradientsParams,
+    info: &ParamInfo,
+    flat: Tensor<B::InnerBackend, 1>,
+) {
+    let shape = burn::tensor::Shape::from(info.shape.clone());
+    with_rank!(info.shape.len(), D => {
+        grads.register::<B::InnerBackend, D>(info.id, flat.reshape(shape))
+    }, ())
+}
+
 /// Reads every float parameter of `module` into one flat `f32` vector, in visiting order.
 pub fn flatten_params<B: Backend, M: Module<B>>(module: &M) -> Vec<f32> {
     struct Reader(Vec<f32>);

@@ -43,6 +43,9 @@ struct Row {
     efficiency: f64,
     step_ms: f64,
     comm_ms_per_step: f64,
+    pack_ms_per_step: f64,
+    wait_ms_per_step: f64,
+    unpack_ms_per_step: f64,
     peak_rss_mib: Vec<f64>,
     oversubscribed: bool,
 }
@@ -97,6 +100,9 @@ pub fn run(args: Args) -> Result<()> {
             efficiency: s.samples_per_sec / (world as f64 * base),
             step_ms: 1e3 * step_s,
             comm_ms_per_step: 1e3 * s.comm_seconds / s.steps.max(1) as f64,
+            pack_ms_per_step: 1e3 * s.pack_seconds / s.steps.max(1) as f64,
+            wait_ms_per_step: 1e3 * s.wait_seconds / s.steps.max(1) as f64,
+            unpack_ms_per_step: 1e3 * s.unpack_seconds / s.steps.max(1) as f64,
             peak_rss_mib: s.peak_rss_mib,
             oversubscribed: world > cores,
         });
@@ -104,19 +110,22 @@ pub fn run(args: Args) -> Result<()> {
 
     let mut md = format!(
         "MNIST CNN, {} steps per run, batch {} per rank, 1 compute thread per rank, on {} \
-         core(s).\n\n| ranks | samples/s | efficiency | step (ms) | comm per step (ms) | peak \
-         RSS per rank (MiB) | note |\n| --- | --- | --- | --- | --- | --- | --- |\n",
+         core(s).\n\n| ranks | samples/s | efficiency | step (ms) | comm per step (ms): pack + wait + \
+         unpack | peak RSS per rank (MiB) | note |\n| --- | --- | --- | --- | --- | --- | --- |\n",
         args.steps, args.batch_size, cores
     );
     for r in &rows {
         let rss: Vec<String> = r.peak_rss_mib.iter().map(|m| format!("{m:.0}")).collect();
         md += &format!(
-            "| {} | {:.0} | {:.2} | {:.0} | {:.1} | {} | {} |\n",
+            "| {} | {:.0} | {:.2} | {:.0} | {:.1}: {:.1} + {:.1} + {:.1} | {} | {} |\n",
             r.world,
             r.samples_per_sec,
             r.efficiency,
             r.step_ms,
             r.comm_ms_per_step,
+            r.pack_ms_per_step,
+            r.wait_ms_per_step,
+            r.unpack_ms_per_step,
             rss.join(", "),
             if r.oversubscribed {
                 format!("{} ranks share {} cores", r.world, cores)

@@ -52,6 +52,15 @@ pub struct Summary {
     pub samples_per_sec: f64,
     /// Seconds in gradient synchronisation (rank 0).
     pub comm_seconds: f64,
+    /// Of which packing gradients into buckets.
+    #[serde(default)]
+    pub pack_seconds: f64,
+    /// Of which waiting for all-reduces.
+    #[serde(default)]
+    pub wait_seconds: f64,
+    /// Of which unpacking.
+    #[serde(default)]
+    pub unpack_seconds: f64,
     /// Wall time of rank 0's run.
     pub wall_seconds: f64,
     /// Peak resident memory of each rank, MiB.

@@ -5,9 +5,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::AutodiffBackend;
 use clap::{Parser, ValueEnum};
-use ddp_apps::options::{BackendKind, TrainArgs};
+use ddp_apps::options::{BackendKind, TrainArgs, TrainConfig};
 use ddp_apps::train::{self, Task};
 use ddp_comm::ProcessGroup;
 use ddp_data::{ensure_mnist, Mnist, MnistSplit};
@@ -47,12 +47,18 @@ fn main() -> Result<()> {
     train::init_logging();
     let cli = Cli::parse();
     let cfg = cli.args.resolve(&defaults())?;
+    #[cfg(not(feature = "cuda"))]
     if cfg.backend == BackendKind::Cuda {
         anyhow::bail!(
             "--backend cuda: this build has no CUDA support (build with --features cuda)"
         );
     }
     let pg = Arc::new(ProcessGroup::from_env().context("joining the process group")?);
+    #[cfg(feature = "cuda")]
+    let cuda_device = match cfg.backend {
+        BackendKind::Cuda => Some(ddp_apps::gpu::cuda_device(&pg)?),
+        BackendKind::Cpu => None,
+    };
     train::set_compute_threads(train::threads_per_rank(cfg.threads, pg.local_world_size()))?;
 
     // One download per host: local rank 0 fetches, the others wait and then find the files.
@@ -64,10 +70,25 @@ fn main() -> Result<()> {
     let train_set = Arc::new(Mnist::load(&dir, MnistSplit::Train)?);
     let test_set = Arc::new(Mnist::load(&dir, MnistSplit::Test)?);
 
-    type B = Autodiff<Flex>;
-    let device = Default::default();
+    #[cfg(feature = "cuda")]
+    if let Some(device) = cuda_device {
+        type B = Autodiff<ddp_apps::gpu::Cuda>;
+        return run::<B>(cli.model, &cfg, pg, device, train_set, test_set);
+    }
+    run::<Autodiff<Flex>>(cli.model, &cfg, pg, Default::default(), train_set, test_set)
+}
+
+/// Trains the chosen network on backend `B` (the same loop on the CPU and on GPUs).
+fn run<B: AutodiffBackend>(
+    model: ModelKind,
+    cfg: &TrainConfig,
+    pg: Arc<ProcessGroup>,
+    device: B::Device,
+    train_set: Arc<Mnist>,
+    test_set: Arc<Mnist>,
+) -> Result<()> {
     B::seed(&device, cfg.seed);
-    match cli.model {
+    match model {
         ModelKind::Cnn => {
             let task = Task {
                 name: "cnn".into(),
@@ -75,7 +96,7 @@ fn main() -> Result<()> {
                 train: train_set,
                 test: test_set,
             };
-            train::train::<B, _, _, 4>(&cfg, pg, device, task)?;
+            train::train::<B, _, _, 4>(cfg, pg, device, task)?;
         }
         ModelKind::Mlp => {
             let task = Task {
@@ -84,7 +105,7 @@ fn main() -> Result<()> {
                 train: train_set,
                 test: test_set,
             };
-            train::train::<B, _, _, 4>(&cfg, pg, device, task)?;
+            train::train::<B, _, _, 4>(cfg, pg, device, task)?;
         }
     }
     Ok(())

@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::AutodiffBackend;
 use clap::Parser;
-use ddp_apps::options::{BackendKind, TrainArgs};
+use ddp_apps::options::{BackendKind, TrainArgs, TrainConfig};
 use ddp_apps::train::{self, Task};
 use ddp_comm::ProcessGroup;
-use ddp_data::PimaTable;
+use ddp_data::{PimaSplit, PimaTable};
 use ddp_models::PimaMlpConfig;
 
 /// Train the Pima diabetes classifier with data parallelism across ranks.
@@ -42,19 +42,37 @@ fn main() -> Result<()> {
     train::init_logging();
     let cli = Cli::parse();
     let cfg = cli.args.resolve(&defaults())?;
+    #[cfg(not(feature = "cuda"))]
     if cfg.backend == BackendKind::Cuda {
         anyhow::bail!(
             "--backend cuda: this build has no CUDA support (build with --features cuda)"
         );
     }
     let pg = Arc::new(ProcessGroup::from_env().context("joining the process group")?);
+    #[cfg(feature = "cuda")]
+    let cuda_device = match cfg.backend {
+        BackendKind::Cuda => Some(ddp_apps::gpu::cuda_device(&pg)?),
+        BackendKind::Cpu => None,
+    };
     train::set_compute_threads(train::threads_per_rank(cfg.threads, pg.local_world_size()))?;
 
     let table = PimaTable::load(cli.csv.as_deref())?;
     let split = table.split(cli.test_fraction, cfg.seed)?;
 
-    type B = Autodiff<Flex>;
-    let device = Default::default();
+    #[cfg(feature = "cuda")]
+    if let Some(device) = cuda_device {
+        return run::<Autodiff<ddp_apps::gpu::Cuda>>(&cfg, pg, device, split);
+    }
+    run::<Autodiff<Flex>>(&cfg, pg, Default::default(), split)
+}
+
+/// Trains the MLP on backend `B` (the same loop on the CPU and on GPUs).
+fn run<B: AutodiffBackend>(
+    cfg: &TrainConfig,
+    pg: Arc<ProcessGroup>,
+    device: B::Device,
+    split: PimaSplit,
+) -> Result<()> {
     B::seed(&device, cfg.seed);
     let task = Task {
         name: "pima-mlp".into(),
@@ -62,6 +80,6 @@ fn main() -> Result<()> {
         train: Arc::new(split.train),
         test: Arc::new(split.test),
     };
-    train::train::<B, _, _, 2>(&cfg, pg, device, task)?;
+    train::train::<B, _, _, 2>(cfg, pg, device, task)?;
     Ok(())
 }

@@ -1,0 +1,278 @@
+//! The gradient path on the GPU (feature `cuda`): when the model runs on burn's CUDA backend
+//! (`burn::backend::Cuda`, which is `CubeBackend<CudaRuntime, ..>` without burn's `fusion`
+//! feature), gradients never leave the device.
+//!
+//! Per bucket, as on the host path and in the same order:
+//!
+//! 1. **Pack** with burn tensor ops on the device: each gradient flattened (a parameter without
+//!    a gradient contributes zeros), then the presence slots, concatenated into one flat tensor
+//!    (`Tensor::cat`, one kernel); with accumulated micro-steps, added to the accumulator; with
+//!    compression, cast to bf16/f16.
+//! 2. **Hand the buffer to NCCL**: the flat tensor's primitive is a `CubeTensor<CudaRuntime>`
+//!    (found by downcasting, so the wrapper stays generic over `B`); its memory's raw
+//!    `CUdeviceptr` comes from cubecl's `ComputeClient::get_resource` (cubecl-runtime
+//!    `client.rs:197`, cubecl-cuda `compute/server.rs:215` → `GpuResource::ptr`, with the
+//!    handle's offset applied in `compute/storage/gpu.rs:148`). `ComputeClient::sync` then waits
+//!    until burn's stream has produced it, and [`NcclGroup::submit_all_reduce_ptr`] enqueues the
+//!    in-place all-reduce on NCCL's stream. Packing the next bucket (burn's stream) overlaps this
+//!    bucket's all-reduce (NCCL's stream).
+//! 3. **Unpack** after [`ddp_comm::nccl::NcclWork::wait`] (the host waits for NCCL's stream, so
+//!    burn's later kernels see the reduced values): the presence slots are read to the host (one
+//!    value per parameter), and each present gradient is a slice of the flat tensor divided by
+//!    world size times micro-steps, reshaped and registered again.
+//!
+//! burn and cudarc share the device's primary context (cubecl-cuda `runtime.rs:90` retains it,
+//! as does cudarc's `CudaContext::new`), so the pointer is valid in NCCL's context.
+//!
+//! Other backends (Flex, or CUDA with burn's `fusion` feature, whose primitive is a
+//! `FusionTensor`) take the host path. `DDP_NCCL=0` in the environment (on every rank) forces the
+//! host path on CUDA too.
+
+use std::any::{Any, TypeId};
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, BackendTypes};
+use burn::tensor::{FloatDType, Tensor, TensorData, TensorPrimitive};
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cuda::CudaRuntime;
+use ddp_comm::nccl::{NcclGroup, NcclWork};
+use ddp_comm::{DType, ProcessGroup, ReduceOp};
+
+use super::{Compression, DistributedDataParallel};
+use crate::params::{put_grad_tensor, take_grad_tensor};
+use crate::DdpError;
+
+/// The float primitive of burn's CUDA backend (without fusion).
+type CudaTensor = CubeTensor<CudaRuntime>;
+
+/// A bucket's flat tensor in flight, with what keeps its memory bound until NCCL is done.
+type Flight<B> = NcclWork<(
+    Tensor<<B as AutodiffBackend>::InnerBackend, 1>,
+    Box<dyn Any>,
+)>;
+
+/// The NCCL communicator and the per-bucket accumulators of the device path.
+pub(super) struct DevicePath<B: AutodiffBackend> {
+    nccl: Arc<NcclGroup>,
+    /// The packed sum of the micro-steps accumulated since the last sync, per bucket.
+    acc: Vec<Option<Tensor<B::InnerBackend, 1>>>,
+}
+
+impl<B: AutodiffBackend> DevicePath<B> {
+    /// The device path when `B` computes on burn's CUDA backend, the group has more than one
+    /// rank and `DDP_NCCL` is not `0`: creates the NCCL communicator (a collective on `pg`, so
+    /// every rank calls this at the same point). `None` otherwise.
+    pub(super) fn detect(pg: &ProcessGroup, buckets: usize) -> Result<Option<Self>, DdpError> {
+        let primitive = TypeId::of::<<B::InnerBackend as BackendTypes>::FloatTensorPrimitive>();
+        if primitive != TypeId::of::<CudaTensor>() || pg.world_size() == 1 {
+            return Ok(None);
+        }
+        if std::env::var("DDP_NCCL").is_ok_and(|v| v.trim() == "0") {
+            return Ok(None);
+        }
+        let nccl = NcclGroup::new(pg).map_err(|e| {
+            DdpError::Config(format!(
+                "cannot all-reduce gradients through NCCL: {e} (set DDP_NCCL=0 on every rank to \
+                 all-reduce them through the host and TCP instead)"
+            ))
+        })?;
+        Ok(Some(DevicePath {
+            nccl: Arc::new(nccl),
+            acc: (0..buckets).map(|_| None).collect(),
+        }))
+    }
+
+    /// The NCCL communicator.
+    pub(super) fn nccl(&self) -> &Arc<NcclGroup> {
+        &self.nccl
+    }
+}
+
+impl<B: AutodiffBackend> DistributedDataParallel<B> {
+    /// [`accumulate`](Self::accumulate) on the device path.
+    pub(super) fn accumulate_on_device(&mut self, mut grads: GradientsParams) {
+        let start = Instant::now();
+        for b in 0..self.buckets.len() {
+            let flat = self.pack_on_device(b, &mut grads);
+            if let Some(dp) = self.device_path.as_mut() {
+                dp.acc[b] = Some(flat);
+            }
+        }
+        self.micro_steps += 1;
+        self.stats.pack += start.elapsed();
+    }
+
+    /// [`sync`](Self::sync) on the device path (world size above 1).
+    pub(super) fn sync_on_device(
+        &mut self,
+        mut grads: GradientsParams,
+    ) -> Result<GradientsParams, DdpError> {
+        let pack_start = Instant::now();
+        let mut in_flight: Vec<Result<Flight<B>, DdpError>> = Vec::new();
+        for b in 0..self.buckets.len() {
+            let flat = self.pack_on_device(b, &mut grads);
+            let flat = match self.config.compression {
+                Compression::None => flat,
+                Compression::Bf16 => flat.cast(FloatDType::BF16),
+                Compression::F16 => flat.cast(FloatDType::F16),
+            };
+            let width = match self.config.compression {
+                Compression::None => 4,
+                Compression::Bf16 | Compression::F16 => 2,
+            };
+            self.stats.bytes += (self.buckets[b].len() * width) as u64;
+            in_flight.push(self.submit_on_device(b, flat));
+        }
+        self.stats.pack += pack_start.elapsed();
+
+        let denom = (self.pg.world_size() * (self.micro_steps + 1)) as f32;
+        self.micro_steps = 0;
+        let mut first_error = None;
+        for (b, work) in in_flight.into_iter().enumerate() {
+            let wait_start = Instant::now();
+            let result = work.and_then(|w| w.wait().map_err(DdpError::from));
+            self.stats.wait += wait_start.elapsed();
+            match result {
+                Ok((flat, _resource)) => {
+                    let unpack_start = Instant::now();
+                    self.unpack_on_device(b, flat, &mut grads, denom);
+                    self.stats.unpack += unpack_start.elapsed();
+                }
+                // Keep waiting for the rest so that no buffer is left in NCCL's hands.
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        self.stats.steps += 1;
+        Ok(grads)
+    }
+
+    /// Bucket `b`'s gradients and presence slots as one flat f32 tensor on the device, added to
+    /// the bucket's accumulator when micro-steps were accumulated.
+    fn pack_on_device(
+        &mut self,
+        b: usize,
+        grads: &mut GradientsParams,
+    ) -> Tensor<B::InnerBackend, 1> {
+        let bucket = &self.buckets[b];
+        let mut parts = Vec::with_capacity(bucket.params.len() + 1);
+        let mut presence = vec![0.0f32; bucket.params.len()];
+        for (slot, &p) in bucket.params.iter().enumerate() {
+            let info = &self.params[p];
+            match take_grad_tensor::<B>(grads, info) {
+                Some(g) => {
+                    presence[slot] = 1.0;
+                    parts.push(g);
+                }
+                None => parts.push(Tensor::zeros([info.numel()], &self.device)),
+            }
+        }
+        let n = presence.len();
+        parts.push(Tensor::from_data(
+            TensorData::new(presence, [n]),
+            &self.device,
+        ));
+        let flat = Tensor::cat(parts, 0);
+        let previous = match self.device_path.as_mut() {
+            Some(dp) if self.micro_steps > 0 => dp.acc[b].take(),
+            _ => None,
+        };
+        match previous {
+            Some(acc) => acc + flat,
+            None => flat,
+        }
+    }
+
+    /// Hands bucket `b`'s flat tensor to NCCL for an in-place sum across ranks.
+    fn submit_on_device(
+        &self,
+        b: usize,
+        flat: Tensor<B::InnerBackend, 1>,
+    ) -> Result<Flight<B>, DdpError> {
+        let unsupported = |reason: String| DdpError::UnsupportedParam {
+            name: format!("gradient bucket {b}"),
+            reason,
+        };
+        let Some(dp) = self.device_path.as_ref() else {
+            return Err(unsupported("no NCCL communicator".into()));
+        };
+        let TensorPrimitive::Float(primitive) = flat.clone().into_primitive() else {
+            return Err(unsupported(
+                "the packed gradients are a quantized tensor".into(),
+            ));
+        };
+        let any: &dyn Any = &primitive;
+        let Some(cube) = any.downcast_ref::<CudaTensor>() else {
+            return Err(unsupported(
+                "the packed gradients are not a CUDA tensor".into(),
+            ));
+        };
+        let dtype = match cube.dtype {
+            burn::tensor::DType::F32 => DType::F32,
+            burn::tensor::DType::BF16 => DType::BF16,
+            burn::tensor::DType::F16 => DType::F16,
+            other => return Err(unsupported(format!("element type {other:?}"))),
+        };
+        if !cube.is_contiguous() {
+            return Err(unsupported(
+                "the packed gradients are not contiguous".into(),
+            ));
+        }
+        let count = cube.meta.shape().num_elements();
+        // The raw device address (offset applied) and a binding that keeps the memory alive;
+        // then wait until burn's stream has written it.
+        let resource = cube
+            .client
+            .get_resource(cube.handle.clone())
+            .map_err(|e| unsupported(format!("cubecl cannot expose its buffer: {e:?}")))?;
+        cubecl::future::block_on(cube.client.sync())
+            .map_err(|e| unsupported(format!("synchronising burn's CUDA stream: {e:?}")))?;
+        let ptr = resource.resource().ptr;
+        let keep: Box<dyn Any> = Box::new(resource);
+        // SAFETY: `ptr` addresses `count` elements of `dtype` in the device's primary context;
+        // burn's stream has finished writing them (sync above); `flat` and `keep` hold the
+        // memory until `wait` returns, and nothing else uses `flat` (a fresh tensor of ours)
+        // before then.
+        Ok(unsafe {
+            dp.nccl()
+                .submit_all_reduce_ptr(ptr, count, dtype, ReduceOp::Sum, (flat, keep))
+        })
+    }
+
+    /// Registers the averaged gradients of bucket `b` from its reduced flat tensor.
+    fn unpack_on_device(
+        &self,
+        b: usize,
+        flat: Tensor<B::InnerBackend, 1>,
+        grads: &mut GradientsParams,
+        denom: f32,
+    ) {
+        let bucket = &self.buckets[b];
+        let flat = if flat.dtype() == burn::tensor::DType::F32 {
+            flat
+        } else {
+            flat.cast(FloatDType::F32)
+        };
+        let presence = flat
+            .clone()
+            .narrow(0, bucket.grad_len, bucket.params.len())
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .unwrap_or_default();
+        for (slot, (&p, &off)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
+            if presence.get(slot).is_none_or(|&x| x == 0.0) {
+                continue; // no rank produced a gradient for this parameter
+            }
+            let info = &self.params[p];
+            let g = flat.clone().narrow(0, off, info.numel()).div_scalar(denom);
+            put_grad_tensor::<B>(grads, info, g);
+        }
+    }
+}
