@@ -33,7 +33,8 @@
 //! # Direct exchange over the full mesh (small buffers)
 //!
 //! A ring needs 2(N-1) dependent message latencies; for small buffers latency dominates. Up to
-//! `small_allreduce_bytes` (256 KiB by default; the threshold is a knob, measured by the bench)
+//! `small_allreduce_bytes` (by default 256 KiB / (N - 1): 256 KiB at 2 ranks, 85 KiB at 4, as the
+//! bench measured; `DDP_SMALL_ALLREDUCE_BYTES` overrides it)
 //! every rank sends its whole buffer to every other rank at once, then reduces all N contributions
 //! in rank order 0, 1, ..., N-1: one message latency, (N-1)x the bytes, and again the same bits
 //! on every rank. The same direct pattern serves small reduce-scatters (each rank gets only its

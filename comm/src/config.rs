@@ -26,9 +26,18 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
 /// Largest allowed segment size (and so the largest data frame a peer may send): 64 MiB.
 pub const MAX_SEGMENT_BYTES: usize = 64 << 20;
-/// Default size (in bytes) up to which all-reduce, reduce-scatter, all-gather and broadcast use
-/// the latency-optimal direct algorithms over the full mesh instead of the ring: 256 KiB.
+/// Size (in bytes) up to which all-reduce, reduce-scatter, all-gather and broadcast use the
+/// latency-optimal direct algorithms over the full mesh instead of the ring, at 2 ranks: 256 KiB.
+/// At N ranks the default is this divided by N - 1, see [`default_small_allreduce_bytes`].
 pub const DEFAULT_SMALL_ALLREDUCE_BYTES: usize = 256 << 10;
+
+/// The default small-buffer threshold for `world_size` ranks: 256 KiB / (N - 1). The direct
+/// exchange sends (N - 1) times the bytes of the ring, so its advantage (one message latency
+/// instead of 2(N - 1)) pays for less data as N grows; `cargo xtask bench-allreduce --crossover`
+/// measured the crossover at 256-512 KiB for 2 ranks and 64 KiB for 4 on the 2-core dev box.
+pub fn default_small_allreduce_bytes(world_size: usize) -> usize {
+    DEFAULT_SMALL_ALLREDUCE_BYTES / world_size.saturating_sub(1).max(1)
+}
 
 /// Everything a rank needs to join a process group.
 ///
@@ -531,7 +540,7 @@ fn resolve(
     let small_allreduce_bytes = match b.small_allreduce_bytes {
         Some(s) => s,
         None => parse_var::<usize>(env, "DDP_SMALL_ALLREDUCE_BYTES", "a number of bytes")?
-            .unwrap_or(DEFAULT_SMALL_ALLREDUCE_BYTES),
+            .unwrap_or_else(|| default_small_allreduce_bytes(world.value)),
     };
 
     Ok(GroupConfig {

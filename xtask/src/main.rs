@@ -7,6 +7,7 @@
 
 mod bench_allreduce;
 mod bench_scaling;
+mod gpu_check;
 mod train;
 mod util;
 
@@ -30,6 +31,9 @@ enum Task {
     /// Train the CNN for a fixed number of steps at 1, 2 and 4 ranks: samples/s, efficiency,
     /// communication per step, peak RSS; writes a Markdown table, JSON and a PNG plot.
     BenchScaling(bench_scaling::Args),
+    /// On a machine with NVIDIA GPUs: NCCL collectives checked and timed at every world size,
+    /// one MNIST epoch with --backend cuda, and PyTorch's epoch beside it when torch is there.
+    GpuCheck(gpu_check::Args),
     /// Train the MNIST CNN on N local ranks (default 2) through ddprun.
     TrainMnist(train::Args),
     /// Train the Pima diabetes MLP on N local ranks (default 2) through ddprun.
@@ -40,6 +44,7 @@ fn main() -> Result<()> {
     match Cli::parse().task {
         Task::BenchAllreduce(args) => bench_allreduce::run(args),
         Task::BenchScaling(args) => bench_scaling::run(args),
+        Task::GpuCheck(args) => gpu_check::run(args),
         Task::TrainMnist(args) => train::run("train-mnist", args),
         Task::TrainPima(args) => train::run("train-pima", args),
     }
