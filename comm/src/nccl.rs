@@ -712,6 +712,19 @@ impl NcclGroup {
         }
     }
 
+    /// A new buffer of `len` elements for a collective to fill completely (empty for 0).
+    fn alloc_result<T: DeviceRepr>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>, cudarc::driver::DriverError> {
+        if len == 0 {
+            return self.inner.stream.null();
+        }
+        // SAFETY: the collective writes every element before anyone can read it (readers
+        // wait for its event through cudarc's event tracking, or for `wait`).
+        unsafe { self.inner.stream.alloc::<T>(len) }
+    }
+
     /// An argument error that every rank detects alike (the group stays usable).
     fn invalid<T>(&self, op: &str, message: String) -> NcclWork<T> {
         NcclWork::ready(
@@ -739,6 +752,9 @@ impl NcclGroup {
             &extra,
             buf,
             |buf, stream, comm| {
+                if count == 0 {
+                    return Ok(());
+                }
                 let (ptr, _record) = buf.device_ptr_mut(stream);
                 // SAFETY: ptr holds count elements of T on this device; in place is allowed.
                 let r = unsafe {
@@ -785,6 +801,9 @@ impl NcclGroup {
             &extra,
             keep,
             |_, stream, comm| {
+                if count == 0 {
+                    return Ok(());
+                }
                 // SAFETY: the caller's promises above.
                 let r = unsafe {
                     nc::ncclAllReduce(
@@ -825,6 +844,9 @@ impl NcclGroup {
             &extra,
             buf,
             |buf, stream, comm| {
+                if count == 0 {
+                    return Ok(());
+                }
                 let (ptr, _record) = buf.device_ptr_mut(stream);
                 // SAFETY: ptr holds count elements of T on this device; in place is allowed.
                 let r = unsafe {
@@ -852,8 +874,7 @@ impl NcclGroup {
     ) -> NcclWork<CudaSlice<T>> {
         let count = buf.len();
         let total = count * self.inner.world_size;
-        // SAFETY: NCCL writes every element of the new buffer.
-        let out = match unsafe { self.inner.stream.alloc::<T>(total.max(1)) } {
+        let out = match self.alloc_result::<T>(total) {
             Ok(out) => out,
             Err(e) => {
                 return NcclWork::ready(
@@ -904,8 +925,7 @@ impl NcclGroup {
         let (rank, world) = (self.inner.rank, self.inner.world_size);
         let len = buf.len();
         let mine = chunk_range(len, world, rank);
-        // SAFETY: NCCL writes every element of the new buffer.
-        let out = match unsafe { self.inner.stream.alloc::<T>(mine.len().max(1)) } {
+        let out = match self.alloc_result::<T>(mine.len()) {
             Ok(out) => out,
             Err(e) => {
                 return NcclWork::ready(
@@ -1138,6 +1158,58 @@ mod tests {
         } else if let Err(e) = result {
             // A machine with a driver: whatever is missing must be said, not panicked.
             assert!(!e.to_string().is_empty());
+        }
+    }
+
+    /// Two ranks (threads) of one TCP group: both get the group (and a correct all-reduce) on a
+    /// machine with two GPUs and NCCL, and both fail with a clear error, without hanging,
+    /// anywhere else.
+    #[test]
+    fn two_ranks_create_the_group_or_both_fail_clearly() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let mut listener = Some(listener);
+        let timeout = Duration::from_secs(30);
+        let results: Vec<Result<Vec<f32>, String>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let mut b = ProcessGroup::builder()
+                        .no_env()
+                        .rank(rank)
+                        .world_size(2)
+                        .local_rank(rank)
+                        .local_world_size(2)
+                        .master_addr("127.0.0.1")
+                        .master_port(port)
+                        .timeout(timeout)
+                        .connect_timeout(timeout);
+                    if rank == 0 {
+                        b = b.master_listener(listener.take().unwrap());
+                    }
+                    s.spawn(move || {
+                        let pg = b.build().unwrap();
+                        let text = |e: CommError| e.to_string();
+                        let nccl = NcclGroup::new(&pg).map_err(text)?;
+                        let buf = nccl.to_device(&[rank as f32 + 1.0; 4]).map_err(text)?;
+                        let buf = nccl.all_reduce(buf, ReduceOp::Sum).map_err(text)?;
+                        nccl.to_host(&buf).map_err(text)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        match (&results[0], &results[1]) {
+            (Ok(a), Ok(b)) => {
+                assert_eq!(a, &[3.0; 4]);
+                assert_eq!(b, &[3.0; 4]);
+            }
+            (Err(a), Err(b)) => {
+                if !driver_present() {
+                    assert!(a.contains("rank 0: no NVIDIA driver found"), "{a}");
+                    assert!(b.contains("rank 1: no NVIDIA driver found"), "{b}");
+                }
+            }
+            other => panic!("one rank got the group, the other did not: {other:?}"),
         }
     }
 
