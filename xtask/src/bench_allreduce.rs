@@ -190,7 +190,7 @@ pub fn run(args: Args) -> Result<()> {
         .filter(|&s| args.max_size.is_none_or(|max| s <= max))
         .collect();
 
-    let bin = util::build_release_bins("ddp-apps", &["ddprun", "ddp-allreduce-bench"])?;
+    let bin = util::build_release_bins(&["ddprun", "ddp-allreduce-bench"], &[])?;
     let out = match &args.out {
         Some(out) => out.clone(),
         None => util::target_dir()?.join("bench"),

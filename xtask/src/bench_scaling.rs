@@ -52,7 +52,7 @@ struct Row {
 
 /// `cargo xtask bench-scaling`.
 pub fn run(args: Args) -> Result<()> {
-    let bin_dir = util::build_release_bins("ddp-apps", &["ddprun", "train-mnist"])?;
+    let bin_dir = util::build_release_bins(&["ddprun", "train-mnist"], &[])?;
     let out = match args.out {
         Some(out) => out,
         None => util::target_dir()?.join("bench"),

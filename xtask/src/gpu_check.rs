@@ -104,20 +104,8 @@ pub fn run(args: Args) -> Result<()> {
     };
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
 
-    let mut build = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-    build
-        .args(["build", "--release", "-p", "ddp-apps", "--features", "cuda"])
-        .args([
-            "--bin",
-            "ddprun",
-            "--bin",
-            "ddp-nccl-bench",
-            "--bin",
-            "train-mnist",
-        ])
-        .current_dir(util::workspace_root());
-    util::run(&mut build)?;
-    let bin_dir = util::target_dir()?.join("release");
+    let bin_dir =
+        util::build_release_bins(&["ddprun", "ddp-nccl-bench", "train-mnist"], &["ddp-apps/cuda"])?;
 
     let (gpus, nccl_version) = probe(&bin_dir, &out)?;
     let max = args.max_gpus.unwrap_or(gpus).min(gpus).max(1);

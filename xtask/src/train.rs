@@ -107,7 +107,7 @@ pub fn launch(
 /// `cargo xtask train-mnist` / `train-pima`.
 pub fn run(trainer: &str, args: Args) -> Result<()> {
     let started = Instant::now();
-    let bin_dir = util::build_release_bins("ddp-apps", &["ddprun", trainer])?;
+    let bin_dir = util::build_release_bins(&["ddprun", trainer], &[])?;
     let out = match args.out {
         Some(out) => out,
         None => {

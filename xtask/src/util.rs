@@ -38,13 +38,24 @@ pub fn target_dir() -> Result<PathBuf> {
     Ok(PathBuf::from(dir))
 }
 
-/// Builds binaries of `package` in release (`bins`, or all of them when `bins` is empty) and
-/// returns the folder that holds them (`target/release`).
-pub fn build_release_bins(package: &str, bins: &[&str]) -> Result<PathBuf> {
+/// Environment variable with extra cargo features for the binaries the tasks build (for
+/// example `ddp-apps/cuda`), so that CI's end-to-end run reuses the build of its tests.
+pub const FEATURES_VAR: &str = "DDP_CARGO_FEATURES";
+
+/// Builds the binaries `bins` in release and returns the folder that holds them
+/// (`target/release`). The build covers the whole workspace's feature set (`--workspace`), so
+/// that it shares every compiled dependency with `cargo build/test --release --workspace`
+/// instead of recompiling burn under a different feature set; `features` and
+/// `$DDP_CARGO_FEATURES` add cargo features.
+pub fn build_release_bins(bins: &[&str], features: &[&str]) -> Result<PathBuf> {
     let mut command = cargo();
-    command.args(["build", "--release", "-p", package]);
-    if bins.is_empty() {
-        command.arg("--bins");
+    command.args(["build", "--release", "--workspace"]);
+    let mut all: Vec<String> = features.iter().map(|f| f.to_string()).collect();
+    if let Ok(extra) = std::env::var(FEATURES_VAR) {
+        all.extend(extra.split([',', ' ']).filter(|f| !f.is_empty()).map(str::to_string));
+    }
+    if !all.is_empty() {
+        command.args(["--features", &all.join(",")]);
     }
     for bin in bins {
         command.args(["--bin", bin]);
