@@ -473,6 +473,45 @@ fn fnv1a_f32(values: &[f32]) -> u64 {
     })
 }
 
+/// What [`start`] hands a trainer: its settings and its process group (and its GPU).
+pub struct Started {
+    /// The resolved settings.
+    pub cfg: TrainConfig,
+    /// The process group of this rank.
+    pub pg: Arc<ProcessGroup>,
+    /// This rank's GPU when `--backend cuda`.
+    #[cfg(feature = "cuda")]
+    pub cuda_device: Option<burn::backend::cuda::CudaDevice>,
+}
+
+/// What every trainer does first: logging, settings (flags over `--config` over `defaults`),
+/// the backend check, the process group from the environment, the GPU of `--backend cuda`, and
+/// the compute threads.
+pub fn start(
+    args: &crate::options::TrainArgs,
+    defaults: &crate::options::TrainArgs,
+) -> Result<Started> {
+    init_logging();
+    let cfg = args.resolve(defaults)?;
+    #[cfg(not(feature = "cuda"))]
+    if cfg.backend == crate::options::BackendKind::Cuda {
+        bail!("--backend cuda: this build has no CUDA support (build with --features cuda)");
+    }
+    let pg = Arc::new(ProcessGroup::from_env().context("joining the process group")?);
+    #[cfg(feature = "cuda")]
+    let cuda_device = match cfg.backend {
+        crate::options::BackendKind::Cuda => Some(crate::gpu::cuda_device(&pg)?),
+        crate::options::BackendKind::Cpu => None,
+    };
+    set_compute_threads(threads_per_rank(cfg.threads, pg.local_world_size()))?;
+    Ok(Started {
+        cfg,
+        pg,
+        #[cfg(feature = "cuda")]
+        cuda_device,
+    })
+}
+
 /// Compute threads for this rank: `threads` when given, else the cores divided among the
 /// local ranks (at least one), so that N ranks on one host do not oversubscribe it.
 pub fn threads_per_rank(threads: usize, local_world_size: usize) -> usize {

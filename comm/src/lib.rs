@@ -29,6 +29,7 @@
 #![warn(missing_docs)]
 
 mod algorithms;
+pub mod bytes;
 mod config;
 mod element;
 mod error;

@@ -15,6 +15,7 @@
 //! Python: `$DDP_BENCH_PYTHON`, else `python3`; gloo is skipped, with the reason, unless it can
 //! `import torch` and torch has gloo.
 
+use ddp_comm::bytes::{human_size, parse_size};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -493,34 +494,6 @@ fn cells(result: Option<&SizeResult>) -> String {
         Some(r) => format!(" {:.1} | {:.3} |", r.median_s * 1e6, r.busbw_gbs),
         None => " | |".to_string(),
     }
-}
-
-/// Parses `4096`, `4K`, `4KiB`, `16M`, `1G` (powers of 1024) into bytes.
-fn parse_size(text: &str) -> Result<usize, String> {
-    let text = text.trim();
-    let upper = text.to_ascii_uppercase();
-    let digits = upper.trim_end_matches(|c: char| c.is_ascii_alphabetic());
-    let shift = match &upper[digits.len()..] {
-        "" | "B" => 0,
-        "K" | "KB" | "KIB" => 10,
-        "M" | "MB" | "MIB" => 20,
-        "G" | "GB" | "GIB" => 30,
-        unit => return Err(format!("unknown unit {unit:?} in size {text:?}")),
-    };
-    let number: usize = digits.parse().map_err(|_| format!("bad size {text:?}"))?;
-    number
-        .checked_shl(shift)
-        .ok_or_else(|| format!("size {text:?} too large"))
-}
-
-/// `4096` as `4 KiB`, `1048576` as `1 MiB`; other sizes in bytes.
-fn human_size(bytes: usize) -> String {
-    for (shift, unit) in [(30, "GiB"), (20, "MiB"), (10, "KiB")] {
-        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
-            return format!("{} {unit}", bytes >> shift);
-        }
-    }
-    format!("{bytes} B")
 }
 
 #[cfg(test)]

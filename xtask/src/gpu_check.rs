@@ -104,8 +104,10 @@ pub fn run(args: Args) -> Result<()> {
     };
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
 
-    let bin_dir =
-        util::build_release_bins(&["ddprun", "ddp-nccl-bench", "train-mnist"], &["ddp-apps/cuda"])?;
+    let bin_dir = util::build_release_bins(
+        &["ddprun", "ddp-nccl-bench", "train-mnist"],
+        &["ddp-apps/cuda"],
+    )?;
 
     let (gpus, nccl_version) = probe(&bin_dir, &out)?;
     let max = args.max_gpus.unwrap_or(gpus).min(gpus).max(1);

@@ -52,7 +52,12 @@ pub fn build_release_bins(bins: &[&str], features: &[&str]) -> Result<PathBuf> {
     command.args(["build", "--release", "--workspace"]);
     let mut all: Vec<String> = features.iter().map(|f| f.to_string()).collect();
     if let Ok(extra) = std::env::var(FEATURES_VAR) {
-        all.extend(extra.split([',', ' ']).filter(|f| !f.is_empty()).map(str::to_string));
+        all.extend(
+            extra
+                .split([',', ' '])
+                .filter(|f| !f.is_empty())
+                .map(str::to_string),
+        );
     }
     if !all.is_empty() {
         command.args(["--features", &all.join(",")]);

@@ -17,6 +17,7 @@
 //! `algbw = bytes / time` and `busbw = algbw * 2(N-1)/N`. Rank 0 prints the table and writes
 //! JSON when asked.
 
+use ddp_comm::bytes::{human_size, parse_size};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -213,32 +214,4 @@ fn check(got: &[f32], expected: &[f32], rank: usize, bytes: usize, iteration: us
         );
     }
     Ok(())
-}
-
-/// Parses `4096`, `4K`, `4KiB`, `16M`, `1G` (powers of 1024) into bytes.
-fn parse_size(text: &str) -> Result<usize, String> {
-    let text = text.trim();
-    let upper = text.to_ascii_uppercase();
-    let digits = upper.trim_end_matches(|c: char| c.is_ascii_alphabetic());
-    let shift = match &upper[digits.len()..] {
-        "" | "B" => 0,
-        "K" | "KB" | "KIB" => 10,
-        "M" | "MB" | "MIB" => 20,
-        "G" | "GB" | "GIB" => 30,
-        unit => return Err(format!("unknown unit {unit:?} in size {text:?}")),
-    };
-    let number: usize = digits.parse().map_err(|_| format!("bad size {text:?}"))?;
-    number
-        .checked_shl(shift)
-        .ok_or_else(|| format!("size {text:?} too large"))
-}
-
-/// `4096` as `4 KiB`, `1048576` as `1 MiB`; other sizes in bytes.
-fn human_size(bytes: usize) -> String {
-    for (shift, unit) in [(30, "GiB"), (20, "MiB"), (10, "KiB")] {
-        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
-            return format!("{} {unit}", bytes >> shift);
-        }
-    }
-    format!("{bytes} B")
 }

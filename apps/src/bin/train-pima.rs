@@ -4,11 +4,11 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use clap::Parser;
-use ddp_apps::options::{BackendKind, TrainArgs, TrainConfig};
+use ddp_apps::options::{TrainArgs, TrainConfig};
 use ddp_apps::train::{self, Task};
 use ddp_comm::ProcessGroup;
 use ddp_data::{PimaSplit, PimaTable};
@@ -39,22 +39,13 @@ fn defaults() -> TrainArgs {
 }
 
 fn main() -> Result<()> {
-    train::init_logging();
     let cli = Cli::parse();
-    let cfg = cli.args.resolve(&defaults())?;
-    #[cfg(not(feature = "cuda"))]
-    if cfg.backend == BackendKind::Cuda {
-        anyhow::bail!(
-            "--backend cuda: this build has no CUDA support (build with --features cuda)"
-        );
-    }
-    let pg = Arc::new(ProcessGroup::from_env().context("joining the process group")?);
-    #[cfg(feature = "cuda")]
-    let cuda_device = match cfg.backend {
-        BackendKind::Cuda => Some(ddp_apps::gpu::cuda_device(&pg)?),
-        BackendKind::Cpu => None,
-    };
-    train::set_compute_threads(train::threads_per_rank(cfg.threads, pg.local_world_size()))?;
+    let train::Started {
+        cfg,
+        pg,
+        #[cfg(feature = "cuda")]
+        cuda_device,
+    } = train::start(&cli.args, &defaults())?;
 
     let table = PimaTable::load(cli.csv.as_deref())?;
     let split = table.split(cli.test_fraction, cfg.seed)?;
