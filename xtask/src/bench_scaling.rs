@@ -156,7 +156,7 @@ pub fn run(args: Args) -> Result<()> {
 /// samples/s against ranks, measured and ideal (linear from world 1).
 fn plot(rows: &[Row], cores: usize) -> Canvas {
     let mut c = Canvas::new(640, 420);
-    let (x0, y0, x1, y1) = (80, 360, 600, 50); // plot area: left, bottom, right, top
+    let (x0, y0, x1, y1) = (100, 360, 610, 50); // plot area: left, bottom, right, top
     let max_world = rows.iter().map(|r| r.world).max().unwrap_or(1).max(2) as f64;
     let base = rows
         .first()
@@ -175,7 +175,7 @@ fn plot(rows: &[Row], cores: usize) -> Canvas {
         let v = max_y * i as f64 / 4.0;
         let y = py(v);
         c.line(x0 as f64 - 5.0, y, x0 as f64, y, black);
-        c.text(10, y as i64 - 7, &format!("{v:>6.0}"), black);
+        c.text(4, y as i64 - 7, &format!("{v:>5.0}"), black);
     }
     for r in rows {
         let x = px(r.world as f64);
