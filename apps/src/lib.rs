@@ -2,6 +2,7 @@
 //! `ddp-allreduce-bench`): settings, the shared training loop, checkpoints and metrics. The
 //! binaries themselves only parse arguments and wire these and the library crates together.
 
+pub mod bench;
 pub mod checkpoint;
 #[cfg(feature = "cuda")]
 pub mod gpu;

@@ -20,6 +20,7 @@
 //! `busbw = algbw * 2(N-1)/N`. Rank 0 prints the table and writes JSON (the same shape as
 //! `ddp-allreduce-bench`'s, implementation `nccl`) when asked.
 
+use ddp_apps::bench::{pattern, summarize, SizeResult};
 use ddp_comm::bytes::{human_size, parse_size};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -54,17 +55,6 @@ struct Args {
     /// Only report the driver, the GPU count and the NCCL version (no group, no ddprun needed).
     #[arg(long)]
     probe: bool,
-}
-
-/// One size's measurement, as written to the JSON output.
-#[derive(Debug, Serialize)]
-struct SizeResult {
-    bytes: usize,
-    iters: usize,
-    median_s: f64,
-    min_s: f64,
-    algbw_gbs: f64,
-    busbw_gbs: f64,
 }
 
 /// The whole run, as written to the JSON output.
@@ -265,29 +255,6 @@ fn bench_size(
             times.push(elapsed);
         }
     }
-    let mut times = pg
-        .all_reduce(times, ReduceOp::Max)
-        .context("gathering the times")?;
-    times.sort_by(f64::total_cmp);
-    let iters = times.len();
-    let median_s = if iters % 2 == 1 {
-        times[iters / 2]
-    } else {
-        (times[iters / 2 - 1] + times[iters / 2]) / 2.0
-    };
-    let algbw_gbs = bytes as f64 / median_s / 1e9;
-    Ok(SizeResult {
-        bytes,
-        iters,
-        median_s,
-        min_s: times[0],
-        algbw_gbs,
-        busbw_gbs: algbw_gbs * 2.0 * (world as f64 - 1.0) / world as f64,
-    })
-}
-
-/// Rank `rank`'s value at index `i`: an integer below 97 (as in `ddp-allreduce-bench`), so that
-/// sums over any practical number of ranks are exact in f32.
-fn pattern(rank: usize, i: usize) -> f32 {
-    ((i * 7 + rank * 13) % 97) as f32
+    // An iteration takes as long as its slowest rank.
+    summarize(pg, bytes, times)
 }
