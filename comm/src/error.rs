@@ -145,8 +145,9 @@ pub enum CommError {
         /// The operating system's error.
         message: String,
     },
-    /// A peer failed and told this rank why (an ABORT frame).
-    #[error("rank {peer} aborted: {cause}")]
+    /// A peer failed and told this rank why (an ABORT frame). The message leads with the rank
+    /// the peer blamed (the first rank to fail, as the peer saw it) and says who reported it.
+    #[error("{}", abort_message(*.peer, *.blamed, .cause))]
     PeerAborted {
         /// This rank.
         rank: usize,
@@ -203,6 +204,18 @@ pub enum CommError {
         /// The root cause.
         cause: Box<CommError>,
     },
+    /// [`crate::Work::wait_timeout`]'s deadline passed, or [`crate::Work::wait`] saw the group
+    /// make no progress for longer than its deadline allows. The collective itself goes on (its
+    /// result is dropped); the group is not failed by this.
+    #[error("rank {rank}: {op} did not complete within {waited:?}")]
+    WaitTimeout {
+        /// This rank.
+        rank: usize,
+        /// The collective, e.g. `all_reduce of 4096 f32`.
+        op: String,
+        /// How long the caller waited.
+        waited: Duration,
+    },
     /// A collective was not run because the group had already failed.
     #[error("rank {rank}: cannot run {op}: the process group failed earlier: {cause}")]
     GroupFailed {
@@ -227,6 +240,15 @@ pub enum CommError {
         /// What happened.
         message: String,
     },
+}
+
+/// The text of [`CommError::PeerAborted`]: "rank 2 failed first (reported by rank 3: ...)" when
+/// the peer blamed another rank, "rank 3 failed: ..." when it failed on its own.
+fn abort_message(peer: usize, blamed: Option<usize>, cause: &str) -> String {
+    match blamed {
+        Some(b) if b != peer => format!("rank {b} failed first (reported by rank {peer}: {cause})"),
+        _ => format!("rank {peer} failed: {cause}"),
+    }
 }
 
 impl CommError {

@@ -8,14 +8,18 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::thread::JoinHandle;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use crossbeam_channel::{Receiver, Sender};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
 use crate::algorithms::{self, Ctx};
 use crate::config::{GroupBuilder, GroupConfig};
 use crate::element::{DType, Element, ReduceOp};
 use crate::error::CommError;
 use crate::store::{Store, StoreServer};
-use crate::transport::{connect_mesh, remaining, Identity, Mesh};
+use crate::transport::{connect_mesh, remaining, Identity, Mesh, Shared, STALL_MARGIN};
 use crate::wire::{self, OpDesc, OpKind};
 
 const JOB_ID_KEY: &str = "ddp/job_id";
@@ -37,6 +41,8 @@ pub struct ProcessGroup {
     thread: Option<JoinHandle<()>>,
     store: Option<Store>,
     _server: Option<StoreServer>,
+    /// The mesh's shared state (failure, progress), for [`Work`] handles.
+    shared: Option<Arc<Shared>>,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -114,11 +120,17 @@ impl Engine {
             }
         };
         result.map_err(|cause| {
-            self.mesh.shared().fail(cause.clone());
+            // The first failure of the group is its root cause (a lost link may have been
+            // explained by a peer's ABORT naming an earlier one); report that, and make sure the
+            // peers have been told before the caller (who may exit at once) sees the error.
+            let shared = self.mesh.shared();
+            shared.fail(cause.clone());
+            let root = shared.error().unwrap_or(cause);
+            self.mesh.flush_aborts();
             CommError::Collective {
                 rank,
                 op: desc.to_string(),
-                cause: Box::new(cause),
+                cause: Box::new(root),
             }
         })
     }
@@ -130,6 +142,10 @@ impl Engine {
 pub struct Work<T> {
     rx: Receiver<Result<T, CommError>>,
     rank: usize,
+    /// What was submitted, e.g. `all_reduce of 4096 f32`, for a timeout's message.
+    what: String,
+    /// The group's progress counter and deadline (`None` for a result known at submission).
+    progress: Option<(Arc<Shared>, Duration)>,
 }
 
 impl<T> std::fmt::Debug for Work<T> {
@@ -145,15 +161,75 @@ impl<T> Work<T> {
     fn ready(rank: usize, result: Result<T, CommError>) -> Work<T> {
         let (tx, rx) = crossbeam_channel::bounded(1);
         let _ = tx.send(result);
-        Work { rx, rank }
+        Work {
+            rx,
+            rank,
+            what: String::new(),
+            progress: None,
+        }
     }
 
     /// Blocks until the collective has finished and returns its result: the buffer, or the
-    /// error. Never blocks past the group's deadline for any one peer.
+    /// error.
+    ///
+    /// Its deadline is progress, not total time: a long collective (or one queued behind
+    /// others) that keeps moving bytes is waited for, but if the group receives nothing and
+    /// finishes nothing for longer than the group's deadline (plus the few seconds a failure
+    /// takes to be attributed), this returns [`CommError::WaitTimeout`]. The collective's own
+    /// per-peer deadline normally fires first, with the better message; this one guarantees
+    /// that no `wait` blocks forever, whatever happens.
     pub fn wait(self) -> Result<T, CommError> {
-        self.rx
-            .recv()
-            .unwrap_or(Err(CommError::ShutDown { rank: self.rank }))
+        let Some((shared, timeout)) = self.progress.clone() else {
+            return self.finish(self.rx.recv().ok());
+        };
+        let stall_limit = timeout + STALL_MARGIN;
+        let start = Instant::now();
+        let mut seen = shared.progress.load(Ordering::Relaxed);
+        let mut last_move = Instant::now();
+        loop {
+            match self
+                .rx
+                .recv_timeout(Duration::from_millis(250).min(stall_limit))
+            {
+                Ok(r) => return r,
+                Err(RecvTimeoutError::Disconnected) => return self.finish(None),
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+            let now = shared.progress.load(Ordering::Relaxed);
+            if now != seen {
+                seen = now;
+                last_move = Instant::now();
+            } else if last_move.elapsed() >= stall_limit {
+                return Err(CommError::WaitTimeout {
+                    rank: self.rank,
+                    op: format!(
+                        "{} (no progress in the group for {:?})",
+                        self.what,
+                        last_move.elapsed()
+                    ),
+                    waited: start.elapsed(),
+                });
+            }
+        }
+    }
+
+    /// Like [`Work::wait`], with a deadline of the caller's: past `timeout` it returns
+    /// [`CommError::WaitTimeout`]. The collective is not cancelled (every rank must still run
+    /// it) and its result is dropped when it completes.
+    pub fn wait_timeout(self, timeout: Duration) -> Result<T, CommError> {
+        match self.rx.recv_timeout(timeout) {
+            Ok(r) => r,
+            Err(RecvTimeoutError::Disconnected) => self.finish(None),
+            Err(RecvTimeoutError::Timeout) => Err(CommError::WaitTimeout {
+                rank: self.rank,
+                op: self.what,
+                waited: timeout,
+            }),
+        }
+    }
+
+    fn finish(&self, r: Option<Result<T, CommError>>) -> Result<T, CommError> {
+        r.unwrap_or(Err(CommError::ShutDown { rank: self.rank }))
     }
 
     /// Whether the collective has finished (so that [`Work::wait`] returns at once).
@@ -218,6 +294,7 @@ impl ProcessGroup {
                 thread: None,
                 store: None,
                 _server: None,
+                shared: None,
             });
         }
         if config.master_port == 0 && listener.is_none() {
@@ -331,6 +408,7 @@ impl ProcessGroup {
         engine.join()?;
 
         // 5. The communication thread.
+        let shared = engine.mesh.shared().clone();
         let (jobs, rx) = crossbeam_channel::unbounded::<Job>();
         let thread = std::thread::Builder::new()
             .name(format!("ddp-comm-{rank}"))
@@ -350,6 +428,7 @@ impl ProcessGroup {
             thread: Some(thread),
             store: Some(store),
             _server: server,
+            shared: Some(shared),
         })
     }
 
@@ -383,17 +462,29 @@ impl ProcessGroup {
         self.store.as_ref()
     }
 
+    /// Queues `f` for the communication thread; `what` describes it for a wait's timeout.
     fn submit<R: Send + 'static>(
         &self,
+        what: String,
         f: impl FnOnce(&mut Engine) -> Result<R, CommError> + Send + 'static,
     ) -> Work<R> {
         let rank = self.rank();
         let (tx, rx) = crossbeam_channel::bounded(1);
         let job: Job = Box::new(move |engine| {
             let _ = tx.send(f(engine));
+            engine
+                .mesh
+                .shared()
+                .progress
+                .fetch_add(1, Ordering::Relaxed);
         });
-        match &self.jobs {
-            Some(jobs) if jobs.send(job).is_ok() => Work { rx, rank },
+        match (&self.jobs, &self.shared) {
+            (Some(jobs), Some(shared)) if jobs.send(job).is_ok() => Work {
+                rx,
+                rank,
+                what,
+                progress: Some((shared.clone(), self.config.timeout)),
+            },
             _ => Work::ready(rank, Err(CommError::ShutDown { rank })),
         }
     }
@@ -403,7 +494,8 @@ impl ProcessGroup {
         if self.world_size() == 1 {
             return Work::ready(self.rank(), Ok(buf));
         }
-        self.submit(move |e| {
+        let what = format!("all_reduce of {} {}", buf.len(), T::DTYPE);
+        self.submit(what, move |e| {
             e.run(OpKind::AllReduce, T::DTYPE, buf.len(), op.to_wire(), |cx| {
                 algorithms::all_reduce(cx, &mut buf, op)
             })?;
@@ -415,35 +507,26 @@ impl ProcessGroup {
     /// same length; the non-roots' contents are overwritten).
     pub fn submit_broadcast<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
         let world = self.world_size();
-        if world == 1 {
-            let r = if root == 0 {
-                Ok(buf)
-            } else {
+        let what = format!("broadcast of {} {} from rank {root}", buf.len(), T::DTYPE);
+        // A bad argument is this caller's mistake, not the group's: refused here, before it is
+        // numbered or sent, and the group stays usable.
+        if root >= world {
+            return Work::ready(
+                self.rank(),
                 Err(CommError::InvalidArgument {
-                    rank: 0,
-                    op: "broadcast".into(),
-                    message: format!("root {root} is not below the world size 1"),
-                })
-            };
-            return Work::ready(self.rank(), r);
+                    rank: self.rank(),
+                    op: what,
+                    message: format!("root {root} is not below the world size {world}"),
+                }),
+            );
         }
-        self.submit(move |e| {
-            e.run(
-                OpKind::Broadcast,
-                T::DTYPE,
-                buf.len(),
-                root.min(u32::MAX as usize) as u32,
-                |cx| {
-                    if root >= world {
-                        return Err(CommError::InvalidArgument {
-                            rank: cx.mesh.rank,
-                            op: cx.desc.to_string(),
-                            message: format!("root {root} is not below the world size {world}"),
-                        });
-                    }
-                    algorithms::broadcast(cx, &mut buf, root)
-                },
-            )?;
+        if world == 1 {
+            return Work::ready(self.rank(), Ok(buf));
+        }
+        self.submit(what, move |e| {
+            e.run(OpKind::Broadcast, T::DTYPE, buf.len(), root as u32, |cx| {
+                algorithms::broadcast(cx, &mut buf, root)
+            })?;
             Ok(buf)
         })
     }
@@ -454,7 +537,8 @@ impl ProcessGroup {
         if self.world_size() == 1 {
             return Work::ready(self.rank(), Ok(buf));
         }
-        self.submit(move |e| {
+        let what = format!("all_gather of {} {}", buf.len(), T::DTYPE);
+        self.submit(what, move |e| {
             e.run(OpKind::AllGather, T::DTYPE, buf.len(), 0, |cx| {
                 algorithms::all_gather(cx, &buf)
             })
@@ -467,7 +551,8 @@ impl ProcessGroup {
         if self.world_size() == 1 {
             return Work::ready(self.rank(), Ok(buf));
         }
-        self.submit(move |e| {
+        let what = format!("reduce_scatter of {} {}", buf.len(), T::DTYPE);
+        self.submit(what, move |e| {
             e.run(
                 OpKind::ReduceScatter,
                 T::DTYPE,
@@ -483,7 +568,9 @@ impl ProcessGroup {
         if self.world_size() == 1 {
             return Work::ready(self.rank(), Ok(()));
         }
-        self.submit(move |e| e.run(OpKind::Barrier, DType::U8, 0, 0, algorithms::barrier))
+        self.submit("barrier".into(), move |e| {
+            e.run(OpKind::Barrier, DType::U8, 0, 0, algorithms::barrier)
+        })
     }
 
     /// All-reduce, blocking: `submit_all_reduce(buf, op).wait()`.

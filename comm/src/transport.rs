@@ -17,13 +17,28 @@
 //! (every reader keeps draining). After a failure a writer drops its queued data frames and sends
 //! only the ABORT.
 //!
+//! Who failed first (attribution). When rank k is killed, every survivor sees its sockets to k
+//! close, and it may also see the sockets of *other* ranks close: rank j that failed because of
+//! k exits too, and its close can reach a survivor before the survivor's own reader of k's socket
+//! has run (two cores, many threads). Blaming whichever socket event comes first would then send
+//! the user to the wrong machine. So a lost connection is only *evidence* ([`Shared::peer_lost`]):
+//! the group waits a short grace period ([`LOSS_GRACE`]) for an ABORT frame that explains it,
+//! and an ABORT (which names the rank its sender blames, itself decided the same way) settles the
+//! matter at once. A rank that fails always gets its ABORTs onto the wire before its collective
+//! returns the error to the caller ([`Mesh::flush_aborts`]), so a process that exits right after
+//! an error has still explained itself, and the bytes of the ABORT precede its close on every
+//! socket (a reader reads the ABORT before it sees the end of the stream). Without an ABORT by the
+//! end of the grace period, the first connection lost is the root cause. Waits that find a link
+//! gone wait for this verdict too ([`Mesh::recv`], [`Mesh::send`]), so every error a caller
+//! sees carries the group's one root cause.
+//!
 //! Clean shutdown: each writer sends a GOODBYE frame after its queue and half-closes its socket;
 //! a reader that sees GOODBYE half-closes its side in answer, so both readers reach EOF at once
 //! and the connection is closed without resets. A peer's close without GOODBYE is a failure.
 
 use std::io::{self, BufReader, Read};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -38,6 +53,15 @@ use crate::wire::{self, FrameKind, Header, Hello, HelloKind, OpDesc, HEADER_BYTE
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest the shutdown of a group waits for its peers to close their side.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// How long a lost connection waits for an ABORT frame that explains it before it is taken as
+/// the root cause itself (see the module's notes on attribution).
+pub(crate) const LOSS_GRACE: Duration = Duration::from_millis(400);
+/// Longest a failed rank waits for its writers to put the ABORT frames on the wire.
+const ABORT_FLUSH: Duration = Duration::from_secs(2);
+/// How much longer than the group's deadline [`crate::Work::wait`] lets a group sit without
+/// progress: enough for a collective's own deadline, the attribution and the ABORT flush to
+/// report first.
+pub(crate) const STALL_MARGIN: Duration = Duration::from_secs(5);
 
 /// Time left until `deadline` (zero if passed).
 pub(crate) fn remaining(deadline: Instant) -> Duration {
@@ -562,6 +586,12 @@ pub(crate) struct Shared {
     abort_tx: Mutex<Option<Sender<()>>>,
     abort_rx: Receiver<()>,
     writers: Mutex<Vec<Sender<Outgoing>>>,
+    /// Connections lost (closed, reset, stuck) before the group failed, in the order seen: the
+    /// evidence from which [`Shared::peer_lost`] picks a root cause if no ABORT explains it.
+    lost: Mutex<Vec<CommError>>,
+    /// Counts frames received and collectives finished: [`crate::Work::wait`]'s evidence that
+    /// the group is still making progress.
+    pub progress: AtomicU64,
 }
 
 impl Shared {
@@ -575,7 +605,40 @@ impl Shared {
             abort_tx: Mutex::new(Some(abort_tx)),
             abort_rx,
             writers: Mutex::new(Vec::new()),
+            lost: Mutex::new(Vec::new()),
+            progress: AtomicU64::new(0),
         }
+    }
+
+    /// A connection was lost (`err` is [`CommError::PeerClosed`] or [`CommError::PeerIo`]):
+    /// evidence, not yet a verdict. Waits up to [`LOSS_GRACE`] for the group to fail for a
+    /// better-explained reason (an ABORT naming an earlier root cause); if none comes, fails the
+    /// group with the first connection lost. Blocks the calling thread (a reader or writer that
+    /// is ending anyway) for at most the grace period.
+    fn peer_lost(&self, err: CommError) {
+        if self.is_failed() {
+            return;
+        }
+        self.lost
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(err);
+        // Disconnected (returns at once) as soon as the group fails.
+        let _ = self.abort_rx.recv_timeout(LOSS_GRACE);
+        if self.is_failed() {
+            return;
+        }
+        let first = self.lost.lock().unwrap_or_else(|p| p.into_inner())[0].clone();
+        self.fail(first);
+    }
+
+    /// Waits until the group has failed (at most a little longer than the grace period of a
+    /// lost connection) and returns its root cause, or `fallback` if it did not fail.
+    fn verdict(&self, fallback: CommError) -> CommError {
+        let _ = self
+            .abort_rx
+            .recv_timeout(LOSS_GRACE + Duration::from_secs(1));
+        self.error().unwrap_or(fallback)
     }
 
     pub fn is_failed(&self) -> bool {
@@ -730,7 +793,7 @@ impl Mesh {
         self.pool.copy_of(s)
     }
 
-    pub fn shared(&self) -> &Shared {
+    pub fn shared(&self) -> &Arc<Shared> {
         &self.shared
     }
 
@@ -738,7 +801,8 @@ impl Mesh {
         self.links[peer].as_ref().expect("no link to self")
     }
 
-    /// The error to report when a link's thread is gone.
+    /// The error to report when a link's thread is gone: the group's root cause, once the
+    /// group has settled who failed first (a lost link waits for that verdict).
     fn gone(&self, peer: usize) -> CommError {
         if let Some(e) = self.shared.error() {
             return e;
@@ -749,10 +813,29 @@ impl Mesh {
                 peer,
             }
         } else {
-            CommError::PeerClosed {
+            self.shared.verdict(CommError::PeerClosed {
                 rank: self.rank,
                 peer,
+            })
+        }
+    }
+
+    /// After a failure: waits (at most [`ABORT_FLUSH`]) until every writer has put its ABORT on
+    /// the wire, so that a process that exits right after the error has still told every peer
+    /// why. Writers end after their ABORT; a writer stuck on a dead peer's full socket ends at
+    /// its write timeout, which this does not wait for.
+    pub fn flush_aborts(&self) {
+        let deadline = Instant::now() + ABORT_FLUSH;
+        while Instant::now() < deadline {
+            let pending = self
+                .links
+                .iter()
+                .flatten()
+                .any(|l| l.writer.as_ref().is_some_and(|w| !w.is_finished()));
+            if !pending {
+                return;
             }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 
@@ -889,7 +972,10 @@ fn writer_loop(mut stream: TcpStream, side: LinkSide, rx: Receiver<Outgoing>, ti
                                 },
                             }
                         };
-                        shared.fail(err);
+                        match err {
+                            CommError::PeerLeft { .. } => shared.fail(err),
+                            _ => shared.peer_lost(err),
+                        }
                     }
                     break;
                 }
@@ -952,6 +1038,7 @@ fn reader_loop(
                 if let Err(e) = reader.read_exact(buf.as_bytes_mut()) {
                     break Some(read_error(rank, peer, e));
                 }
+                shared.progress.fetch_add(1, Ordering::Relaxed);
                 if shared.is_failed() {
                     continue; // nobody will read it; keep draining until the peer closes
                 }
@@ -987,7 +1074,10 @@ fn reader_loop(
     if let Some(err) = end {
         let quiet = goodbye.load(Ordering::Acquire) || shared.closing.load(Ordering::Acquire);
         if !quiet {
-            shared.fail(err);
+            match err {
+                CommError::PeerClosed { .. } | CommError::PeerIo { .. } => shared.peer_lost(err),
+                _ => shared.fail(err),
+            }
         }
     }
 }

@@ -57,7 +57,8 @@
 //! (0.003% at 1 MiB segments).
 //!
 //! ABORT carries the sender's error message as UTF-8 text: the sender failed and every later
-//! frame would be meaningless; the receiver fails with `rank X aborted: <text>`. GOODBYE (no
+//! frame would be meaningless; the header's `arg` names the rank the sender blames (u32::MAX:
+//! none) and the receiver fails with `rank K failed first (reported by rank X: <text>)`. GOODBYE (no
 //! payload) says the sender dropped its group cleanly; the connection's close after it is not an
 //! error, but waiting for data from that peer afterwards is.
 //!
@@ -429,14 +430,10 @@ pub(crate) fn write_frame(w: &mut impl Write, header: &Header, payload: &[u8]) -
 /// A job id derived from a launcher's job name (`DDP_JOB_ID`): the same on every rank, never
 /// all zero (all zero means "no job id" in a HELLO to the store).
 pub(crate) fn job_id_from_name(name: &str) -> [u8; 16] {
-    let fnv = |seed: u64| {
-        name.bytes().fold(seed, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-        })
-    };
+    use crate::bytes::{fnv1a, fnv1a_from};
     let mut id = [0u8; 16];
-    id[..8].copy_from_slice(&fnv(0xcbf2_9ce4_8422_2325).to_le_bytes());
-    id[8..].copy_from_slice(&fnv(0x6c62_272e_07bb_0142).to_le_bytes());
+    id[..8].copy_from_slice(&fnv1a(name.as_bytes()).to_le_bytes());
+    id[8..].copy_from_slice(&fnv1a_from(0x6c62_272e_07bb_0142, name.as_bytes()).to_le_bytes());
     if id == [0; 16] {
         id[0] = 1;
     }

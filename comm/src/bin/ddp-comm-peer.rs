@@ -1,13 +1,18 @@
 //! Test helper: joins a process group from the environment (RANK, WORLD_SIZE, MASTER_ADDR,
 //! MASTER_PORT, DDP_TIMEOUT, ...) and runs collectives in a loop, printing one line per step
-//! (`rank R step N ok`) and, on failure, `rank R error: <message>` before exiting with code 3.
+//! (`rank R step N ok`) and, on failure, `rank R error (blames rank K): <message>` before
+//! exiting with code 3.
 //!
 //! Used by comm's integration tests (a rank killed with SIGKILL, ...) and handy for trying a
 //! launcher: `ddprun --nproc-per-node 3 ddp-comm-peer`.
 //!
 //! Variables of its own: `PEER_STEPS` (default 20; 0 runs until an error), `PEER_ELEMS`
 //! (all-reduce length, default 100000), `PEER_SLEEP_MS` (pause between steps, default 0),
-//! `PEER_OP` (`all_reduce` (default) or `barrier`).
+//! `PEER_OP` (`all_reduce` (default) or `barrier`), `PEER_LISTEN_FD` (rank 0 only: an inherited,
+//! already bound listening socket to host the store on, so that a test needs no free-port guess).
+//!
+//! The error line names the rank the error blames (`CommError::peer`): `rank R error (blames
+//! rank K): <message>`, or `(blames nobody)`.
 
 use std::io::Write;
 use std::time::Duration;
@@ -26,7 +31,17 @@ fn main() {
     let elems = var("PEER_ELEMS", 100_000) as usize;
     let sleep = Duration::from_millis(var("PEER_SLEEP_MS", 0));
     let op = std::env::var("PEER_OP").unwrap_or_else(|_| "all_reduce".into());
-    let pg = match ProcessGroup::from_env() {
+    let mut builder = ProcessGroup::builder();
+    if let Some(fd) = std::env::var("PEER_LISTEN_FD")
+        .ok()
+        .and_then(|v| v.parse::<i32>().ok())
+    {
+        use std::os::fd::FromRawFd;
+        // SAFETY: the parent passed this descriptor (a bound, listening TCP socket) for this
+        // process to own; nothing else in this process uses it.
+        builder = builder.master_listener(unsafe { std::net::TcpListener::from_raw_fd(fd) });
+    }
+    let pg = match builder.build() {
         Ok(pg) => pg,
         Err(e) => {
             println!("error: {e}");
@@ -55,7 +70,10 @@ fn main() {
         match result {
             Ok(()) => println!("rank {rank} step {step} ok"),
             Err(e) => {
-                println!("rank {rank} error: {e}");
+                let blamed = e
+                    .peer()
+                    .map_or_else(|| "nobody".to_string(), |p| format!("rank {p}"));
+                println!("rank {rank} error (blames {blamed}): {e}");
                 let _ = std::io::stdout().flush();
                 std::process::exit(3);
             }

@@ -17,34 +17,9 @@ pub fn run_group<R: Send>(
     tune: impl Fn(usize, GroupBuilder) -> GroupBuilder + Sync,
     f: impl Fn(usize, ProcessGroup) -> R + Sync,
 ) -> Vec<R> {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let mut listener = Some(listener);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                let mut b = ProcessGroup::builder()
-                    .no_env()
-                    .rank(rank)
-                    .world_size(world)
-                    .master_addr("127.0.0.1")
-                    .master_port(port)
-                    .timeout(TIMEOUT)
-                    .connect_timeout(TIMEOUT);
-                if rank == 0 {
-                    b = b.master_listener(listener.take().unwrap());
-                }
-                let b = tune(rank, b);
-                let f = &f;
-                s.spawn(move || {
-                    let pg = b
-                        .build()
-                        .unwrap_or_else(|e| panic!("rank {rank} could not join: {e}"));
-                    f(rank, pg)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    try_group(world, tune, |rank, built| {
+        let pg = built.unwrap_or_else(|e| panic!("rank {rank} could not join: {e}"));
+        f(rank, pg)
     })
 }
 
@@ -101,8 +76,28 @@ impl Rng {
     }
 }
 
-/// A port nothing listens on (bound, read and released).
-pub fn closed_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
+/// A port on 127.0.0.1 that refuses connections for as long as the returned guard lives: a
+/// socket bound to it but not listening holds it, so no other process can take it meanwhile (a
+/// port merely bound and released could be reused by anyone before the test connects).
+pub fn refusing_port() -> (std::os::fd::OwnedFd, u16) {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain socket calls on a descriptor this function owns; the address structs are
+    // fully initialised before use.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let guard = std::os::fd::OwnedFd::from_raw_fd(fd);
+        let mut addr: libc::sockaddr_in = std::mem::zeroed();
+        addr.sin_family = libc::AF_INET as libc::sa_family_t;
+        addr.sin_addr.s_addr = u32::from_ne_bytes([127, 0, 0, 1]);
+        addr.sin_port = 0;
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        let rc = libc::bind(fd, &addr as *const _ as *const libc::sockaddr, len);
+        assert_eq!(rc, 0, "bind: {}", std::io::Error::last_os_error());
+        let mut bound: libc::sockaddr_in = std::mem::zeroed();
+        let mut blen = len;
+        let rc = libc::getsockname(fd, &mut bound as *mut _ as *mut libc::sockaddr, &mut blen);
+        assert_eq!(rc, 0, "getsockname: {}", std::io::Error::last_os_error());
+        (guard, u16::from_be(bound.sin_port))
+    }
 }
