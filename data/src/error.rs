@@ -158,6 +158,28 @@ pub enum DataError {
     )]
     NoCacheDir,
 
+    /// A shard index (`index.json` of a sharded data set) that cannot be read, parsed, or that
+    /// does not describe a valid data set; `field` names the offending field.
+    #[error("{}: bad shard index: {field}: {detail}", .path.display())]
+    BadIndex {
+        /// The index file.
+        path: PathBuf,
+        /// The field at fault (`version`, `shards[3].samples`, ...), or `file` for the whole.
+        field: String,
+        /// What is wrong.
+        detail: String,
+    },
+
+    /// A shard file that does not match its index: truncated, corrupt (bad header or checksum),
+    /// a tensor missing or of the wrong dtype or shape, a label out of range.
+    #[error("{}: bad shard: {detail}", .path.display())]
+    BadShard {
+        /// The shard file.
+        path: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
+
     /// An argument out of its range (a rank not below the number of replicas, a batch size of
     /// zero, an index beyond a dataset, ...).
     #[error("invalid argument: {0}")]

@@ -9,6 +9,9 @@
 //!   evaluation.
 //! - [`loader`]: [`DataLoader`], which turns a sampler's indices into burn tensors, with
 //!   prefetch worker threads and batches always in sampler order.
+//! - [`shards`]: data sets as safetensors shards plus a JSON index on disk, and
+//!   [`ShardLoader`], which streams one rank's shards (DistributedSampler's contract at shard
+//!   level) with memory bounded by a few shards, whatever the data set's size.
 //!
 //! The crate knows nothing of distribution beyond `(rank, num_replicas)` numbers.
 //!
@@ -42,6 +45,7 @@ pub mod loader;
 pub mod mnist;
 pub mod pima;
 pub mod sampler;
+pub mod shards;
 
 pub use error::{DataError, FetchAttempt};
 pub use fetch::ensure_mnist;
@@ -49,6 +53,10 @@ pub use loader::{Batch, BatchIter, CpuBatch, DataLoader, LoaderConfig, MnistLoad
 pub use mnist::{Mnist, MnistItem, MnistSplit, Normalization};
 pub use pima::{Pima, PimaItem, PimaSplit, PimaTable, Standardizer};
 pub use sampler::DistributedSampler;
+pub use shards::{
+    write_shards, Shard, ShardBatches, ShardIndex, ShardLoader, ShardLoaderConfig, ShardSet,
+    ShardWriter,
+};
 
 /// A finite, indexable collection of samples.
 pub trait Dataset {
