@@ -8,6 +8,7 @@
 mod bench_allreduce;
 mod bench_scaling;
 mod gpu_check;
+mod shards;
 mod train;
 mod util;
 
@@ -34,6 +35,15 @@ enum Task {
     /// On a machine with NVIDIA GPUs: NCCL collectives checked and timed at every world size,
     /// one MNIST epoch with --backend cuda, and PyTorch's epoch beside it when torch is there.
     GpuCheck(gpu_check::Args),
+    /// Write MNIST (the IDX files) as safetensors shards with an index, for
+    /// `train-mnist --data-format shards`.
+    MakeShards(shards::MakeArgs),
+    /// Convert an HDF5 file in the workshop's layout into shards (Python: h5py, numpy,
+    /// safetensors), then verify every shard.
+    ImportH5(shards::ImportArgs),
+    /// Samples/s of the shard loader against the in-memory loader, and its peak memory over a
+    /// large synthetic set.
+    BenchShards(shards::BenchArgs),
     /// Train the MNIST CNN on N local ranks (default 2) through ddprun.
     TrainMnist(train::Args),
     /// Train the Pima diabetes MLP on N local ranks (default 2) through ddprun.
@@ -45,6 +55,9 @@ fn main() -> Result<()> {
         Task::BenchAllreduce(args) => bench_allreduce::run(args),
         Task::BenchScaling(args) => bench_scaling::run(args),
         Task::GpuCheck(args) => gpu_check::run(args),
+        Task::MakeShards(args) => shards::make(args),
+        Task::ImportH5(args) => shards::import(args),
+        Task::BenchShards(args) => shards::bench(args),
         Task::TrainMnist(args) => train::run("train-mnist", args),
         Task::TrainPima(args) => train::run("train-pima", args),
     }
