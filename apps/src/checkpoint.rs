@@ -13,7 +13,7 @@
 //! leaves either the old checkpoint or the new one, and a stray temporary file is ignored.
 
 use std::fs::File;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
@@ -103,28 +103,58 @@ pub fn save(dir: &Path, mut meta: CheckpointMeta, model: &[u8], optim: &[u8]) ->
     Ok(path)
 }
 
-/// Reads and verifies the checkpoint at `path`. Every problem is an error naming the file.
+/// Reads and verifies the checkpoint at `path`. Every problem is an error naming the file (and
+/// the header field at fault), never a panic: lengths in the header are checked against the
+/// file's actual size before anything is sliced or allocated.
 pub fn load(path: &Path) -> Result<Checkpoint> {
-    let bytes =
-        std::fs::read(path).with_context(|| format!("reading checkpoint {}", path.display()))?;
     let name = path.display();
+    let size = std::fs::metadata(path)
+        .with_context(|| format!("reading checkpoint {name}"))?
+        .len();
+    let mut file = File::open(path).with_context(|| format!("reading checkpoint {name}"))?;
+    let mut head = [0u8; 12];
+    if size < 12 || file.read_exact(&mut head).is_err() || &head[..8] != MAGIC {
+        bail!("{name} is not a ddp-rs checkpoint (bad magic bytes)");
+    }
+    let meta_len = u64::from(u32::from_le_bytes([head[8], head[9], head[10], head[11]]));
     ensure!(
-        bytes.len() >= 12 && &bytes[..8] == MAGIC,
-        "{name} is not a ddp-rs checkpoint (bad magic bytes)"
+        meta_len <= size - 12,
+        "{name} is truncated inside its header: the header length field says {meta_len} bytes, \
+         the file holds {} after it",
+        size - 12
     );
-    let meta_len = u32::from_le_bytes(bytes[8..12].try_into()?) as usize;
+    // Reading the file now allocates only as much as it holds.
+    let mut bytes = Vec::with_capacity(size as usize);
+    bytes.extend_from_slice(&head);
+    file.read_to_end(&mut bytes)
+        .with_context(|| format!("reading checkpoint {name}"))?;
+    let meta_end = 12 + meta_len as usize;
     let meta_bytes = bytes
-        .get(12..12 + meta_len)
+        .get(12..meta_end)
         .with_context(|| format!("{name} is truncated inside its header"))?;
     let meta: CheckpointMeta = serde_json::from_slice(meta_bytes)
         .with_context(|| format!("{name}: unreadable checkpoint header"))?;
-    let body = &bytes[12 + meta_len..];
-    let expected = (meta.model_len + meta.optim_len) as usize;
-    if body.len() != expected {
+    let body = &bytes[meta_end..];
+    let payload = body.len() as u64;
+    ensure!(
+        meta.model_len <= payload,
+        "{name} is truncated or its header is wrong: header field `model_len` says {} bytes, \
+         the file holds {payload} payload bytes",
+        meta.model_len
+    );
+    ensure!(
+        meta.optim_len <= payload - meta.model_len,
+        "{name} is truncated or its header is wrong: header field `optim_len` says {} bytes, \
+         {} payload bytes remain after the model's {}",
+        meta.optim_len,
+        payload - meta.model_len,
+        meta.model_len
+    );
+    let expected = meta.model_len + meta.optim_len;
+    if payload != expected {
         bail!(
-            "{name} is truncated or padded: the header announces {expected} payload bytes, the \
-             file holds {}",
-            body.len()
+            "{name} is truncated or padded: the header announces {expected} payload bytes \
+             (`model_len` + `optim_len`), the file holds {payload}"
         );
     }
     let (model, optim) = body.split_at(meta.model_len as usize);
@@ -184,6 +214,79 @@ mod tests {
         std::fs::write(&path, b"garbage").unwrap();
         let err = load(&path).unwrap_err().to_string();
         assert!(err.contains("not a ddp-rs checkpoint"), "{err}");
+    }
+
+    /// A checkpoint file whose header is `meta` (as JSON, lengths and digest as given) followed
+    /// by `payload`.
+    fn forged(dir: &Path, meta: &CheckpointMeta, meta_len: Option<u32>, payload: &[u8]) -> PathBuf {
+        let json = serde_json::to_vec(meta).unwrap();
+        let mut bytes = MAGIC.to_vec();
+        bytes.extend_from_slice(&meta_len.unwrap_or(json.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(&json);
+        bytes.extend_from_slice(payload);
+        let path = dir.join("forged.ddpck");
+        std::fs::write(&path, bytes).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_header_that_lies_about_lengths_is_an_error_naming_file_and_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let payload = b"model-bytesoptim";
+        let honest = CheckpointMeta {
+            model_len: 11,
+            optim_len: 5,
+            sha256: digest(b"model-bytes", b"optim"),
+            ..meta()
+        };
+        let path = forged(dir.path(), &honest, None, payload);
+        assert_eq!(load(&path).unwrap().optim, b"optim");
+
+        // Lengths whose sum wraps around to the payload's size (u64::MAX + 17 = 16).
+        let wrapping = CheckpointMeta {
+            model_len: u64::MAX,
+            optim_len: 17,
+            ..honest.clone()
+        };
+        let err = load(&forged(dir.path(), &wrapping, None, payload))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("forged.ddpck") && err.contains("`model_len`"),
+            "{err}"
+        );
+
+        // A model length that fits, an optimizer length that does not.
+        let too_long = CheckpointMeta {
+            optim_len: u64::MAX - 3,
+            ..honest.clone()
+        };
+        let err = load(&forged(dir.path(), &too_long, None, payload))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("forged.ddpck") && err.contains("`optim_len`"),
+            "{err}"
+        );
+
+        // Lengths that fit but do not add up to the payload.
+        let short = CheckpointMeta {
+            optim_len: 2,
+            ..honest.clone()
+        };
+        let err = load(&forged(dir.path(), &short, None, payload))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("truncated or padded"), "{err}");
+
+        // A header length field far beyond the file (4 GiB - 1): an error, not an allocation.
+        let err = load(&forged(dir.path(), &honest, Some(u32::MAX), payload))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("forged.ddpck") && err.contains("header length field"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -361,7 +361,7 @@ where
     } else {
         (samples_done * world as u64) as f64 / train_time.as_secs_f64()
     };
-    let flat = ddp::flatten_params::<B, M>(&model);
+    let flat = ddp::flatten_params::<B, M>(&model)?;
     summary.params_hash = format!("{:016x}", fnv1a_f32(&flat));
     if let (Some(path), 0) = (&cfg.export, rank) {
         ddp_models::export_safetensors::<B, M>(&model, path)
@@ -456,20 +456,17 @@ fn peak_rss_mib() -> f64 {
     usage.ru_maxrss as f64 / 1024.0
 }
 
-/// A seed for (seed, epoch, rank): splitmix64 of the three.
+/// A seed for (seed, epoch, rank): splitmix64's mixer of the three.
 fn mix(seed: u64, epoch: u64, rank: u64) -> u64 {
-    let mut z =
-        seed ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ rank.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    ddp_data::sampler::splitmix64(
+        seed ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ rank.wrapping_mul(0xbf58_476d_1ce4_e5b9),
+    )
 }
 
+/// FNV-1a of the values' little-endian bytes.
 fn fnv1a_f32(values: &[f32]) -> u64 {
-    values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-        v.to_bits().to_le_bytes().iter().fold(h, |h, b| {
-            (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
-        })
+    values.iter().fold(ddp_comm::bytes::FNV1A_OFFSET, |h, v| {
+        ddp_comm::bytes::fnv1a_from(h, &v.to_le_bytes())
     })
 }
 

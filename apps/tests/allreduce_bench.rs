@@ -1,12 +1,13 @@
 //! `ddp-allreduce-bench` under `ddprun`, end to end: two real ranks, small sizes, checked
 //! results and the JSON that `cargo xtask bench-allreduce` reads.
 
-use std::io::Read;
-use std::process::{Command, Stdio};
-use std::thread;
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-/// Runs the bench over `nproc` ranks with the extra `env`, failing the test past 60 s.
+mod common;
+use common::output_with_deadline;
+
+/// Runs the bench over `nproc` ranks with the extra `env`, failing the test past 120 s.
 fn bench(nproc: usize, env: &[(&str, &str)], json: &std::path::Path) -> (bool, String) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
     command.args([
@@ -27,54 +28,10 @@ fn bench(nproc: usize, env: &[(&str, &str)], json: &std::path::Path) -> (bool, S
         "--json",
     ]);
     command.arg(json).envs(env.iter().copied());
-    let output = command
-        .stdin(Stdio::null())
-        .output_with_deadline(Duration::from_secs(60));
+    let output = output_with_deadline(&mut command, Duration::from_secs(120));
     let text = String::from_utf8_lossy(&output.stdout).into_owned()
         + &String::from_utf8_lossy(&output.stderr);
     (output.status.success(), text)
-}
-
-trait OutputWithDeadline {
-    fn output_with_deadline(&mut self, deadline: Duration) -> std::process::Output;
-}
-
-impl OutputWithDeadline for Command {
-    /// Like `output`, but kills the process and panics past `deadline`.
-    fn output_with_deadline(&mut self, deadline: Duration) -> std::process::Output {
-        let mut child = self
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let collect = |mut source: Box<dyn Read + Send>| {
-            thread::spawn(move || {
-                let mut bytes = Vec::new();
-                source.read_to_end(&mut bytes).unwrap();
-                bytes
-            })
-        };
-        let stdout = collect(Box::new(child.stdout.take().unwrap()));
-        let stderr = collect(Box::new(child.stderr.take().unwrap()));
-        let started = Instant::now();
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if started.elapsed() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("did not finish within {deadline:?}");
-            }
-            thread::sleep(Duration::from_millis(10));
-        };
-        let (stdout, stderr) = (stdout.join().unwrap(), stderr.join().unwrap());
-        std::process::Output {
-            status,
-            stdout,
-            stderr,
-        }
-    }
 }
 
 fn results(json: &std::path::Path) -> serde_json::Value {
@@ -155,9 +112,7 @@ fn bench_refuses_a_size_that_is_not_whole_floats() {
     command
         .arg(env!("CARGO_BIN_EXE_ddp-allreduce-bench"))
         .args(["--sizes", "6"]);
-    let output = command
-        .current_dir(dir.path())
-        .output_with_deadline(Duration::from_secs(60));
+    let output = output_with_deadline(command.current_dir(dir.path()), Duration::from_secs(120));
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(

@@ -3,6 +3,18 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::time::Duration;
+
+mod common;
+
+/// The longest one trainer run in these tests may take on a loaded 2-core machine (a deadline
+/// against hangs, not a speed check: speed is measured by the benches).
+const DEADLINE: Duration = Duration::from_secs(900);
+
+/// Runs `command` under guard (killed past [`DEADLINE`] or if the test panics).
+fn run(command: &mut Command) -> Output {
+    common::output_with_deadline(command, DEADLINE)
+}
 
 use serde_json::Value;
 
@@ -12,15 +24,13 @@ fn mnist_dir() -> PathBuf {
 
 /// Runs `train-mnist ARGS` on `nproc` ranks through ddprun.
 fn ddprun_mnist(nproc: usize, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ddprun"))
+    run(Command::new(env!("CARGO_BIN_EXE_ddprun"))
         .args(["--nproc-per-node", &nproc.to_string(), "--"])
         .arg(env!("CARGO_BIN_EXE_train-mnist"))
         .arg("--data-dir")
         .arg(mnist_dir())
         .args(["--threads", "1", "--json"])
-        .args(args)
-        .output()
-        .expect("running ddprun")
+        .args(args))
 }
 
 fn text(out: &Output) -> String {
@@ -160,10 +170,8 @@ fn config_file_values_apply_and_flags_override_them() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("run.toml");
     std::fs::write(&config, "model-is-not-a-key = 1\n").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_train-mnist"))
-        .args(["--config", config.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let out = run(Command::new(env!("CARGO_BIN_EXE_train-mnist"))
+        .args(["--config", config.to_str().unwrap()]));
     assert!(!out.status.success());
     assert!(text(&out).contains("run.toml"), "{}", text(&out));
 
@@ -172,12 +180,10 @@ fn config_file_values_apply_and_flags_override_them() {
         "epochs = 1\nbatch-size = 100\ntrain-samples = 400\ntest-samples = 100\nmax-steps = 3\n",
     )
     .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_train-mnist"))
+    let out = run(Command::new(env!("CARGO_BIN_EXE_train-mnist"))
         .args(["--model", "mlp", "--config", config.to_str().unwrap()])
         .args(["--max-steps", "2", "--json", "--data-dir"])
-        .arg(mnist_dir())
-        .output()
-        .unwrap();
+        .arg(mnist_dir()));
     let s = summary(&out);
     assert_eq!(s["steps"], 2, "the flag overrides the file's max-steps");
     assert_eq!(s["test_total"], 100, "the file's test-samples applies");
@@ -201,11 +207,9 @@ fn a_corrupt_data_file_is_an_error_naming_it() {
         &labels[..labels.len() / 2],
     )
     .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_train-mnist"))
+    let out = run(Command::new(env!("CARGO_BIN_EXE_train-mnist"))
         .arg("--data-dir")
-        .arg(dir.path())
-        .output()
-        .unwrap();
+        .arg(dir.path()));
     assert!(!out.status.success());
     let all = text(&out);
     assert!(all.contains("train-labels-idx1-ubyte.gz"), "{all}");

@@ -212,6 +212,16 @@ pub fn permutation(len: usize, seed: u64, epoch: u64) -> Vec<usize> {
     order
 }
 
+/// splitmix64's output function (Steele, Lea and Flood, 2014): a bijective 64-bit mixer whose
+/// output bits each depend on every input bit. The workspace's one copy: the sampler's
+/// generator below steps its state by the golden-ratio constant and returns this of it, and
+/// the trainers derive per-(seed, epoch, rank) seeds with it.
+pub fn splitmix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 /// splitmix64 (Steele, Lea and Flood, 2014): a tiny generator of good quality for shuffling.
 #[derive(Debug, Clone)]
 pub(crate) struct SplitMix64(u64);
@@ -226,10 +236,7 @@ impl SplitMix64 {
 
     pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        splitmix64(self.0)
     }
 
     /// A uniform integer in `0..n` (`n > 0`), without modulo bias.

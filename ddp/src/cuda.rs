@@ -19,7 +19,8 @@
 //! 3. **Unpack** after [`ddp_comm::nccl::NcclWork::wait`] (the host waits for NCCL's stream, so
 //!    burn's later kernels see the reduced values): the presence slots are read to the host (one
 //!    value per parameter), and each present gradient is a slice of the flat tensor divided by
-//!    world size times micro-steps, reshaped and registered again.
+//!    the world size (micro-steps are summed, as PyTorch's `no_sync`), reshaped and registered
+//!    again. Presence slots that cannot be read are an error naming the bucket's parameters.
 //!
 //! burn and cudarc share the device's primary context (cubecl-cuda `runtime.rs:90` retains it,
 //! as does cudarc's `CudaContext::new`), so the pointer is valid in NCCL's context.
@@ -41,7 +42,7 @@ use ddp_comm::nccl::{NcclGroup, NcclWork};
 use ddp_comm::{DType, ProcessGroup, ReduceOp};
 
 use super::{Compression, DistributedDataParallel};
-use crate::params::{put_grad_tensor, take_grad_tensor};
+use crate::params::{put_grad_tensor, take_grad_tensor, to_f32};
 use crate::DdpError;
 
 /// The float primitive of burn's CUDA backend (without fusion).
@@ -92,7 +93,10 @@ impl<B: AutodiffBackend> DevicePath<B> {
 
 impl<B: AutodiffBackend> DistributedDataParallel<B> {
     /// [`accumulate`](Self::accumulate) on the device path.
-    pub(super) fn accumulate_on_device(&mut self, mut grads: GradientsParams) {
+    pub(super) fn accumulate_on_device(
+        &mut self,
+        mut grads: GradientsParams,
+    ) -> Result<(), DdpError> {
         let start = Instant::now();
         for b in 0..self.buckets.len() {
             let flat = self.pack_on_device(b, &mut grads);
@@ -102,6 +106,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         }
         self.micro_steps += 1;
         self.stats.pack += start.elapsed();
+        self.check_no_unknown_grads(&grads)
     }
 
     /// [`sync`](Self::sync) on the device path (world size above 1).
@@ -127,9 +132,10 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         }
         self.stats.pack += pack_start.elapsed();
 
-        let denom = (self.pg.world_size() * (self.micro_steps + 1)) as f32;
+        // Micro-steps are summed (PyTorch's no_sync); only ranks are averaged.
+        let denom = self.pg.world_size() as f32;
         self.micro_steps = 0;
-        let mut first_error = None;
+        let mut first_error = self.check_no_unknown_grads(&grads).err();
         for (b, work) in in_flight.into_iter().enumerate() {
             let wait_start = Instant::now();
             let result = work.and_then(|w| w.wait().map_err(DdpError::from));
@@ -137,7 +143,9 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
             match result {
                 Ok((flat, _resource)) => {
                     let unpack_start = Instant::now();
-                    self.unpack_on_device(b, flat, &mut grads, denom);
+                    if let Err(e) = self.unpack_on_device(b, flat, &mut grads, denom) {
+                        first_error.get_or_insert(e);
+                    }
                     self.stats.unpack += unpack_start.elapsed();
                 }
                 // Keep waiting for the rest so that no buffer is left in NCCL's hands.
@@ -252,27 +260,35 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         flat: Tensor<B::InnerBackend, 1>,
         grads: &mut GradientsParams,
         denom: f32,
-    ) {
+    ) -> Result<(), DdpError> {
         let bucket = &self.buckets[b];
         let flat = if flat.dtype() == burn::tensor::DType::F32 {
             flat
         } else {
             flat.cast(FloatDType::F32)
         };
-        let presence = flat
-            .clone()
-            .narrow(0, bucket.grad_len, bucket.params.len())
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .unwrap_or_default();
+        let names = bucket
+            .params
+            .iter()
+            .map(|&p| self.params[p].name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ");
+        let presence = to_f32(
+            flat.clone()
+                .narrow(0, bucket.grad_len, bucket.params.len())
+                .into_data(),
+            &names,
+            "presence slots",
+            bucket.params.len(),
+        )?;
         for (slot, (&p, &off)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
-            if presence.get(slot).is_none_or(|&x| x == 0.0) {
+            if presence[slot] == 0.0 {
                 continue; // no rank produced a gradient for this parameter
             }
             let info = &self.params[p];
             let g = flat.clone().narrow(0, off, info.numel()).div_scalar(denom);
             put_grad_tensor::<B>(grads, info, g);
         }
+        Ok(())
     }
 }

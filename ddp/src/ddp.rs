@@ -11,12 +11,21 @@
 //!    gradients into one flat buffer, appends one "presence" slot per parameter, and submits the
 //!    buffer's all-reduce to the process group's communication thread at once. Packing bucket
 //!    k+1 thus overlaps the all-reduce of bucket k.
-//! 3. It then waits for the buckets in submission order; unpacking bucket k (dividing by world
-//!    size times accumulated micro-steps, building tensors) overlaps the all-reduce of the
-//!    buckets after it.
+//! 3. It then waits for the buckets in submission order; unpacking bucket k (dividing by the
+//!    world size, building tensors) overlaps the all-reduce of the buckets after it.
 //! 4. A parameter that got no gradient on this rank contributes zeros and a presence of 0; it
 //!    gets the averaged gradient back if any rank produced one, and stays absent otherwise, so
 //!    the optimizer sees the same gradient set on every rank.
+//!
+//! Before that, `sync` checks that the module still holds the parameters (burn ids) the wrapper
+//! was created with, and broadcasts the module's buffers (float tensors that require no
+//! gradient: `BatchNorm`'s running statistics, frozen parameters) from rank 0, like PyTorch's
+//! `broadcast_buffers=True`; buffers never travel as gradients.
+//!
+//! Gradient accumulation follows PyTorch's `no_sync`: [`DistributedDataParallel::accumulate`]
+//! adds micro-step gradients locally, and the next `sync` returns their **sum** averaged over
+//! ranks. Divide the loss by the number of micro-steps to get the gradient of the mean over all
+//! their samples.
 //!
 //! burn 0.21's autodiff offers no public hook that fires when one parameter's gradient is ready
 //! during backward (see docs/burn-notes.md), so communication starts after backward returns and
@@ -36,9 +45,11 @@ use burn::tensor::Tensor;
 use ddp_comm::{ProcessGroup, ReduceOp, Work};
 use half::{bf16, f16};
 
+use ddp_comm::bytes::fnv1a;
+
 use crate::params::{
-    check_ranks, flatten_params, fnv1a, load_flat_params, param_infos, put_grad, take_grad,
-    ParamInfo,
+    check_ranks, flatten_params, flatten_where, load_flat_params, load_where, param_ids,
+    param_infos, put_grad, take_grad, ParamInfo,
 };
 use crate::DdpError;
 
@@ -74,7 +85,8 @@ pub struct DdpConfig {
     /// Element type on the wire for gradients.
     pub compression: Compression,
     /// When `Some(k)`, every k-th call of [`DistributedDataParallel::sync`] first checks that all
-    /// replicas hold bit-identical parameters and fails naming the first rank that diverged.
+    /// replicas hold bit-identical trainable parameters, and fails naming the ranks that
+    /// diverged (see [`DistributedDataParallel::check_replicas`]).
     pub check_replicas_every: Option<u64>,
 }
 
@@ -151,6 +163,8 @@ enum InFlight {
 pub struct DistributedDataParallel<B: AutodiffBackend> {
     pg: Arc<ProcessGroup>,
     params: Vec<ParamInfo>,
+    /// Whether some float tensor is a buffer (requires no gradient).
+    has_buffers: bool,
     buckets: Vec<Bucket>,
     /// One accumulation buffer per bucket, reused across steps.
     buffers: Vec<Vec<f32>>,
@@ -166,9 +180,12 @@ pub struct DistributedDataParallel<B: AutodiffBackend> {
 }
 
 impl<B: AutodiffBackend> DistributedDataParallel<B> {
-    /// Checks that every rank has the same parameter list (names, shapes, dtypes), then
-    /// broadcasts rank 0's parameter values so that all replicas start identical, and returns
-    /// the (possibly overwritten) module with the wrapper.
+    /// Checks that every rank has the same parameter list (names, shapes, dtypes, which are
+    /// buffers), then broadcasts rank 0's parameter and buffer values so that all replicas start
+    /// identical, and returns the (possibly overwritten) module with the wrapper.
+    ///
+    /// Load any record (`load_record`) before wrapping: burn gives loaded parameters new ids,
+    /// and [`sync`](Self::sync) fails on a module whose ids are not the ones seen here.
     ///
     /// Every rank of `pg` must call this at the same point. A mismatch fails on every rank,
     /// naming the first rank that differs from rank 0 and the first differing parameter.
@@ -194,12 +211,15 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
 
         let mut model = model;
         if pg.world_size() > 1 {
-            let flat = pg.broadcast(flatten_params::<B, M>(&model), 0)?;
+            // Merge any pending RunningState update into its value before reading it.
+            drop(model.valid());
+            let flat = pg.broadcast(flatten_params::<B, M>(&model)?, 0)?;
             if pg.rank() != 0 {
-                model = load_flat_params::<B, M>(model, &flat);
+                model = load_flat_params::<B, M>(model, &flat)?;
             }
         }
 
+        let has_buffers = params.iter().any(|p| !p.trainable);
         let buckets = plan_buckets(&params, &config);
         let buffers = buckets.iter().map(|b| vec![0.0; b.len()]).collect();
         let device = model.devices().into_iter().next().unwrap_or_default();
@@ -208,6 +228,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         let ddp = Self {
             pg,
             params,
+            has_buffers,
             buckets,
             buffers,
             micro_steps: 0,
@@ -226,7 +247,8 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         &self.pg
     }
 
-    /// The parameter list every rank agreed on, in visiting order.
+    /// The parameter list every rank agreed on, in visiting order, buffers included
+    /// ([`ParamInfo::trainable`] tells them apart).
     pub fn params(&self) -> &[ParamInfo] {
         &self.params
     }
@@ -277,38 +299,56 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         self.sync(model, grads)
     }
 
-    /// Gradient accumulation without communication (PyTorch's `no_sync`): adds this
-    /// micro-step's gradients to local buffers. The next [`sync`](Self::sync) all-reduces the
-    /// sum of all accumulated micro-steps once.
-    pub fn accumulate(&mut self, mut grads: GradientsParams) {
+    /// Gradient accumulation without communication (PyTorch's `with model.no_sync():`): adds
+    /// this micro-step's gradients to local buffers. The next [`sync`](Self::sync) adds its own
+    /// gradients, all-reduces the **sum** of the micro-steps once and divides by the world size
+    /// only, as PyTorch does: to train on the mean over all k micro-batches, divide each
+    /// micro-step's loss by k, as in PyTorch.
+    ///
+    /// A gradient that cannot be read as `f32` is an error naming the parameter; so are
+    /// gradients for parameters the wrapper does not know (the module's parameters were
+    /// replaced after wrapping, e.g. by `load_record`). After an error the accumulated
+    /// gradients are unspecified: start the step again with a new wrapper.
+    pub fn accumulate(&mut self, mut grads: GradientsParams) -> Result<(), DdpError> {
         #[cfg(feature = "cuda")]
         if self.device_path.is_some() {
             return self.accumulate_on_device(grads);
         }
         let start = Instant::now();
         for b in 0..self.buckets.len() {
-            self.pack(b, &mut grads);
+            self.pack(b, &mut grads)?;
         }
         self.micro_steps += 1;
         self.stats.pack += start.elapsed();
+        self.check_no_unknown_grads(&grads)
     }
 
     /// Averages gradients across ranks: adds `grads` to anything accumulated since the last
-    /// sync, all-reduces bucket by bucket, and returns gradients equal to the mean over ranks
-    /// and over accumulated micro-steps, ready for `optim.step`. With mean-reduced losses,
-    /// k micro-steps of batch b on N ranks thus take the same step as one process with batch
-    /// k·N·b over the same samples.
+    /// sync (a sum, as PyTorch's `no_sync`), all-reduces bucket by bucket, and returns the sum
+    /// over micro-steps averaged over ranks, ready for `optim.step`. With mean-reduced losses
+    /// and no accumulation, N ranks with batch b take the same step as one process with batch
+    /// N·b over the same samples; with k micro-steps whose losses are divided by k, the same
+    /// as one process with batch k·N·b.
+    ///
+    /// Before the gradients, it checks that `model` still holds the parameters the wrapper
+    /// was created with ([`DdpError::ParamsChanged`] otherwise) and broadcasts the module's
+    /// buffers (`BatchNorm` running statistics, frozen parameters) from rank 0, so that every
+    /// replica continues with rank 0's. Buffers are overwritten in place through `&M`, which
+    /// works for burn's `RunningState` (its value is shared between clones of the module); a
+    /// `Param` without gradient that differs from rank 0's is [`DdpError::BufferNotShared`].
     pub fn sync<M: AutodiffModule<B>>(
         &mut self,
         model: &M,
         mut grads: GradientsParams,
     ) -> Result<GradientsParams, DdpError> {
-        self.syncs += 1;
+        self.check_same_params(model)?;
+        self.broadcast_buffers(model)?;
         if let Some(every) = self.config.check_replicas_every {
-            if self.syncs.is_multiple_of(every) {
+            if (self.syncs + 1).is_multiple_of(every) {
                 self.check_replicas(model)?;
             }
         }
+        self.syncs += 1;
 
         if self.pg.world_size() == 1 && self.micro_steps == 0 {
             // Averaging over one rank and one micro-step is the identity: skip the copies.
@@ -321,16 +361,24 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         }
         let pack_start = Instant::now();
         let mut in_flight = Vec::with_capacity(self.buckets.len());
+        let mut first_error = None;
         for b in 0..self.buckets.len() {
-            self.pack(b, &mut grads);
+            // On an error, still submit every bucket so that the collectives line up with the
+            // other ranks'; the error is returned once they are done.
+            if let Err(e) = self.pack(b, &mut grads) {
+                first_error.get_or_insert(e);
+            }
             in_flight.push(self.submit(b));
+        }
+        if let Err(e) = self.check_no_unknown_grads(&grads) {
+            first_error.get_or_insert(e);
         }
         self.stats.pack += pack_start.elapsed();
 
-        // This step counts as one more micro-step; the buffers start afresh next time.
-        let denom = (self.pg.world_size() * (self.micro_steps + 1)) as f32;
+        // Micro-steps are summed (PyTorch's no_sync); only ranks are averaged. The buffers
+        // start afresh next time.
+        let denom = self.pg.world_size() as f32;
         self.micro_steps = 0;
-        let mut first_error = None;
         for (b, work) in in_flight.into_iter().enumerate() {
             let wait_start = Instant::now();
             let result = self.complete(b, work);
@@ -351,31 +399,118 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         Ok(grads)
     }
 
-    /// Checks that every replica holds bit-identical parameters: a hash of each rank's
-    /// parameters is all-gathered and compared. Fails naming the first rank that differs from
-    /// the majority. Every rank must call it at the same point.
+    /// Checks that every replica holds bit-identical trainable parameters: a hash of each
+    /// rank's parameters is all-gathered and compared. Every rank must call it at the same
+    /// point.
+    ///
+    /// On a difference it fails on every rank with [`DdpError::ReplicaDiverged`]: when a strict
+    /// majority of ranks agree, it names the ranks outside the majority (rank 0 included if it
+    /// is one of them); otherwise (two ranks, or a tie) it cannot tell which replica is wrong
+    /// and names the ranks whose parameters differ from rank 0's, saying so.
+    ///
+    /// Buffers (`BatchNorm` running statistics) are not compared: each rank updates them from
+    /// its own batch during the forward pass, and [`sync`](Self::sync) makes them equal by
+    /// broadcasting rank 0's.
     pub fn check_replicas<M: AutodiffModule<B>>(&self, model: &M) -> Result<(), DdpError> {
-        let flat = flatten_params::<B, M>(model);
+        let flat = flatten_where::<B, M>(model, |trainable| trainable)?;
         let hash = fnv1a(bytemuck::cast_slice(&flat)) as i64;
         let all = self.pg.all_gather(vec![hash])?;
-        let majority = *all
-            .iter()
-            .max_by_key(|h| all.iter().filter(|x| x == h).count())
-            .unwrap_or(&hash);
-        match all.iter().position(|h| *h != majority) {
+        match diverged_ranks(&all) {
             None => Ok(()),
-            Some(rank) => Err(DdpError::ReplicaDiverged {
-                rank,
+            Some((ranks, against_majority)) => Err(DdpError::ReplicaDiverged {
                 sync: self.syncs,
-                differing: all.iter().filter(|h| **h != majority).count(),
+                ranks,
                 world: all.len(),
+                against_majority,
             }),
         }
     }
 
+    /// Fails when `model`'s float tensors are not (by burn id) the ones the wrapper was created
+    /// with, naming the first that changed.
+    fn check_same_params<M: AutodiffModule<B>>(&self, model: &M) -> Result<(), DdpError> {
+        let ids = param_ids::<B, M>(model);
+        if let Some(i) = (0..self.params.len()).find(|&i| ids.get(i) != Some(&self.params[i].id)) {
+            return Err(DdpError::ParamsChanged {
+                name: self.params[i].name.clone(),
+                detail: if ids.len() == self.params.len() {
+                    "its burn ParamId changed".into()
+                } else {
+                    format!(
+                        "the module has {} float tensors, the wrapper {}",
+                        ids.len(),
+                        self.params.len()
+                    )
+                },
+            });
+        }
+        if ids.len() != self.params.len() {
+            return Err(DdpError::ParamsChanged {
+                name: "?".into(),
+                detail: format!(
+                    "the module has {} float tensors, the wrapper {}",
+                    ids.len(),
+                    self.params.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Fails when `grads` still holds gradients after every known parameter's was taken: they
+    /// belong to parameters the wrapper does not know (ids changed after wrapping).
+    fn check_no_unknown_grads(&self, grads: &GradientsParams) -> Result<(), DdpError> {
+        if grads.is_empty() {
+            return Ok(());
+        }
+        Err(DdpError::ParamsChanged {
+            name: "?".into(),
+            detail: format!(
+                "{} gradients belong to parameters with ids the wrapper does not know",
+                grads.len()
+            ),
+        })
+    }
+
+    /// Overwrites the module's buffers with rank 0's (PyTorch's `broadcast_buffers=True`).
+    /// A collective: every rank calls it from `sync`.
+    fn broadcast_buffers<M: AutodiffModule<B>>(&self, model: &M) -> Result<(), DdpError> {
+        if self.pg.world_size() == 1 || !self.has_buffers {
+            return Ok(());
+        }
+        // burn's RunningState keeps the forward pass's update pending per thread until it is
+        // synchronised, and visitors see the value before it; `valid` synchronises it (in
+        // place: the state is shared between clones).
+        drop(model.valid());
+        let buffers = |trainable: bool| !trainable;
+        let local = flatten_where::<B, M>(model, buffers)?;
+        let shared = self.pg.broadcast(local.clone(), 0)?;
+        if self.pg.rank() == 0 || same_bits(&local, &shared) {
+            return Ok(());
+        }
+        // Mapping a clone writes through to `model`'s RunningStates (their value is shared).
+        drop(load_where::<B, M>(model.clone(), &shared, buffers)?);
+        let now = flatten_where::<B, M>(model, buffers)?;
+        if same_bits(&now, &shared) {
+            return Ok(());
+        }
+        // Name the first buffer that did not take rank 0's values.
+        let mut offset = 0;
+        for info in self.params.iter().filter(|p| !p.trainable) {
+            let range = offset..offset + info.numel();
+            offset = range.end;
+            if !same_bits(&now[range.clone()], &shared[range]) {
+                return Err(DdpError::BufferNotShared {
+                    name: info.name.clone(),
+                });
+            }
+        }
+        Err(DdpError::BufferNotShared { name: "?".into() })
+    }
+
     /// Adds the gradients of bucket `b` (and their presence) into its buffer; on the first
     /// micro-step since the last sync the buffer is overwritten instead.
-    fn pack(&mut self, b: usize, grads: &mut GradientsParams) {
+    fn pack(&mut self, b: usize, grads: &mut GradientsParams) -> Result<(), DdpError> {
         let bucket = &self.buckets[b];
         let buf = &mut self.buffers[b];
         let fresh = self.micro_steps == 0;
@@ -384,7 +519,8 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         }
         for (slot, (&p, &off)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
             let info = &self.params[p];
-            if let Some(g) = take_grad::<B>(grads, info) {
+            if let Some(g) = take_grad::<B>(grads, info)? {
+                // take_grad checked that `g` holds exactly `info.numel()` values.
                 let dst = &mut buf[off..off + g.len()];
                 if fresh {
                     dst.copy_from_slice(&g);
@@ -394,6 +530,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
                 buf[bucket.grad_len + slot] += 1.0;
             }
         }
+        Ok(())
     }
 
     /// Submits the all-reduce of bucket `b`'s buffer.
@@ -462,8 +599,37 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     }
 }
 
-/// Buckets in reverse parameter order: the first holds up to `first_bucket_mb`, the others up
-/// to `bucket_cap_mb`; a parameter larger than a bucket gets a bucket of its own.
+/// Whether two slices hold the same values bit for bit.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// Which ranks' hashes differ, given every rank's: `None` when all agree; otherwise the ranks
+/// outside a strict majority (`true`), or, when no strict majority exists, the ranks that
+/// differ from rank 0 (`false`: with two ranks, or a tie, nobody can tell which is wrong).
+fn diverged_ranks(hashes: &[i64]) -> Option<(Vec<usize>, bool)> {
+    let first = *hashes.first()?;
+    if hashes.iter().all(|h| *h == first) {
+        return None;
+    }
+    let count = |v: i64| hashes.iter().filter(|h| **h == v).count();
+    let majority = hashes
+        .iter()
+        .copied()
+        .find(|h| 2 * count(*h) > hashes.len());
+    let (reference, against_majority) = match majority {
+        Some(m) => (m, true),
+        None => (first, false),
+    };
+    let ranks = (0..hashes.len())
+        .filter(|&r| hashes[r] != reference)
+        .collect();
+    Some((ranks, against_majority))
+}
+
+/// Buckets of the trainable parameters in reverse parameter order: the first holds up to
+/// `first_bucket_mb`, the others up to `bucket_cap_mb`; a parameter larger than a bucket gets
+/// a bucket of its own. Buffers get no bucket: they are broadcast, not averaged.
 fn plan_buckets(params: &[ParamInfo], config: &DdpConfig) -> Vec<Bucket> {
     let mut buckets: Vec<Bucket> = Vec::new();
     let mut current = Bucket {
@@ -472,6 +638,9 @@ fn plan_buckets(params: &[ParamInfo], config: &DdpConfig) -> Vec<Bucket> {
         grad_len: 0,
     };
     for (i, info) in params.iter().enumerate().rev() {
+        if !info.trainable {
+            continue;
+        }
         let cap_mb = if buckets.is_empty() {
             config.first_bucket_mb
         } else {
@@ -556,7 +725,32 @@ mod tests {
             id: burn::module::ParamId::new(),
             shape: vec![numel],
             dtype: "F32".into(),
+            trainable: true,
         }
+    }
+
+    #[test]
+    fn diverged_ranks_blames_a_majority_only_when_there_is_one() {
+        assert_eq!(diverged_ranks(&[1, 1, 1]), None);
+        // Two ranks: no majority, so rank 1 is named as differing from rank 0, not blamed.
+        assert_eq!(diverged_ranks(&[1, 2]), Some((vec![1], false)));
+        // Rank 0 is the odd one out of three: the majority names it.
+        assert_eq!(diverged_ranks(&[2, 1, 1]), Some((vec![0], true)));
+        assert_eq!(diverged_ranks(&[1, 1, 2]), Some((vec![2], true)));
+        // A 2-2 tie: no majority.
+        assert_eq!(diverged_ranks(&[1, 2, 1, 2]), Some((vec![1, 3], false)));
+        // All different: no majority.
+        assert_eq!(diverged_ranks(&[1, 2, 3]), Some((vec![1, 2], false)));
+    }
+
+    #[test]
+    fn buffers_get_no_bucket() {
+        let mut buffer = info("running_mean", 4);
+        buffer.trainable = false;
+        let params = vec![info("w", 4), buffer, info("b", 2)];
+        let buckets = plan_buckets(&params, &DdpConfig::default());
+        assert_eq!(buckets.len(), 1);
+        assert_eq!(buckets[0].params, vec![2, 0]);
     }
 
     #[test]

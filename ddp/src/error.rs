@@ -11,20 +11,19 @@ pub enum DdpError {
     /// rank 0 and the first differing parameter.
     #[error("parameter lists differ across ranks: {0}")]
     ParamMismatch(String),
-    /// The replicas no longer hold identical parameters.
-    #[error(
-        "replicas diverged (checked before sync #{sync}): rank {rank} holds different parameters \
-         from the majority ({differing} of {world} ranks differ)"
-    )]
+    /// The replicas no longer hold identical trainable parameters.
+    #[error("{}", diverged_message(*sync, ranks, *world, *against_majority))]
     ReplicaDiverged {
-        /// The first (lowest) rank whose parameters differ from the majority.
-        rank: usize,
-        /// The number of the sync call at which the check ran.
+        /// How many syncs had completed when the check ran.
         sync: u64,
-        /// How many ranks differ from the majority.
-        differing: usize,
+        /// The ranks whose parameters differ from the reference: from the majority when a
+        /// strict majority of ranks agree, otherwise from rank 0 (with no majority, which
+        /// replica is wrong cannot be told; rank 0 is only the point of comparison).
+        ranks: Vec<usize>,
         /// The world size.
         world: usize,
+        /// Whether `ranks` differ from a strict majority (`true`) or only from rank 0.
+        against_majority: bool,
     },
     /// A parameter the wrapper cannot handle.
     #[error("parameter `{name}` is not supported: {reason}")]
@@ -34,7 +33,65 @@ pub enum DdpError {
         /// Why.
         reason: String,
     },
-    /// An invalid setting.
+    /// A gradient (or a parameter's values) could not be read as `f32`.
+    #[error("cannot read the {what} of parameter `{name}` as f32: {reason}")]
+    Conversion {
+        /// The parameter's name.
+        name: String,
+        /// What was being read: `gradient`, `values`, `presence slots`.
+        what: &'static str,
+        /// burn's description of the problem.
+        reason: String,
+    },
+    /// The module's parameters are no longer the ones the wrapper was created with: burn gives
+    /// every parameter an id, and `load_record` (or rebuilding the module) replaces them, so the
+    /// gradients of the new ids would silently not be averaged.
+    #[error(
+        "parameter `{name}` is not the one this DistributedDataParallel was created with ({detail}); \
+         burn's `load_record` and rebuilding a module give parameters new ids: load the record \
+         before wrapping the model, or create a new DistributedDataParallel after loading it"
+    )]
+    ParamsChanged {
+        /// The first parameter whose id changed (or `?` when only the gradients tell).
+        name: String,
+        /// What differs.
+        detail: String,
+    },
+    /// A module buffer (a float tensor without gradient) could not be overwritten with rank 0's
+    /// values through the shared reference [`crate::DistributedDataParallel::sync`] receives.
+    #[error(
+        "buffer `{name}` differs from rank 0's and cannot be updated in place: only burn's \
+         `RunningState` (BatchNorm's running statistics) shares its value between clones; a \
+         `Param` without gradient must stay equal on every rank"
+    )]
+    BufferNotShared {
+        /// The buffer's name.
+        name: String,
+    },
+    /// An invalid setting, or a buffer of the wrong length.
     #[error("invalid DDP configuration: {0}")]
     Config(String),
+}
+
+/// The text of [`DdpError::ReplicaDiverged`].
+fn diverged_message(sync: u64, ranks: &[usize], world: usize, against_majority: bool) -> String {
+    let when = format!("checked after {sync} completed syncs");
+    let list = ranks
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if against_majority {
+        format!(
+            "replicas diverged ({when}): rank(s) {list} hold different parameters from the \
+             majority ({} of {world} ranks differ)",
+            ranks.len()
+        )
+    } else {
+        format!(
+            "replicas diverged ({when}): rank(s) {list} hold different parameters from rank 0, \
+             and no majority of the {world} ranks agrees, so which replica is wrong cannot be \
+             told"
+        )
+    }
 }

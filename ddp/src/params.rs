@@ -1,10 +1,18 @@
-//! Parameter bookkeeping: the fixed list of a module's float parameters (name, id, shape) in
-//! burn's visiting order, moving gradients between burn's `GradientsParams` and flat `f32`
-//! slices, and reading or overwriting parameter values as flat `f32`.
+//! Parameter bookkeeping: the fixed list of a module's float tensors (name, id, shape, whether
+//! trained by gradients) in burn's visiting order, moving gradients between burn's
+//! `GradientsParams` and flat `f32` slices, and reading or overwriting values as flat `f32`.
 //!
 //! burn's tensors carry their rank `D` as a const generic, while a parameter list is only known
 //! at run time; [`with_rank!`] turns the recorded rank back into a const generic (ranks 1 to 6,
 //! which covers every layer burn ships).
+//!
+//! **Buffers.** burn has no separate notion of a buffer: `BatchNorm`'s `running_mean` and
+//! `running_var` are `RunningState<Tensor>`s, which burn 0.21 hands to `ModuleVisitor` and
+//! `ModuleMapper` as float `Param`s (`Param::initialized(id, value)`, burn-core
+//! `module/param/running.rs`) whose tensor does not require a gradient. The list therefore
+//! marks every float tensor that does not require a gradient as not [`ParamInfo::trainable`]:
+//! running statistics and frozen parameters. Those never travel as gradients; the wrapper
+//! broadcasts them from rank 0 instead, as PyTorch's `broadcast_buffers=True` does.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -13,7 +21,7 @@ use burn::tensor::{Tensor, TensorData};
 
 use crate::DdpError;
 
-/// One float parameter of a module, as every rank must see it.
+/// One float tensor of a module, as every rank must see it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParamInfo {
     /// The module path, dot separated like PyTorch's `state_dict` keys (`conv1.weight`).
@@ -24,6 +32,10 @@ pub struct ParamInfo {
     pub shape: Vec<usize>,
     /// burn's element type of the parameter, as text (`F32`).
     pub dtype: String,
+    /// Whether it requires a gradient. `false` for buffers: burn's `RunningState`
+    /// (`BatchNorm`'s running statistics) and frozen parameters, which are broadcast from rank
+    /// 0 at every sync instead of being averaged.
+    pub trainable: bool,
 }
 
 impl ParamInfo {
@@ -34,40 +46,38 @@ impl ParamInfo {
 
     /// The line that describes this parameter in the cross-rank comparison.
     pub(crate) fn describe(&self) -> String {
-        format!("{} {:?} {}", self.name, self.shape, self.dtype)
+        let kind = if self.trainable { "" } else { " buffer" };
+        format!("{} {:?} {}{kind}", self.name, self.shape, self.dtype)
     }
 }
 
-/// Lists the float parameters of `module` in burn's visiting order (the same on every rank for
-/// the same module type), with their PyTorch-style names.
+/// Lists the float tensors of `module` in burn's visiting order (the same on every rank for
+/// the same module type), with their PyTorch-style names, through the workspace's one
+/// module-path walker, [`ddp_models::param_specs`].
 pub fn param_infos<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamInfo> {
-    struct Lister {
-        path: Vec<String>,
-        out: Vec<ParamInfo>,
-    }
-    impl<B: Backend> ModuleVisitor<B> for Lister {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.path.pop();
-        }
+    ddp_models::param_specs::<B, M>(module)
+        .into_iter()
+        .map(|spec| ParamInfo {
+            name: spec.name,
+            id: spec.id,
+            shape: spec.shape,
+            dtype: format!("{:?}", spec.dtype),
+            trainable: spec.require_grad,
+        })
+        .collect()
+}
+
+/// The ids of `module`'s float tensors in visiting order, without reading any value.
+pub(crate) fn param_ids<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamId> {
+    struct Ids(Vec<ParamId>);
+    impl<B: Backend> ModuleVisitor<B> for Ids {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let value = param.val();
-            self.out.push(ParamInfo {
-                name: self.path.join("."),
-                id: param.id,
-                shape: value.dims().to_vec(),
-                dtype: format!("{:?}", value.dtype()),
-            });
+            self.0.push(param.id);
         }
     }
-    let mut lister = Lister {
-        path: Vec::new(),
-        out: Vec::new(),
-    };
-    module.visit(&mut lister);
-    lister.out
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
 }
 
 /// Calls `$body` with `$d` bound as a const generic equal to the runtime rank `$rank`.
@@ -118,15 +128,42 @@ pub(crate) fn check_ranks(infos: &[ParamInfo]) -> Result<(), DdpError> {
 }
 
 /// Takes the gradient of `info` out of `grads` as flat `f32`, or `None` when the parameter got
-/// no gradient this step.
+/// no gradient this step. A gradient that cannot be read as `f32` values of the parameter's
+/// size is an error naming the parameter, never an empty or zero gradient.
 pub(crate) fn take_grad<B: AutodiffBackend>(
     grads: &mut GradientsParams,
     info: &ParamInfo,
-) -> Option<Vec<f32>> {
+) -> Result<Option<Vec<f32>>, DdpError> {
     let data: Option<TensorData> = with_rank!(info.shape.len(), D => {
         grads.remove::<B::InnerBackend, D>(info.id).map(|t| t.into_data())
     }, None);
-    data.map(|d| d.convert::<f32>().into_vec::<f32>().unwrap_or_default())
+    data.map(|d| to_f32(d, &info.name, "gradient", info.numel()))
+        .transpose()
+}
+
+/// `data` as `numel` flat `f32` values, or an error naming `name`.
+pub(crate) fn to_f32(
+    data: TensorData,
+    name: &str,
+    what: &'static str,
+    numel: usize,
+) -> Result<Vec<f32>, DdpError> {
+    let values = data
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| DdpError::Conversion {
+            name: name.to_string(),
+            what,
+            reason: format!("{e:?}"),
+        })?;
+    if values.len() != numel {
+        return Err(DdpError::Conversion {
+            name: name.to_string(),
+            what,
+            reason: format!("{} values, expected {numel}", values.len()),
+        });
+    }
+    Ok(values)
 }
 
 /// Puts a flat `f32` gradient back for `info`, on `device`.
@@ -167,52 +204,123 @@ pub(crate) fn put_grad_tensor<B: AutodiffBackend>(
     }, ())
 }
 
-/// Reads every float parameter of `module` into one flat `f32` vector, in visiting order.
-pub fn flatten_params<B: Backend, M: Module<B>>(module: &M) -> Vec<f32> {
-    struct Reader(Vec<f32>);
-    impl<B: Backend> ModuleVisitor<B> for Reader {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let data = param.val().into_data().convert::<f32>();
-            self.0
-                .extend_from_slice(data.as_slice::<f32>().unwrap_or_default());
-        }
-    }
-    let mut reader = Reader(Vec::new());
-    module.visit(&mut reader);
-    reader.0
+/// Reads every float tensor of `module` into one flat `f32` vector, in visiting order
+/// (trainable parameters and buffers alike). A tensor that cannot be read as `f32` is an error
+/// naming it.
+pub fn flatten_params<B: Backend, M: Module<B>>(module: &M) -> Result<Vec<f32>, DdpError> {
+    flatten_where::<B, M>(module, |_| true)
 }
 
-/// Overwrites every float parameter of `module` from a flat `f32` vector laid out as
+/// Reads the float tensors of `module` for which `keep(requires_grad)` holds into one flat
+/// `f32` vector, in visiting order.
+pub(crate) fn flatten_where<B: Backend, M: Module<B>>(
+    module: &M,
+    keep: fn(bool) -> bool,
+) -> Result<Vec<f32>, DdpError> {
+    struct Reader {
+        keep: fn(bool) -> bool,
+        out: Vec<f32>,
+        index: usize,
+        error: Option<(usize, String)>,
+    }
+    impl<B: Backend> ModuleVisitor<B> for Reader {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let index = self.index;
+            self.index += 1;
+            if self.error.is_some() {
+                return;
+            }
+            let value = param.val();
+            if !(self.keep)(value.is_require_grad()) {
+                return;
+            }
+            match value.into_data().convert::<f32>().as_slice::<f32>() {
+                Ok(values) => self.out.extend_from_slice(values),
+                Err(e) => self.error = Some((index, format!("{e:?}"))),
+            }
+        }
+    }
+    let mut reader = Reader {
+        keep,
+        out: Vec::new(),
+        index: 0,
+        error: None,
+    };
+    module.visit(&mut reader);
+    match reader.error {
+        None => Ok(reader.out),
+        Some((index, reason)) => Err(DdpError::Conversion {
+            name: param_infos::<B, M>(module)
+                .get(index)
+                .map_or_else(|| format!("#{index}"), |p| p.name.clone()),
+            what: "values",
+            reason,
+        }),
+    }
+}
+
+/// Overwrites every float tensor of `module` from a flat `f32` vector laid out as
 /// [`flatten_params`] lays it out, keeping parameter ids and whether each requires a gradient.
-/// `flat` must hold exactly the module's number of float elements.
-pub fn load_flat_params<B: Backend, M: Module<B>>(module: M, flat: &[f32]) -> M {
+/// `flat` must hold exactly the module's number of float elements; otherwise the module is
+/// returned unchanged with an error.
+pub fn load_flat_params<B: Backend, M: Module<B>>(module: M, flat: &[f32]) -> Result<M, DdpError> {
+    load_where::<B, M>(module, flat, |_| true)
+}
+
+/// Overwrites the float tensors of `module` for which `keep(requires_grad)` holds from `flat`.
+pub(crate) fn load_where<B: Backend, M: Module<B>>(
+    module: M,
+    flat: &[f32],
+    keep: fn(bool) -> bool,
+) -> Result<M, DdpError> {
+    let expected: usize = param_infos::<B, M>(&module)
+        .iter()
+        .filter(|p| keep(p.trainable))
+        .map(ParamInfo::numel)
+        .sum();
+    if flat.len() != expected {
+        return Err(DdpError::Config(format!(
+            "{} values given for a module with {expected} float elements",
+            flat.len()
+        )));
+    }
     struct Writer<'a> {
+        keep: fn(bool) -> bool,
         flat: &'a [f32],
         offset: usize,
     }
     impl<B: Backend> ModuleMapper<B> for Writer<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let (id, tensor, mapper) = param.consume();
+            let require_grad = tensor.is_require_grad();
+            if !(self.keep)(require_grad) {
+                return Param::from_mapped_value(id, tensor, mapper);
+            }
             let shape = tensor.dims();
             let n: usize = shape.iter().product();
-            let values = self.flat[self.offset..self.offset + n].to_vec();
+            let Some(values) = self.flat.get(self.offset..self.offset + n) else {
+                // Cannot happen after the length check (the same walk); stay unchanged.
+                self.offset = usize::MAX / 2;
+                return Param::from_mapped_value(id, tensor, mapper);
+            };
+            let values = values.to_vec();
             self.offset += n;
-            let require_grad = tensor.is_require_grad();
             let fresh = Tensor::<B, D>::from_data(TensorData::new(values, shape), &tensor.device())
                 .set_require_grad(require_grad);
             Param::from_mapped_value(id, fresh, mapper)
         }
     }
-    module.map(&mut Writer { flat, offset: 0 })
-}
-
-/// FNV-1a over bytes: a stable 64-bit fingerprint (not cryptographic; it only has to differ
-/// when replicas differ, and be the same on every platform).
-pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    let mut writer = Writer {
+        keep,
+        flat,
+        offset: 0,
+    };
+    let module = module.map(&mut writer);
+    if writer.offset != flat.len() {
+        return Err(DdpError::Config(format!(
+            "the module's float tensors did not match the {} values given",
+            flat.len()
+        )));
     }
-    h
+    Ok(module)
 }

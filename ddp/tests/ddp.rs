@@ -4,23 +4,63 @@
 //! - N ranks with per-rank batch b take the same steps as one process with batch N·b over the
 //!   same samples (SGD and Adam, CNN and MLP), within 1e-5 relative;
 //! - all replicas are bit-identical after every step; two runs with one seed are bit-identical;
-//! - bucket size and no_sync accumulation change results by float tolerance only;
-//! - different models on two ranks fail at construction, naming the rank and the parameter.
+//! - bucket size changes results by float tolerance only; no_sync accumulation sums micro-step
+//!   gradients like PyTorch (checked against a reference computed here with plain burn);
+//! - BatchNorm's running statistics are broadcast from rank 0, never averaged as gradients,
+//!   and cause no false replica-check alarm;
+//! - different models on two ranks fail at construction, naming the rank and the parameter;
+//!   diverged replicas are named without blaming rank 0 on a tie; parameters replaced after
+//!   wrapping and unreadable gradients are errors naming the parameter.
+//!
+//! Inputs and initial weights come from explicit values drawn from a seeded mixer, never from
+//! the backend's global RNG: the tests run in parallel threads, and a global RNG seeded in one
+//! thread would be consumed by another.
 
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
 use burn::backend::{Autodiff, Flex};
-use burn::module::AutodiffModule;
+use burn::module::{AutodiffModule, Module};
+use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
 use burn::optim::{AdamConfig, GradientsParams, Optimizer, SgdConfig};
+use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use ddp::{flatten_params, load_flat_params, Compression, DdpConfig, DistributedDataParallel};
+use ddp::{
+    flatten_params, load_flat_params, param_infos, Compression, DdpConfig, DdpError,
+    DistributedDataParallel,
+};
 use ddp_comm::ProcessGroup;
+use ddp_data::sampler::splitmix64;
 use ddp_models::{Classifier, MnistCnnConfig, MnistMlpConfig};
 
 type B = Autodiff<Flex>;
+type Inner = Flex;
+
+/// A uniform value in [-0.5, 0.5) for `(stream, i)`, from the seeded mixer.
+fn uniform(stream: u64, i: u64) -> f32 {
+    let h = splitmix64(stream.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ splitmix64(i));
+    (h >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+}
+
+/// Deterministic initial values for every float tensor of `module`: weights uniform in
+/// ±1/sqrt(fan_in) (burn's and PyTorch's scale), vectors small; drawn from stream `seed`.
+/// Buffers get their own values too, so that a test sees whether they are overwritten.
+fn seeded_values<M: Module<B>>(module: &M, seed: u64) -> Vec<f32> {
+    let mut out = Vec::new();
+    for info in param_infos::<B, M>(module) {
+        let fan_in: usize = match info.shape.len() {
+            2 => info.shape[0],
+            4 => info.shape[1..].iter().product(),
+            _ => 100,
+        };
+        let scale = 2.0 / (fan_in as f32).sqrt();
+        let base = out.len() as u64;
+        out.extend((0..info.numel() as u64).map(|i| scale * uniform(seed, base + i)));
+    }
+    out
+}
 
 /// Runs `f` on `n` ranks, one thread each, every thread with its own process group.
 fn run_ranks<T: Send>(n: usize, f: impl Fn(Arc<ProcessGroup>) -> T + Sync) -> Vec<T> {
@@ -125,17 +165,15 @@ impl Run {
 fn initial(net: Net) -> Vec<f32> {
     let device = Default::default();
     match net {
-        Net::Cnn => flatten_params::<B, _>(&cnn()),
-        Net::Mlp => {
-            B::seed(&device, 1);
-            flatten_params::<B, _>(&MnistMlpConfig::new().init::<B>(&device))
-        }
+        Net::Cnn => seeded_values(&cnn(), 1),
+        Net::Mlp => seeded_values(&MnistMlpConfig::new().init::<B>(&device), 1),
     }
 }
 
+/// The CNN without dropout (whose masks would come from the global RNG). Its initial values
+/// are overwritten from [`initial`] before use.
 fn cnn() -> ddp_models::MnistCnn<B> {
     let device = Default::default();
-    B::seed(&device, 1);
     MnistCnnConfig::new()
         .with_dropout1(0.0)
         .with_dropout2(0.0)
@@ -164,7 +202,7 @@ where
     } else {
         init.iter().map(|v| v + 1.0).collect()
     };
-    let model = load_flat_params::<B, M>(model, &start);
+    let model = load_flat_params::<B, M>(model, &start).unwrap();
     let config = DdpConfig {
         bucket_cap_mb: run.bucket_cap_mb,
         first_bucket_mb: run.bucket_cap_mb.min(1.0),
@@ -173,7 +211,7 @@ where
     };
     let (mut model, mut ddp) = DistributedDataParallel::new(model, pg, config).unwrap();
     assert_eq!(
-        flatten_params::<B, M>(&model),
+        flatten_params::<B, M>(&model).unwrap(),
         init,
         "rank {rank}: broadcast"
     );
@@ -189,7 +227,7 @@ where
     }
     // The replica check runs before each sync; check once more after the last step.
     ddp.check_replicas(&model).unwrap();
-    flatten_params::<B, M>(&model)
+    flatten_params::<B, M>(&model).unwrap()
 }
 
 fn steps<M, O>(
@@ -209,9 +247,12 @@ fn steps<M, O>(
         for m in 0..run.micro {
             let (x, y) = batch(base + m * micro_batch, micro_batch);
             let (loss, _) = model.loss(x, y);
+            // As in PyTorch: accumulation sums micro-step gradients, so the loss is divided by
+            // the number of micro-steps to get the gradient of the mean over all of them.
+            let loss = loss.div_scalar(run.micro as f32);
             let grads = GradientsParams::from_grads(loss.backward(), &*model);
             if m + 1 < run.micro {
-                ddp.accumulate(grads);
+                ddp.accumulate(grads).unwrap();
             } else {
                 let grads = ddp.sync(&*model, grads).unwrap();
                 *model = optim.step(lr, model.clone(), grads);
@@ -366,28 +407,375 @@ fn different_models_fail_at_construction_naming_rank_and_parameter() {
     }
 }
 
-#[test]
-fn diverged_replicas_are_detected_naming_the_rank() {
-    let errors = run_ranks(3, |pg| {
+/// Runs the replica check on `world` ranks after rank `bad` changed its weights; returns each
+/// rank's error text.
+fn replica_check_errors(world: usize, bad: usize) -> Vec<String> {
+    run_ranks(world, |pg| {
         let device = Default::default();
-        B::seed(&device, 3);
         let model = MnistMlpConfig::new().init::<B>(&device);
+        let values = seeded_values(&model, 3);
+        let model = load_flat_params::<B, _>(model, &values).unwrap();
         let (model, ddp) =
             DistributedDataParallel::new(model, pg.clone(), DdpConfig::default()).unwrap();
         ddp.check_replicas(&model).unwrap();
-        // Rank 2 silently changes its weights.
-        let model = if pg.rank() == 2 {
+        // Rank `bad` silently changes its weights.
+        let model = if pg.rank() == bad {
             let flat: Vec<f32> = flatten_params::<B, _>(&model)
+                .unwrap()
                 .iter()
                 .map(|v| v * 1.5)
                 .collect();
-            load_flat_params::<B, _>(model, &flat)
+            load_flat_params::<B, _>(model, &flat).unwrap()
         } else {
             model
         };
-        ddp.check_replicas(&model).unwrap_err().to_string()
+        match ddp.check_replicas(&model).unwrap_err() {
+            e @ DdpError::ReplicaDiverged { .. } => e.to_string(),
+            other => panic!("rank {}: unexpected error {other}", pg.rank()),
+        }
+    })
+}
+
+#[test]
+fn diverged_replicas_are_detected_naming_the_rank() {
+    // Three ranks: the two that agree are a majority, so the odd one is named, even rank 0.
+    for bad in [2, 0] {
+        for e in replica_check_errors(3, bad) {
+            assert!(
+                e.contains(&format!(
+                    "rank(s) {bad} hold different parameters from the majority"
+                )),
+                "{e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn diverged_replicas_at_world_2_blame_neither_rank() {
+    // Two ranks: no majority. Whichever rank changed, the message says rank 1 differs from
+    // rank 0 and that which one is wrong cannot be told; it never blames rank 0 alone.
+    for bad in [0, 1] {
+        for e in replica_check_errors(2, bad) {
+            assert!(
+                e.contains("rank(s) 1 hold different parameters from rank 0"),
+                "{e}"
+            );
+            assert!(e.contains("cannot be told"), "{e}");
+            assert!(!e.contains("majority ("), "{e}");
+        }
+    }
+}
+
+/// Every trainable parameter's gradient in `grads` as one flat vector, in visiting order.
+fn grads_flat<M: AutodiffModule<B>>(model: &M, grads: &GradientsParams) -> Vec<f32> {
+    let mut out = Vec::new();
+    for info in param_infos::<B, M>(model)
+        .into_iter()
+        .filter(|p| p.trainable)
+    {
+        let data = match info.shape.len() {
+            1 => grads.get::<Inner, 1>(info.id).map(|t| t.into_data()),
+            2 => grads.get::<Inner, 2>(info.id).map(|t| t.into_data()),
+            4 => grads.get::<Inner, 4>(info.id).map(|t| t.into_data()),
+            d => panic!("rank {d} parameter"),
+        };
+        let data = data.unwrap_or_else(|| panic!("no gradient for {}", info.name));
+        out.extend(data.to_vec::<f32>().unwrap());
+    }
+    out
+}
+
+/// The inverse of [`grads_flat`]: gradients registered under `model`'s parameter ids.
+fn grads_from_flat<M: AutodiffModule<B>>(model: &M, flat: &[f32]) -> GradientsParams {
+    let device = Default::default();
+    let mut grads = GradientsParams::new();
+    let mut offset = 0;
+    for info in param_infos::<B, M>(model)
+        .into_iter()
+        .filter(|p| p.trainable)
+    {
+        let values = flat[offset..offset + info.numel()].to_vec();
+        offset += info.numel();
+        let data = TensorData::new(values, info.shape.clone());
+        match info.shape.len() {
+            1 => grads.register::<Inner, 1>(info.id, Tensor::from_data(data, &device)),
+            2 => grads.register::<Inner, 2>(info.id, Tensor::from_data(data, &device)),
+            4 => grads.register::<Inner, 4>(info.id, Tensor::from_data(data, &device)),
+            d => panic!("rank {d} parameter"),
+        }
+    }
+    grads
+}
+
+#[test]
+fn accumulate_sums_micro_steps_and_sync_averages_over_ranks_like_pytorch() {
+    let (world, micro, mb) = (2, 3, 4);
+    let device = Default::default();
+    let init = seeded_values(&MnistMlpConfig::new().init::<B>(&device), 5);
+    let start = |rank: usize, m: usize| 1000 + (rank * micro + m) * mb;
+
+    // Reference, PyTorch's semantics computed with plain burn in this thread: each micro-batch's
+    // gradient separately, summed over micro-steps, then averaged over ranks by hand.
+    let mut reference: Vec<f32> = Vec::new();
+    for rank in 0..world {
+        for m in 0..micro {
+            let model =
+                load_flat_params::<B, _>(MnistMlpConfig::new().init::<B>(&device), &init).unwrap();
+            let (x, y) = batch(start(rank, m), mb);
+            let (loss, _) = model.loss(x, y);
+            let g = grads_flat(
+                &model,
+                &GradientsParams::from_grads(loss.backward(), &model),
+            );
+            if reference.is_empty() {
+                reference = vec![0.0; g.len()];
+            }
+            reference.iter_mut().zip(&g).for_each(|(r, v)| *r += v);
+        }
+    }
+    reference.iter_mut().for_each(|r| *r /= world as f32);
+
+    let synced = run_ranks(world, |pg| {
+        let rank = pg.rank();
+        let model = MnistMlpConfig::new().init::<B>(&device);
+        let model = load_flat_params::<B, _>(model, &init).unwrap();
+        let (model, mut ddp) =
+            DistributedDataParallel::new(model, pg, DdpConfig::default()).expect("wrapper");
+        for m in 0..micro {
+            let (x, y) = batch(start(rank, m), mb);
+            let (loss, _) = model.loss(x, y);
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            if m + 1 < micro {
+                ddp.accumulate(grads).unwrap();
+            } else {
+                let grads = ddp.sync(&model, grads).unwrap();
+                return grads_flat(&model, &grads);
+            }
+        }
+        unreachable!()
+    });
+    for (rank, g) in synced.iter().enumerate() {
+        let n = norm_rel_diff(&reference, g);
+        assert!(
+            n < 1e-5,
+            "rank {rank}: relative difference {n} from the reference"
+        );
+    }
+    assert!(synced[0] == synced[1], "ranks received different gradients");
+}
+
+#[test]
+fn parameters_replaced_after_wrapping_are_an_error_saying_what_to_do() {
+    let errors = run_ranks(1, |pg| {
+        let device = Default::default();
+        let model = MnistMlpConfig::new().init::<B>(&device);
+        let (model, mut ddp) =
+            DistributedDataParallel::new(model, pg, DdpConfig::default()).unwrap();
+        // load_record after wrapping: every parameter takes the record's (different) id.
+        let other = MnistMlpConfig::new().init::<B>(&device);
+        let model = model.load_record(other.into_record());
+        let (x, y) = batch(0, 4);
+        let (loss, _) = model.loss(x.clone(), y.clone());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let on_sync = ddp.sync(&model, grads).unwrap_err();
+        let (loss, _) = model.loss(x, y);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let on_accumulate = ddp.accumulate(grads).unwrap_err();
+        (on_sync, on_accumulate)
+    });
+    let (on_sync, on_accumulate) = &errors[0];
+    assert!(
+        matches!(on_sync, DdpError::ParamsChanged { .. }),
+        "{on_sync}"
+    );
+    let text = on_sync.to_string();
+    assert!(text.contains("`fc1.weight`"), "{text}");
+    assert!(text.contains("load the record before wrapping"), "{text}");
+    assert!(
+        matches!(on_accumulate, DdpError::ParamsChanged { .. }),
+        "{on_accumulate}"
+    );
+    assert!(
+        on_accumulate.to_string().contains("4 gradients"),
+        "{on_accumulate}"
+    );
+}
+
+#[test]
+fn an_unreadable_gradient_is_an_error_naming_the_parameter() {
+    let errors = run_ranks(2, |pg| {
+        let device = Default::default();
+        let model = MnistMlpConfig::new().init::<B>(&device);
+        let (model, mut ddp) =
+            DistributedDataParallel::new(model, pg, DdpConfig::default()).unwrap();
+        let (x, y) = batch(0, 4);
+        let (loss, _) = model.loss(x, y);
+        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        // fc2.bias's gradient replaced by one of the wrong size.
+        let bias = param_infos::<B, _>(&model)
+            .into_iter()
+            .find(|p| p.name == "fc2.bias")
+            .unwrap();
+        grads.register::<Inner, 1>(bias.id, Tensor::zeros([3], &device));
+        ddp.sync(&model, grads).unwrap_err().to_string()
     });
     for e in &errors {
-        assert!(e.contains("rank 2"), "{e}");
+        assert!(e.contains("gradient of parameter `fc2.bias`"), "{e}");
+        assert!(e.contains("3 values, expected 10"), "{e}");
     }
+}
+
+/// A small network with a BatchNorm layer: 16 → 8 → BatchNorm → relu → 3.
+#[derive(Module, Debug)]
+struct BnNet<B: Backend> {
+    fc1: Linear<B>,
+    bn: BatchNorm<B>,
+    fc2: Linear<B>,
+}
+
+impl BnNet<B> {
+    fn new() -> Self {
+        let device = Default::default();
+        BnNet {
+            fc1: LinearConfig::new(16, 8).init(&device),
+            bn: BatchNormConfig::new(8).init(&device),
+            fc2: LinearConfig::new(8, 3).init(&device),
+        }
+    }
+
+    fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+        let h = relu(self.bn.forward(self.fc1.forward(x)));
+        ddp_models::cross_entropy(self.fc2.forward(h), y)
+    }
+}
+
+/// Rank `rank`'s batch of step `step` for [`BnNet`]: 6 rows of 16 features, with a per-rank
+/// offset so that the ranks' batch statistics differ.
+fn bn_batch(rank: usize, step: usize) -> (Tensor<B, 2>, Tensor<B, 1, Int>) {
+    let device = Default::default();
+    let stream = 100 + (step * 10 + rank) as u64;
+    let x: Vec<f32> = (0..6 * 16)
+        .map(|i| uniform(stream, i) + rank as f32)
+        .collect();
+    let y: Vec<i64> = (0..6).map(|i| ((i + step + rank) % 3) as i64).collect();
+    (
+        Tensor::from_data(TensorData::new(x, [6, 16]), &device),
+        Tensor::from_data(TensorData::new(y, [6]), &device),
+    )
+}
+
+/// Running mean and variance of `net`'s BatchNorm, concatenated.
+fn running_stats(net: &BnNet<B>) -> Vec<f32> {
+    let mut v = net
+        .bn
+        .running_mean
+        .value()
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    v.extend(
+        net.bn
+            .running_var
+            .value()
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap(),
+    );
+    v
+}
+
+#[test]
+fn batchnorm_running_stats_are_broadcast_from_rank_0_not_averaged() {
+    let (world, steps, lr) = (2, 3, 0.1);
+    let init = seeded_values(&BnNet::new(), 9);
+    let infos = param_infos::<B, _>(&BnNet::new());
+    let buffers: Vec<&str> = infos
+        .iter()
+        .filter(|p| !p.trainable)
+        .map(|p| p.name.as_str())
+        .collect();
+    assert_eq!(buffers, ["bn.running_mean", "bn.running_var"]);
+
+    // Reference, computed without DDP: the gradient is the mean of both ranks' gradients, and
+    // the running statistics evolve with rank 0's batches only (PyTorch's broadcast_buffers:
+    // rank 0's buffers are everyone's).
+    let mut model = load_flat_params::<B, _>(BnNet::new(), &init).unwrap();
+    let mut optim = SgdConfig::new().init::<B, BnNet<B>>();
+    for step in 0..steps {
+        let mut sum: Vec<f32> = Vec::new();
+        for rank in 0..world {
+            // Rank 1's pass runs on a separate copy (its own RunningState), so that only rank
+            // 0's batch statistics reach `model`'s.
+            let net = if rank == 0 {
+                model.clone()
+            } else {
+                let flat = flatten_params::<B, _>(&model).unwrap();
+                load_flat_params::<B, _>(BnNet::new(), &flat).unwrap()
+            };
+            let (x, y) = bn_batch(rank, step);
+            let loss = net.loss(x, y);
+            let g = grads_flat(&net, &GradientsParams::from_grads(loss.backward(), &net));
+            if sum.is_empty() {
+                sum = vec![0.0; g.len()];
+            }
+            sum.iter_mut()
+                .zip(&g)
+                .for_each(|(s, v)| *s += v / world as f32);
+        }
+        let grads = grads_from_flat(&model, &sum);
+        model = optim.step(lr, model, grads);
+    }
+    drop(model.valid()); // merge the last pending running-state update
+    let reference_params = flatten_params::<B, _>(&model).unwrap();
+    let reference_stats = running_stats(&model);
+
+    let ranks = run_ranks(world, |pg| {
+        let rank = pg.rank();
+        // Every rank but 0 starts elsewhere, buffers included.
+        let start: Vec<f32> = init.iter().map(|v| v + rank as f32).collect();
+        let model = load_flat_params::<B, _>(BnNet::new(), &start).unwrap();
+        let config = DdpConfig {
+            check_replicas_every: Some(1),
+            ..DdpConfig::default()
+        };
+        let (mut model, mut ddp) = DistributedDataParallel::new(model, pg, config).unwrap();
+        let mut optim = SgdConfig::new().init::<B, BnNet<B>>();
+        for step in 0..steps {
+            let (x, y) = bn_batch(rank, step);
+            let loss = model.loss(x, y);
+            let grads = ddp.backward(&model, loss).expect("sync");
+            for info in ddp.params().iter().filter(|p| !p.trainable) {
+                assert!(
+                    grads.get::<Inner, 1>(info.id).is_none(),
+                    "{} travelled as a gradient",
+                    info.name
+                );
+            }
+            model = optim.step(lr, model, grads);
+        }
+        ddp.check_replicas(&model).unwrap();
+        (
+            flatten_params::<B, _>(&model).unwrap(),
+            running_stats(&model),
+        )
+    });
+    let (params0, stats0) = &ranks[0];
+    for (rank, (params, stats)) in ranks.iter().enumerate() {
+        assert!(
+            stats == stats0,
+            "rank {rank}'s running stats differ from rank 0's"
+        );
+        assert!(
+            params == params0,
+            "rank {rank}'s parameters differ from rank 0's"
+        );
+    }
+    let d = norm_rel_diff(&reference_stats, stats0);
+    assert!(d < 1e-5, "running stats differ from the reference by {d}");
+    let d = norm_rel_diff(&reference_params, params0);
+    assert!(d < 1e-5, "parameters differ from the reference by {d}");
+    // The statistics really moved (from the initial values) during training.
+    let initial_stats = running_stats(&load_flat_params::<B, _>(BnNet::new(), &init).unwrap());
+    assert!(norm_rel_diff(&initial_stats, stats0) > 1e-3);
 }

@@ -111,10 +111,7 @@ fn time_steps<M, const D: usize>(
 /// FNV-1a over the little-endian bytes of every parameter: equal across processes exactly when
 /// the parameters are bit-identical.
 fn fingerprint<M: Module<B>>(model: &M) -> u64 {
-    let bytes = ddp_models::safetensors_bytes(model).unwrap();
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    ddp_comm::bytes::fnv1a(&ddp_models::safetensors_bytes(model).unwrap())
 }
 
 fn images(n: usize, device: &burn::tensor::Device<B>) -> (Tensor<B, 4>, Tensor<B, 1, Int>) {

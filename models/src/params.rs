@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
@@ -38,6 +38,14 @@ pub struct ParamSpec {
     /// `true` for the weight of a burn `Linear` layer, stored `[in, out]` by burn and
     /// `[out, in]` by PyTorch.
     pub linear_weight: bool,
+    /// burn's element type of the tensor.
+    pub dtype: DType,
+    /// Whether the tensor requires a gradient (on an autodiff backend). `false` for module
+    /// state that is not trained by gradients: burn's `RunningState` (`BatchNorm`'s
+    /// `running_mean` and `running_var`), which burn visits as a float parameter, and frozen
+    /// parameters. PyTorch would call most of these buffers. Always `false` on a backend
+    /// without autodiff.
+    pub require_grad: bool,
 }
 
 impl ParamSpec {
@@ -58,7 +66,9 @@ impl ParamSpec {
 
 /// Lists the float parameters of `module` in burn's visiting order (the field order of the
 /// structs, the same in every process for the same model type) with PyTorch names, burn
-/// shapes and ids. Integer and boolean parameters are not listed.
+/// shapes, ids, element types and whether each requires a gradient. Integer and boolean
+/// parameters are not listed. This is the one module-path walker of the workspace: the `ddp`
+/// crate builds its parameter list from it.
 pub fn param_specs<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamSpec> {
     let mut walker = Walker::new(false);
     module.visit(&mut walker);
@@ -219,6 +229,8 @@ impl<B: Backend> ModuleVisitor<B> for Walker {
             id: param.id,
             shape: value.dims().to_vec(),
             linear_weight,
+            dtype: value.dtype(),
+            require_grad: value.is_require_grad(),
         });
         if self.read_values {
             let data = value.into_data().convert::<f32>();

@@ -38,26 +38,39 @@ pub fn target_dir() -> Result<PathBuf> {
     Ok(PathBuf::from(dir))
 }
 
-/// Environment variable with extra cargo features for the binaries the tasks build (for
-/// example `ddp-apps/cuda`), so that CI's end-to-end run reuses the build of its tests.
+/// Environment variable that replaces [`DEFAULT_FEATURES`] (comma or space separated; empty
+/// for none).
 pub const FEATURES_VAR: &str = "DDP_CARGO_FEATURES";
 
+/// The cargo features the tasks build with unless `$DDP_CARGO_FEATURES` says otherwise: the
+/// README's test command's (`cargo test --release --workspace --features ddp-apps/cuda`), so
+/// that after the tests `cargo xtask ...` reuses their compiled burn instead of compiling it a
+/// second time under another feature set.
+pub const DEFAULT_FEATURES: &str = "ddp-apps/cuda";
+
+/// The features of every build the tasks run: `$DDP_CARGO_FEATURES` if set, else
+/// [`DEFAULT_FEATURES`].
+fn default_features() -> Vec<String> {
+    let text = std::env::var(FEATURES_VAR).unwrap_or_else(|_| DEFAULT_FEATURES.to_string());
+    text.split([',', ' '])
+        .filter(|f| !f.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
 /// Builds the binaries `bins` in release and returns the folder that holds them
-/// (`target/release`). The build covers the whole workspace's feature set (`--workspace`), so
-/// that it shares every compiled dependency with `cargo build/test --release --workspace`
-/// instead of recompiling burn under a different feature set; `features` and
-/// `$DDP_CARGO_FEATURES` add cargo features.
+/// (`target/release`). The build covers the whole workspace (`--workspace`) with the default
+/// features ([`DEFAULT_FEATURES`], or `$DDP_CARGO_FEATURES`) plus `features`, so that it shares
+/// every compiled dependency with `cargo build/test --release --workspace --features
+/// ddp-apps/cuda` instead of recompiling burn under a different feature set.
 pub fn build_release_bins(bins: &[&str], features: &[&str]) -> Result<PathBuf> {
     let mut command = cargo();
     command.args(["build", "--release", "--workspace"]);
-    let mut all: Vec<String> = features.iter().map(|f| f.to_string()).collect();
-    if let Ok(extra) = std::env::var(FEATURES_VAR) {
-        all.extend(
-            extra
-                .split([',', ' '])
-                .filter(|f| !f.is_empty())
-                .map(str::to_string),
-        );
+    let mut all = default_features();
+    for feature in features {
+        if !all.iter().any(|f| f == feature) {
+            all.push(feature.to_string());
+        }
     }
     if !all.is_empty() {
         command.args(["--features", &all.join(",")]);

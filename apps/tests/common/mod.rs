@@ -1,0 +1,138 @@
+//! What every process-spawning test of ddp-apps shares: a child process that is killed when its
+//! guard is dropped (a failed assertion unwinds through it) and by a watchdog past its
+//! deadline, so that no test can hang or leave processes behind.
+//!
+//! Killing `ddprun` is enough to stop its ranks: it starts them with `PR_SET_PDEATHSIG =
+//! SIGKILL` (comm/src/launch.rs), so they die with it.
+
+#![allow(dead_code)] // each test binary uses a subset
+
+use std::io::Read;
+use std::process::{Child, ChildStderr, ChildStdout, Command, ExitStatus, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+/// A child process under guard: killed (and reaped) on drop if still running, and killed by a
+/// watchdog thread once `deadline` has passed since it started.
+pub struct Guarded {
+    child: Arc<Mutex<Child>>,
+    started: Instant,
+    deadline: Duration,
+    /// The child's stdout, when it was piped and not yet taken.
+    pub stdout: Option<ChildStdout>,
+    /// The child's stderr, when it was piped and not yet taken.
+    pub stderr: Option<ChildStderr>,
+}
+
+impl Guarded {
+    /// Spawns `command` under guard; panics if it cannot start.
+    pub fn spawn(command: &mut Command, deadline: Duration) -> Guarded {
+        let mut child = command.spawn().expect("starting the child process");
+        let stdout = child.stdout.take();
+        let stderr = child.stderr.take();
+        let child = Arc::new(Mutex::new(child));
+        let started = Instant::now();
+        let watched = Arc::downgrade(&child);
+        thread::spawn(move || loop {
+            thread::sleep(Duration::from_millis(50));
+            let Some(child) = watched.upgrade() else {
+                return; // the guard was dropped (and killed the child if needed)
+            };
+            let mut child = child.lock().unwrap_or_else(|e| e.into_inner());
+            match child.try_wait() {
+                Ok(None) if started.elapsed() > deadline => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return;
+                }
+                Ok(None) => {}
+                _ => return,
+            }
+        });
+        Guarded {
+            child,
+            started,
+            deadline,
+            stdout,
+            stderr,
+        }
+    }
+
+    /// The child's process id.
+    pub fn id(&self) -> u32 {
+        self.lock().id()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Child> {
+        self.child.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Its exit status if it has exited.
+    pub fn try_wait(&self) -> Option<ExitStatus> {
+        self.lock().try_wait().expect("waiting for the child")
+    }
+
+    /// Waits for the child to exit; kills it and panics once the deadline has passed.
+    pub fn wait(&self) -> ExitStatus {
+        loop {
+            if let Some(status) = self.try_wait() {
+                if self.started.elapsed() > self.deadline {
+                    panic!("the child did not finish within {:?}", self.deadline);
+                }
+                return status;
+            }
+            if self.started.elapsed() > self.deadline {
+                let mut child = self.lock();
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the child did not finish within {:?}", self.deadline);
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Time since the child started.
+    pub fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+}
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        let mut child = self.lock();
+        if let Ok(None) = child.try_wait() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Reads all of `source` on a thread.
+pub fn collect(mut source: impl Read + Send + 'static) -> JoinHandle<Vec<u8>> {
+    thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = source.read_to_end(&mut bytes);
+        bytes
+    })
+}
+
+/// Like `Command::output`, but under guard: the child is killed and the test fails past
+/// `deadline` (and the child is killed if the test panics meanwhile).
+pub fn output_with_deadline(command: &mut Command, deadline: Duration) -> Output {
+    let mut guarded = Guarded::spawn(
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+        deadline,
+    );
+    let stdout = collect(guarded.stdout.take().expect("piped stdout"));
+    let stderr = collect(guarded.stderr.take().expect("piped stderr"));
+    let status = guarded.wait();
+    Output {
+        status,
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+    }
+}
