@@ -32,6 +32,27 @@ step "end to end: 2 ranks of train-mnist, 200 steps on the real MNIST"
 cargo xtask train-mnist --nproc 2 --epochs 1 --out target/ci-run --min-accuracy 0.95 \
   --data-dir ../shared/data/mnist --max-steps 200 --log-interval 50
 
+step "shards: the workshop's HDF5 layout (h5py) imported; 2 ranks of train-mnist from shards"
+# A Python venv under target/ with h5py, numpy and safetensors from PyPI (no torch). h5py writes
+# MNIST in the workshop's layout (float32 (600, 100, 1, 28, 28), int64 labels, gzip 4, h5py's
+# chunks); the importer converts it; the result must hold exactly the samples make-shards writes
+# from the IDX files; then the same 200 steps as the in-memory run above, from the shards, must
+# reach its accuracy (within 1.5 points: only the sample order differs).
+python3 -m venv target/pyenv
+target/pyenv/bin/pip install --quiet --disable-pip-version-check h5py numpy safetensors
+rm -rf target/ci-shards && mkdir -p target/ci-shards
+target/pyenv/bin/python xtask/py/write_workshop_h5.py --mnist-dir ../shared/data/mnist \
+  --out target/ci-shards/workshop.h5
+cargo xtask make-shards --mnist-dir ../shared/data/mnist --out target/ci-shards/from-idx
+cargo xtask import-h5 --python target/pyenv/bin/python --same-as target/ci-shards/from-idx \
+  target/ci-shards/workshop.h5 target/ci-shards/from-h5
+MEMORY_ACCURACY=$(python3 -c 'import csv; print(list(csv.DictReader(open("target/ci-run/metrics/metrics.csv")))[-1]["test_accuracy"])')
+MIN_ACCURACY=$(python3 -c "print(max(0.95, $MEMORY_ACCURACY - 0.015))")
+echo "in-memory run: test accuracy $MEMORY_ACCURACY; the shard run needs $MIN_ACCURACY"
+cargo xtask train-mnist --nproc 2 --epochs 1 --out target/ci-run-shards \
+  --min-accuracy "$MIN_ACCURACY" --data-format shards --data-dir target/ci-shards/from-h5 \
+  --max-steps 200 --log-interval 50
+
 step "clippy"
 cargo clippy --release --workspace --all-targets --features "$FEATURES" -- -D warnings
 

@@ -43,6 +43,17 @@ pub enum BackendKind {
     Cuda,
 }
 
+/// Where the trainer reads its data from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DataFormat {
+    /// The whole data set in every rank's memory (MNIST: the IDX files).
+    Memory,
+    /// Safetensors shards with an index (`--data-dir` holds `train/` and `test/`, as written by
+    /// `cargo xtask make-shards` or `import-h5`), streamed: each rank reads only its shards.
+    Shards,
+}
+
 /// Gradient compression on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -99,9 +110,16 @@ pub struct TrainArgs {
     /// Gradient compression on the wire.
     #[arg(long, value_enum)]
     pub compression: Option<CompressionKind>,
-    /// Directory of the data set (MNIST: where the four files are or will be downloaded).
+    /// Directory of the data set (MNIST: where the four files are or will be downloaded;
+    /// with `--data-format shards`, the folder holding `train/` and `test/`).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
+    /// How the data set is read: all in memory (default) or streamed from shards.
+    #[arg(long, value_enum)]
+    pub data_format: Option<DataFormat>,
+    /// With `--data-format shards`: shards read ahead by each rank (default 2).
+    #[arg(long)]
+    pub prefetch_shards: Option<usize>,
     /// Directory of checkpoints (written by rank 0 every epoch and at the end).
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
@@ -144,7 +162,8 @@ impl TrainArgs {
     /// `self`'s values where given, else `under`'s.
     pub fn or(&self, under: &TrainArgs) -> TrainArgs {
         merge_fields!(self, under; epochs, batch_size, lr, optimizer, momentum, lr_scaling, seed,
-            backend, threads, workers, bucket_cap_mb, compression, data_dir, checkpoint_dir,
+            backend, threads, workers, bucket_cap_mb, compression, data_dir, data_format,
+            prefetch_shards, checkpoint_dir,
             resume, metrics_dir, export, log_interval, max_steps, train_samples, test_samples,
             verbose, json)
     }
@@ -179,6 +198,8 @@ impl TrainArgs {
             bucket_cap_mb: a.bucket_cap_mb.unwrap_or(25.0),
             compression: a.compression.unwrap_or(CompressionKind::None),
             data_dir: a.data_dir,
+            data_format: a.data_format.unwrap_or(DataFormat::Memory),
+            prefetch_shards: a.prefetch_shards.unwrap_or(2),
             checkpoint_dir: a.checkpoint_dir,
             resume: a.resume.unwrap_or(false),
             metrics_dir: a.metrics_dir,
@@ -195,6 +216,12 @@ impl TrainArgs {
         }
         if cfg.lr.is_nan() || cfg.lr <= 0.0 {
             bail!("lr must be positive (got {})", cfg.lr);
+        }
+        if cfg.prefetch_shards == 0 {
+            bail!("prefetch-shards must be at least 1");
+        }
+        if cfg.data_format == DataFormat::Shards && cfg.data_dir.is_none() {
+            bail!("--data-format shards needs --data-dir (the folder holding train/ and test/)");
         }
         if cfg.resume && cfg.checkpoint_dir.is_none() {
             bail!("--resume needs --checkpoint-dir");
@@ -232,6 +259,10 @@ pub struct TrainConfig {
     pub compression: CompressionKind,
     /// Data directory.
     pub data_dir: Option<PathBuf>,
+    /// In memory or streamed from shards.
+    pub data_format: DataFormat,
+    /// Shards read ahead (shards format).
+    pub prefetch_shards: usize,
     /// Checkpoint directory.
     pub checkpoint_dir: Option<PathBuf>,
     /// Resume from the checkpoint directory.

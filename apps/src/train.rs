@@ -13,10 +13,14 @@ use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, Optimizer, SgdConfig};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::Backend;
 use burn::tensor::ElementConversion;
 use ddp::{Compression, DdpConfig, DistributedDataParallel};
 use ddp_comm::{ProcessGroup, ReduceOp};
-use ddp_data::{BatchSource, DataLoader, DistributedSampler, LoaderConfig};
+use ddp_data::{
+    Batch, BatchSource, DataLoader, DistributedSampler, LoaderConfig, ShardLoader,
+    ShardLoaderConfig, ShardSet,
+};
 use ddp_models::Classifier;
 use serde::Serialize;
 
@@ -76,9 +80,129 @@ pub struct Task<M, S> {
     /// The freshly initialised model (rank 0's values win at the start).
     pub model: M,
     /// Training set.
-    pub train: Arc<S>,
+    pub train: Data<S>,
     /// Test set.
-    pub test: Arc<S>,
+    pub test: Data<S>,
+}
+
+/// Where a split's samples come from.
+pub enum Data<S> {
+    /// The whole split in memory, served by [`DataLoader`] over a [`DistributedSampler`].
+    Memory(Arc<S>),
+    /// Safetensors shards on disk, streamed by [`ShardLoader`] (each rank reads its shards).
+    Shards(ShardSet),
+}
+
+impl<S> From<Arc<S>> for Data<S> {
+    fn from(set: Arc<S>) -> Data<S> {
+        Data::Memory(set)
+    }
+}
+
+/// One rank's batches of a split, epoch after epoch, from memory or from shards.
+enum Feed<B: Backend, S, const D: usize> {
+    Memory {
+        loader: DataLoader<B, S, D>,
+        sampler: DistributedSampler,
+    },
+    Shards {
+        loader: ShardLoader<D>,
+        device: B::Device,
+    },
+}
+
+impl<B: Backend, S: BatchSource<D> + 'static, const D: usize> Feed<B, S, D> {
+    /// The training feed (`eval` false: shuffled, padded) or the evaluation feed (`eval` true:
+    /// every sample once across ranks) of `data`, cut to `limit` samples.
+    fn new(
+        data: Data<S>,
+        cfg: &TrainConfig,
+        (world, rank): (usize, usize),
+        device: B::Device,
+        eval: bool,
+        limit: Option<usize>,
+    ) -> Result<Self> {
+        Ok(match data {
+            Data::Memory(set) => {
+                let len = limit.map_or(set.len(), |n| n.min(set.len()));
+                let config = LoaderConfig {
+                    batch_size: cfg.batch_size,
+                    num_workers: cfg.workers,
+                    ..LoaderConfig::default()
+                };
+                let sampler = if eval {
+                    DistributedSampler::exact(len, world, rank)?
+                } else {
+                    DistributedSampler::new(len, world, rank)?.with_seed(cfg.seed)
+                };
+                Feed::Memory {
+                    loader: DataLoader::new(set, config, device)?,
+                    sampler,
+                }
+            }
+            Data::Shards(set) => {
+                let set = match limit {
+                    Some(n) => set.limit(n)?,
+                    None => set,
+                };
+                let config = ShardLoaderConfig {
+                    batch_size: cfg.batch_size,
+                    prefetch_shards: cfg.prefetch_shards,
+                    seed: cfg.seed,
+                    ..ShardLoaderConfig::default()
+                };
+                let loader = if eval {
+                    ShardLoader::exact(set, world, rank, config)?
+                } else {
+                    ShardLoader::new(set, world, rank, config)?
+                };
+                Feed::Shards { loader, device }
+            }
+        })
+    }
+
+    /// Samples in the (possibly cut) split.
+    fn len(&self) -> usize {
+        match self {
+            Feed::Memory { sampler, .. } => sampler.dataset_len(),
+            Feed::Shards { loader, .. } => loader.set().len(),
+        }
+    }
+
+    /// Samples this rank visits per epoch.
+    fn num_samples(&self) -> usize {
+        match self {
+            Feed::Memory { sampler, .. } => sampler.num_samples(),
+            Feed::Shards { loader, .. } => loader.num_samples(),
+        }
+    }
+
+    /// Batches this rank takes per epoch.
+    fn num_batches(&self) -> usize {
+        match self {
+            Feed::Memory { loader, sampler } => loader.num_batches(sampler.num_samples()),
+            Feed::Shards { loader, .. } => loader.num_batches(),
+        }
+    }
+
+    fn set_epoch(&mut self, epoch: u64) {
+        match self {
+            Feed::Memory { sampler, .. } => sampler.set_epoch(epoch),
+            Feed::Shards { loader, .. } => loader.set_epoch(epoch),
+        }
+    }
+
+    /// The batches of the current epoch.
+    fn batches(&self) -> Result<Box<dyn Iterator<Item = Result<Batch<B, D>>> + '_>> {
+        Ok(match self {
+            Feed::Memory { loader, sampler } => Box::new(loader.iter(sampler.indices())?.map(Ok)),
+            Feed::Shards { loader, device } => Box::new(
+                loader
+                    .iter()?
+                    .map(move |b| Ok(b.map_err(anyhow::Error::from)?.into_tensors(device))),
+            ),
+        })
+    }
 }
 
 /// Trains `task` with the settings in `cfg` on every rank of `pg`.
@@ -200,27 +324,25 @@ where
     let (wrapped, mut ddp) = DistributedDataParallel::new(model, pg.clone(), ddp_config)?;
     model = wrapped;
 
-    let train_len = cfg
-        .train_samples
-        .map_or(train.len(), |n| n.min(train.len()));
-    let test_len = cfg.test_samples.map_or(test.len(), |n| n.min(test.len()));
-    let loader_config = LoaderConfig {
-        batch_size: cfg.batch_size,
-        num_workers: cfg.workers,
-        ..LoaderConfig::default()
-    };
-    let train_loader = DataLoader::<B, S, D>::new(train, loader_config, device.clone())?;
-    let test_loader =
-        DataLoader::<B::InnerBackend, S, D>::new(test, loader_config, device.clone())?;
-    let mut sampler = DistributedSampler::new(train_len, world, rank)?.with_seed(cfg.seed);
-    let eval_sampler = DistributedSampler::exact(test_len, world, rank)?;
-    let steps_per_epoch = train_loader.num_batches(sampler.num_samples());
+    let ranks = (world, rank);
+    let mut train_feed =
+        Feed::<B, S, D>::new(train, cfg, ranks, device.clone(), false, cfg.train_samples)?;
+    let test_feed = Feed::<B::InnerBackend, S, D>::new(
+        test,
+        cfg,
+        ranks,
+        device.clone(),
+        true,
+        cfg.test_samples,
+    )?;
+    let (train_len, test_len) = (train_feed.len(), test_feed.len());
+    let steps_per_epoch = train_feed.num_batches();
 
     say.line(format!(
         "training {name}: world {world}, {train_len} training samples ({} per rank, {} steps per \
          epoch), {test_len} test samples, batch {} per rank, lr {lr:e} ({:?} scaling), {:?}, \
          {} epochs from epoch {}",
-        sampler.num_samples(),
+        train_feed.num_samples(),
         steps_per_epoch,
         cfg.batch_size,
         cfg.lr_scaling,
@@ -262,7 +384,7 @@ where
         if at_limit(step) {
             break;
         }
-        sampler.set_epoch(epoch as u64);
+        train_feed.set_epoch(epoch as u64);
         // Dropout masks depend on (seed, epoch, rank) only, so a resumed run matches.
         B::seed(&device, mix(cfg.seed, epoch as u64, rank as u64));
         let epoch_start = Instant::now();
@@ -270,10 +392,11 @@ where
         let mut loss_sum = 0.0;
         let mut batches = 0usize;
         let mut epoch_samples = 0u64;
-        for batch in train_loader.iter(sampler.indices())? {
+        for batch in train_feed.batches()? {
             if at_limit(step) {
                 break;
             }
+            let batch = batch?;
             let n = batch.targets.dims()[0];
             let (loss, _) = model.loss(batch.inputs, batch.targets);
             let loss_value: f64 = loss.clone().into_scalar().elem();
@@ -305,8 +428,7 @@ where
         summary.wait_seconds += comm.wait.as_secs_f64();
         summary.unpack_seconds += comm.unpack.as_secs_f64();
 
-        let (correct, total, test_loss) =
-            evaluate::<B, M, S, D>(&model, &test_loader, &eval_sampler, &pg)?;
+        let (correct, total, test_loss) = evaluate::<B, M, S, D>(&model, &test_feed, &pg)?;
         let accuracy = correct as f64 / total.max(1) as f64;
         let train_loss = loss_sum / batches.max(1) as f64;
         let samples_per_sec = (epoch_samples * world as u64) as f64 / elapsed.as_secs_f64();
@@ -406,8 +528,7 @@ where
 /// exact (unpadded) share, and the counts are summed across ranks.
 fn evaluate<B, M, S, const D: usize>(
     model: &M,
-    loader: &DataLoader<B::InnerBackend, S, D>,
-    sampler: &DistributedSampler,
+    feed: &Feed<B::InnerBackend, S, D>,
     pg: &ProcessGroup,
 ) -> Result<(u64, u64, f64)>
 where
@@ -418,7 +539,8 @@ where
 {
     let eval = model.valid();
     let (mut correct, mut total, mut loss_sum) = (0f64, 0f64, 0f64);
-    for batch in loader.iter(sampler.indices())? {
+    for batch in feed.batches()? {
+        let batch = batch?;
         let n = batch.targets.dims()[0] as f64;
         let (loss, output) = eval.loss(batch.inputs, batch.targets.clone());
         let loss: f64 = loss.into_scalar().elem();

@@ -792,11 +792,8 @@ impl<const D: usize> ShardLoader<D> {
             if order.is_empty() {
                 return;
             }
-            let mut ids = order
-                .iter()
-                .cycle()
-                .take(if cycle { usize::MAX } else { order.len() });
-            for &id in &mut ids {
+            let reads = if cycle { usize::MAX } else { order.len() };
+            for &id in order.iter().cycle().take(reads) {
                 let shard = set.read_shard(id);
                 let failed = shard.is_err();
                 if shard_tx.send(shard).is_err() || failed {

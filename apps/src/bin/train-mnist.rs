@@ -7,11 +7,11 @@ use anyhow::Result;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use clap::{Parser, ValueEnum};
-use ddp_apps::options::{TrainArgs, TrainConfig};
-use ddp_apps::train::{self, Task};
+use ddp_apps::options::{DataFormat, TrainArgs, TrainConfig};
+use ddp_apps::train::{self, Data, Task};
 use ddp_comm::ProcessGroup;
-use ddp_data::{ensure_mnist, Mnist, MnistSplit};
-use ddp_models::{MnistCnnConfig, MnistMlpConfig};
+use ddp_data::{ensure_mnist, Mnist, MnistSplit, ShardSet};
+use ddp_models::{FastOps, MnistCnnConfig, MnistMlpConfig};
 
 /// Which network.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -52,14 +52,27 @@ fn main() -> Result<()> {
         cuda_device,
     } = train::start(&cli.args, &defaults())?;
 
-    // One download per host: local rank 0 fetches, the others wait and then find the files.
-    if pg.local_rank() == 0 {
-        ensure_mnist(cfg.data_dir.as_deref())?;
-    }
-    pg.barrier()?;
-    let dir = ensure_mnist(cfg.data_dir.as_deref())?;
-    let train_set = Arc::new(Mnist::load(&dir, MnistSplit::Train)?);
-    let test_set = Arc::new(Mnist::load(&dir, MnistSplit::Test)?);
+    let (train_set, test_set) = match (cfg.data_format, &cfg.data_dir) {
+        // Streamed: each rank opens the indexes now (errors surface before training) and
+        // later reads only its own shards.
+        (DataFormat::Shards, Some(dir)) => (
+            Data::Shards(ShardSet::open(&dir.join("train"))?),
+            Data::Shards(ShardSet::open(&dir.join("test"))?),
+        ),
+        _ => {
+            // One download per host: local rank 0 fetches, the others wait and then find the
+            // files.
+            if pg.local_rank() == 0 {
+                ensure_mnist(cfg.data_dir.as_deref())?;
+            }
+            pg.barrier()?;
+            let dir = ensure_mnist(cfg.data_dir.as_deref())?;
+            (
+                Arc::new(Mnist::load(&dir, MnistSplit::Train)?).into(),
+                Arc::new(Mnist::load(&dir, MnistSplit::Test)?).into(),
+            )
+        }
+    };
 
     #[cfg(feature = "cuda")]
     if let Some(device) = cuda_device {
@@ -70,14 +83,17 @@ fn main() -> Result<()> {
 }
 
 /// Trains the chosen network on backend `B` (the same loop on the CPU and on GPUs).
-fn run<B: AutodiffBackend>(
+fn run<B: AutodiffBackend + FastOps>(
     model: ModelKind,
     cfg: &TrainConfig,
     pg: Arc<ProcessGroup>,
     device: B::Device,
-    train_set: Arc<Mnist>,
-    test_set: Arc<Mnist>,
-) -> Result<()> {
+    train_set: Data<Mnist>,
+    test_set: Data<Mnist>,
+) -> Result<()>
+where
+    B::InnerBackend: FastOps,
+{
     B::seed(&device, cfg.seed);
     match model {
         ModelKind::Cnn => {

@@ -47,6 +47,9 @@ fn main() -> Result<()> {
         cuda_device,
     } = train::start(&cli.args, &defaults())?;
 
+    if cfg.data_format != ddp_apps::options::DataFormat::Memory {
+        anyhow::bail!("train-pima reads its CSV into memory: --data-format shards is for MNIST");
+    }
     let table = PimaTable::load(cli.csv.as_deref())?;
     let split = table.split(cli.test_fraction, cfg.seed)?;
 
@@ -68,8 +71,8 @@ fn run<B: AutodiffBackend>(
     let task = Task {
         name: "pima-mlp".into(),
         model: PimaMlpConfig::new().init::<B>(&device),
-        train: Arc::new(split.train),
-        test: Arc::new(split.test),
+        train: Arc::new(split.train).into(),
+        test: Arc::new(split.test).into(),
     };
     train::train::<B, _, _, 2>(cfg, pg, device, task)?;
     Ok(())
