@@ -18,6 +18,7 @@ use burn::tensor::activation::{log_softmax, relu};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
+use crate::ops::{self, FastOps};
 use crate::{correct_argmax, materialize, nll_loss, Classifier};
 
 /// Configuration of [`MnistCnn`]. The defaults are the PyTorch tutorial's; set the dropout
@@ -72,11 +73,12 @@ impl MnistCnnConfig {
     }
 }
 
-impl<B: Backend> MnistCnn<B> {
+impl<B: FastOps> MnistCnn<B> {
     /// Log-probabilities `[batch, num_classes]` for images `[batch, 1, 28, 28]`.
     ///
     /// Dropout is active only on an autodiff backend (training); on the inner backend
-    /// (`model.valid()`) it is the identity, like PyTorch's `model.eval()`.
+    /// (`model.valid()`) it is the identity, like PyTorch's `model.eval()`. The convolutions
+    /// and the pool go through [`FastOps`] (the CPU backend's own kernels, burn's elsewhere).
     ///
     /// # Panics
     ///
@@ -88,9 +90,9 @@ impl<B: Backend> MnistCnn<B> {
             "MnistCnn expects images [batch, 1, 28, 28], got {:?}",
             images.dims()
         );
-        let x = relu(self.conv1.forward(images));
-        let x = relu(self.conv2.forward(x));
-        let x = self.pool.forward(x);
+        let x = relu(ops::conv2d(images, &self.conv1));
+        let x = relu(ops::conv2d(x, &self.conv2));
+        let x = ops::max_pool2d(x, &self.pool);
         let x = self.dropout1.forward(x);
         let x = x.flatten::<2>(1, 3);
         let x = relu(self.fc1.forward(x));
@@ -109,7 +111,7 @@ impl<B: Backend> MnistCnn<B> {
     }
 }
 
-impl<B: Backend> Classifier<B, 4> for MnistCnn<B> {
+impl<B: FastOps> Classifier<B, 4> for MnistCnn<B> {
     fn forward(&self, input: Tensor<B, 4>) -> Tensor<B, 2> {
         MnistCnn::forward(self, input)
     }

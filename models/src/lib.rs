@@ -35,12 +35,15 @@
 #![warn(missing_docs)]
 
 mod cnn;
+mod cpu_ops;
 mod mlp;
+pub mod ops;
 mod params;
 mod pima;
 
 pub use cnn::{MnistCnn, MnistCnnConfig};
 pub use mlp::{MnistMlp, MnistMlpConfig};
+pub use ops::FastOps;
 pub use params::{
     export_safetensors, param_specs, safetensors_bytes, ExportError, ParamSpec,
     SAFETENSORS_METADATA,

@@ -7,6 +7,7 @@
 
 mod bench_allreduce;
 mod bench_scaling;
+mod bench_step;
 mod gpu_check;
 mod shards;
 mod train;
@@ -32,6 +33,9 @@ enum Task {
     /// Train the CNN for a fixed number of steps at 1, 2 and 4 ranks: samples/s, efficiency,
     /// communication per step, peak RSS; writes a Markdown table, JSON and a PNG plot.
     BenchScaling(bench_scaling::Args),
+    /// Time one training step (forward, backward, Adam) of the CNN and the MLP at 1 thread and
+    /// at every core, ours and PyTorch's when torch is at hand, with the ratio.
+    BenchStep(bench_step::Args),
     /// On a machine with NVIDIA GPUs: NCCL collectives checked and timed at every world size,
     /// one MNIST epoch with --backend cuda, and PyTorch's epoch beside it when torch is there.
     GpuCheck(gpu_check::Args),
@@ -54,6 +58,7 @@ fn main() -> Result<()> {
     match Cli::parse().task {
         Task::BenchAllreduce(args) => bench_allreduce::run(args),
         Task::BenchScaling(args) => bench_scaling::run(args),
+        Task::BenchStep(args) => bench_step::run(args),
         Task::GpuCheck(args) => gpu_check::run(args),
         Task::MakeShards(args) => shards::make(args),
         Task::ImportH5(args) => shards::import(args),

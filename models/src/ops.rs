@@ -1,0 +1,388 @@
+//! The operations the models spend their time in, as a backend extension: [`FastOps`].
+//!
+//! The models call [`conv2d`] and [`max_pool2d`] instead of `Conv2d::forward` and
+//! `MaxPool2d::forward`. Both take burn's own layers (so the models keep their fields, their
+//! record layout and their PyTorch names) and end in a method of [`FastOps`], a trait every
+//! backend the models run on implements:
+//!
+//! - Its default methods are burn's own ops (`B::conv2d`, `B::conv2d_x_backward`, ...), so a
+//!   backend with an empty `impl FastOps` (burn-cuda) computes exactly what `Conv2d::forward`
+//!   would.
+//! - The CPU backend (`Flex`) overrides them with the kernels of [`crate::cpu_ops`]:
+//!   im2col + gemm straight on NCHW data, parallel over the images of the batch.
+//! - `Autodiff<B>` overrides the forward methods to record its own backward steps, which call
+//!   `B`'s gradient methods of this trait: on `Autodiff<Flex>` the backward pass runs the fast
+//!   kernels too, on `Autodiff<Cuda>` burn's.
+//!
+//! A layer configuration the fast path does not cover (groups, asymmetric or `Same`
+//! padding, `ceil_mode`) falls back to the layer's own `forward`, so every configuration gives
+//! burn's result.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::NodeId;
+use burn::backend::Autodiff;
+use burn::nn::conv::Conv2d;
+use burn::nn::pool::MaxPool2d;
+use burn::nn::PaddingConfig2d;
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor, MaxPool2dWithIndices};
+use burn::tensor::{Tensor, TensorPrimitive};
+
+/// Backend extension for the models' hot operations. Every method has a default that is
+/// burn's own op; a backend overrides the ones it has faster kernels for.
+///
+/// Shapes and semantics are those of burn's `ModuleOps` methods of the same name without the
+/// `fast_` prefix.
+pub trait FastOps: Backend {
+    /// 2-D convolution, NCHW, symmetric padding.
+    fn fast_conv2d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        Self::conv2d(x, weight, bias, options)
+    }
+
+    /// Gradient of [`FastOps::fast_conv2d`] with respect to its input.
+    fn fast_conv2d_x_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        Self::conv2d_x_backward(x, weight, output_grad, options)
+    }
+
+    /// Gradient of [`FastOps::fast_conv2d`] with respect to its weight.
+    fn fast_conv2d_weight_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        Self::conv2d_weight_backward(x, weight, output_grad, options)
+    }
+
+    /// Gradient of [`FastOps::fast_conv2d`] with respect to its bias.
+    fn fast_conv2d_bias_backward(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        Self::conv2d_bias_backward(x, bias, output_grad)
+    }
+
+    /// 2-D max-pool, NCHW, with the flat index (`y * width + x`) of each maximum in its input
+    /// plane.
+    fn fast_max_pool2d_with_indices(
+        x: FloatTensor<Self>,
+        kernel_size: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+    ) -> MaxPool2dWithIndices<Self> {
+        Self::max_pool2d_with_indices(x, kernel_size, stride, padding, dilation, false)
+    }
+
+    /// Gradient of [`FastOps::fast_max_pool2d_with_indices`] with respect to its input.
+    fn fast_max_pool2d_backward(
+        x: FloatTensor<Self>,
+        kernel_size: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+        output_grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        Self::max_pool2d_with_indices_backward(
+            x,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            false,
+            output_grad,
+            indices,
+        )
+        .x_grad
+    }
+}
+
+/// `conv.forward(x)`, through [`FastOps::fast_conv2d`] where the layer's configuration allows
+/// (one group, symmetric padding), else through the layer itself.
+pub fn conv2d<B: FastOps>(x: Tensor<B, 4>, conv: &Conv2d<B>) -> Tensor<B, 4> {
+    let padding = match conv.padding {
+        PaddingConfig2d::Valid => Some([0, 0]),
+        PaddingConfig2d::Explicit(top, left, bottom, right) if top == bottom && left == right => {
+            Some([top, left])
+        }
+        _ => None,
+    };
+    let Some(padding) = padding.filter(|_| conv.groups == 1) else {
+        return conv.forward(x);
+    };
+    let options = ConvOptions::new(conv.stride, padding, conv.dilation, 1);
+    let out = B::fast_conv2d(
+        x.into_primitive().tensor(),
+        conv.weight.val().into_primitive().tensor(),
+        conv.bias
+            .as_ref()
+            .map(|b| b.val().into_primitive().tensor()),
+        options,
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+/// `pool.forward(x)`, through [`FastOps::fast_max_pool2d_with_indices`] where the layer's
+/// configuration allows (symmetric padding, no `ceil_mode`), else through the layer itself.
+pub fn max_pool2d<B: FastOps>(x: Tensor<B, 4>, pool: &MaxPool2d) -> Tensor<B, 4> {
+    let padding = match pool.padding {
+        PaddingConfig2d::Valid => Some([0, 0]),
+        PaddingConfig2d::Explicit(top, left, bottom, right) if top == bottom && left == right => {
+            Some([top, left])
+        }
+        _ => None,
+    };
+    let Some(padding) = padding.filter(|_| !pool.ceil_mode) else {
+        return pool.forward(x);
+    };
+    let out = B::fast_max_pool2d_with_indices(
+        x.into_primitive().tensor(),
+        pool.kernel_size,
+        pool.stride,
+        padding,
+        pool.dilation,
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(out.output))
+}
+
+/// Backward step of [`FastOps::fast_conv2d`] with a bias on `Autodiff`: parents input, weight
+/// and bias; state: their checkpointed values and the options.
+#[derive(Debug)]
+struct FastConv2dBackward;
+
+/// Backward step of [`FastOps::fast_conv2d`] without a bias: parents input and weight.
+#[derive(Debug)]
+struct FastConv2dNoBiasBackward;
+
+/// Registers the input's and the weight's gradients of a convolution (those whose nodes
+/// require one).
+fn conv2d_x_weight_grads<B: FastOps>(
+    [node_x, node_weight]: [Option<NodeId>; 2],
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    options: ConvOptions<2>,
+    grads: &mut Gradients,
+) {
+    if let Some(node) = node_weight {
+        let g = B::fast_conv2d_weight_backward(
+            x.clone(),
+            weight.clone(),
+            grad.clone(),
+            options.clone(),
+        );
+        grads.register::<B>(node, g);
+    }
+    if let Some(node) = node_x {
+        let g = B::fast_conv2d_x_backward(x, weight, grad, options);
+        grads.register::<B>(node, g);
+    }
+}
+
+impl<B: FastOps> Backward<B, 3> for FastConv2dBackward {
+    type State = (NodeId, NodeId, NodeId, ConvOptions<2>);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let [node_x, node_weight, node_bias] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x_state, weight_state, bias_state, options) = ops.state;
+        let x = checkpointer.retrieve_node_output::<FloatTensor<B>>(x_state);
+        let weight = checkpointer.retrieve_node_output::<FloatTensor<B>>(weight_state);
+        let bias = checkpointer.retrieve_node_output::<FloatTensor<B>>(bias_state);
+        if let Some(node) = node_bias {
+            let g = B::fast_conv2d_bias_backward(x.clone(), bias, grad.clone());
+            grads.register::<B>(node.id, g);
+        }
+        conv2d_x_weight_grads::<B>(
+            [node_x.map(|n| n.id), node_weight.map(|n| n.id)],
+            x,
+            weight,
+            grad,
+            options,
+            grads,
+        );
+    }
+}
+
+impl<B: FastOps> Backward<B, 2> for FastConv2dNoBiasBackward {
+    type State = (NodeId, NodeId, ConvOptions<2>);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (x_state, weight_state, options) = ops.state;
+        let x = checkpointer.retrieve_node_output::<FloatTensor<B>>(x_state);
+        let weight = checkpointer.retrieve_node_output::<FloatTensor<B>>(weight_state);
+        let [node_x, node_weight] = ops.parents;
+        conv2d_x_weight_grads::<B>(
+            [node_x.map(|n| n.id), node_weight.map(|n| n.id)],
+            x,
+            weight,
+            grad,
+            options,
+            grads,
+        );
+    }
+}
+
+/// Backward step of [`FastOps::fast_max_pool2d_with_indices`] on `Autodiff`: one parent, the
+/// input; state: its checkpoint, the indices of the maxima and the pool's geometry.
+#[derive(Debug)]
+struct FastMaxPool2dBackward;
+
+/// State of [`FastMaxPool2dBackward`]: input, indices, kernel, stride, padding, dilation.
+type PoolState<B> = (
+    NodeId,
+    IntTensor<B>,
+    [usize; 2],
+    [usize; 2],
+    [usize; 2],
+    [usize; 2],
+);
+
+impl<B: FastOps> Backward<B, 1> for FastMaxPool2dBackward {
+    type State = PoolState<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let [node_x] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x_state, indices, kernel, stride, padding, dilation) = ops.state;
+        let x = checkpointer.retrieve_node_output::<FloatTensor<B>>(x_state);
+        if let Some(node) = node_x {
+            let g =
+                B::fast_max_pool2d_backward(x, kernel, stride, padding, dilation, grad, indices);
+            grads.register::<B>(node.id, g);
+        }
+    }
+}
+
+/// The autodiff decorator: forward through the inner backend's fast ops, backward through its
+/// fast gradient methods. The gradient methods themselves are never called on `Autodiff` by
+/// these steps; their defaults (burn's ops on `Autodiff`) stay.
+impl<B: FastOps, C: CheckpointStrategy> FastOps for Autodiff<B, C> {
+    fn fast_conv2d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        let Some(bias) = bias else {
+            return match FastConv2dNoBiasBackward
+                .prepare::<C>([x.node.clone(), weight.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(mut prep) => {
+                    let x_state = prep.checkpoint(&x);
+                    let weight_state = prep.checkpoint(&weight);
+                    let out = B::fast_conv2d(x.primitive, weight.primitive, None, options.clone());
+                    prep.finish((x_state, weight_state, options), out)
+                }
+                OpsKind::UnTracked(prep) => {
+                    prep.finish(B::fast_conv2d(x.primitive, weight.primitive, None, options))
+                }
+            };
+        };
+        match FastConv2dBackward
+            .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let x_state = prep.checkpoint(&x);
+                let weight_state = prep.checkpoint(&weight);
+                let bias_state = prep.checkpoint(&bias);
+                let out = B::fast_conv2d(
+                    x.primitive,
+                    weight.primitive,
+                    Some(bias.primitive),
+                    options.clone(),
+                );
+                prep.finish((x_state, weight_state, bias_state, options), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::fast_conv2d(
+                x.primitive,
+                weight.primitive,
+                Some(bias.primitive),
+                options,
+            )),
+        }
+    }
+
+    fn fast_max_pool2d_with_indices(
+        x: FloatTensor<Self>,
+        kernel_size: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+    ) -> MaxPool2dWithIndices<Self> {
+        match FastMaxPool2dBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let x_state = prep.checkpoint(&x);
+                let out = B::fast_max_pool2d_with_indices(
+                    x.primitive,
+                    kernel_size,
+                    stride,
+                    padding,
+                    dilation,
+                );
+                let state = (
+                    x_state,
+                    out.indices.clone(),
+                    kernel_size,
+                    stride,
+                    padding,
+                    dilation,
+                );
+                MaxPool2dWithIndices::new(prep.finish(state, out.output), out.indices)
+            }
+            OpsKind::UnTracked(prep) => {
+                let out = B::fast_max_pool2d_with_indices(
+                    x.primitive,
+                    kernel_size,
+                    stride,
+                    padding,
+                    dilation,
+                );
+                MaxPool2dWithIndices::new(prep.finish(out.output), out.indices)
+            }
+        }
+    }
+}
+
+/// burn-cuda keeps burn's own kernels.
+#[cfg(feature = "cuda")]
+impl FastOps for burn::backend::Cuda {}
