@@ -874,7 +874,7 @@ impl<const D: usize> BatchJob<D> {
         while emitted < self.target {
             group.clear();
             while group.len() < self.group_shards {
-                if received % self.pass_len == 0 && !group.is_empty() {
+                if received.is_multiple_of(self.pass_len) && !group.is_empty() {
                     break; // the end of a pass
                 }
                 match rx.recv() {

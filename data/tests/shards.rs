@@ -121,12 +121,15 @@ fn writer_round_trip() {
     assert_eq!(limited.read_shard(1).unwrap().labels, [0, 1, 2]);
 }
 
+/// A change that breaks an index.
+type Change = Box<dyn Fn(&mut ShardIndex)>;
+
 #[test]
 fn bad_indexes_name_the_file_and_field() {
     let dir = tempfile::tempdir().unwrap();
     let good = small_set(dir.path());
     let index_path = dir.path().join(INDEX_FILE);
-    let cases: Vec<(&str, Box<dyn Fn(&mut ShardIndex)>)> = vec![
+    let cases: Vec<(&str, Change)> = vec![
         ("version", Box::new(|i| i.version = 2)),
         ("format", Box::new(|i| i.format = "other".into())),
         ("num_samples", Box::new(|i| i.num_samples = 26)),
