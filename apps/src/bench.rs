@@ -1,7 +1,9 @@
 //! What the all-reduce benchmarks (`ddp-allreduce-bench`, `ddp-nccl-bench`) share: the checked
-//! value pattern and the summary of one size's timings.
+//! value pattern, the summary of one size's timings and its line in the table; the binaries
+//! keep only what differs (the transport and their JSON reports).
 
 use anyhow::{Context, Result};
+use ddp_comm::bytes::human_size;
 use ddp_comm::{ProcessGroup, ReduceOp};
 use serde::Serialize;
 
@@ -53,4 +55,25 @@ pub fn summarize(pg: &ProcessGroup, bytes: usize, times: Vec<f64>) -> Result<Siz
         algbw_gbs,
         busbw_gbs: algbw_gbs * 2.0 * (world as f64 - 1.0) / world as f64,
     })
+}
+
+/// The header of the table the benchmarks print on rank 0.
+pub fn table_header() -> String {
+    format!(
+        "{:>10} {:>6} {:>12} {:>12} {:>12} {:>12}  check",
+        "size", "iters", "median(us)", "min(us)", "algbw(GB/s)", "busbw(GB/s)"
+    )
+}
+
+/// One size's line in the table (every value was checked before it is printed).
+pub fn table_row(result: &SizeResult) -> String {
+    format!(
+        "{:>10} {:>6} {:>12.1} {:>12.1} {:>12.3} {:>12.3}  ok",
+        human_size(result.bytes),
+        result.iters,
+        result.median_s * 1e6,
+        result.min_s * 1e6,
+        result.algbw_gbs,
+        result.busbw_gbs
+    )
 }

@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
+use ddp_comm::bytes::human_size;
 use serde::{Deserialize, Serialize};
 
 use crate::{train, util};
@@ -432,14 +433,4 @@ fn markdown(report: &Report) -> String {
         (None, None) => {}
     }
     md
-}
-
-/// `4096` as `4 KiB`, `1048576` as `1 MiB`; other sizes in bytes.
-fn human_size(bytes: usize) -> String {
-    for (shift, unit) in [(30, "GiB"), (20, "MiB"), (10, "KiB")] {
-        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
-            return format!("{} {unit}", bytes >> shift);
-        }
-    }
-    format!("{bytes} B")
 }

@@ -20,8 +20,8 @@
 //! `busbw = algbw * 2(N-1)/N`. Rank 0 prints the table and writes JSON (the same shape as
 //! `ddp-allreduce-bench`'s, implementation `nccl`) when asked.
 
-use ddp_apps::bench::{pattern, summarize, SizeResult};
-use ddp_comm::bytes::{human_size, parse_size};
+use ddp_apps::bench::{self, pattern, summarize, SizeResult};
+use ddp_comm::bytes::parse_size;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -100,24 +100,13 @@ fn main() -> Result<()> {
             "all_reduce(f32, sum) over {world} ranks, {} per iteration",
             args.batch
         );
-        println!(
-            "{:>10} {:>6} {:>12} {:>12} {:>12} {:>12}  check",
-            "size", "iters", "median(us)", "min(us)", "algbw(GB/s)", "busbw(GB/s)"
-        );
+        println!("{}", bench::table_header());
     }
     let mut results = Vec::new();
     for &bytes in &args.sizes {
         let result = bench_size(&pg, &nccl, bytes, &args)?;
         if rank == 0 {
-            println!(
-                "{:>10} {:>6} {:>12.1} {:>12.1} {:>12.3} {:>12.3}  ok",
-                human_size(bytes),
-                result.iters,
-                result.median_s * 1e6,
-                result.min_s * 1e6,
-                result.algbw_gbs,
-                result.busbw_gbs
-            );
+            println!("{}", bench::table_row(&result));
         }
         results.push(result);
     }
