@@ -6,7 +6,8 @@
 //! (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_TASKS_PER_NODE`/`SLURM_NODEID`, the
 //! first host of `SLURM_JOB_NODELIST`, a port derived from `SLURM_JOB_ID`), then the defaults of
 //! a single process (rank 0 of 1). Slurm's variables are used only when neither `RANK` nor
-//! `WORLD_SIZE` is set. The variables `DDP_TIMEOUT`, `DDP_CONNECT_TIMEOUT` (seconds),
+//! `WORLD_SIZE` is set. The variables `DDP_TIMEOUT`, `DDP_CONNECT_TIMEOUT`, `DDP_PEER_TIMEOUT`
+//! (seconds),
 //! `DDP_TOKEN`, `DDP_JOB_ID`, `DDP_SEGMENT_BYTES` and `DDP_SMALL_ALLREDUCE_BYTES` apply in every
 //! case.
 
@@ -18,6 +19,9 @@ use crate::group::ProcessGroup;
 
 /// Default deadline of every wait on a peer (a peer silent this long fails the group): 300 s.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default liveness deadline: a peer from which nothing (not even a heartbeat) arrives for this
+/// long is declared dead, whatever the collective deadline: 10 s.
+pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default deadline for reaching the rendezvous store and the peers at start-up: 300 s.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default master port when neither `MASTER_PORT` nor Slurm gives one (torchrun's default).
@@ -61,6 +65,12 @@ pub struct GroupConfig {
     pub timeout: Duration,
     /// Deadline for reaching the store and the peers while the group forms.
     pub connect_timeout: Duration,
+    /// Liveness deadline (`DDP_PEER_TIMEOUT`): every connection carries heartbeats from a thread
+    /// of its own, independent of the training loop, and a peer silent this long (frozen,
+    /// stopped, cut off by the network) is declared dead and named. A peer that is alive but
+    /// busy outside collectives keeps sending heartbeats and never trips it; a peer alive but not
+    /// entering a collective (a desync) is caught by `timeout` instead.
+    pub peer_timeout: Duration,
     /// Shared secret every connection must present (`DDP_TOKEN`), if any.
     pub token: Option<String>,
     /// The launcher's name for this job (`DDP_JOB_ID`, set by ddprun), if any. When set, a
@@ -87,6 +97,7 @@ impl Default for GroupConfig {
             master_port: DEFAULT_MASTER_PORT,
             timeout: DEFAULT_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            peer_timeout: DEFAULT_PEER_TIMEOUT,
             token: None,
             job_id: None,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
@@ -140,6 +151,7 @@ pub struct GroupBuilder {
     master_port: Option<u16>,
     timeout: Option<Duration>,
     connect_timeout: Option<Duration>,
+    peer_timeout: Option<Duration>,
     token: Option<String>,
     job_id: Option<String>,
     segment_bytes: Option<usize>,
@@ -187,6 +199,12 @@ impl GroupBuilder {
     /// Deadline for reaching the store and the peers while the group forms (default 300 s).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = Some(timeout);
+        self
+    }
+    /// Liveness deadline: a peer silent this long, heartbeats included, is declared dead
+    /// (overrides `DDP_PEER_TIMEOUT`; default 10 s).
+    pub fn peer_timeout(mut self, timeout: Duration) -> Self {
+        self.peer_timeout = Some(timeout);
         self
     }
     /// Shared secret that every connection must present (overrides `DDP_TOKEN`).
@@ -492,8 +510,18 @@ fn resolve(
         Some(t) => t,
         None => parse_seconds(env, "DDP_CONNECT_TIMEOUT")?.unwrap_or(DEFAULT_CONNECT_TIMEOUT),
     };
+    let peer_timeout = match b.peer_timeout {
+        Some(t) => t,
+        None => parse_seconds(env, "DDP_PEER_TIMEOUT")?.unwrap_or(DEFAULT_PEER_TIMEOUT),
+    };
     if timeout.is_zero() {
         return Err(CommError::config("timeout", "the timeout must be positive"));
+    }
+    if peer_timeout < Duration::from_millis(100) {
+        return Err(CommError::config(
+            "DDP_PEER_TIMEOUT",
+            format!("{peer_timeout:?} is too short: at least 0.1 s (heartbeats are sent every 1/5 of it)"),
+        ));
     }
     if connect_timeout.is_zero() {
         return Err(CommError::config(
@@ -552,6 +580,7 @@ fn resolve(
         master_port,
         timeout,
         connect_timeout,
+        peer_timeout,
         token,
         job_id,
         segment_bytes,

@@ -159,6 +159,20 @@ pub enum CommError {
         /// The peer's own error message.
         cause: String,
     },
+    /// Nothing arrived from a peer, not even a heartbeat, for the liveness deadline
+    /// (`DDP_PEER_TIMEOUT`): it is frozen (stopped, swapping, stuck in the kernel) or the network
+    /// between the two is cut.
+    #[error(
+        "rank {peer} is unresponsive: nothing, not even a heartbeat, arrived from it at rank          {rank} for {silent_for:.1?} (DDP_PEER_TIMEOUT); the process is frozen or stopped, or the          network between rank {rank} and rank {peer} is cut"
+    )]
+    PeerSilent {
+        /// This rank.
+        rank: usize,
+        /// The silent peer.
+        peer: usize,
+        /// How long it has been silent.
+        silent_for: Duration,
+    },
     /// A peer stayed silent past the deadline.
     #[error("rank {rank} timed out after {timeout:?} waiting for rank {peer} in {op}")]
     Timeout {
@@ -271,6 +285,7 @@ impl CommError {
             CommError::PeerClosed { peer, .. }
             | CommError::PeerLeft { peer, .. }
             | CommError::PeerIo { peer, .. }
+            | CommError::PeerSilent { peer, .. }
             | CommError::Timeout { peer, .. }
             | CommError::Mismatch { peer, .. }
             | CommError::Protocol { peer, .. } => Some(*peer),

@@ -390,7 +390,13 @@ impl ProcessGroup {
         let local_ip = store.local_addr().ip();
         let streams = connect_mesh(&me, &store, local_ip, &config.master_addr, deadline)?;
         let max_frame = segment_bytes.max(8);
-        let mesh = Mesh::start(rank, streams, config.timeout, max_frame)?;
+        let mesh = Mesh::start(
+            rank,
+            streams,
+            config.timeout,
+            config.peer_timeout,
+            max_frame,
+        )?;
         tracing::debug!(
             "rank {rank}: joined a group of {} (job {})",
             config.world_size,

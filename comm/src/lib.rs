@@ -44,8 +44,8 @@ mod wire;
 pub use algorithms::chunk_range;
 pub use config::{
     default_small_allreduce_bytes, first_host, GroupBuilder, GroupConfig, DEFAULT_CONNECT_TIMEOUT,
-    DEFAULT_MASTER_PORT, DEFAULT_SEGMENT_BYTES, DEFAULT_SMALL_ALLREDUCE_BYTES, DEFAULT_TIMEOUT,
-    MAX_SEGMENT_BYTES,
+    DEFAULT_MASTER_PORT, DEFAULT_PEER_TIMEOUT, DEFAULT_SEGMENT_BYTES,
+    DEFAULT_SMALL_ALLREDUCE_BYTES, DEFAULT_TIMEOUT, MAX_SEGMENT_BYTES,
 };
 pub use element::{DType, Element, ReduceOp};
 pub use error::CommError;

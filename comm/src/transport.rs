@@ -568,6 +568,8 @@ enum Outgoing {
     /// The error text and the rank it blames.
     Abort(String, Option<usize>),
     Goodbye,
+    /// "Still alive", from the liveness thread.
+    Heartbeat,
 }
 
 /// What a reader thread hands the communication thread.
@@ -592,6 +594,8 @@ pub(crate) struct Shared {
     /// Counts frames received and collectives finished: [`crate::Work::wait`]'s evidence that
     /// the group is still making progress.
     pub progress: AtomicU64,
+    /// Time origin of the links' `heard` stamps.
+    epoch: Instant,
 }
 
 impl Shared {
@@ -607,10 +611,12 @@ impl Shared {
             writers: Mutex::new(Vec::new()),
             lost: Mutex::new(Vec::new()),
             progress: AtomicU64::new(0),
+            epoch: Instant::now(),
         }
     }
 
-    /// A connection was lost (`err` is [`CommError::PeerClosed`] or [`CommError::PeerIo`]):
+    /// A connection was lost (`err` is [`CommError::PeerClosed`], [`CommError::PeerIo`] or
+    /// [`CommError::PeerSilent`]):
     /// evidence, not yet a verdict. Waits up to [`LOSS_GRACE`] for the group to fail for a
     /// better-explained reason (an ABORT naming an earlier root cause); if none comes, fails the
     /// group with the first connection lost. Blocks the calling thread (a reader or writer that
@@ -684,6 +690,8 @@ struct Link {
     rx: Receiver<Incoming>,
     stream: TcpStream,
     goodbye: Arc<AtomicBool>,
+    /// When the last frame from the peer arrived, in ms since `Shared::epoch`.
+    heard: Arc<AtomicU64>,
     writer: Option<JoinHandle<()>>,
     reader: Option<JoinHandle<()>>,
 }
@@ -698,6 +706,8 @@ pub(crate) struct Mesh {
     /// Disconnected once every reader and writer thread has ended.
     threads_done: Receiver<()>,
     pool: Arc<Pool>,
+    /// The liveness thread, and the sender whose drop stops it.
+    liveness: Option<(Sender<()>, JoinHandle<()>)>,
 }
 
 impl Mesh {
@@ -707,6 +717,7 @@ impl Mesh {
         rank: usize,
         streams: Vec<Option<TcpStream>>,
         timeout: Duration,
+        peer_timeout: Duration,
         max_frame: usize,
     ) -> Result<Mesh, CommError> {
         let world = streams.len();
@@ -732,6 +743,7 @@ impl Mesh {
             let (tx, wrx) = unbounded();
             let (rtx, rx) = unbounded();
             let goodbye = Arc::new(AtomicBool::new(false));
+            let heard = Arc::new(AtomicU64::new(0));
             let w_stream = stream.try_clone().map_err(|e| io_err(peer, e))?;
             let r_stream = stream.try_clone().map_err(|e| io_err(peer, e))?;
             let (sh, gb, done) = (shared.clone(), goodbye.clone(), done_tx.clone());
@@ -743,16 +755,18 @@ impl Mesh {
                         peer,
                         shared: sh,
                         goodbye: gb,
+                        heard: None,
                     };
                     writer_loop(w_stream, side, wrx, timeout);
                     drop(done);
                 })
                 .map_err(|e| io_err(peer, e))?;
-            let (sh, gb, done, pl) = (
+            let (sh, gb, done, pl, hd) = (
                 shared.clone(),
                 goodbye.clone(),
                 done_tx.clone(),
                 pool.clone(),
+                heard.clone(),
             );
             let reader = std::thread::Builder::new()
                 .name(format!("ddp-r{rank}<-{peer}"))
@@ -762,6 +776,7 @@ impl Mesh {
                         peer,
                         shared: sh,
                         goodbye: gb,
+                        heard: Some(hd),
                     };
                     reader_loop(r_stream, side, rtx, pl, max_frame);
                     drop(done);
@@ -773,10 +788,12 @@ impl Mesh {
                 rx,
                 stream,
                 goodbye,
+                heard,
                 writer: Some(writer),
                 reader: Some(reader),
             }));
         }
+        let liveness = start_liveness(rank, &links, &shared, peer_timeout)?;
         Ok(Mesh {
             rank,
             world,
@@ -785,6 +802,7 @@ impl Mesh {
             timeout,
             threads_done,
             pool,
+            liveness: Some(liveness),
         })
     }
 
@@ -906,6 +924,10 @@ impl Drop for Mesh {
     /// their side, then close whatever is left (a stuck peer cannot hold this up).
     fn drop(&mut self) {
         self.shared.closing.store(true, Ordering::Release);
+        if let Some((stop, thread)) = self.liveness.take() {
+            drop(stop);
+            let _ = thread.join();
+        }
         for link in self.links.iter().flatten() {
             let _ = link.tx.send(Outgoing::Goodbye);
         }
@@ -934,6 +956,71 @@ struct LinkSide {
     peer: usize,
     shared: Arc<Shared>,
     goodbye: Arc<AtomicBool>,
+    /// The reader's: stamped with every frame that arrives.
+    heard: Option<Arc<AtomicU64>>,
+}
+
+/// Starts the liveness thread of a mesh: every `peer_timeout / 5` (20 ms to 1 s) it queues a
+/// HEARTBEAT on every link and looks at when each peer was last heard from. A peer silent for
+/// `peer_timeout` (no frame at all: its own liveness thread would have sent several) is lost
+/// ([`CommError::PeerSilent`], through [`Shared::peer_lost`] like a closed socket).
+///
+/// Why a thread of its own: liveness must not depend on the training loop. A rank busy in a
+/// long step keeps sending heartbeats and is never declared dead; a rank that is frozen
+/// (SIGSTOP, a hung kernel call) or cut off by the network sends nothing, and is named within
+/// `peer_timeout` instead of at the collective deadline (minutes). A peer that is alive but
+/// never enters a collective (a desync) is still caught by the collective deadline.
+fn start_liveness(
+    rank: usize,
+    links: &[Option<Link>],
+    shared: &Arc<Shared>,
+    peer_timeout: Duration,
+) -> Result<(Sender<()>, JoinHandle<()>), CommError> {
+    let interval = (peer_timeout / 5).clamp(Duration::from_millis(20), Duration::from_secs(1));
+    let watched: Vec<(usize, Sender<Outgoing>, Arc<AtomicU64>, Arc<AtomicBool>)> = links
+        .iter()
+        .enumerate()
+        .filter_map(|(peer, l)| {
+            l.as_ref()
+                .map(|l| (peer, l.tx.clone(), l.heard.clone(), l.goodbye.clone()))
+        })
+        .collect();
+    let shared = shared.clone();
+    let (stop, stopped) = crossbeam_channel::bounded::<()>(0);
+    let limit = peer_timeout.as_millis() as u64;
+    let thread = std::thread::Builder::new()
+        .name(format!("ddp-live-{rank}"))
+        .spawn(move || loop {
+            if shared.is_failed() || shared.closing.load(Ordering::Acquire) {
+                return;
+            }
+            for (_, tx, _, _) in &watched {
+                let _ = tx.send(Outgoing::Heartbeat);
+            }
+            let now = shared.epoch.elapsed().as_millis() as u64;
+            let silent = watched.iter().find(|(_, _, heard, goodbye)| {
+                !goodbye.load(Ordering::Acquire)
+                    && now.saturating_sub(heard.load(Ordering::Relaxed)) > limit
+            });
+            if let Some((peer, _, heard, _)) = silent {
+                let silent_for = now.saturating_sub(heard.load(Ordering::Relaxed));
+                shared.peer_lost(CommError::PeerSilent {
+                    rank,
+                    peer: *peer,
+                    silent_for: Duration::from_millis(silent_for),
+                });
+                return;
+            }
+            match stopped.recv_timeout(interval) {
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+                _ => return, // the mesh is closing
+            }
+        })
+        .map_err(|e| CommError::Internal {
+            rank,
+            message: format!("cannot start the liveness thread: {e}"),
+        })?;
+    Ok((stop, thread))
 }
 
 fn writer_loop(mut stream: TcpStream, side: LinkSide, rx: Receiver<Outgoing>, timeout: Duration) {
@@ -942,14 +1029,22 @@ fn writer_loop(mut stream: TcpStream, side: LinkSide, rx: Receiver<Outgoing>, ti
         peer,
         shared,
         goodbye,
+        ..
     } = side;
+    let heartbeat = Header::control(FrameKind::Heartbeat, 0);
     for msg in rx.iter() {
         match msg {
-            Outgoing::Data(header, buf) => {
+            Outgoing::Data(..) | Outgoing::Heartbeat => {
                 if shared.is_failed() {
                     continue; // the protocol is over; only the ABORT matters now
                 }
-                if let Err(e) = wire::write_frame(&mut stream, &header, buf.as_bytes()) {
+                let written = match &msg {
+                    Outgoing::Data(header, buf) => {
+                        wire::write_frame(&mut stream, header, buf.as_bytes())
+                    }
+                    _ => wire::write_frame(&mut stream, &heartbeat, &[]),
+                };
+                if let Err(e) = written {
                     if !shared.closing.load(Ordering::Acquire) {
                         let err = if goodbye.load(Ordering::Acquire) {
                             CommError::PeerLeft { rank, peer }
@@ -1010,6 +1105,7 @@ fn reader_loop(
         peer,
         shared,
         goodbye,
+        heard,
     } = side;
     let mut reader = BufReader::with_capacity(64 << 10, &stream);
     let protocol = |message: String| CommError::Protocol {
@@ -1026,6 +1122,9 @@ fn reader_loop(
             Ok(h) => h,
             Err(msg) => break Some(protocol(msg)),
         };
+        if let Some(heard) = &heard {
+            heard.store(shared.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+        }
         let len = header.payload_len as usize;
         match header.kind {
             FrameKind::Data => {
@@ -1062,6 +1161,13 @@ fn reader_loop(
                     blamed,
                     cause,
                 });
+            }
+            FrameKind::Heartbeat => {
+                if len != 0 {
+                    break Some(protocol(format!(
+                        "a HEARTBEAT with a payload of {len} bytes"
+                    )));
+                }
             }
             FrameKind::Goodbye => {
                 goodbye.store(true, Ordering::Release);

@@ -12,7 +12,7 @@
 //! ```text
 //! offset size field
 //!  0     4    magic         b"DDPC"
-//!  4     2    version       PROTOCOL_VERSION (1)
+//!  4     2    version       PROTOCOL_VERSION (2: heartbeats)
 //!  6     1    kind          1 HELLO to the store, 2 HELLO to a peer, 3 ACCEPT, 4 REJECT
 //!  7     1    reserved      0
 //!  8     16   job id        peers: random, made by rank 0 and published in the store (or
@@ -36,7 +36,7 @@
 //! ```text
 //! offset size field
 //!  0     4    marker        b"DDPF" (catches a desynchronised stream at once)
-//!  4     1    kind          1 DATA, 2 ABORT, 3 GOODBYE
+//!  4     1    kind          1 DATA, 2 ABORT, 3 GOODBYE, 4 HEARTBEAT
 //!  5     1    op            1 all_reduce, 2 broadcast, 3 all_gather, 4 reduce_scatter, 5 barrier,
 //!                           6 start-up barrier (ends every group's start-up; not numbered)
 //!  6     1    dtype         1 f32, 2 f64, 3 bf16, 4 f16, 5 i32, 6 i64, 7 u8
@@ -60,7 +60,9 @@
 //! frame would be meaningless; the header's `arg` names the rank the sender blames (u32::MAX:
 //! none) and the receiver fails with `rank K failed first (reported by rank X: <text>)`. GOODBYE (no
 //! payload) says the sender dropped its group cleanly; the connection's close after it is not an
-//! error, but waiting for data from that peer afterwards is.
+//! error, but waiting for data from that peer afterwards is. HEARTBEAT (no payload) says only
+//! "still alive": every link carries one every `DDP_PEER_TIMEOUT / 5` from a thread of its own,
+//! and a peer from which no frame at all arrives for `DDP_PEER_TIMEOUT` is declared dead.
 //!
 //! # Rendezvous store (after the handshake, on a store connection)
 //!
@@ -80,7 +82,7 @@ use crate::element::{DType, ReduceOp};
 /// Magic bytes that open every handshake.
 pub(crate) const MAGIC: [u8; 4] = *b"DDPC";
 /// Version of this wire format; both sides must have the same.
-pub(crate) const PROTOCOL_VERSION: u16 = 1;
+pub(crate) const PROTOCOL_VERSION: u16 = 2;
 /// Longest token a handshake may carry.
 pub const MAX_TOKEN_BYTES: usize = 1024;
 /// Longest text (token or reject reason) a handshake may carry.
@@ -237,6 +239,7 @@ pub(crate) enum FrameKind {
     Data = 1,
     Abort = 2,
     Goodbye = 3,
+    Heartbeat = 4,
 }
 
 /// The collective a DATA frame belongs to.
@@ -371,6 +374,7 @@ impl Header {
             1 => FrameKind::Data,
             2 => FrameKind::Abort,
             3 => FrameKind::Goodbye,
+            4 => FrameKind::Heartbeat,
             k => return Err(format!("unknown frame kind {k}")),
         };
         Ok(Header {
