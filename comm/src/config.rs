@@ -71,6 +71,9 @@ pub struct GroupConfig {
     /// busy outside collectives keeps sending heartbeats and never trips it; a peer alive but not
     /// entering a collective (a desync) is caught by `timeout` instead.
     pub peer_timeout: Duration,
+    /// Where the flight recorder writes `flight-rank<R>.json` on a failure, a timeout or
+    /// SIGUSR1 (`DDP_TRACE_DIR`; `None`: nowhere, and SIGUSR1 keeps its default action).
+    pub trace_dir: Option<std::path::PathBuf>,
     /// Shared secret every connection must present (`DDP_TOKEN`), if any.
     pub token: Option<String>,
     /// The launcher's name for this job (`DDP_JOB_ID`, set by ddprun), if any. When set, a
@@ -98,6 +101,7 @@ impl Default for GroupConfig {
             timeout: DEFAULT_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             peer_timeout: DEFAULT_PEER_TIMEOUT,
+            trace_dir: None,
             token: None,
             job_id: None,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
@@ -152,6 +156,7 @@ pub struct GroupBuilder {
     timeout: Option<Duration>,
     connect_timeout: Option<Duration>,
     peer_timeout: Option<Duration>,
+    trace_dir: Option<std::path::PathBuf>,
     token: Option<String>,
     job_id: Option<String>,
     segment_bytes: Option<usize>,
@@ -205,6 +210,11 @@ impl GroupBuilder {
     /// (overrides `DDP_PEER_TIMEOUT`; default 10 s).
     pub fn peer_timeout(mut self, timeout: Duration) -> Self {
         self.peer_timeout = Some(timeout);
+        self
+    }
+    /// Directory for the flight recorder's dumps (overrides `DDP_TRACE_DIR`).
+    pub fn trace_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.trace_dir = Some(dir.into());
         self
     }
     /// Shared secret that every connection must present (overrides `DDP_TOKEN`).
@@ -529,6 +539,12 @@ fn resolve(
             "the connect timeout must be positive",
         ));
     }
+    let trace_dir = match &b.trace_dir {
+        Some(d) => Some(d.clone()),
+        None => env(crate::flight::TRACE_DIR_ENV)
+            .filter(|d| !d.is_empty())
+            .map(std::path::PathBuf::from),
+    };
     let token = match &b.token {
         Some(t) => Some(t.clone()),
         None => env("DDP_TOKEN").filter(|t| !t.is_empty()),
@@ -581,6 +597,7 @@ fn resolve(
         timeout,
         connect_timeout,
         peer_timeout,
+        trace_dir,
         token,
         job_id,
         segment_bytes,

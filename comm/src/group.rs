@@ -18,6 +18,7 @@ use crate::algorithms::{self, Ctx};
 use crate::config::{GroupBuilder, GroupConfig};
 use crate::element::{DType, Element, ReduceOp};
 use crate::error::CommError;
+use crate::flight::{CollectiveRecord, FlightRecorder};
 use crate::store::{Store, StoreServer};
 use crate::transport::{connect_mesh, remaining, Identity, Mesh, Shared, STALL_MARGIN};
 use crate::wire::{self, OpDesc, OpKind};
@@ -43,6 +44,8 @@ pub struct ProcessGroup {
     _server: Option<StoreServer>,
     /// The mesh's shared state (failure, progress), for [`Work`] handles.
     shared: Option<Arc<Shared>>,
+    /// The last collectives (`None` at world size 1).
+    flight: Option<Arc<FlightRecorder>>,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -62,6 +65,9 @@ struct Engine {
     seq: u64,
     segment_bytes: usize,
     small_bytes: usize,
+    flight: Arc<FlightRecorder>,
+    /// The flight-recorder index of the job being run (set by the job, taken by `run`).
+    record: Option<u64>,
 }
 
 impl Engine {
@@ -91,6 +97,27 @@ impl Engine {
             arg,
         };
         self.seq += 1;
+        let record = self.record.take();
+        if let Some(i) = record {
+            self.flight.start(i, desc.seq);
+        }
+        let result = self.run_desc(desc, f);
+        if let Some(i) = record {
+            self.flight
+                .finish(i, result.as_ref().err().map(|e| e.to_string()));
+        }
+        if result.is_err() {
+            self.flight.dump("failure");
+        }
+        result
+    }
+
+    /// [`Engine::run`] once the collective is numbered.
+    fn run_desc<R>(
+        &mut self,
+        desc: OpDesc,
+        f: impl FnOnce(&Ctx) -> Result<R, CommError>,
+    ) -> Result<R, CommError> {
         let rank = self.mesh.rank;
         if let Some(cause) = self.mesh.shared().error() {
             return Err(CommError::GroupFailed {
@@ -146,6 +173,8 @@ pub struct Work<T> {
     what: String,
     /// The group's progress counter and deadline (`None` for a result known at submission).
     progress: Option<(Arc<Shared>, Duration)>,
+    /// The group's flight recorder, dumped when a wait gives up.
+    flight: Option<Arc<FlightRecorder>>,
 }
 
 impl<T> std::fmt::Debug for Work<T> {
@@ -166,6 +195,19 @@ impl<T> Work<T> {
             rank,
             what: String::new(),
             progress: None,
+            flight: None,
+        }
+    }
+
+    /// The flight recorder's dump for a wait that gave up.
+    fn timed_out(&self, op: String, waited: Duration) -> CommError {
+        if let Some(f) = &self.flight {
+            f.dump("timeout");
+        }
+        CommError::WaitTimeout {
+            rank: self.rank,
+            op,
+            waited,
         }
     }
 
@@ -200,15 +242,12 @@ impl<T> Work<T> {
                 seen = now;
                 last_move = Instant::now();
             } else if last_move.elapsed() >= stall_limit {
-                return Err(CommError::WaitTimeout {
-                    rank: self.rank,
-                    op: format!(
-                        "{} (no progress in the group for {:?})",
-                        self.what,
-                        last_move.elapsed()
-                    ),
-                    waited: start.elapsed(),
-                });
+                let op = format!(
+                    "{} (no progress in the group for {:?})",
+                    self.what,
+                    last_move.elapsed()
+                );
+                return Err(self.timed_out(op, start.elapsed()));
             }
         }
     }
@@ -220,11 +259,7 @@ impl<T> Work<T> {
         match self.rx.recv_timeout(timeout) {
             Ok(r) => r,
             Err(RecvTimeoutError::Disconnected) => self.finish(None),
-            Err(RecvTimeoutError::Timeout) => Err(CommError::WaitTimeout {
-                rank: self.rank,
-                op: self.what,
-                waited: timeout,
-            }),
+            Err(RecvTimeoutError::Timeout) => Err(self.timed_out(self.what.clone(), timeout)),
         }
     }
 
@@ -295,6 +330,7 @@ impl ProcessGroup {
                 store: None,
                 _server: None,
                 shared: None,
+                flight: None,
             });
         }
         if config.master_port == 0 && listener.is_none() {
@@ -390,12 +426,14 @@ impl ProcessGroup {
         let local_ip = store.local_addr().ip();
         let streams = connect_mesh(&me, &store, local_ip, &config.master_addr, deadline)?;
         let max_frame = segment_bytes.max(8);
+        let flight = FlightRecorder::new(rank, config.world_size, config.trace_dir.clone());
         let mesh = Mesh::start(
             rank,
             streams,
             config.timeout,
             config.peer_timeout,
             max_frame,
+            flight.clone(),
         )?;
         tracing::debug!(
             "rank {rank}: joined a group of {} (job {})",
@@ -410,6 +448,8 @@ impl ProcessGroup {
             seq: 0,
             segment_bytes,
             small_bytes,
+            flight: flight.clone(),
+            record: None,
         };
         engine.join()?;
 
@@ -435,7 +475,19 @@ impl ProcessGroup {
             store: Some(store),
             _server: server,
             shared: Some(shared),
+            flight: Some(flight),
         })
+    }
+
+    /// The group's flight recorder: its last [`crate::FLIGHT_RECORDS`] collectives, oldest
+    /// first, with their sequence numbers, states and wall-clock times (empty at world size 1,
+    /// where nothing is communicated). Also written to `DDP_TRACE_DIR` on a failure, a
+    /// timeout or SIGUSR1 (see [`crate::flight`]).
+    pub fn flight_records(&self) -> Vec<CollectiveRecord> {
+        self.flight
+            .as_ref()
+            .map(|f| f.records())
+            .unwrap_or_default()
     }
 
     /// This process's rank.
@@ -469,14 +521,21 @@ impl ProcessGroup {
     }
 
     /// Queues `f` for the communication thread; `what` describes it for a wait's timeout.
+    /// `op`, `dtype` and `count` go to the flight recorder.
     fn submit<R: Send + 'static>(
         &self,
         what: String,
+        (op, dtype, count): (OpKind, DType, usize),
         f: impl FnOnce(&mut Engine) -> Result<R, CommError> + Send + 'static,
     ) -> Work<R> {
         let rank = self.rank();
         let (tx, rx) = crossbeam_channel::bounded(1);
+        let record = self
+            .flight
+            .as_ref()
+            .map(|fl| fl.queue(op.name(), dtype.name(), count));
         let job: Job = Box::new(move |engine| {
+            engine.record = record;
             let _ = tx.send(f(engine));
             engine
                 .mesh
@@ -490,6 +549,7 @@ impl ProcessGroup {
                 rank,
                 what,
                 progress: Some((shared.clone(), self.config.timeout)),
+                flight: self.flight.clone(),
             },
             _ => Work::ready(rank, Err(CommError::ShutDown { rank })),
         }
@@ -501,7 +561,8 @@ impl ProcessGroup {
             return Work::ready(self.rank(), Ok(buf));
         }
         let what = format!("all_reduce of {} {}", buf.len(), T::DTYPE);
-        self.submit(what, move |e| {
+        let rec = (OpKind::AllReduce, T::DTYPE, buf.len());
+        self.submit(what, rec, move |e| {
             e.run(OpKind::AllReduce, T::DTYPE, buf.len(), op.to_wire(), |cx| {
                 algorithms::all_reduce(cx, &mut buf, op)
             })?;
@@ -529,7 +590,8 @@ impl ProcessGroup {
         if world == 1 {
             return Work::ready(self.rank(), Ok(buf));
         }
-        self.submit(what, move |e| {
+        let rec = (OpKind::Broadcast, T::DTYPE, buf.len());
+        self.submit(what, rec, move |e| {
             e.run(OpKind::Broadcast, T::DTYPE, buf.len(), root as u32, |cx| {
                 algorithms::broadcast(cx, &mut buf, root)
             })?;
@@ -544,7 +606,8 @@ impl ProcessGroup {
             return Work::ready(self.rank(), Ok(buf));
         }
         let what = format!("all_gather of {} {}", buf.len(), T::DTYPE);
-        self.submit(what, move |e| {
+        let rec = (OpKind::AllGather, T::DTYPE, buf.len());
+        self.submit(what, rec, move |e| {
             e.run(OpKind::AllGather, T::DTYPE, buf.len(), 0, |cx| {
                 algorithms::all_gather(cx, &buf)
             })
@@ -558,7 +621,8 @@ impl ProcessGroup {
             return Work::ready(self.rank(), Ok(buf));
         }
         let what = format!("reduce_scatter of {} {}", buf.len(), T::DTYPE);
-        self.submit(what, move |e| {
+        let rec = (OpKind::ReduceScatter, T::DTYPE, buf.len());
+        self.submit(what, rec, move |e| {
             e.run(
                 OpKind::ReduceScatter,
                 T::DTYPE,
@@ -574,7 +638,8 @@ impl ProcessGroup {
         if self.world_size() == 1 {
             return Work::ready(self.rank(), Ok(()));
         }
-        self.submit("barrier".into(), move |e| {
+        let rec = (OpKind::Barrier, DType::U8, 0);
+        self.submit("barrier".into(), rec, move |e| {
             e.run(OpKind::Barrier, DType::U8, 0, 0, algorithms::barrier)
         })
     }

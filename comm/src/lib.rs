@@ -23,6 +23,8 @@
 //!   propagation;
 //! - `algorithms.rs`: the ring all-reduce and the other collectives;
 //! - `group.rs`: [`ProcessGroup`], its communication thread and [`Work`];
+//! - `flight.rs`: the flight recorder (the last collectives, dumped on failure, timeout or
+//!   SIGUSR1) and the hang report merged from the ranks' dumps;
 //! - `element.rs`: [`Element`], [`DType`], [`ReduceOp`] and the reduction kernels;
 //! - `launch.rs`: the `ddprun` launcher library;
 //! - `nccl.rs` (feature `nccl`): `nccl::NcclGroup`, collectives on CUDA buffers through NCCL.
@@ -33,6 +35,7 @@ pub mod bytes;
 mod config;
 mod element;
 mod error;
+pub mod flight;
 mod group;
 pub mod launch;
 #[cfg(feature = "nccl")]
@@ -49,6 +52,7 @@ pub use config::{
 };
 pub use element::{DType, Element, ReduceOp};
 pub use error::CommError;
+pub use flight::{CollectiveRecord, RecordState, FLIGHT_RECORDS};
 pub use group::{ProcessGroup, Work};
 pub use store::Store;
 pub use wire::MAX_TOKEN_BYTES;

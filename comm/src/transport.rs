@@ -47,6 +47,7 @@ use crossbeam_channel::{select, unbounded, Receiver, Sender};
 
 use crate::element::Element;
 use crate::error::CommError;
+use crate::flight::FlightRecorder;
 use crate::wire::{self, FrameKind, Header, Hello, HelloKind, OpDesc, HEADER_BYTES};
 
 /// Longest a single handshake may take once connected.
@@ -719,6 +720,7 @@ impl Mesh {
         timeout: Duration,
         peer_timeout: Duration,
         max_frame: usize,
+        flight: Arc<FlightRecorder>,
     ) -> Result<Mesh, CommError> {
         let world = streams.len();
         let shared = Arc::new(Shared::new(rank));
@@ -793,7 +795,7 @@ impl Mesh {
                 reader: Some(reader),
             }));
         }
-        let liveness = start_liveness(rank, &links, &shared, peer_timeout)?;
+        let liveness = start_liveness(rank, &links, &shared, peer_timeout, flight)?;
         Ok(Mesh {
             rank,
             world,
@@ -970,11 +972,14 @@ struct LinkSide {
 /// (SIGSTOP, a hung kernel call) or cut off by the network sends nothing, and is named within
 /// `peer_timeout` instead of at the collective deadline (minutes). A peer that is alive but
 /// never enters a collective (a desync) is still caught by the collective deadline.
+///
+/// The same thread answers SIGUSR1 by dumping the flight recorder (see [`crate::flight`]).
 fn start_liveness(
     rank: usize,
     links: &[Option<Link>],
     shared: &Arc<Shared>,
     peer_timeout: Duration,
+    flight: Arc<FlightRecorder>,
 ) -> Result<(Sender<()>, JoinHandle<()>), CommError> {
     let interval = (peer_timeout / 5).clamp(Duration::from_millis(20), Duration::from_secs(1));
     let watched: Vec<(usize, Sender<Outgoing>, Arc<AtomicU64>, Arc<AtomicBool>)> = links
@@ -997,6 +1002,7 @@ fn start_liveness(
             for (_, tx, _, _) in &watched {
                 let _ = tx.send(Outgoing::Heartbeat);
             }
+            flight.poll_signal();
             let now = shared.epoch.elapsed().as_millis() as u64;
             let silent = watched.iter().find(|(_, _, heard, goodbye)| {
                 !goodbye.load(Ordering::Acquire)

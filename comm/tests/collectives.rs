@@ -814,3 +814,106 @@ fn wait_timeout_returns_and_names_the_collective() {
     assert_eq!(late.as_ref().unwrap(), &[2.0; 8]);
     assert_eq!(after.as_ref().unwrap(), &[4.0; 3]);
 }
+
+#[test]
+fn the_flight_recorder_says_who_waits_where_on_sigusr1() {
+    // Ranks 0 and 2 enter all_reduce #2; rank 1 does not (yet). SIGUSR1 makes every rank write
+    // its records into the trace directory; the merged report names where each rank stands.
+    let dir = std::env::temp_dir().join(format!("ddp-flight-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let submitted = std::sync::Barrier::new(3);
+    let reported = std::sync::Barrier::new(3);
+    let dir_ref = &dir;
+    let report = std::sync::Mutex::new(String::new());
+    run_group(
+        3,
+        |_, b| b.trace_dir(dir_ref),
+        |rank, pg| {
+            pg.all_reduce(vec![1f32; 10], ReduceOp::Sum).unwrap();
+            pg.broadcast(vec![2u8; 3], 0).unwrap();
+            let records = pg.flight_records();
+            assert_eq!(records.len(), 2, "{records:?}");
+            for (i, r) in records.iter().enumerate() {
+                assert_eq!(r.seq, Some(i as u64));
+                assert_eq!(r.state, ddp_comm::RecordState::Completed);
+                let (s, f) = (r.started_us.unwrap(), r.finished_us.unwrap());
+                assert!(r.queued_us <= s && s <= f, "{r:?}");
+            }
+            assert_eq!(
+                (records[0].op.as_str(), records[0].count),
+                ("all_reduce", 10)
+            );
+            assert_eq!(
+                (records[1].op.as_str(), records[1].dtype.as_str()),
+                ("broadcast", "u8")
+            );
+            let work = (rank != 1).then(|| pg.submit_all_reduce(vec![1f32; 10], ReduceOp::Sum));
+            submitted.wait();
+            if rank == 1 {
+                // SAFETY: kill(2) on our own pid; the recorder has installed its handler.
+                assert_eq!(unsafe { libc::kill(libc::getpid(), libc::SIGUSR1) }, 0);
+                let t = Instant::now();
+                let (dumps, _) = loop {
+                    let (dumps, bad) = ddp_comm::flight::read_dumps(dir_ref);
+                    let stamped = dumps.len() == 3 && dumps.iter().all(|d| d.reason == "SIGUSR1");
+                    if stamped || t.elapsed() > Duration::from_secs(8) {
+                        break (dumps, bad);
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                };
+                *report.lock().unwrap() = ddp_comm::flight::hang_report(&dumps, 3);
+            }
+            reported.wait();
+            if rank == 1 {
+                pg.all_reduce(vec![1f32; 10], ReduceOp::Sum).unwrap();
+            } else {
+                work.unwrap().wait().unwrap();
+            }
+        },
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let report = report.into_inner().unwrap();
+    let lines: Vec<&str> = report.lines().collect();
+    assert_eq!(lines.len(), 2, "{report}");
+    assert!(
+        lines[0].starts_with("ranks 0, 2 wait in all_reduce #2 (10 f32) since "),
+        "{report}"
+    );
+    assert_eq!(
+        lines[1], "rank 1 last completed broadcast #1 and never entered #2",
+        "{report}"
+    );
+}
+
+#[test]
+fn a_failed_collective_leaves_a_flight_record() {
+    let dir = std::env::temp_dir().join(format!("ddp-flight-fail-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir_ref = &dir;
+    run_group(
+        2,
+        |_, b| b.trace_dir(dir_ref),
+        |rank, pg| {
+            // A mismatch: rank 0 all-reduces f32, rank 1 i32.
+            let r = if rank == 0 {
+                pg.all_reduce(vec![1f32; 10], ReduceOp::Sum).map(|_| ())
+            } else {
+                pg.all_reduce(vec![1i32; 10], ReduceOp::Sum).map(|_| ())
+            };
+            assert!(r.is_err());
+        },
+    );
+    let (dumps, bad) = ddp_comm::flight::read_dumps(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(bad.is_empty(), "{bad:?}");
+    assert_eq!(dumps.len(), 2, "{dumps:?}");
+    for d in &dumps {
+        assert_eq!(d.reason, "failure");
+        let last = d.records.last().unwrap();
+        assert_eq!(last.state, ddp_comm::RecordState::Failed, "{d:?}");
+        assert!(
+            last.error.as_deref().unwrap().contains("all_reduce #0"),
+            "{d:?}"
+        );
+    }
+}
