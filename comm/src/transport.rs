@@ -982,7 +982,9 @@ fn start_liveness(
     flight: Arc<FlightRecorder>,
 ) -> Result<(Sender<()>, JoinHandle<()>), CommError> {
     let interval = (peer_timeout / 5).clamp(Duration::from_millis(20), Duration::from_secs(1));
-    let watched: Vec<(usize, Sender<Outgoing>, Arc<AtomicU64>, Arc<AtomicBool>)> = links
+    // (peer, its writer's queue, when it was last heard from, whether it said goodbye)
+    type Watched = (usize, Sender<Outgoing>, Arc<AtomicU64>, Arc<AtomicBool>);
+    let watched: Vec<Watched> = links
         .iter()
         .enumerate()
         .filter_map(|(peer, l)| {
