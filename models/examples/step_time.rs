@@ -18,6 +18,10 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
 use ddp_models::{Classifier, MnistCnnConfig, MnistMlpConfig, PimaMlpConfig};
 
+/// The trainers' global allocator (see apps/Cargo.toml), so that the times are theirs.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 type B = Autodiff<Flex>;
 type Inner = <B as AutodiffBackend>::InnerBackend;
 

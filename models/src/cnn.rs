@@ -77,8 +77,9 @@ impl<B: FastOps> MnistCnn<B> {
     /// Log-probabilities `[batch, num_classes]` for images `[batch, 1, 28, 28]`.
     ///
     /// Dropout is active only on an autodiff backend (training); on the inner backend
-    /// (`model.valid()`) it is the identity, like PyTorch's `model.eval()`. The convolutions
-    /// and the pool go through [`FastOps`] (the CPU backend's own kernels, burn's elsewhere).
+    /// (`model.valid()`) it is the identity, like PyTorch's `model.eval()`. The convolutions,
+    /// the pool and the dropouts go through [`FastOps`] (the CPU backend's own kernels,
+    /// burn's elsewhere).
     ///
     /// # Panics
     ///
@@ -93,10 +94,10 @@ impl<B: FastOps> MnistCnn<B> {
         let x = relu(ops::conv2d(images, &self.conv1));
         let x = relu(ops::conv2d(x, &self.conv2));
         let x = ops::max_pool2d(x, &self.pool);
-        let x = self.dropout1.forward(x);
+        let x = ops::dropout(x, &self.dropout1);
         let x = x.flatten::<2>(1, 3);
         let x = relu(self.fc1.forward(x));
-        let x = self.dropout2.forward(x);
+        let x = ops::dropout(x, &self.dropout2);
         log_softmax(self.fc2.forward(x), 1)
     }
 

@@ -18,8 +18,10 @@ use std::cell::RefCell;
 
 use burn::backend::flex::FlexTensor;
 use burn::backend::Flex;
-use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor, MaxPool2dWithIndices};
-use burn::tensor::{DType, TensorData, TensorMetadata};
+use burn::tensor::ops::{
+    ConvOptions, Device, FloatTensor, IntTensor, IntTensorOps, MaxPool2dWithIndices,
+};
+use burn::tensor::{DType, Distribution, FloatDType, IntDType, Shape, TensorData, TensorMetadata};
 use rayon::prelude::*;
 
 use crate::ops::FastOps;
@@ -430,6 +432,20 @@ fn conv2d_input_grad(weight: &[f32], dy: &[f32], n: usize, co: usize, g: &ConvGe
     dx
 }
 
+/// The sum of `v` in a fixed order that vectorises: eight running sums over the 8-element
+/// chunks (one SIMD register), added together at the end with the tail.
+fn sum_f32(v: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let chunks = v.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for chunk in chunks {
+        for (acc, x) in lanes.iter_mut().zip(chunk) {
+            *acc += *x;
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
 /// Convolution bias gradient: the sum of `dy` `[n, co, p]` over images and pixels, per
 /// channel, in a fixed order.
 fn conv2d_bias_grad(dy: &[f32], n: usize, co: usize, p: usize) -> Vec<f32> {
@@ -437,10 +453,46 @@ fn conv2d_bias_grad(dy: &[f32], n: usize, co: usize, p: usize) -> Vec<f32> {
     for b in 0..n {
         for (c, acc) in db.iter_mut().enumerate() {
             let start = (b * co + c) * p;
-            *acc += dy[start..start + p].iter().sum::<f32>();
+            *acc += sum_f32(&dy[start..start + p]);
         }
     }
     db
+}
+
+/// Elements per parallel task of [`dropout_mask`] (an even number).
+const MASK_CHUNK: usize = 16 * 1024;
+
+/// A dropout mask of `len` elements: each `scale` with probability `keep`, else 0.
+///
+/// burn samples a Bernoulli tensor through its generic distribution code (a ChaCha generator
+/// drawing one `f64` per element, then a comparison and a multiplication by the scale), which
+/// costs about as much as a convolution layer. Here the draws are counter-based instead:
+/// element pair `j` takes the 64 bits of splitmix64's finaliser applied to
+/// `seed + (j + 1) · γ` (γ the golden-ratio increment, as in splitmix64 itself), the low 32
+/// bits deciding element `2j` and the high 32 bits element `2j + 1` (kept when below
+/// `keep · 2³²`). splitmix64's outputs pass BigCrush, which is more than a dropout mask needs.
+/// Since every element's draw depends only on the seed and its position, chunks fill in
+/// parallel and the mask is the same at every thread count.
+fn dropout_mask(len: usize, keep: f64, scale: f32, seed: u64) -> Vec<f32> {
+    const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+    let threshold = (keep * 4_294_967_296.0) as u64;
+    let mut mask = vec![0.0f32; len];
+    mask.par_chunks_mut(MASK_CHUNK)
+        .enumerate()
+        .for_each(|(chunk, out)| {
+            let first_pair = (chunk * MASK_CHUNK / 2) as u64;
+            for (j, pair) in out.chunks_mut(2).enumerate() {
+                let mut z = seed.wrapping_add((first_pair + j as u64 + 1).wrapping_mul(GAMMA));
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                z ^= z >> 31;
+                for (k, m) in pair.iter_mut().enumerate() {
+                    let draw = (z >> (32 * k)) & 0xFFFF_FFFF;
+                    *m = if draw < threshold { scale } else { 0.0 };
+                }
+            }
+        });
+    mask
 }
 
 /// Max-pool forward on one plane `[h, w]`: each output pixel is the largest input in its
@@ -700,5 +752,44 @@ impl FastOps for Flex {
                 }
             });
         tensor(dx, &xs)
+    }
+
+    /// [`dropout_mask`], its seed two 32-bit draws from flex's seeded generator (so
+    /// `Flex::seed` fixes the mask, as it fixes burn's).
+    fn fast_dropout_mask(
+        shape: Shape,
+        prob: f64,
+        device: &Device<Self>,
+        dtype: FloatDType,
+    ) -> FloatTensor<Self> {
+        if dtype != FloatDType::F32 || !(0.0..1.0).contains(&prob) {
+            let keep = 1.0 - prob;
+            let mask = <Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_random(
+                shape,
+                Distribution::Bernoulli(keep),
+                device,
+                dtype,
+            );
+            return <Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_mul_scalar(
+                mask,
+                burn::tensor::Scalar::from(1.0 / keep),
+            );
+        }
+        let draws = Flex::int_random(
+            Shape::new([2]),
+            Distribution::Uniform(0.0, 4_294_967_296.0),
+            device,
+            IntDType::I64,
+        );
+        let (start, end) = draws
+            .layout()
+            .contiguous_offsets()
+            .expect("a new tensor is contiguous");
+        let words = &draws.storage::<i64>()[start..end];
+        let seed = ((words[0] as u64) << 32) ^ (words[1] as u64 & 0xFFFF_FFFF);
+        let keep = 1.0 - prob;
+        let dims = shape.to_vec();
+        let mask = dropout_mask(shape.num_elements(), keep, (1.0 / keep) as f32, seed);
+        tensor(mask, &dims)
     }
 }

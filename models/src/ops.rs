@@ -1,7 +1,7 @@
 //! The operations the models spend their time in, as a backend extension: [`FastOps`].
 //!
-//! The models call [`conv2d`] and [`max_pool2d`] instead of `Conv2d::forward` and
-//! `MaxPool2d::forward`. Both take burn's own layers (so the models keep their fields, their
+//! The models call [`conv2d`], [`max_pool2d`] and [`dropout`] instead of `Conv2d::forward`,
+//! `MaxPool2d::forward` and `Dropout::forward`. They take burn's own layers (so the models keep their fields, their
 //! record layout and their PyTorch names) and end in a method of [`FastOps`], a trait every
 //! backend the models run on implements:
 //!
@@ -26,10 +26,10 @@ use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
 use burn::nn::conv::Conv2d;
 use burn::nn::pool::MaxPool2d;
-use burn::nn::PaddingConfig2d;
-use burn::tensor::backend::Backend;
-use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor, MaxPool2dWithIndices};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::nn::{Dropout, PaddingConfig2d};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::{ConvOptions, Device, FloatTensor, IntTensor, MaxPool2dWithIndices};
+use burn::tensor::{Distribution, FloatDType, Scalar, Shape, Tensor, TensorPrimitive};
 
 /// Backend extension for the models' hot operations. Every method has a default that is
 /// burn's own op; a backend overrides the ones it has faster kernels for.
@@ -110,6 +110,37 @@ pub trait FastOps: Backend {
         )
         .x_grad
     }
+
+    /// A dropout mask of `shape`: every element independently `1 / (1 - prob)` with
+    /// probability `1 - prob`, else `0`, drawn from the backend's seeded generator (so
+    /// `Backend::seed` makes it reproducible). `prob` must lie in `[0, 1)`. The default is
+    /// burn's own sampling (a Bernoulli tensor, then scaled).
+    fn fast_dropout_mask(
+        shape: Shape,
+        prob: f64,
+        device: &Device<Self>,
+        dtype: FloatDType,
+    ) -> FloatTensor<Self> {
+        let keep = 1.0 - prob;
+        let mask = Self::float_random(shape, Distribution::Bernoulli(keep), device, dtype);
+        Self::float_mul_scalar(mask, Scalar::from(1.0 / keep))
+    }
+}
+
+/// `dropout.forward(x)`: the identity unless the backend records gradients (training) and the
+/// probability is positive, else `x` times a [`FastOps::fast_dropout_mask`], one
+/// multiplication forward and one backward (burn's `Dropout` multiplies twice: by the
+/// Bernoulli tensor, then by `1 / (1 - prob)`). A probability of 1 or more zeroes `x`.
+pub fn dropout<B: FastOps, const D: usize>(x: Tensor<B, D>, dropout: &Dropout) -> Tensor<B, D> {
+    let device = x.device();
+    if !B::ad_enabled(&device) || dropout.prob <= 0.0 {
+        return x;
+    }
+    if dropout.prob >= 1.0 {
+        return x.zeros_like();
+    }
+    let mask = B::fast_dropout_mask(x.shape(), dropout.prob, &device, x.dtype().into());
+    x * Tensor::from_primitive(TensorPrimitive::Float(mask))
 }
 
 /// `conv.forward(x)`, through [`FastOps::fast_conv2d`] where the layer's configuration allows
@@ -380,6 +411,16 @@ impl<B: FastOps, C: CheckpointStrategy> FastOps for Autodiff<B, C> {
                 MaxPool2dWithIndices::new(prep.finish(out.output), out.indices)
             }
         }
+    }
+
+    /// The inner backend's mask, as a constant (no gradient flows into a mask).
+    fn fast_dropout_mask(
+        shape: Shape,
+        prob: f64,
+        device: &Device<Self>,
+        dtype: FloatDType,
+    ) -> FloatTensor<Self> {
+        <Self as AutodiffBackend>::from_inner(B::fast_dropout_mask(shape, prob, device, dtype))
     }
 }
 

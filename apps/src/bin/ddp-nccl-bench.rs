@@ -20,6 +20,10 @@
 //! `busbw = algbw * 2(N-1)/N`. Rank 0 prints the table and writes JSON (the same shape as
 //! `ddp-allreduce-bench`'s, implementation `nccl`) when asked.
 
+/// mimalloc, for the reasons given at its dependency in apps/Cargo.toml.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use ddp_apps::bench::{self, pattern, summarize, SizeResult};
 use ddp_comm::bytes::parse_size;
 use std::path::PathBuf;

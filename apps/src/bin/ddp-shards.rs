@@ -2,6 +2,10 @@
 //! shards, verify a sharded directory, and measure the streaming loader against the in-memory
 //! one. `cargo xtask make-shards`, `import-h5` and `bench-shards` run it.
 
+/// mimalloc, for the reasons given at its dependency in apps/Cargo.toml.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;

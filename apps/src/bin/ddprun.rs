@@ -10,6 +10,10 @@
 //! rank fails, the others are stopped and ddprun exits non-zero, naming the first failure last.
 //! All the work is in the `ddp_comm::launch` library; this binary only parses arguments.
 
+/// mimalloc, for the reasons given at its dependency in apps/Cargo.toml.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::ffi::OsString;
 use std::process::ExitCode;
 use std::time::Duration;

@@ -1,6 +1,10 @@
 //! `train-mnist`: the MNIST CNN (or MLP) of PyTorch's examples, data-parallel over every rank
 //! the environment describes (world size 1 when it describes none).
 
+/// mimalloc, for the reasons given at its dependency in apps/Cargo.toml.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::sync::Arc;
 
 use anyhow::Result;
