@@ -32,63 +32,98 @@ fn start(world: usize, op: &str, elems: usize, sleep_ms: u64) -> Vec<Peer> {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let fd = listener.as_raw_fd();
+    let spec = Spec {
+        world,
+        op,
+        elems,
+        sleep_ms,
+        master: ("127.0.0.1", port),
+        env: &[],
+    };
     (0..world)
-        .map(|rank| {
-            let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddp-comm-peer"));
-            for var in [
-                "SLURM_PROCID",
-                "SLURM_NTASKS",
-                "DDP_TOKEN",
-                "DDP_SEGMENT_BYTES",
-                "DDP_SMALL_ALLREDUCE_BYTES",
-                "PEER_LISTEN_FD",
-            ] {
-                cmd.env_remove(var);
-            }
-            cmd.env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                // A long deadline: the failure must be detected from the closed socket.
-                .env("DDP_TIMEOUT", "60")
-                .env("DDP_CONNECT_TIMEOUT", "20")
-                .env("DDP_SEGMENT_BYTES", "65536")
-                .env("PEER_STEPS", "0")
-                .env("PEER_OP", op)
-                .env("PEER_ELEMS", elems.to_string())
-                .env("PEER_SLEEP_MS", sleep_ms.to_string())
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::null());
-            if rank == 0 {
-                cmd.env("PEER_LISTEN_FD", "3");
-                // SAFETY: dup2 and fcntl are async-signal-safe; they give the child the
-                // listener as descriptor 3 without close-on-exec (dup2 onto itself keeps the
-                // flag, hence the fcntl).
-                unsafe {
-                    cmd.pre_exec(move || {
-                        if libc::dup2(fd, 3) < 0 || libc::fcntl(3, libc::F_SETFD, 0) < 0 {
-                            return Err(std::io::Error::last_os_error());
-                        }
-                        Ok(())
-                    });
-                }
-            }
-            let mut child = cmd.spawn().expect("start ddp-comm-peer");
-            let out = child.stdout.take().unwrap();
-            let (tx, lines) = mpsc::channel();
-            std::thread::spawn(move || {
-                for line in BufReader::new(out).lines().map_while(Result::ok) {
-                    if tx.send(line).is_err() {
-                        break;
-                    }
-                }
-            });
-            Peer { child, lines }
-        })
+        .map(|rank| spawn_peer(&spec, rank, (rank == 0).then_some(fd), None))
         .collect()
+}
+
+/// What every peer of a test runs.
+struct Spec<'a> {
+    world: usize,
+    op: &'a str,
+    elems: usize,
+    sleep_ms: u64,
+    master: (&'a str, u16),
+    /// Extra variables (they override the defaults below).
+    env: &'a [(&'a str, &'a str)],
+}
+
+/// Starts one `ddp-comm-peer` as `rank` of `spec`: rank 0 gets `listen_fd` (a bound listener) as
+/// descriptor 3 when given; `netns` runs it inside that network namespace (`ip netns exec`,
+/// which execs the peer in place: the child's pid is the peer's).
+fn spawn_peer(spec: &Spec, rank: usize, listen_fd: Option<i32>, netns: Option<&str>) -> Peer {
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_ddp-comm-peer")]);
+            c
+        }
+        None => Command::new(env!("CARGO_BIN_EXE_ddp-comm-peer")),
+    };
+    for var in [
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "DDP_TOKEN",
+        "DDP_SEGMENT_BYTES",
+        "DDP_SMALL_ALLREDUCE_BYTES",
+        "DDP_PEER_TIMEOUT",
+        "DDP_TRACE_DIR",
+        "PEER_LISTEN_FD",
+        "PEER_SLEEP_RANK",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.env("RANK", rank.to_string())
+        .env("WORLD_SIZE", spec.world.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("LOCAL_WORLD_SIZE", spec.world.to_string())
+        .env("MASTER_ADDR", spec.master.0)
+        .env("MASTER_PORT", spec.master.1.to_string())
+        // A long deadline: the failure must be detected from the closed socket.
+        .env("DDP_TIMEOUT", "60")
+        .env("DDP_CONNECT_TIMEOUT", "20")
+        .env("DDP_SEGMENT_BYTES", "65536")
+        .env("PEER_STEPS", "0")
+        .env("PEER_OP", spec.op)
+        .env("PEER_ELEMS", spec.elems.to_string())
+        .env("PEER_SLEEP_MS", spec.sleep_ms.to_string())
+        .envs(spec.env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    if let Some(fd) = listen_fd {
+        cmd.env("PEER_LISTEN_FD", "3");
+        // SAFETY: dup2 and fcntl are async-signal-safe; they give the child the listener as
+        // descriptor 3 without close-on-exec (dup2 onto itself keeps the flag, hence the
+        // fcntl).
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::dup2(fd, 3) < 0 || libc::fcntl(3, libc::F_SETFD, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let mut child = cmd.spawn().expect("start ddp-comm-peer");
+    let out = child.stdout.take().unwrap();
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    Peer { child, lines }
 }
 
 /// Waits until every peer has reported `steps` successful steps.
@@ -116,27 +151,41 @@ fn kill_and_check(mut peers: Vec<Peer>, victim: usize) -> Duration {
     peers[victim].child.kill().unwrap(); // SIGKILL
     let killed_at = Instant::now();
     let _ = peers[victim].child.wait();
+    let blames: Vec<Option<usize>> = (0..peers.len())
+        .map(|r| (r != victim).then_some(victim))
+        .collect();
+    expect_blame(&mut peers, &blames, killed_at, Duration::from_secs(10))
+}
+
+/// Checks that every peer `r` with `blames[r] == Some(k)` prints an error blaming exactly rank
+/// `k` and exits with code 3 within `limit` of `since`. Returns the slowest detection time.
+fn expect_blame(
+    peers: &mut [Peer],
+    blames: &[Option<usize>],
+    since: Instant,
+    limit: Duration,
+) -> Duration {
     let mut slowest = Duration::ZERO;
     for (rank, p) in peers.iter_mut().enumerate() {
-        if rank == victim {
-            continue;
-        }
+        let Some(victim) = blames[rank] else { continue };
         // Read lines until the error line (or the deadline).
-        let deadline = killed_at + Duration::from_secs(10);
+        let deadline = since + limit;
         let error = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match p.lines.recv_timeout(left) {
                 Ok(line) if line.contains("error") => break line,
                 Ok(_) => continue,
-                Err(_) => panic!("rank {rank} did not fail within 10 s of rank {victim}'s death"),
+                Err(_) => panic!(
+                    "rank {rank} did not fail within {limit:?} (expected it to name rank {victim})"
+                ),
             }
         };
-        slowest = slowest.max(killed_at.elapsed());
+        slowest = slowest.max(since.elapsed());
         let status = loop {
             if let Some(s) = p.child.try_wait().unwrap() {
                 break s;
             }
-            if Instant::now() > deadline {
+            if Instant::now() > deadline + Duration::from_secs(5) {
                 panic!("rank {rank} did not exit after: {error}");
             }
             std::thread::sleep(Duration::from_millis(10));
@@ -215,4 +264,176 @@ fn sigkill_in_a_loop_never_misnames_the_victim() {
         2 * loops,
         started.elapsed()
     );
+}
+
+/// A rank stopped with SIGSTOP (its sockets stay open: the kernel still acknowledges what is
+/// sent to it) sends no heartbeats; the others name it within 15 s, long before the collective
+/// deadline (60 s here).
+#[test]
+fn sigstop_of_one_rank_of_three_is_named_within_15_s() {
+    let mut peers = start(3, "all_reduce", 300_000, 20);
+    wait_for_steps(&peers, 3);
+    // SAFETY: kill(2) on a child we own and have not reaped.
+    assert_eq!(
+        unsafe { libc::kill(peers[1].child.id() as i32, libc::SIGSTOP) },
+        0
+    );
+    let stopped_at = Instant::now();
+    let took = expect_blame(
+        &mut peers,
+        &[Some(1), None, Some(1)],
+        stopped_at,
+        Duration::from_secs(15),
+    );
+    eprintln!("the stopped rank was named within {took:?}");
+    // Drop sends SIGKILL, which ends a stopped process too.
+}
+
+/// Liveness is not progress: a rank in a step three times longer than DDP_PEER_TIMEOUT keeps
+/// its heartbeats going, and nobody is declared dead while the others wait for it.
+#[test]
+fn a_step_longer_than_the_peer_timeout_is_not_a_death() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let spec = Spec {
+        world: 3,
+        op: "all_reduce",
+        elems: 1000,
+        sleep_ms: 1500,
+        master: ("127.0.0.1", port),
+        env: &[
+            ("DDP_PEER_TIMEOUT", "0.5"),
+            ("PEER_SLEEP_RANK", "2"),
+            ("PEER_STEPS", "4"),
+        ],
+    };
+    let fd = listener.as_raw_fd();
+    let mut peers: Vec<Peer> = (0..3)
+        .map(|r| spawn_peer(&spec, r, (r == 0).then_some(fd), None))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(40);
+    for (rank, p) in peers.iter_mut().enumerate() {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = p
+                .lines
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("rank {rank} did not finish its 4 steps"));
+            assert!(!line.contains("error"), "rank {rank}: {line}");
+            if line == format!("rank {rank} done") {
+                break;
+            }
+        }
+        let status = p.child.wait().unwrap();
+        assert!(status.success(), "rank {rank}: {status}");
+    }
+}
+
+/// Two network namespaces joined by a veth pair: two "hosts". Deleted (with the pair) on drop.
+/// Creating them needs root (as the tests and CI run); a failure to create them fails the test.
+struct TwoHosts {
+    names: [String; 2],
+}
+
+impl TwoHosts {
+    const ADDRS: [&'static str; 2] = ["10.233.0.1", "10.233.0.2"];
+
+    fn new(tag: &str) -> TwoHosts {
+        let id = std::process::id();
+        let hosts = TwoHosts {
+            names: [format!("ddpt-{id}-{tag}-a"), format!("ddpt-{id}-{tag}-b")],
+        };
+        let veth = [
+            format!("dv{}a", id % 1_000_000),
+            format!("dv{}b", id % 1_000_000),
+        ];
+        let [a, b] = &hosts.names;
+        ip(&["netns", "add", a]);
+        ip(&["netns", "add", b]);
+        ip(&[
+            "link", "add", &veth[0], "netns", a, "type", "veth", "peer", "name", &veth[1], "netns",
+            b,
+        ]);
+        for (i, ns) in hosts.names.iter().enumerate() {
+            ip(&["-n", ns, "link", "set", "lo", "up"]);
+            let addr = format!("{}/24", TwoHosts::ADDRS[i]);
+            ip(&["-n", ns, "addr", "add", &addr, "dev", &veth[i]]);
+            ip(&["-n", ns, "link", "set", &veth[i], "up"]);
+        }
+        hosts
+    }
+
+    /// Cuts the link: both ends of the pair go down. Nothing is sent either way any more, and
+    /// no reset or FIN reaches either side: a partition, as a pulled cable or a dead switch.
+    fn cut(&self) {
+        let id = std::process::id();
+        ip(&[
+            "-n",
+            &self.names[0],
+            "link",
+            "set",
+            &format!("dv{}a", id % 1_000_000),
+            "down",
+        ]);
+        ip(&[
+            "-n",
+            &self.names[1],
+            "link",
+            "set",
+            &format!("dv{}b", id % 1_000_000),
+            "down",
+        ]);
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        for ns in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+    }
+}
+
+/// Runs `ip args...`; panics with its error output when it fails.
+fn ip(args: &[&str]) {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run `ip` (iproute2; the test needs it, as root): {e}"));
+    assert!(
+        out.status.success(),
+        "`ip {}` failed (network namespaces need root): {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Two ranks on two "hosts" (network namespaces). The link is cut while they train: no socket
+/// closes, nothing arrives. Both must fail within 15 s, each naming the other, with the
+/// collective deadline at 300 s.
+#[test]
+fn a_cut_link_ends_both_ranks_within_15_s_naming_each_other() {
+    let hosts = TwoHosts::new("cut");
+    let spec = Spec {
+        world: 2,
+        op: "all_reduce",
+        elems: 300_000,
+        sleep_ms: 20,
+        master: (TwoHosts::ADDRS[0], 29500),
+        env: &[("DDP_TIMEOUT", "300")],
+    };
+    let mut peers: Vec<Peer> = (0..2)
+        .map(|r| spawn_peer(&spec, r, None, Some(&hosts.names[r])))
+        .collect();
+    wait_for_steps(&peers, 5);
+    hosts.cut();
+    let cut_at = Instant::now();
+    let took = expect_blame(
+        &mut peers,
+        &[Some(1), Some(0)],
+        cut_at,
+        Duration::from_secs(15),
+    );
+    eprintln!("both ranks named each other within {took:?} of the cut");
+    drop(peers);
 }

@@ -7,7 +7,8 @@
 //! launcher: `ddprun --nproc-per-node 3 ddp-comm-peer`.
 //!
 //! Variables of its own: `PEER_STEPS` (default 20; 0 runs until an error), `PEER_ELEMS`
-//! (all-reduce length, default 100000), `PEER_SLEEP_MS` (pause between steps, default 0),
+//! (all-reduce length, default 100000), `PEER_SLEEP_MS` (pause between steps, default 0;
+//! with `PEER_SLEEP_RANK=R` only rank R pauses: a rank in a long step),
 //! `PEER_OP` (`all_reduce` (default) or `barrier`), `PEER_LISTEN_FD` (rank 0 only: an inherited,
 //! already bound listening socket to host the store on, so that a test needs no free-port guess).
 //!
@@ -80,7 +81,9 @@ fn main() {
         }
         let _ = std::io::stdout().flush();
         step += 1;
-        std::thread::sleep(sleep);
+        if std::env::var("PEER_SLEEP_RANK").map_or(true, |r| r == rank.to_string()) {
+            std::thread::sleep(sleep);
+        }
     }
     println!("rank {rank} done");
 }
