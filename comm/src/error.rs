@@ -163,7 +163,7 @@ pub enum CommError {
     /// (`DDP_PEER_TIMEOUT`): it is frozen (stopped, swapping, stuck in the kernel) or the network
     /// between the two is cut.
     #[error(
-        "rank {peer} is unresponsive: nothing, not even a heartbeat, arrived from it at rank          {rank} for {silent_for:.1?} (DDP_PEER_TIMEOUT); the process is frozen or stopped, or the          network between rank {rank} and rank {peer} is cut"
+        "rank {peer} is unresponsive: nothing, not even a heartbeat, arrived from it at rank {rank} for {silent_for:.1?} (DDP_PEER_TIMEOUT); the process is frozen or stopped, or the network between rank {rank} and rank {peer} is cut"
     )]
     PeerSilent {
         /// This rank.
