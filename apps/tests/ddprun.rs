@@ -124,6 +124,20 @@ fn tail(text: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// The root-cause box: from ddprun's last "Root cause" line to the end of stderr, which must be
+/// its closing rule (the box is the last thing printed).
+fn root_cause(stderr: &str) -> String {
+    let start = stderr
+        .rfind("ddprun: job failed. Root cause:")
+        .unwrap_or_else(|| panic!("no root-cause box in stderr:\n{stderr}"));
+    let the_box = stderr[start..].trim_end();
+    assert!(
+        the_box.ends_with(&"=".repeat(78)),
+        "the root-cause box is not the last thing on stderr:\n{stderr}"
+    );
+    the_box.to_string()
+}
+
 #[test]
 fn failing_rank_stops_the_others_and_is_named_last() {
     let done = run(ddprun(
@@ -151,17 +165,17 @@ fn failing_rank_stops_the_others_and_is_named_last() {
         "stdout: {}",
         done.stdout
     );
-    // The root cause is the last thing printed, and names rank 1 and code 3.
-    let last = tail(&done.stderr, 3);
-    assert!(
-        last.contains("Root cause"),
-        "stderr ends with the root cause:\n{}",
-        done.stderr
-    );
+    // The root cause is the last thing printed, names rank 1 and code 3, and quotes the rank's
+    // last output lines (it wrote no error file).
+    let last = root_cause(&done.stderr);
     assert!(
         last.contains("rank 1 (local rank 1) exited with code 3"),
         "stderr:\n{}",
         done.stderr
+    );
+    assert!(
+        last.contains("its error:\n    rank one fails"),
+        "the box quotes rank 1's output:\n{last}"
     );
     // The stopped ranks are reported as stopped, not as the cause.
     for rank in [0, 2] {
@@ -172,6 +186,31 @@ fn failing_rank_stops_the_others_and_is_named_last() {
             done.stderr
         );
     }
+}
+
+#[test]
+fn the_root_cause_quotes_the_error_file_the_rank_wrote() {
+    // As torchelastic's @record does: the rank writes its error as JSON to
+    // $TORCHELASTIC_ERROR_FILE before it exits; its other output is noise the box must not quote.
+    let done = run(ddprun(
+        2,
+        r#"if [ "$RANK" = 1 ]; then
+             printf '{"message": {"message": "ValueError: shard 7 of /data/train is truncated", "extraInfo": {"py_callstack": "", "timestamp": "0"}}}' > "$TORCHELASTIC_ERROR_FILE"
+             echo "error: a misleading line"; exit 4
+           fi; sleep 30"#,
+    ));
+    assert_eq!(done.status.code(), Some(4), "stderr:\n{}", done.stderr);
+    let last = root_cause(&done.stderr);
+    assert!(
+        last.contains("rank 1 (local rank 1) exited with code 4"),
+        "stderr:\n{}",
+        done.stderr
+    );
+    assert!(
+        last.contains("its error:\n    ValueError: shard 7 of /data/train is truncated"),
+        "the box quotes the error file:\n{last}"
+    );
+    assert!(!last.contains("misleading"), "{last}");
 }
 
 #[test]
@@ -186,7 +225,7 @@ fn rank_killed_by_sigkill_is_reported_as_such() {
         "stderr:\n{}",
         done.stderr
     );
-    let last = tail(&done.stderr, 3);
+    let last = root_cause(&done.stderr);
     assert!(
         last.contains("rank 1 (local rank 1) killed by SIGKILL, possibly out of memory"),
         "stderr:\n{}",
@@ -467,7 +506,7 @@ fn rank_ignoring_sigterm_is_killed_after_the_grace_period() {
         done.elapsed
     );
     assert!(done.elapsed < STOPPED_EARLY, "{:?}", done.elapsed);
-    assert!(tail(&done.stderr, 3).contains("rank 0 (local rank 0) exited with code 5"));
+    assert!(root_cause(&done.stderr).contains("rank 0 (local rank 0) exited with code 5"));
 }
 
 #[test]

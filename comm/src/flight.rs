@@ -25,6 +25,15 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+/// Prefix of the marker file (`.sigusr1-rank<R>`) a group with a trace directory leaves there
+/// once its SIGUSR1 handler is installed, so that a launcher signals only ranks that handle it.
+pub const HANDLER_MARKER: &str = ".sigusr1-rank";
+
+/// The marker file name of `rank` (see [`HANDLER_MARKER`]).
+pub fn handler_marker(rank: usize) -> String {
+    format!("{HANDLER_MARKER}{rank}")
+}
+
 /// How many collectives a group remembers.
 pub const FLIGHT_RECORDS: usize = 256;
 
@@ -154,6 +163,10 @@ impl FlightRecorder {
                 }
             }
             all.push(Arc::downgrade(&recorder));
+            if let Some(dir) = &recorder.dir {
+                let _ = std::fs::create_dir_all(dir);
+                let _ = std::fs::write(dir.join(handler_marker(rank)), b"");
+            }
         }
         recorder
     }
@@ -328,7 +341,12 @@ pub fn hang_report(dumps: &[FlightDump], world_size: usize) -> String {
     for d in dumps {
         let started: Vec<&CollectiveRecord> =
             d.records.iter().filter(|r| r.seq.is_some()).collect();
-        let last = started.last();
+        // A rank that failed is reported at its first failed collective (later ones only say
+        // "the group failed earlier"); else where it is now.
+        let last = started
+            .iter()
+            .find(|r| r.state == RecordState::Failed)
+            .or(started.last());
         let last_done = started
             .iter()
             .rev()

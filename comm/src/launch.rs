@@ -16,21 +16,35 @@
 //! 4. Watches the ranks. The first rank that exits non-zero or is killed by a signal is the root
 //!    cause: the launcher sends `SIGTERM` to the process groups of the others, `SIGKILL` to
 //!    whatever is left after the grace period, and returns [`LaunchError::RankFailed`] naming
-//!    that rank and how it ended. A `SIGINT` or `SIGTERM` sent to the launcher is forwarded to
-//!    every rank the same way (a second one kills at once), and gives
-//!    [`LaunchError::Interrupted`].
+//!    that rank, how it ended, its own error message (from the error file it wrote, see
+//!    [`record_error`], else its last lines of output that look like an error) and where every
+//!    rank was (the hang report merged from their flight records, see [`crate::flight`]). A
+//!    `SIGINT` or `SIGTERM` sent to the launcher is forwarded to every rank the same way (a
+//!    second one kills at once), and gives [`LaunchError::Interrupted`]; before forwarding it,
+//!    the launcher asks the ranks for their flight records (SIGUSR1) and prints the hang report,
+//!    since a user who interrupts a job has usually found it hanging. A `SIGUSR1` sent to the
+//!    launcher prints the hang report and lets the job go on.
+//!
+//!    Each rank gets `DDP_TRACE_DIR` (the launcher's own value, else a directory of its own under
+//!    the temporary directory, removed after a successful job) and `TORCHELASTIC_ERROR_FILE`
+//!    (`<dir>/error-rank<R>.json`, as torchrun sets it). SIGUSR1 goes only to ranks that have
+//!    said they handle it (a process group with a trace directory leaves a marker file), since
+//!    its default action ends a process.
 //! 5. When every rank has exited 0, returns `Ok` with each rank's status.
 //!
 //! Unix only: it relies on process groups and signals.
 #![cfg(unix)]
 
+use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::fmt;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, TcpListener};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::sync::{mpsc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -41,6 +55,17 @@ const POLL_INTERVAL: Duration = Duration::from_millis(10);
 /// How long the launcher waits, after the last rank exited, for the output of processes that the
 /// ranks left behind to drain before it stops reading.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Lines of each rank's output kept for the root-cause report.
+const TAIL_LINES: usize = 40;
+
+/// How long the launcher waits for the ranks' flight records after asking with SIGUSR1 (their
+/// liveness threads answer within a second).
+const FLIGHT_WAIT: Duration = Duration::from_millis(2500);
+
+/// The variable torchrun sets to the file where a rank records its fatal error (torchelastic's
+/// `@record`); ddprun sets it too, and [`record_error`] writes it.
+pub const ERROR_FILE_ENV: &str = "TORCHELASTIC_ERROR_FILE";
 
 /// The grace period between `SIGTERM` and `SIGKILL` when no other is configured.
 pub const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(5);
@@ -175,6 +200,15 @@ pub struct RankFailure {
     pub local_rank: usize,
     /// How it ended.
     pub exit: RankExit,
+    /// Its error in its own words: the message of the error file it wrote
+    /// (`TORCHELASTIC_ERROR_FILE`, see [`record_error`]), else its last lines of output that look
+    /// like an error (or its last lines).
+    pub message: Option<String>,
+    /// Where every local rank was when the job failed, merged from their flight records
+    /// ([`crate::flight::hang_report`]); `None` when no rank left one.
+    pub hang_report: Option<String>,
+    /// The directory with the flight records and error files (kept after a failure).
+    pub trace_dir: Option<PathBuf>,
 }
 
 /// Every local rank's ending, in local rank order, returned when all ranks succeeded.
@@ -400,6 +434,32 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
     } else {
         None
     };
+    // The ranks' flight records and error files: the user's DDP_TRACE_DIR, else our own.
+    let (trace_dir, own_trace_dir) = match std::env::var_os(crate::flight::TRACE_DIR_ENV) {
+        Some(d) if !d.is_empty() => (PathBuf::from(d), false),
+        _ => {
+            let name = format!(
+                "ddprun-{}-{}",
+                std::process::id(),
+                job_id.as_deref().unwrap_or("job")
+            );
+            (std::env::temp_dir().join(name), true)
+        }
+    };
+    // Files of an earlier run in a user's directory would be taken for this one's.
+    if let Ok(entries) = std::fs::read_dir(&trace_dir) {
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with("flight-rank")
+                || name.starts_with("error-rank")
+                || name.starts_with(crate::flight::HANDLER_MARKER)
+            {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    let _ = std::fs::create_dir_all(&trace_dir);
 
     // 2. and 3. Start the ranks, each with two reader threads forwarding its output.
     let (done_tx, done_rx) = mpsc::channel::<()>();
@@ -416,6 +476,8 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
                 master_port,
                 job_id.as_deref(),
             ))
+            .env(crate::flight::TRACE_DIR_ENV, &trace_dir)
+            .env(ERROR_FILE_ENV, error_file(&trace_dir, rank))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -436,17 +498,21 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
             }
         };
         let prefix = format!("[rank {rank}] ");
+        let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
         if let Some(out) = child.stdout.take() {
-            forward_lines(out, prefix.clone(), Stream::Stdout, done_tx.clone());
+            let sink = (Stream::Stdout, tail.clone());
+            forward_lines(out, prefix.clone(), sink, done_tx.clone());
         }
         if let Some(err) = child.stderr.take() {
-            forward_lines(err, prefix, Stream::Stderr, done_tx.clone());
+            let sink = (Stream::Stderr, tail.clone());
+            forward_lines(err, prefix, sink, done_tx.clone());
         }
         ranks.push(Rank {
             rank,
             local_rank,
             child,
             exit: None,
+            tail,
         });
     }
     drop(done_tx);
@@ -457,9 +523,14 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
     let mut kill_at: Option<Instant> = None;
     let mut wait_error: Option<LaunchError> = None;
     loop {
+        if signals.as_mut().is_some_and(SignalForwarding::take_usr1) {
+            notice("received SIGUSR1: where each rank is");
+            print_hang_report(&ask_for_flight_records(&mut ranks, &trace_dir), &trace_dir);
+        }
         if let Some(signal) = signals.as_mut().and_then(SignalForwarding::take) {
             if interrupted.is_none() && first_failure.is_none() {
                 interrupted = Some(signal);
+                print_hang_report(&ask_for_flight_records(&mut ranks, &trace_dir), &trace_dir);
                 notice(&format!(
                     "received {}; forwarding it to the ranks (SIGKILL in {:?}, or at once on a \
                      second signal)",
@@ -493,11 +564,17 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
                     rank,
                     local_rank,
                     exit,
+                    message: None,
+                    hang_report: None,
+                    trace_dir: None,
                 });
                 notice(&format!(
                     "rank {rank} {exit}; stopping the other ranks (SIGTERM, SIGKILL after {:?})",
                     config.grace_period
                 ));
+                // Where the others are, before they are stopped: the rank that never entered
+                // the collective the others wait in is often the real story.
+                ask_for_flight_records(&mut ranks, &trace_dir);
                 stop_running(&mut ranks, libc::SIGTERM);
                 kill_at = Some(Instant::now() + config.grace_period);
             }
@@ -536,8 +613,16 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
     if let Some(error) = wait_error {
         return Err(error);
     }
-    if let Some(failure) = first_failure {
+    if let Some(mut failure) = first_failure {
+        let failed = ranks.iter().find(|r| r.rank == failure.rank);
+        failure.message = read_error_file(&error_file(&trace_dir, failure.rank))
+            .or_else(|| failed.and_then(|r| error_lines(&r.tail)));
+        failure.hang_report = hang_report_of(&trace_dir, config);
+        failure.trace_dir = Some(trace_dir);
         return Err(LaunchError::RankFailed(failure));
+    }
+    if own_trace_dir && interrupted.is_none() {
+        let _ = std::fs::remove_dir_all(&trace_dir);
     }
     if let Some(signal) = interrupted {
         return Err(LaunchError::Interrupted { signal });
@@ -557,6 +642,166 @@ struct Rank {
     local_rank: usize,
     child: Child,
     exit: Option<RankExit>,
+    /// Its last [`TAIL_LINES`] lines of output (both streams).
+    tail: Arc<Mutex<VecDeque<String>>>,
+}
+
+/// `<dir>/error-rank<R>.json`: where rank `rank` records its fatal error.
+fn error_file(dir: &Path, rank: usize) -> PathBuf {
+    dir.join(format!("error-rank{rank}.json"))
+}
+
+/// Records a fatal error of this process where the launcher looks for it: the file named by
+/// `TORCHELASTIC_ERROR_FILE` (set by ddprun and by torchrun), in torchelastic's format
+/// (`{"message": {"message": ..., "extraInfo": {"timestamp": ...}}}`), so that both launchers
+/// quote it in their failure summary. Does nothing without the variable, and never fails: the
+/// error being reported matters more. Call it just before exiting on a fatal error.
+pub fn record_error(message: &str) {
+    let Some(path) = std::env::var_os(ERROR_FILE_ENV).filter(|p| !p.is_empty()) else {
+        return;
+    };
+    let path = PathBuf::from(path);
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let body = serde_json::json!({
+        "message": {
+            "message": message,
+            "extraInfo": { "py_callstack": "", "timestamp": secs.to_string() },
+        }
+    });
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, body.to_string()).is_ok() {
+        let _ = std::fs::rename(&tmp, &path);
+    }
+}
+
+/// Ends a program's `main` the way a launched rank should: on an error, prints it with its
+/// causes (`Error: {error:?}`, as Rust does for a `main` that returns `Err`), records it with
+/// [`record_error`] (its `{error:#}` form: one line with the causes, as `anyhow` writes it) and
+/// exits with code 1.
+///
+/// ```no_run
+/// fn main() -> std::process::ExitCode {
+///     ddp_comm::launch::finish(run())
+/// }
+/// fn run() -> Result<(), std::io::Error> {
+///     std::fs::read("missing.bin").map(drop)
+/// }
+/// ```
+pub fn finish<E: std::fmt::Debug + std::fmt::Display>(
+    result: Result<(), E>,
+) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("Error: {error:?}");
+            record_error(&format!("{error:#}"));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// The message of an error file written by [`record_error`] (or by torchelastic's `@record`:
+/// the same shape), if there is one.
+fn read_error_file(path: &Path) -> Option<String> {
+    let text = std::fs::read(path).ok()?;
+    let value: serde_json::Value = serde_json::from_slice(&text).ok()?;
+    let message = &value["message"];
+    let text = match message {
+        serde_json::Value::String(s) => s.clone(),
+        _ => message["message"].as_str()?.to_string(),
+    };
+    Some(text.trim().to_string()).filter(|t| !t.is_empty())
+}
+
+/// The lines of a rank's output tail that look like its error (`error`, `panicked`, `Error`
+/// and what follows the first of them), else its last three lines.
+fn error_lines(tail: &Mutex<VecDeque<String>>) -> Option<String> {
+    let tail = tail.lock().unwrap_or_else(|p| p.into_inner());
+    let lines: Vec<&String> = tail.iter().collect();
+    let first = lines.iter().position(|l| {
+        let l = l.to_ascii_lowercase();
+        l.contains("error") || l.contains("panicked")
+    });
+    let chosen = match first {
+        Some(i) => &lines[i..],
+        None => &lines[lines.len().saturating_sub(3)..],
+    };
+    let text = chosen
+        .iter()
+        .map(|l| l.trim_end())
+        .collect::<Vec<_>>()
+        .join("\n");
+    Some(text).filter(|t| !t.trim().is_empty())
+}
+
+/// Sends SIGUSR1 to every running rank that handles it (it left the marker of a process group
+/// with a trace directory) and waits up to [`FLIGHT_WAIT`] until each has written a fresh flight
+/// record, written one on its failure, or exited. Returns the hang report (empty when no rank
+/// was asked).
+fn ask_for_flight_records(ranks: &mut [Rank], dir: &Path) -> String {
+    let asked_at = crate::flight::now_us();
+    let mut asked = Vec::new();
+    for (i, r) in ranks.iter().enumerate() {
+        if r.exit.is_none() && dir.join(crate::flight::handler_marker(r.rank)).exists() {
+            // Only the rank itself: what it started may not handle SIGUSR1.
+            // SAFETY: kill has no memory-safety preconditions.
+            unsafe { libc::kill(r.child.id() as libc::pid_t, libc::SIGUSR1) };
+            asked.push(i);
+        }
+    }
+    if asked.is_empty() {
+        return String::new();
+    }
+    let deadline = Instant::now() + FLIGHT_WAIT;
+    loop {
+        let (dumps, _) = crate::flight::read_dumps(dir);
+        let answered = |r: &mut Rank| {
+            // (`try_wait` keeps the status for the watch loop's own look.)
+            dumps
+                .iter()
+                .any(|d| d.rank == r.rank && (d.written_us >= asked_at || d.reason == "failure"))
+                || r.exit.is_some()
+                || matches!(r.child.try_wait(), Ok(Some(_)))
+        };
+        let all = asked.iter().all(|&i| answered(&mut ranks[i]));
+        if all || Instant::now() >= deadline {
+            let world = ranks.iter().map(|r| r.rank + 1).max().unwrap_or(0);
+            return crate::flight::hang_report(&dumps, world);
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The hang report of this node's ranks from whatever flight records they left.
+fn hang_report_of(dir: &Path, config: &LaunchConfig) -> Option<String> {
+    let (mut dumps, _) = crate::flight::read_dumps(dir);
+    let local: Vec<usize> = (0..config.nproc_per_node)
+        .map(|l| config.global_rank(l))
+        .collect();
+    dumps.retain(|d| local.contains(&d.rank));
+    if dumps.is_empty() {
+        return None;
+    }
+    let report = crate::flight::hang_report(&dumps, config.world_size());
+    // Ranks of other nodes are not ours to report as missing.
+    let report: Vec<&str> = report
+        .lines()
+        .filter(|l| !l.contains("left no flight record") || config.nnodes == 1)
+        .collect();
+    Some(report.join("\n"))
+}
+
+/// Prints a hang report as the launcher's notices.
+fn print_hang_report(report: &str, dir: &Path) {
+    if report.trim().is_empty() {
+        return;
+    }
+    notice(&format!("flight records (in {}):", dir.display()));
+    for line in report.lines() {
+        notice(&format!("  {line}"));
+    }
 }
 
 impl Rank {
@@ -643,13 +888,14 @@ enum Stream {
 }
 
 /// Starts a thread that copies `source` line by line to the launcher's `stream`, each line
-/// prefixed with `prefix` and written in one piece, then sends on `done` when `source` closes.
+/// prefixed with `prefix` and written in one piece, keeps the last lines in `tail`, then sends on
+/// `done` when `source` closes.
 /// A last line without a newline gets one. Write errors (a closed stdout) are ignored and the
 /// source is still drained, so that a rank never blocks on a full pipe.
 fn forward_lines(
     source: impl Read + Send + 'static,
     prefix: String,
-    stream: Stream,
+    (stream, tail): (Stream, Arc<Mutex<VecDeque<String>>>),
     done: mpsc::Sender<()>,
 ) {
     thread::spawn(move || {
@@ -663,6 +909,13 @@ fn forward_lines(
                 Ok(_) => {}
                 Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
                 Err(_) => break,
+            }
+            {
+                let mut tail = tail.lock().unwrap_or_else(|p| p.into_inner());
+                if tail.len() == TAIL_LINES {
+                    tail.pop_front();
+                }
+                tail.push_back(String::from_utf8_lossy(&line).into_owned());
             }
             out.clear();
             out.extend_from_slice(prefix.as_bytes());
@@ -693,19 +946,27 @@ static SIGNAL_COUNT: AtomicUsize = AtomicUsize::new(0);
 /// the first of them (restored when the last one drops).
 static INSTALLED: Mutex<(usize, Vec<(i32, libc::sigaction)>)> = Mutex::new((0, Vec::new()));
 
+/// How many SIGUSR1 the handler has received (a request for the hang report, not a stop).
+static USR1_COUNT: AtomicUsize = AtomicUsize::new(0);
+
 extern "C" fn record_signal(signal: libc::c_int) {
+    if signal == libc::SIGUSR1 {
+        USR1_COUNT.fetch_add(1, Ordering::SeqCst);
+        return;
+    }
     LAST_SIGNAL.store(signal, Ordering::SeqCst);
     SIGNAL_COUNT.fetch_add(1, Ordering::SeqCst);
 }
 
-/// `SIGINT` and `SIGTERM` handlers that record the signal for the watch loop, installed while
-/// any such guard lives; dropping the last one restores the previous handlers.
+/// `SIGINT`, `SIGTERM` and `SIGUSR1` handlers that record the signal for the watch loop,
+/// installed while any such guard lives; dropping the last one restores the previous handlers.
 struct SignalForwarding {
     seen: usize,
+    usr1_seen: usize,
 }
 
 impl SignalForwarding {
-    const SIGNALS: [i32; 2] = [libc::SIGINT, libc::SIGTERM];
+    const SIGNALS: [i32; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGUSR1];
 
     fn install() -> Result<SignalForwarding, LaunchError> {
         let mut installed = INSTALLED
@@ -734,7 +995,14 @@ impl SignalForwarding {
         installed.0 += 1;
         Ok(SignalForwarding {
             seen: SIGNAL_COUNT.load(Ordering::SeqCst),
+            usr1_seen: USR1_COUNT.load(Ordering::SeqCst),
         })
+    }
+
+    /// Whether a SIGUSR1 arrived since the last call.
+    fn take_usr1(&mut self) -> bool {
+        let count = USR1_COUNT.load(Ordering::SeqCst);
+        std::mem::replace(&mut self.usr1_seen, count) != count
     }
 
     /// The signal received since the last call, if any.

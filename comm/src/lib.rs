@@ -43,6 +43,8 @@ pub mod nccl;
 mod store;
 mod transport;
 mod wire;
+#[cfg(test)]
+mod wire_fuzz;
 
 pub use algorithms::chunk_range;
 pub use config::{

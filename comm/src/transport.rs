@@ -973,7 +973,8 @@ struct LinkSide {
 /// `peer_timeout` instead of at the collective deadline (minutes). A peer that is alive but
 /// never enters a collective (a desync) is still caught by the collective deadline.
 ///
-/// The same thread answers SIGUSR1 by dumping the flight recorder (see [`crate::flight`]).
+/// The same thread answers SIGUSR1 by dumping the flight recorder (see [`crate::flight`]), and
+/// dumps it once more when the group fails.
 fn start_liveness(
     rank: usize,
     links: &[Option<Link>],
@@ -998,7 +999,14 @@ fn start_liveness(
     let thread = std::thread::Builder::new()
         .name(format!("ddp-live-{rank}"))
         .spawn(move || loop {
-            if shared.is_failed() || shared.closing.load(Ordering::Acquire) {
+            if shared.closing.load(Ordering::Acquire) {
+                return;
+            }
+            if shared.is_failed() {
+                // The group failed, maybe while this rank was outside any collective (a peer
+                // lost, an ABORT received): leave the record of where it was, since nothing
+                // answers SIGUSR1 from now on.
+                flight.dump("failure");
                 return;
             }
             for (_, tx, _, _) in &watched {

@@ -7,7 +7,9 @@
 //!
 //! Each rank gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
 //! `MASTER_PORT` (and `DDP_JOB_ID`); its output lines come out prefixed with `[rank R]`. When a
-//! rank fails, the others are stopped and ddprun exits non-zero, naming the first failure last.
+//! rank fails, the others are stopped and ddprun exits non-zero, naming the first failure last,
+//! with its error message and where every rank was (flight records). `kill -USR1` of ddprun
+//! prints where every rank is without stopping the job.
 //! All the work is in the `ddp_comm::launch` library; this binary only parses arguments.
 
 /// mimalloc, for the reasons given at its dependency in apps/Cargo.toml.
@@ -85,12 +87,32 @@ fn main() -> ExitCode {
 }
 
 /// Prints the error as the last thing on stderr, framed so that it stands out after the ranks'
-/// output when a rank failed.
+/// output when a rank failed: which rank failed and how, its error in its own words (the error
+/// file it wrote, else its last error-like output lines), and where every local rank was (the
+/// hang report from the flight records).
 fn report(error: &LaunchError) {
-    if let LaunchError::RankFailed(_) = error {
-        let rule = "=".repeat(78);
-        eprintln!("{rule}\nddprun: job failed. Root cause:\n  {error}\n{rule}");
-    } else {
+    let LaunchError::RankFailed(failure) = error else {
         eprintln!("ddprun: error: {error}");
+        return;
+    };
+    let rule = "=".repeat(78);
+    let mut text = format!("{rule}\nddprun: job failed. Root cause:\n  {error}\n");
+    let indent = |block: &str| {
+        block
+            .lines()
+            .map(|l| format!("    {l}\n"))
+            .collect::<String>()
+    };
+    if let Some(message) = &failure.message {
+        text += &format!("  its error:\n{}", indent(message));
     }
+    if let Some(report) = &failure.hang_report {
+        let dir = failure
+            .trace_dir
+            .as_ref()
+            .map(|d| format!(" (flight records in {})", d.display()))
+            .unwrap_or_default();
+        text += &format!("  where the ranks were{dir}:\n{}", indent(report));
+    }
+    eprintln!("{text}{rule}");
 }

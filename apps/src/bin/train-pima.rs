@@ -42,7 +42,11 @@ fn defaults() -> TrainArgs {
     }
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    ddp_comm::launch::finish(try_main())
+}
+
+fn try_main() -> Result<()> {
     let cli = Cli::parse();
     let train::Started {
         cfg,

@@ -46,6 +46,7 @@ fn main() {
         Ok(pg) => pg,
         Err(e) => {
             println!("error: {e}");
+            ddp_comm::launch::record_error(&e.to_string());
             std::process::exit(3);
         }
     };
@@ -75,6 +76,7 @@ fn main() {
                     .peer()
                     .map_or_else(|| "nobody".to_string(), |p| format!("rank {p}"));
                 println!("rank {rank} error (blames {blamed}): {e}");
+                ddp_comm::launch::record_error(&e.to_string());
                 let _ = std::io::stdout().flush();
                 std::process::exit(3);
             }
