@@ -18,6 +18,19 @@ rustc --version
 if ! cargo clippy --version >/dev/null 2>&1; then rustup component add clippy; fi
 if ! cargo fmt --version >/dev/null 2>&1; then rustup component add rustfmt; fi
 
+step "system packages"
+# The network-namespace tests (comm/tests/processes.rs: a cut link between two "hosts") need
+# iproute2's `ip`; the Python steps need venv (Debian ships it apart from python3). Installed
+# only when missing.
+missing=()
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing+=(python3-venv)
+if [ ${#missing[@]} -gt 0 ]; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+fi
+ip -V
+
 step "fmt"
 cargo fmt --all -- --check
 
