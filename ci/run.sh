@@ -66,6 +66,17 @@ cargo xtask train-mnist --nproc 2 --epochs 1 --out target/ci-run-shards \
   --min-accuracy "$MIN_ACCURACY" --data-format shards --data-dir target/ci-shards/from-h5 \
   --max-steps 200 --log-interval 50
 
+step "observability: TensorBoard's own reader on the end-to-end run's curves; a 2-rank trace"
+# TensorBoard (pip, no TensorFlow or torch) reads the event files of the first end-to-end run
+# above (200 steps, --log-interval 50): at least 4 points of train/loss and the other curves.
+# The Rust tests check the same files with our reader (ddp_apps::metrics::read_scalars), so that
+# `cargo test` needs no Python. Then `cargo xtask trace-mnist` traces a few steps on 2 ranks and
+# merges the Chrome trace files (the tests check their contents).
+python3 -m venv target/pyenv
+target/pyenv/bin/pip install --quiet --disable-pip-version-check tensorboard
+target/pyenv/bin/python xtask/py/check_tensorboard.py target/ci-run/metrics --min-points 4
+cargo xtask trace-mnist --out target/ci-trace --data-dir ../shared/data/mnist
+
 step "clippy"
 cargo clippy --release --workspace --all-targets --features "$FEATURES" -- -D warnings
 

@@ -8,4 +8,5 @@ pub mod checkpoint;
 pub mod gpu;
 pub mod metrics;
 pub mod options;
+pub mod trace;
 pub mod train;

@@ -1,5 +1,12 @@
 //! Training metrics: a CSV file and TensorBoard event files side by side in one directory.
 //!
+//! The event file gets the training curves every `--log-interval` steps ([`MetricsWriter::
+//! write_scalars`]: `train/loss`, `train/learning_rate`, `train/samples_per_sec`,
+//! `train/comm_seconds`, `train/comm_fraction`) and the test metrics once per epoch
+//! ([`MetricsWriter::write`]: `test/accuracy`, `test/loss`, `train/epoch_loss`), flushed after
+//! every write so that a live `tensorboard --logdir DIR` shows the run as it goes. The CSV has
+//! one row per epoch.
+//!
 //! TensorBoard reads `events.out.tfevents.*` files: TFRecord framing (length, masked CRC-32C of
 //! the length, payload, masked CRC-32C of the payload) around protobuf `Event` messages. We write
 //! only what scalars need, encoding the three messages by hand:
@@ -119,17 +126,22 @@ impl MetricsWriter {
             m.comm_seconds
         )?;
         self.csv.flush()?;
-        let scalars = [
-            ("train/loss", m.train_loss),
-            ("test/accuracy", m.test_accuracy),
-            ("test/loss", m.test_loss),
-            ("train/samples_per_sec", m.samples_per_sec),
-            ("train/learning_rate", m.learning_rate),
-            ("train/comm_seconds", m.comm_seconds),
-        ];
+        self.write_scalars(
+            m.step,
+            &[
+                ("test/accuracy", m.test_accuracy),
+                ("test/loss", m.test_loss),
+                ("train/epoch_loss", m.train_loss),
+            ],
+        )
+    }
+
+    /// Appends scalars `(tag, value)` at global step `step` to the event file and flushes it,
+    /// so that a running TensorBoard sees them at once.
+    pub fn write_scalars(&mut self, step: u64, scalars: &[(&str, f64)]) -> Result<()> {
         let wall = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs_f64();
-        for (tag, value) in scalars {
-            self.scalar(tag, value as f32, m.step as i64, wall)?;
+        for &(tag, value) in scalars {
+            self.scalar(tag, value as f32, step as i64, wall)?;
         }
         self.events.flush()?;
         Ok(())
@@ -321,10 +333,25 @@ mod tests {
             ..Default::default()
         };
         w.write(&m).unwrap();
+        // Flushed: readable while the writer is still open.
         let scalars = read_scalars(w.events_path()).unwrap();
         assert!(scalars.contains(&("test/accuracy".into(), 42, 0.97)));
-        assert!(scalars.contains(&("train/loss".into(), 42, 0.5)));
-        assert_eq!(scalars.len(), 6);
+        assert!(scalars.contains(&("train/epoch_loss".into(), 42, 0.5)));
+        assert_eq!(scalars.len(), 3);
+        for step in [10, 20, 30] {
+            w.write_scalars(
+                step,
+                &[("train/loss", step as f64), ("train/learning_rate", 1e-3)],
+            )
+            .unwrap();
+        }
+        let scalars = read_scalars(w.events_path()).unwrap();
+        let loss: Vec<(i64, f32)> = scalars
+            .iter()
+            .filter(|(tag, _, _)| tag == "train/loss")
+            .map(|(_, step, v)| (*step, *v))
+            .collect();
+        assert_eq!(loss, [(10, 10.0), (20, 20.0), (30, 30.0)]);
         let csv = std::fs::read_to_string(dir.path().join("metrics.csv")).unwrap();
         assert!(csv.starts_with("epoch,step,train_loss"));
         assert!(csv

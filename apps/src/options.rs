@@ -132,7 +132,7 @@ pub struct TrainArgs {
     /// Where to write the final weights as safetensors with PyTorch's names.
     #[arg(long)]
     pub export: Option<PathBuf>,
-    /// Steps between progress lines.
+    /// Steps between progress lines and TensorBoard points (default 50).
     #[arg(long)]
     pub log_interval: Option<usize>,
     /// Stop after this many optimizer steps in total (for short runs).
@@ -147,6 +147,13 @@ pub struct TrainArgs {
     /// Let every rank print, not only rank 0.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub verbose: Option<bool>,
+    /// Directory for Chrome trace event files of a window of steps (`trace-rank<R>.json` per
+    /// rank; open them in https://ui.perfetto.dev).
+    #[arg(long)]
+    pub trace_dir: Option<PathBuf>,
+    /// With `--trace-dir`: the global steps traced, `A..B` (from 1, B excluded; default 10..15).
+    #[arg(long)]
+    pub trace_steps: Option<String>,
     /// Print a JSON summary line at the end (for scripts).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub json: Option<bool>,
@@ -165,7 +172,7 @@ impl TrainArgs {
             backend, threads, workers, bucket_cap_mb, compression, data_dir, data_format,
             prefetch_shards, checkpoint_dir,
             resume, metrics_dir, export, log_interval, max_steps, train_samples, test_samples,
-            verbose, json)
+            verbose, json, trace_dir, trace_steps)
     }
 
     /// Reads a TOML config file; unknown keys are errors naming the file.
@@ -210,6 +217,9 @@ impl TrainArgs {
             test_samples: a.test_samples,
             verbose: a.verbose.unwrap_or(false),
             json: a.json.unwrap_or(false),
+            trace_dir: a.trace_dir,
+            trace_steps: crate::trace::parse_steps(a.trace_steps.as_deref().unwrap_or("10..15"))
+                .context("--trace-steps")?,
         };
         if cfg.batch_size == 0 {
             bail!("batch-size must be at least 1");
@@ -283,6 +293,10 @@ pub struct TrainConfig {
     pub verbose: bool,
     /// Print a JSON summary.
     pub json: bool,
+    /// Where each rank writes its Chrome trace, if anywhere.
+    pub trace_dir: Option<PathBuf>,
+    /// The traced steps (global, from 1, end excluded).
+    pub trace_steps: std::ops::Range<u64>,
 }
 
 impl TrainConfig {

@@ -10,23 +10,26 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use burn::module::AutodiffModule;
 use burn::optim::momentum::MomentumConfig;
+use burn::optim::GradientsParams;
 use burn::optim::{AdamConfig, Optimizer, SgdConfig};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::backend::Backend;
 use burn::tensor::ElementConversion;
-use ddp::{Compression, DdpConfig, DistributedDataParallel};
-use ddp_comm::{ProcessGroup, ReduceOp};
+use ddp::{Compression, DdpConfig, DistributedDataParallel, SyncPhase, SyncSpan, SyncStats};
+use ddp_comm::{CollectiveRecord, ProcessGroup, ReduceOp};
 use ddp_data::{
     Batch, BatchSource, DataLoader, DistributedSampler, LoaderConfig, ShardLoader,
     ShardLoaderConfig, ShardSet,
 };
 use ddp_models::Classifier;
 use serde::Serialize;
+use serde_json::json;
 
 use crate::checkpoint::{self, CheckpointMeta};
 use crate::metrics::{EpochMetrics, MetricsWriter};
 use crate::options::{CompressionKind, OptimizerKind, TrainConfig};
+use crate::trace::{Tracer, Track};
 
 type Bytes = BinBytesRecorder<FullPrecisionSettings>;
 
@@ -376,6 +379,10 @@ where
         export: None,
         metrics_dir: cfg.metrics_dir.clone(),
     };
+    let mut tracer = match &cfg.trace_dir {
+        Some(dir) => Some(Tracer::new(dir, rank, cfg.trace_steps.clone())?),
+        None => None,
+    };
     let mut train_time = Duration::ZERO;
     let mut samples_done: u64 = 0;
     let at_limit = |step: u64| cfg.max_steps.is_some_and(|m| step >= m);
@@ -392,37 +399,77 @@ where
         let mut loss_sum = 0.0;
         let mut batches = 0usize;
         let mut epoch_samples = 0u64;
-        for batch in train_feed.batches()? {
+        let mut epoch_comm = SyncStats::default();
+        let mut interval = Interval::new();
+        let mut feed = train_feed.batches()?;
+        loop {
             if at_limit(step) {
                 break;
             }
+            let traced = tracer.as_ref().is_some_and(|t| t.covers(step + 1));
+            let t_data = Instant::now();
+            let Some(batch) = feed.next() else {
+                break;
+            };
             let batch = batch?;
+            let t_forward = Instant::now();
             let n = batch.targets.dims()[0];
             let (loss, _) = model.loss(batch.inputs, batch.targets);
             let loss_value: f64 = loss.clone().into_scalar().elem();
-            let grads = ddp.backward(&model, loss)?;
+            let t_backward = Instant::now();
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let t_sync = Instant::now();
+            ddp.record_spans(traced);
+            let grads = ddp.sync(&model, grads)?;
+            let t_optim = Instant::now();
             model = optim.step(lr, model, grads);
+            let t_end = Instant::now();
             step += 1;
             batches += 1;
             epoch_samples += n as u64;
             loss_sum += loss_value;
+            if let (true, Some(tracer)) = (traced, tracer.as_mut()) {
+                let marks = [t_data, t_forward, t_backward, t_sync, t_optim, t_end];
+                trace_step(tracer, step, marks, ddp.take_spans(), &pg.flight_records());
+                if tracer.done_after(step) {
+                    if let Some(path) = tracer.write()? {
+                        say.line(format!(
+                            "trace of steps {:?} in {}",
+                            cfg.trace_steps,
+                            path.display()
+                        ));
+                    }
+                }
+            }
+            interval.add(loss_value, n);
+            let at_interval = step.is_multiple_of(cfg.log_interval as u64);
+            if at_interval {
+                let comm = ddp.take_stats();
+                add_stats(&mut epoch_comm, &comm);
+                if let Some(m) = metrics.as_mut() {
+                    m.write_scalars(step, &interval.scalars(lr, world, &comm))?;
+                }
+                interval = Interval::new();
+            }
             if let Some(bar) = &bar {
                 bar.inc(1);
                 bar.set_message(format!("loss {loss_value:.4}"));
-            } else if step.is_multiple_of(cfg.log_interval as u64) {
+            } else if at_interval {
                 say.line(format!(
                     "epoch {} step {step} ({batches}/{steps_per_epoch}) loss {loss_value:.4}",
                     epoch + 1
                 ));
             }
         }
+        drop(feed);
         if let Some(bar) = bar {
             bar.finish_and_clear();
         }
         let elapsed = epoch_start.elapsed();
         train_time += elapsed;
         samples_done += epoch_samples;
-        let comm = ddp.take_stats();
+        let mut comm = ddp.take_stats();
+        add_stats(&mut comm, &epoch_comm);
         summary.comm_seconds += comm.total().as_secs_f64();
         summary.pack_seconds += comm.pack.as_secs_f64();
         summary.wait_seconds += comm.wait.as_secs_f64();
@@ -478,6 +525,15 @@ where
         }
     }
 
+    if let Some(tracer) = tracer.as_mut() {
+        if let Some(path) = tracer.write()? {
+            say.line(format!(
+                "trace of steps {:?} (up to step {step}) in {}",
+                cfg.trace_steps,
+                path.display()
+            ));
+        }
+    }
     summary.samples_per_sec = if train_time.is_zero() {
         0.0
     } else {
@@ -522,6 +578,119 @@ where
         println!("DDP_SUMMARY {}", serde_json::to_string(&summary)?);
     }
     Ok(summary)
+}
+
+/// What the TensorBoard curves show every `--log-interval` steps, gathered since the last point.
+struct Interval {
+    start: Instant,
+    loss_sum: f64,
+    steps: u64,
+    samples: u64,
+}
+
+impl Interval {
+    fn new() -> Interval {
+        Interval {
+            start: Instant::now(),
+            loss_sum: 0.0,
+            steps: 0,
+            samples: 0,
+        }
+    }
+
+    fn add(&mut self, loss: f64, samples: usize) {
+        self.loss_sum += loss;
+        self.steps += 1;
+        self.samples += samples as u64;
+    }
+
+    /// The scalars of this interval: rank 0's mean loss, the learning rate, samples/s of all
+    /// ranks together (assuming equal batches) and the time spent in gradient synchronisation.
+    fn scalars(&self, lr: f64, world: usize, comm: &SyncStats) -> [(&'static str, f64); 5] {
+        let secs = self.start.elapsed().as_secs_f64().max(1e-9);
+        let comm_secs = comm.total().as_secs_f64();
+        [
+            ("train/loss", self.loss_sum / self.steps.max(1) as f64),
+            ("train/learning_rate", lr),
+            (
+                "train/samples_per_sec",
+                (self.samples * world as u64) as f64 / secs,
+            ),
+            ("train/comm_seconds", comm_secs),
+            ("train/comm_fraction", comm_secs / secs),
+        ]
+    }
+}
+
+/// Adds `b`'s counts and times to `a`.
+fn add_stats(a: &mut SyncStats, b: &SyncStats) {
+    a.steps += b.steps;
+    a.pack += b.pack;
+    a.wait += b.wait;
+    a.unpack += b.unpack;
+    a.bytes += b.bytes;
+}
+
+/// Records one step's spans: the loop's phases from `marks` (data, forward, backward, sync,
+/// optimizer, end) and DDP's per-bucket spans, the all-reduces on the communication track. The
+/// all-reduces' times are the communication thread's own (start and end of the collective)
+/// from the process group's flight recorder `flight`; when it does not hold this sync's
+/// buckets, DDP's view (submission or previous end, to the wait's return) stands in.
+fn trace_step(
+    tracer: &mut Tracer,
+    step: u64,
+    marks: [Instant; 6],
+    spans: Vec<SyncSpan>,
+    flight: &[CollectiveRecord],
+) {
+    let [data, forward, backward, sync, optimizer, end] = marks;
+    let args = json!({ "step": step });
+    tracer.span(Track::Training, "step", data, end, args.clone());
+    for (name, start, stop) in [
+        ("data", data, forward),
+        ("forward", forward, backward),
+        ("backward", backward, sync),
+        ("sync", sync, optimizer),
+        ("optimizer", optimizer, end),
+    ] {
+        tracer.span(Track::Training, name, start, stop, args.clone());
+    }
+    // The sync's all-reduces are the last ones the group ran (nothing else ran since).
+    let reduces: Vec<&SyncSpan> = spans
+        .iter()
+        .filter(|s| s.phase == SyncPhase::AllReduce)
+        .collect();
+    let all: Vec<&CollectiveRecord> = flight.iter().filter(|r| r.op == "all_reduce").collect();
+    let recorded = &all[all.len().saturating_sub(reduces.len())..];
+    let from_flight = recorded.len() == reduces.len()
+        && recorded.iter().zip(&reduces).all(|(r, s)| {
+            r.count == s.elements as u64 && r.started_us.is_some() && r.finished_us.is_some()
+        });
+    for s in &spans {
+        let (track, name) = match s.phase {
+            SyncPhase::Pack => (Track::Training, "pack"),
+            SyncPhase::Wait => (Track::Training, "wait"),
+            SyncPhase::Unpack => (Track::Training, "unpack"),
+            SyncPhase::AllReduce if from_flight => continue,
+            SyncPhase::AllReduce => (Track::Communication, "all_reduce"),
+        };
+        let args = json!({ "step": step, "bucket": s.bucket, "elements": s.elements });
+        tracer.span(track, name, s.start, s.end, args);
+    }
+    if from_flight {
+        for (bucket, r) in recorded.iter().enumerate() {
+            let args = json!({
+                "step": step,
+                "bucket": bucket,
+                "elements": r.count,
+                "dtype": r.dtype,
+                "seq": r.seq,
+                "queued_us": r.queued_us,
+            });
+            let (start, end) = (r.started_us.unwrap_or(0), r.finished_us.unwrap_or(0));
+            tracer.span_us(Track::Communication, "all_reduce", start, end, args);
+        }
+    }
 }
 
 /// Correct predictions, samples and mean loss over the whole test set: each rank evaluates its
@@ -617,6 +786,12 @@ pub fn start(
         bail!("--backend cuda: this build has no CUDA support (build with --features cuda)");
     }
     let pg = Arc::new(ProcessGroup::from_env().context("joining the process group")?);
+    tracing::info!(
+        "rank {} of {} joined the process group (local rank {})",
+        pg.rank(),
+        pg.world_size(),
+        pg.local_rank()
+    );
     #[cfg(feature = "cuda")]
     let cuda_device = match cfg.backend {
         crate::options::BackendKind::Cuda => Some(crate::gpu::cuda_device(&pg)?),
@@ -653,8 +828,10 @@ pub fn set_compute_threads(threads: usize) -> Result<()> {
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // Colours only on a terminal: under ddprun, or redirected to a file, stderr is not one.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .try_init();
 }

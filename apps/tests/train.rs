@@ -52,25 +52,45 @@ fn summary(out: &Output) -> Value {
     serde_json::from_str(&line).unwrap()
 }
 
+/// The run of [`two_ranks_learn_mnist`] also checks observability (issue 14): TensorBoard
+/// curves every `--log-interval` steps, Chrome traces of `--trace-steps` on every rank, and log
+/// lines (`RUST_LOG=info`) without ANSI escapes, stdout and stderr being pipes.
 #[test]
 fn two_ranks_learn_mnist() {
     let dir = tempfile::tempdir().unwrap();
     let metrics = dir.path().join("metrics");
     let weights = dir.path().join("model.safetensors");
-    let out = ddprun_mnist(
-        2,
-        &[
-            "--max-steps",
-            "60",
-            "--test-samples",
-            "1000",
-            "--metrics-dir",
-            metrics.to_str().unwrap(),
-            "--export",
-            weights.to_str().unwrap(),
-        ],
-    );
+    let traces = dir.path().join("traces");
+    let out = run(Command::new(env!("CARGO_BIN_EXE_ddprun"))
+        .args(["--nproc-per-node", "2", "--"])
+        .arg(env!("CARGO_BIN_EXE_train-mnist"))
+        .arg("--data-dir")
+        .arg(mnist_dir())
+        .args(["--threads", "1", "--json"])
+        .args(["--max-steps", "60", "--test-samples", "1000"])
+        .args(["--log-interval", "10", "--trace-steps", "3..6"])
+        .arg("--metrics-dir")
+        .arg(&metrics)
+        .arg("--export")
+        .arg(&weights)
+        .arg("--trace-dir")
+        .arg(&traces)
+        .env("RUST_LOG", "info"));
     let s = summary(&out);
+    // Log lines came through the pipes, without colour escapes.
+    let all = text(&out);
+    assert!(
+        all.contains("joined the process group"),
+        "no log line in:\n{all}"
+    );
+    for (name, bytes) in [("stdout", &out.stdout), ("stderr", &out.stderr)] {
+        if let Some(at) = bytes.iter().position(|&b| b == 0x1b) {
+            let context =
+                String::from_utf8_lossy(&bytes[at.saturating_sub(80)..(at + 20).min(bytes.len())]);
+            panic!("an escape byte in piped {name}: {context:?}");
+        }
+    }
+    check_traces(&traces, 2, 3..6);
     assert_eq!(s["world_size"], 2);
     assert_eq!(s["steps"], 60);
     // Every test sample counted once across the two ranks.
@@ -93,7 +113,114 @@ fn two_ranks_learn_mnist() {
     assert!(scalars.iter().any(|(tag, step, v)| tag == "test/accuracy"
         && *step == 60
         && (*v as f64 - accuracy).abs() < 1e-6));
+    // Training curves every 10 steps: 60 / 10 points of each, at steps 10, 20, ..., 60.
+    for tag in [
+        "train/loss",
+        "train/learning_rate",
+        "train/samples_per_sec",
+        "train/comm_seconds",
+        "train/comm_fraction",
+    ] {
+        let steps: Vec<i64> = scalars
+            .iter()
+            .filter(|(t, _, v)| t == tag && v.is_finite())
+            .map(|(_, step, _)| *step)
+            .collect();
+        assert_eq!(steps, [10, 20, 30, 40, 50, 60], "{tag}");
+    }
+    let losses: Vec<f32> = scalars
+        .iter()
+        .filter(|(t, _, _)| t == "train/loss")
+        .map(|(_, _, v)| *v)
+        .collect();
+    assert!(
+        losses[5] < losses[0],
+        "the loss curve does not fall: {losses:?}"
+    );
     assert!(std::fs::metadata(&weights).unwrap().len() > 4 * 1_199_882);
+}
+
+/// Checks the Chrome traces of `world` ranks in `dir` for the steps `steps`: valid JSON, every
+/// kind of span on every rank and step, all-reduces on the communication track within the step
+/// that issued them, and the ranks' clocks lined up (each all-reduce overlaps the other ranks').
+fn check_traces(dir: &Path, world: usize, steps: std::ops::Range<u64>) {
+    // Spans from the process group's flight recorder carry whole wall-clock microseconds, the
+    // loop's come from the monotonic clock anchored to the wall clock once: allow a little.
+    const SLACK_US: f64 = 500.0;
+    let mut reduces: Vec<Vec<(u64, u64, f64, f64)>> = Vec::new(); // (step, bucket, start, end)
+    for rank in 0..world {
+        let path = dir.join(format!("trace-rank{rank}.json"));
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let trace: Value = serde_json::from_slice(&bytes).expect("a trace is JSON");
+        let spans: Vec<&Value> = trace["traceEvents"]
+            .as_array()
+            .expect("traceEvents")
+            .iter()
+            .filter(|e| e["ph"] == "X")
+            .collect();
+        assert!(spans.iter().all(|e| e["pid"] == rank as u64), "rank {rank}");
+        let span = |e: &Value| {
+            let ts = e["ts"].as_f64().unwrap();
+            (ts, ts + e["dur"].as_f64().unwrap())
+        };
+        let step_of = |e: &Value| e["args"]["step"].as_u64().expect("a step argument");
+        for step in steps.clone() {
+            let of_step: Vec<&&Value> = spans.iter().filter(|e| step_of(e) == step).collect();
+            for kind in [
+                "step",
+                "data",
+                "forward",
+                "backward",
+                "pack",
+                "all_reduce",
+                "unpack",
+                "optimizer",
+            ] {
+                assert!(
+                    of_step.iter().any(|e| e["name"] == kind),
+                    "rank {rank} step {step}: no `{kind}` span"
+                );
+            }
+            let (start, end) = span(of_step.iter().find(|e| e["name"] == "step").unwrap());
+            for e in &of_step {
+                let on_comm = e["name"] == "all_reduce";
+                assert_eq!(e["tid"], if on_comm { 2 } else { 1 }, "{e}");
+                let (s, t) = span(e);
+                assert!(
+                    s >= start - SLACK_US && t <= end + SLACK_US,
+                    "rank {rank}: {e} lies outside its step ({start}..{end})"
+                );
+            }
+        }
+        let traced: std::collections::BTreeSet<u64> = spans.iter().map(|e| step_of(e)).collect();
+        assert_eq!(traced, steps.clone().collect(), "rank {rank}: traced steps");
+        reduces.push(
+            spans
+                .iter()
+                .filter(|e| e["name"] == "all_reduce")
+                .map(|e| {
+                    let (s, t) = span(e);
+                    (step_of(e), e["args"]["bucket"].as_u64().unwrap(), s, t)
+                })
+                .collect(),
+        );
+    }
+    // A collective needs every rank: on one clock, rank r's all-reduce overlaps rank 0's.
+    for (rank, theirs) in reduces.iter().enumerate().skip(1) {
+        assert_eq!(theirs.len(), reduces[0].len(), "rank {rank}: all-reduces");
+        for (a, b) in reduces[0].iter().zip(theirs) {
+            assert_eq!((a.0, a.1), (b.0, b.1));
+            assert!(
+                a.2 <= b.3 + SLACK_US && b.2 <= a.3 + SLACK_US,
+                "step {} bucket {}: rank 0's all-reduce {:?} and rank {rank}'s {:?} do not \
+                 overlap: the ranks' clocks disagree",
+                a.0,
+                a.1,
+                (a.2, a.3),
+                (b.2, b.3)
+            );
+        }
+    }
 }
 
 #[test]
@@ -213,4 +340,27 @@ fn a_corrupt_data_file_is_an_error_naming_it() {
     assert!(!out.status.success());
     let all = text(&out);
     assert!(all.contains("train-labels-idx1-ubyte.gz"), "{all}");
+}
+
+/// `--fetch-data` (used by job scripts before `srun`) resolves the same folder the trainer
+/// reads, `$DDP_DATA_DIR/mnist` here, prints it and exits without forming a group.
+#[test]
+fn fetch_data_prints_the_folder_the_trainer_reads() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("mnist");
+    std::fs::create_dir(&dir).unwrap();
+    for entry in std::fs::read_dir(mnist_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "gz") {
+            std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let out = run(Command::new(env!("CARGO_BIN_EXE_train-mnist"))
+        .arg("--fetch-data")
+        .env("DDP_DATA_DIR", root.path())
+        .env_remove("WORLD_SIZE")
+        .env_remove("RANK"));
+    assert!(out.status.success(), "{}", text(&out));
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(Path::new(printed.trim()), dir, "{}", text(&out));
 }

@@ -41,7 +41,7 @@ use cubecl::cuda::CudaRuntime;
 use ddp_comm::nccl::{NcclGroup, NcclWork};
 use ddp_comm::{DType, ProcessGroup, ReduceOp};
 
-use super::{Compression, DistributedDataParallel};
+use super::{Compression, DistributedDataParallel, SyncPhase};
 use crate::params::{put_grad_tensor, take_grad_tensor, to_f32};
 use crate::DdpError;
 
@@ -116,7 +116,9 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     ) -> Result<GradientsParams, DdpError> {
         let pack_start = Instant::now();
         let mut in_flight: Vec<Result<Flight<B>, DdpError>> = Vec::new();
+        let mut submitted = Vec::with_capacity(self.buckets.len());
         for b in 0..self.buckets.len() {
+            let bucket_start = Instant::now();
             let flat = self.pack_on_device(b, &mut grads);
             let flat = match self.config.compression {
                 Compression::None => flat,
@@ -129,6 +131,9 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
             };
             self.stats.bytes += (self.buckets[b].len() * width) as u64;
             in_flight.push(self.submit_on_device(b, flat));
+            let now = Instant::now();
+            submitted.push(now);
+            self.span(SyncPhase::Pack, b, bucket_start, now);
         }
         self.stats.pack += pack_start.elapsed();
 
@@ -136,17 +141,29 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         let denom = self.pg.world_size() as f32;
         self.micro_steps = 0;
         let mut first_error = self.check_no_unknown_grads(&grads).err();
+        let mut previous_end = pack_start;
         for (b, work) in in_flight.into_iter().enumerate() {
             let wait_start = Instant::now();
             let result = work.and_then(|w| w.wait().map_err(DdpError::from));
-            self.stats.wait += wait_start.elapsed();
+            let wait_end = Instant::now();
+            self.stats.wait += wait_end - wait_start;
+            // The host's view: kernels run asynchronously on the GPU's streams.
+            self.span(SyncPhase::Wait, b, wait_start, wait_end);
+            self.span(
+                SyncPhase::AllReduce,
+                b,
+                submitted[b].max(previous_end),
+                wait_end,
+            );
+            previous_end = wait_end;
             match result {
                 Ok((flat, _resource)) => {
-                    let unpack_start = Instant::now();
                     if let Err(e) = self.unpack_on_device(b, flat, &mut grads, denom) {
                         first_error.get_or_insert(e);
                     }
-                    self.stats.unpack += unpack_start.elapsed();
+                    let unpack_end = Instant::now();
+                    self.stats.unpack += unpack_end - wait_end;
+                    self.span(SyncPhase::Unpack, b, wait_end, unpack_end);
                 }
                 // Keep waiting for the rest so that no buffer is left in NCCL's hands.
                 Err(e) => {

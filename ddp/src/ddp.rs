@@ -124,6 +124,38 @@ impl SyncStats {
     }
 }
 
+/// A phase of [`DistributedDataParallel::sync`], for timelines (see
+/// [`DistributedDataParallel::record_spans`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncPhase {
+    /// Copying one bucket's gradients into its buffer and submitting its all-reduce.
+    Pack,
+    /// One bucket's all-reduce as the caller sees it: from its submission (or the end of the
+    /// previous bucket's, the communication thread running them one after another) until
+    /// `wait` returned it. The process group's flight recorder has the communication thread's
+    /// own start and end.
+    AllReduce,
+    /// The caller blocked waiting for one bucket's all-reduce.
+    Wait,
+    /// Turning one reduced bucket back into gradient tensors.
+    Unpack,
+}
+
+/// One timed phase of one bucket in a [`DistributedDataParallel::sync`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyncSpan {
+    /// What was done.
+    pub phase: SyncPhase,
+    /// The bucket (communication order).
+    pub bucket: usize,
+    /// Elements of the bucket's all-reduce (gradients and presence slots).
+    pub elements: usize,
+    /// When it started.
+    pub start: Instant,
+    /// When it ended.
+    pub end: Instant,
+}
+
 /// The parameters whose gradients travel together in one all-reduce.
 #[derive(Debug, Clone)]
 struct Bucket {
@@ -174,6 +206,8 @@ pub struct DistributedDataParallel<B: AutodiffBackend> {
     device: B::Device,
     config: DdpConfig,
     stats: SyncStats,
+    /// `Some` while [`record_spans`](Self::record_spans) is on: the spans since the last take.
+    spans: Option<Vec<SyncSpan>>,
     /// Set when gradients are all-reduced on the GPU through NCCL.
     #[cfg(feature = "cuda")]
     device_path: Option<cuda::DevicePath<B>>,
@@ -236,6 +270,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
             device,
             config,
             stats: SyncStats::default(),
+            spans: None,
             #[cfg(feature = "cuda")]
             device_path,
         };
@@ -287,6 +322,32 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     /// Statistics gathered since the last call, then reset.
     pub fn take_stats(&mut self) -> SyncStats {
         std::mem::take(&mut self.stats)
+    }
+
+    /// Turns the recording of per-bucket [`SyncSpan`]s on or off (off by default: then a sync
+    /// records nothing beyond [`SyncStats`]). When
+    /// [`gradients_on_device`](Self::gradients_on_device), the spans are the host's view of
+    /// asynchronous GPU work (launches and waits).
+    pub fn record_spans(&mut self, on: bool) {
+        self.spans = on.then(|| self.spans.take().unwrap_or_default());
+    }
+
+    /// The spans recorded since the last call (empty when recording is off).
+    pub fn take_spans(&mut self) -> Vec<SyncSpan> {
+        self.spans.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Records one span when recording is on.
+    fn span(&mut self, phase: SyncPhase, bucket: usize, start: Instant, end: Instant) {
+        if let Some(spans) = self.spans.as_mut() {
+            spans.push(SyncSpan {
+                phase,
+                bucket,
+                elements: self.buckets[bucket].len(),
+                start,
+                end,
+            });
+        }
     }
 
     /// Runs `loss.backward()`, collects the gradients of `model` and [`sync`](Self::sync)s them.
@@ -361,14 +422,19 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         }
         let pack_start = Instant::now();
         let mut in_flight = Vec::with_capacity(self.buckets.len());
+        let mut submitted = Vec::with_capacity(self.buckets.len());
         let mut first_error = None;
         for b in 0..self.buckets.len() {
+            let bucket_start = Instant::now();
             // On an error, still submit every bucket so that the collectives line up with the
             // other ranks'; the error is returned once they are done.
             if let Err(e) = self.pack(b, &mut grads) {
                 first_error.get_or_insert(e);
             }
             in_flight.push(self.submit(b));
+            let now = Instant::now();
+            submitted.push(now);
+            self.span(SyncPhase::Pack, b, bucket_start, now);
         }
         if let Err(e) = self.check_no_unknown_grads(&grads) {
             first_error.get_or_insert(e);
@@ -379,18 +445,25 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         // start afresh next time.
         let denom = self.pg.world_size() as f32;
         self.micro_steps = 0;
+        let mut previous_end = pack_start;
         for (b, work) in in_flight.into_iter().enumerate() {
             let wait_start = Instant::now();
             let result = self.complete(b, work);
-            self.stats.wait += wait_start.elapsed();
+            let wait_end = Instant::now();
+            self.stats.wait += wait_end - wait_start;
+            self.span(SyncPhase::Wait, b, wait_start, wait_end);
+            let reduce_start = submitted[b].max(previous_end);
+            self.span(SyncPhase::AllReduce, b, reduce_start, wait_end);
+            previous_end = wait_end;
             if let Err(e) = result {
                 // Keep waiting for the rest so no buffer is left behind in the comm thread.
                 first_error.get_or_insert(e);
                 continue;
             }
-            let unpack_start = Instant::now();
             self.unpack(b, &mut grads, denom);
-            self.stats.unpack += unpack_start.elapsed();
+            let unpack_end = Instant::now();
+            self.stats.unpack += unpack_end - wait_end;
+            self.span(SyncPhase::Unpack, b, wait_end, unpack_end);
         }
         if let Some(e) = first_error {
             return Err(e);

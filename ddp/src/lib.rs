@@ -9,7 +9,9 @@ mod ddp;
 mod error;
 mod params;
 
-pub use crate::ddp::{Compression, DdpConfig, DistributedDataParallel, SyncStats};
+pub use crate::ddp::{
+    Compression, DdpConfig, DistributedDataParallel, SyncPhase, SyncSpan, SyncStats,
+};
 pub use error::DdpError;
 pub use params::{flatten_params, load_flat_params, param_infos, ParamInfo};
 

@@ -779,3 +779,65 @@ fn batchnorm_running_stats_are_broadcast_from_rank_0_not_averaged() {
     let initial_stats = running_stats(&load_flat_params::<B, _>(BnNet::new(), &init).unwrap());
     assert!(norm_rel_diff(&initial_stats, stats0) > 1e-3);
 }
+
+#[test]
+fn recorded_spans_cover_every_bucket_in_order() {
+    use ddp::{SyncPhase, SyncSpan};
+    let spans: Vec<(usize, Vec<SyncSpan>)> = run_ranks(2, |pg| {
+        let model = MnistMlpConfig::new().init::<B>(&Default::default());
+        let config = DdpConfig {
+            // A bucket per parameter: four.
+            bucket_cap_mb: 0.001,
+            first_bucket_mb: 0.001,
+            ..DdpConfig::default()
+        };
+        let (model, mut ddp) = DistributedDataParallel::new(model, pg, config).unwrap();
+        let buckets = ddp.bucket_layout().len();
+        let (x, y) = batch(0, 4);
+        // Off by default: nothing recorded.
+        let (loss, _) = model.loss(x.clone(), y.clone());
+        ddp.backward(&model, loss).unwrap();
+        assert!(ddp.take_spans().is_empty());
+        ddp.record_spans(true);
+        let (loss, _) = model.loss(x, y);
+        ddp.backward(&model, loss).unwrap();
+        let spans = ddp.take_spans();
+        assert!(ddp.take_spans().is_empty(), "take_spans empties the record");
+        (buckets, spans)
+    });
+    for (buckets, spans) in spans {
+        assert_eq!(buckets, 4);
+        for phase in [
+            SyncPhase::Pack,
+            SyncPhase::AllReduce,
+            SyncPhase::Wait,
+            SyncPhase::Unpack,
+        ] {
+            let of: Vec<&SyncSpan> = spans.iter().filter(|s| s.phase == phase).collect();
+            let order: Vec<usize> = of.iter().map(|s| s.bucket).collect();
+            assert_eq!(order, (0..buckets).collect::<Vec<_>>(), "{phase:?}");
+            assert!(of.iter().all(|s| s.start <= s.end && s.elements > 0));
+        }
+        let at = |phase, b| {
+            *spans
+                .iter()
+                .find(|s| s.phase == phase && s.bucket == b)
+                .unwrap()
+        };
+        for b in 0..buckets {
+            let (pack, reduce, wait, unpack) = (
+                at(SyncPhase::Pack, b),
+                at(SyncPhase::AllReduce, b),
+                at(SyncPhase::Wait, b),
+                at(SyncPhase::Unpack, b),
+            );
+            // Submitted at the end of packing; done when the wait returned; unpacked after.
+            assert!(reduce.start >= pack.end && reduce.end == wait.end);
+            assert!(unpack.start == wait.end);
+            if b > 0 {
+                // One communication thread: the all-reduces do not overlap.
+                assert!(reduce.start >= at(SyncPhase::AllReduce, b - 1).end);
+            }
+        }
+    }
+}

@@ -4,7 +4,8 @@
 //! It builds ddprun and the bench binary of `ddp-apps` in release and runs `ddprun --nproc-per-node N -- ddp-allreduce-bench`
 //! for every rank count and algorithm asked for, then the same sizes through
 //! `xtask/scripts/gloo_allreduce.py` under ddprun. Both check every result exactly and write
-//! JSON; this task gathers those into `allreduce.json` and `allreduce.md` under `target/bench/`
+//! JSON; this task gathers those into `allreduce.json`, `allreduce.md` and `allreduce.svg` (busbw
+//! per size, one panel per rank count, ours beside gloo) under `target/bench/`
 //! (or `--out`), and prints the Markdown.
 //!
 //! The algorithm is chosen through the comm crate's size threshold, `DDP_SMALL_ALLREDUCE_BYTES`
@@ -24,7 +25,7 @@ use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
-use crate::util;
+use crate::{plot, util};
 
 /// The sizes timed by default: 4 KiB to 256 MiB in powers of 4.
 const DEFAULT_SIZES: &str = "4K,16K,64K,256K,1M,4M,16M,64M,256M";
@@ -246,7 +247,14 @@ pub fn run(args: Args) -> Result<()> {
     let md_path = out.join("allreduce.md");
     std::fs::write(&md_path, &markdown)
         .with_context(|| format!("writing {}", md_path.display()))?;
-    eprintln!("results: {} and {}", md_path.display(), json_path.display());
+    let svg_path = out.join("allreduce.svg");
+    plot::svg(&svg_path, &plot_busbw(&summary.runs))?;
+    eprintln!(
+        "results: {}, {} and {}",
+        md_path.display(),
+        json_path.display(),
+        svg_path.display()
+    );
     Ok(())
 }
 
@@ -486,6 +494,40 @@ fn markdown(
         let _ = writeln!(md, "\n{}\n", crossover.summary);
     }
     md
+}
+
+/// One panel per rank count: busbw against size (log scale) for each of our runs and gloo's.
+fn plot_busbw(runs: &[RunReport]) -> Vec<plot::Chart> {
+    let mut worlds: Vec<usize> = runs.iter().map(|r| r.world_size).collect();
+    worlds.sort_unstable();
+    worlds.dedup();
+    worlds
+        .into_iter()
+        .map(|world| plot::Chart {
+            title: format!("all_reduce(f32, sum), {world} ranks"),
+            x_desc: "buffer size".into(),
+            y_desc: "busbw (GB/s)".into(),
+            series: runs
+                .iter()
+                .filter(|r| r.world_size == world)
+                .map(|r| plot::Series {
+                    label: if r.implementation == "gloo" {
+                        "gloo (torch)".into()
+                    } else {
+                        format!("ddp-rs {}", r.label)
+                    },
+                    points: r
+                        .results
+                        .iter()
+                        .map(|x| ((x.bytes as f64).log2(), x.busbw_gbs))
+                        .collect(),
+                    reference: false,
+                })
+                .collect(),
+            x_label: |x| human_size(x.round().exp2() as usize),
+            x_ticks: 10,
+        })
+        .collect()
 }
 
 /// The time and busbw cells of one result, or empty cells.

@@ -132,7 +132,13 @@ pub fn run(args: Args) -> Result<()> {
 
     let data_dir = match &args.data_dir {
         Some(dir) => dir.clone(),
-        None => default_mnist_dir()?,
+        // Where train-mnist keeps MNIST by default (it downloads it there if needed).
+        None => {
+            let out =
+                util::run_stdout(Command::new(bin_dir.join("train-mnist")).arg("--fetch-data"))
+                    .context("obtaining MNIST with train-mnist --fetch-data")?;
+            PathBuf::from(out.trim())
+        }
     };
     let mut mnist = Vec::new();
     let mut worlds = vec![1];
@@ -308,19 +314,6 @@ fn find_libnccl2() -> Option<PathBuf> {
     dirs.into_iter()
         .map(|d| d.join("libnccl.so.2"))
         .find(|p| p.exists())
-}
-
-/// `$DDP_DATA_DIR/mnist`, else `$XDG_CACHE_HOME/ddp-rs/mnist`, else `~/.cache/ddp-rs/mnist`
-/// (where train-mnist puts MNIST by default).
-fn default_mnist_dir() -> Result<PathBuf> {
-    if let Some(root) = std::env::var_os("DDP_DATA_DIR").filter(|v| !v.is_empty()) {
-        return Ok(PathBuf::from(root).join("mnist"));
-    }
-    let cache = match std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME").context("HOME is not set")?).join(".cache"),
-    };
-    Ok(cache.join("ddp-rs").join("mnist"))
 }
 
 /// PyTorch's epoch on GPU 0, or why it was skipped.

@@ -9,7 +9,9 @@ mod bench_allreduce;
 mod bench_scaling;
 mod bench_step;
 mod gpu_check;
+mod plot;
 mod shards;
+mod trace_mnist;
 mod train;
 mod util;
 
@@ -31,7 +33,7 @@ enum Task {
     /// hand.
     BenchAllreduce(bench_allreduce::Args),
     /// Train the CNN for a fixed number of steps at 1, 2 and 4 ranks: samples/s, efficiency,
-    /// communication per step, peak RSS; writes a Markdown table, JSON and a PNG plot.
+    /// communication per step, peak RSS; writes a Markdown table, JSON and an SVG plot.
     BenchScaling(bench_scaling::Args),
     /// Time one training step (forward, backward, Adam) of the CNN and the MLP at 1 thread and
     /// at every core, ours and PyTorch's when torch is at hand, with the ratio.
@@ -48,6 +50,9 @@ enum Task {
     /// Samples/s of the shard loader against the in-memory loader, and its peak memory over a
     /// large synthetic set.
     BenchShards(shards::BenchArgs),
+    /// Trace a few steps of the MNIST CNN on 2 local ranks (Chrome trace files for Perfetto):
+    /// data, forward, backward, packing, each bucket's all-reduce, unpacking, optimizer.
+    TraceMnist(trace_mnist::Args),
     /// Train the MNIST CNN on N local ranks (default 2) through ddprun.
     TrainMnist(train::Args),
     /// Train the Pima diabetes MLP on N local ranks (default 2) through ddprun.
@@ -63,6 +68,7 @@ fn main() -> Result<()> {
         Task::MakeShards(args) => shards::make(args),
         Task::ImportH5(args) => shards::import(args),
         Task::BenchShards(args) => shards::bench(args),
+        Task::TraceMnist(args) => trace_mnist::run(args),
         Task::TrainMnist(args) => train::run("train-mnist", args),
         Task::TrainPima(args) => train::run("train-pima", args),
     }

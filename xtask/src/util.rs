@@ -95,6 +95,21 @@ pub fn run(command: &mut Command) -> Result<()> {
     Ok(())
 }
 
+/// Runs `command` with its stderr passed through and returns its stdout; an error if it cannot
+/// start or exits non-zero.
+pub fn run_stdout(command: &mut Command) -> Result<String> {
+    let line = command_line(command);
+    eprintln!("$ {line}");
+    let output = command
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .with_context(|| format!("starting `{line}`"))?;
+    if !output.status.success() {
+        bail!("`{line}` failed ({})", output.status);
+    }
+    String::from_utf8(output.stdout).with_context(|| format!("`{line}` printed non-UTF-8"))
+}
+
 /// `command` as a shell-like line, for messages.
 pub fn command_line(command: &Command) -> String {
     let mut words = vec![command.get_program().to_string_lossy().into_owned()];

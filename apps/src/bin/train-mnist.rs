@@ -33,6 +33,11 @@ struct Cli {
     /// The network.
     #[arg(long, value_enum, default_value = "cnn")]
     model: ModelKind,
+    /// Only obtain MNIST (download it into --data-dir or the default cache folder, checked
+    /// against its SHA-256 sums, unless it is already there), print its folder and exit; for
+    /// job scripts that fetch once before starting the ranks.
+    #[arg(long)]
+    fetch_data: bool,
     #[command(flatten)]
     args: TrainArgs,
 }
@@ -53,6 +58,10 @@ fn main() -> std::process::ExitCode {
 
 fn try_main() -> Result<()> {
     let cli = Cli::parse();
+    if cli.fetch_data {
+        println!("{}", ensure_mnist(cli.args.data_dir.as_deref())?.display());
+        return Ok(());
+    }
     let train::Started {
         cfg,
         pg,
