@@ -20,10 +20,12 @@ if ! cargo fmt --version >/dev/null 2>&1; then rustup component add rustfmt; fi
 
 step "system packages"
 # The network-namespace tests (comm/tests/processes.rs: a cut link between two "hosts") need
-# iproute2's `ip`; the Python steps need venv (Debian ships it apart from python3). Installed
+# iproute2's `ip`; the Slurm step needs slurm-wlm and munge; the Python steps need venv (Debian ships it apart from python3). Installed
 # only when missing.
 missing=()
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+command -v slurmctld >/dev/null 2>&1 || missing+=(slurm-wlm)
+command -v munged >/dev/null 2>&1 || missing+=(munge)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing+=(python3-venv)
 if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
@@ -76,6 +78,9 @@ python3 -m venv target/pyenv
 target/pyenv/bin/pip install --quiet --disable-pip-version-check tensorboard
 target/pyenv/bin/python xtask/py/check_tensorboard.py target/ci-run/metrics --min-points 4
 cargo xtask trace-mnist --out target/ci-trace --data-dir ../shared/data/mnist
+
+step "slurm: the example job script on a real one-node Slurm cluster, 2 tasks through srun"
+bash ci/slurm.sh target/ci-slurm
 
 step "clippy"
 cargo clippy --release --workspace --all-targets --features "$FEATURES" -- -D warnings
