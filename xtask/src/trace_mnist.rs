@@ -3,7 +3,6 @@
 //! common wall clock), prints where a step's time goes and how to open the files.
 
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 use serde_json::Value;
@@ -50,16 +49,7 @@ pub fn run(args: Args) -> Result<()> {
     );
     anyhow::ensure!(start >= 1 && start < end, "{}", bad());
     let bin_dir = util::build_release_bins(&["ddprun", "train-mnist"], &[])?;
-    let out = match args.out {
-        Some(out) => out,
-        None => {
-            let now = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
-            util::workspace_root()
-                .join("runs")
-                .join(format!("trace-mnist-{now}"))
-        }
-    };
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let out = util::run_dir("trace-mnist", args.out)?;
     let mut trainer_args: Vec<String> = vec![
         "--epochs".into(),
         "1".into(),
@@ -123,13 +113,7 @@ fn merge(traces: &[Value]) -> Value {
 /// share of the step (the all-reduce runs on the communication thread, overlapping packing,
 /// waiting and unpacking, so the shares do not add up to 100 %).
 fn breakdown(traces: &[Value]) -> String {
-    let mut md = String::from("| rank | step |");
-    for p in PHASES {
-        md += &format!(" {p} |");
-    }
-    md += "\n| --- | --- |";
-    md += &" --- |".repeat(PHASES.len());
-    md += "\n";
+    let mut md = util::md_header(&["rank", "step"], PHASES.iter().map(|p| p.to_string()));
     for (rank, trace) in traces.iter().enumerate() {
         let spans: Vec<&Value> = trace["traceEvents"]
             .as_array()
@@ -188,13 +172,10 @@ fn spans_on(trace: &Value, tid: u64) -> Vec<(String, f64, f64)> {
 /// traced step) and how much of it coincided with each phase of the training thread, so that
 /// overlap (pack, unpack, backward) and exposed communication (wait) show as numbers.
 fn overlap(traces: &[Value]) -> String {
-    let mut md = String::from("| rank | all_reduce |");
-    for p in TRAINING_PHASES {
-        md += &format!(" during {p} |");
-    }
-    md += "\n| --- | --- |";
-    md += &" --- |".repeat(TRAINING_PHASES.len());
-    md += "\n";
+    let mut md = util::md_header(
+        &["rank", "all_reduce"],
+        TRAINING_PHASES.iter().map(|p| format!("during {p}")),
+    );
     for (rank, trace) in traces.iter().enumerate() {
         let training = spans_on(trace, 1);
         let reduces = spans_on(trace, 2);

@@ -9,7 +9,7 @@
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
@@ -108,16 +108,7 @@ pub fn launch(
 pub fn run(trainer: &str, args: Args) -> Result<()> {
     let started = Instant::now();
     let bin_dir = util::build_release_bins(&["ddprun", trainer], &[])?;
-    let out = match args.out {
-        Some(out) => out,
-        None => {
-            let now = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
-            util::workspace_root()
-                .join("runs")
-                .join(format!("{trainer}-{now}"))
-        }
-    };
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let out = util::run_dir(trainer, args.out)?;
     let (checkpoints, metrics, weights) = (
         out.join("checkpoints"),
         out.join("metrics"),

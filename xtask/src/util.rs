@@ -95,6 +95,36 @@ pub fn run(command: &mut Command) -> Result<()> {
     Ok(())
 }
 
+/// The output folder of a run: `out` if given, else `runs/<name>-<unix seconds>` in the
+/// workspace; created either way.
+pub fn run_dir(name: &str, out: Option<PathBuf>) -> Result<PathBuf> {
+    let out = match out {
+        Some(out) => out,
+        None => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)?
+                .as_secs();
+            workspace_root().join("runs").join(format!("{name}-{now}"))
+        }
+    };
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    Ok(out)
+}
+
+/// A Markdown table's first two lines: `first_columns` then `columns`.
+pub fn md_header(first_columns: &[&str], columns: impl IntoIterator<Item = String>) -> String {
+    let names: Vec<String> = first_columns
+        .iter()
+        .map(|c| c.to_string())
+        .chain(columns)
+        .collect();
+    format!(
+        "| {} |\n|{}\n",
+        names.join(" | "),
+        " --- |".repeat(names.len())
+    )
+}
+
 /// Runs `command` with its stderr passed through and returns its stdout; an error if it cannot
 /// start or exits non-zero.
 pub fn run_stdout(command: &mut Command) -> Result<String> {
