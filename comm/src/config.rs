@@ -10,6 +10,11 @@
 //! (seconds),
 //! `DDP_TOKEN`, `DDP_JOB_ID`, `DDP_SEGMENT_BYTES` and `DDP_SMALL_ALLREDUCE_BYTES` apply in every
 //! case.
+//!
+//! torchrun's elastic agent hosts a PyTorch `TCPStore` on `MASTER_ADDR:MASTER_PORT` itself and
+//! says so with `TORCHELASTIC_USE_AGENT_STORE=True`: then no rank hosts a store, every rank
+//! connects to the agent's (see [`GroupConfig::torch_agent_store`]), and the keys go under
+//! torch's worker prefix for `TORCHELASTIC_RESTART_COUNT`.
 
 use std::net::TcpListener;
 use std::time::Duration;
@@ -86,6 +91,13 @@ pub struct GroupConfig {
     /// Buffers up to this many bytes use the latency-optimal algorithms (direct exchange over
     /// the full mesh) instead of the ring. Rank 0's value is used by every rank.
     pub small_allreduce_bytes: usize,
+    /// `Some(restart count)` when torchrun's elastic agent hosts the rendezvous store, a PyTorch
+    /// `TCPStore` at `MASTER_ADDR:MASTER_PORT` (`TORCHELASTIC_USE_AGENT_STORE=True`, with
+    /// `TORCHELASTIC_RESTART_COUNT`, 0 if unset): no rank hosts a store, every rank (rank 0 too)
+    /// speaks torch's store protocol to it, and every key goes under
+    /// `/worker/attempt_{restart count}/` as torch's own workers' keys do. `None`: rank 0 hosts
+    /// ddp-comm's own store.
+    pub torch_agent_store: Option<u32>,
 }
 
 impl Default for GroupConfig {
@@ -106,6 +118,7 @@ impl Default for GroupConfig {
             job_id: None,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             small_allreduce_bytes: DEFAULT_SMALL_ALLREDUCE_BYTES,
+            torch_agent_store: None,
         }
     }
 }
@@ -161,6 +174,7 @@ pub struct GroupBuilder {
     job_id: Option<String>,
     segment_bytes: Option<usize>,
     small_allreduce_bytes: Option<usize>,
+    torch_agent_store: Option<u32>,
     master_listener: Option<TcpListener>,
     no_env: bool,
 }
@@ -235,6 +249,13 @@ impl GroupBuilder {
     /// Size up to which buffers use the latency-optimal algorithms (default 256 KiB).
     pub fn small_allreduce_bytes(mut self, bytes: usize) -> Self {
         self.small_allreduce_bytes = Some(bytes);
+        self
+    }
+    /// Rendezvous through a PyTorch `TCPStore` that something else (torchrun's agent) hosts at
+    /// the master address, with torch's worker key prefix for `restart_count` (overrides
+    /// `TORCHELASTIC_USE_AGENT_STORE`; see [`GroupConfig::torch_agent_store`]).
+    pub fn torch_agent_store(mut self, restart_count: u32) -> Self {
+        self.torch_agent_store = Some(restart_count);
         self
     }
     /// Rank 0 only: host the rendezvous store on this already bound listener instead of binding
@@ -587,6 +608,11 @@ fn resolve(
             .unwrap_or_else(|| default_small_allreduce_bytes(world.value)),
     };
 
+    let torch_agent_store = match b.torch_agent_store {
+        Some(n) => Some(n),
+        None => agent_store_from_env(env)?,
+    };
+
     Ok(GroupConfig {
         rank: rank.value,
         world_size: world.value,
@@ -602,7 +628,30 @@ fn resolve(
         job_id,
         segment_bytes,
         small_allreduce_bytes,
+        torch_agent_store,
     })
+}
+
+/// torchrun's agent-store variables: `TORCHELASTIC_USE_AGENT_STORE` (torchrun sets exactly
+/// `True`; `true` and `1` in any case are accepted too, `False`, `0` or empty mean no) and then
+/// `TORCHELASTIC_RESTART_COUNT` (0 if unset). Any other value is an error naming the variable.
+fn agent_store_from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<u32>, CommError> {
+    const USE: &str = "TORCHELASTIC_USE_AGENT_STORE";
+    let Some(raw) = env(USE) else {
+        return Ok(None);
+    };
+    match raw.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" => {}
+        "false" | "0" | "" => return Ok(None),
+        _ => {
+            return Err(CommError::config(
+                USE,
+                format!("{USE}={raw:?} is neither True nor False"),
+            ))
+        }
+    }
+    let restart = parse_var::<u32>(env, "TORCHELASTIC_RESTART_COUNT", "a restart count")?;
+    Ok(Some(restart.unwrap_or(0)))
 }
 
 /// Number of tasks on this node under Slurm, from `SLURM_TASKS_PER_NODE` (e.g. `2(x3),1`) and
@@ -715,6 +764,46 @@ mod tests {
     fn no_variables_is_a_single_process() {
         let c = GroupConfig::from_vars(vars(&[])).unwrap();
         assert_eq!(c, GroupConfig::default());
+    }
+
+    #[test]
+    fn torchrun_agent_store_variables() {
+        let base = [("RANK", "1"), ("WORLD_SIZE", "2")];
+        let with = |extra: &[(&str, &str)]| {
+            let mut all = base.to_vec();
+            all.extend_from_slice(extra);
+            GroupConfig::from_vars(vars(&all))
+        };
+        assert_eq!(with(&[]).unwrap().torch_agent_store, None);
+        for off in ["False", "0", ""] {
+            let c = with(&[("TORCHELASTIC_USE_AGENT_STORE", off)]).unwrap();
+            assert_eq!(c.torch_agent_store, None, "{off:?}");
+        }
+        for on in ["True", "true", "TRUE", "1"] {
+            let c = with(&[("TORCHELASTIC_USE_AGENT_STORE", on)]).unwrap();
+            assert_eq!(c.torch_agent_store, Some(0), "{on:?}");
+        }
+        let c = with(&[
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RESTART_COUNT", "3"),
+        ])
+        .unwrap();
+        assert_eq!(c.torch_agent_store, Some(3));
+        let e = with(&[("TORCHELASTIC_USE_AGENT_STORE", "yes")]).unwrap_err();
+        assert_eq!(err_var(e), "TORCHELASTIC_USE_AGENT_STORE");
+        let e = with(&[
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RESTART_COUNT", "-1"),
+        ])
+        .unwrap_err();
+        assert_eq!(err_var(e), "TORCHELASTIC_RESTART_COUNT");
+        // The builder overrides the environment.
+        let c = GroupBuilder::default()
+            .torch_agent_store(5)
+            .no_env()
+            .config()
+            .unwrap();
+        assert_eq!(c.torch_agent_store, Some(5));
     }
 
     #[test]

@@ -344,8 +344,11 @@ impl ProcessGroup {
 
         // 1. Rank 0 hosts the store; every rank (rank 0 too) connects to it. With a launcher's job
         // name, the store handshake carries its hash, so processes of other jobs are refused.
+        // Under torchrun's agent store nobody hosts one: every rank connects to the agent's
+        // PyTorch TCPStore, which has no handshake of ours, so the job id is agreed through the
+        // store alone (step 2) and first checked by the peers' handshakes (step 3).
         let named_job = config.job_id.as_deref().map(wire::job_id_from_name);
-        let server = if rank == 0 {
+        let server = if rank == 0 && config.torch_agent_store.is_none() {
             Some(StoreServer::start(
                 listener,
                 &config.master_addr,
@@ -363,13 +366,23 @@ impl ProcessGroup {
             job_id: named_job.unwrap_or([0; 16]),
             token: config.token.clone(),
         };
-        let store = Store::connect(
-            &me,
-            &config.master_addr,
-            config.master_port,
-            deadline,
-            config.timeout,
-        )?;
+        let store = match config.torch_agent_store {
+            None => Store::connect(
+                &me,
+                &config.master_addr,
+                config.master_port,
+                deadline,
+                config.timeout,
+            )?,
+            Some(restart) => Store::connect_torch(
+                rank,
+                &config.master_addr,
+                config.master_port,
+                crate::torch_store::agent_key_prefix(restart),
+                deadline,
+                config.timeout,
+            )?,
+        };
 
         // 2. Rank 0 publishes the job id and the tuning; the others adopt them.
         let (segment_bytes, small_bytes) = if rank == 0 {

@@ -18,6 +18,8 @@
 //! Where things are:
 //! - `config.rs`: [`GroupConfig`] (torchrun / Slurm variables) and [`GroupBuilder`];
 //! - `store.rs`: the rendezvous store and its client [`Store`];
+//! - `torch_store.rs`: the client side of PyTorch's `TCPStore` protocol, for torchrun's agent
+//!   store (`TORCHELASTIC_USE_AGENT_STORE=True`);
 //! - `wire.rs`: the wire format (handshake, frame header, store protocol);
 //! - `transport.rs`: connections, handshakes, the full mesh, reader/writer threads, failure
 //!   propagation;
@@ -41,6 +43,7 @@ pub mod launch;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod store;
+mod torch_store;
 mod transport;
 mod wire;
 #[cfg(test)]

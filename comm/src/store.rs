@@ -9,6 +9,10 @@
 //! The server runs one thread per client connection; waits happen on the server (a condition
 //! variable and a deadline), so a client never polls. Every client call has a deadline; a lost
 //! connection is an error naming the store's address.
+//!
+//! Under torchrun with `TORCHELASTIC_USE_AGENT_STORE=True`, torchrun's agent already hosts a
+//! PyTorch `TCPStore` on `MASTER_ADDR:MASTER_PORT`: no rank hosts this server, and [`Store`]
+//! speaks torch's protocol instead (`torch_store.rs`), with the same calls.
 
 use std::collections::HashMap;
 use std::io;
@@ -19,6 +23,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::CommError;
+use crate::torch_store::TorchConn;
 use crate::transport::{connect_retry, handshake_accept, handshake_connect, remaining, Identity};
 use crate::wire::{
     HelloKind, StoreCmd, StoreRequest, StoreResponse, StoreStatus, MAX_STORE_VALUE_BYTES,
@@ -306,16 +311,69 @@ fn error(msg: &str) -> StoreResponse {
 // ---------------------------------------------------------------------------------------------
 // Client
 
+/// Why one store call failed, before it is named with the store's address and rank.
+#[derive(Debug)]
+pub(crate) enum CallError {
+    /// The connection failed (closed, reset, no answer in time): it may be out of step now and
+    /// is never used again.
+    Io(io::Error),
+    /// The server's bytes made no sense; the connection is dropped too.
+    Protocol(String),
+    /// Keys not set before the deadline (the missing ones, or empty if the server does not
+    /// say); the connection stays usable.
+    Timeout(String),
+    /// The server (or this client) refused the request; the connection stays usable.
+    Refused(String),
+}
+
+impl From<io::Error> for CallError {
+    fn from(e: io::Error) -> CallError {
+        CallError::Io(e)
+    }
+}
+
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CallError::Io(e) => match e.kind() {
+                io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => {
+                    write!(f, "lost the connection (did the store's host exit?)")
+                }
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                    write!(f, "no response in time")
+                }
+                _ => write!(f, "{e}"),
+            },
+            CallError::Protocol(m) => write!(f, "unexpected answer: {m}"),
+            CallError::Timeout(keys) => write!(f, "timed out waiting for {keys}"),
+            CallError::Refused(m) => write!(f, "{m}"),
+        }
+    }
+}
+
+/// The connection under a [`Store`]: to ddp-comm's own server, or to a PyTorch `TCPStore`.
+enum Conn {
+    Ddp(TcpStream),
+    Torch(TorchConn),
+}
+
 /// A client of the rendezvous store (like PyTorch's `TCPStore`): `set`, `get`, `wait`, `add`,
 /// `check`, each with a deadline (the group's `timeout` unless given).
 ///
+/// It talks to ddp-comm's own store (hosted by rank 0) or, under torchrun with
+/// `TORCHELASTIC_USE_AGENT_STORE=True`, to the PyTorch `TCPStore` that torchrun's agent hosts
+/// (see `torch_store.rs`); then every key is put under torch's worker prefix
+/// `/worker/attempt_{TORCHELASTIC_RESTART_COUNT}/`, as torch's own workers do.
+///
 /// Calls from several threads are serialised. Keys under `ddp/` are used by ddp-comm itself.
 pub struct Store {
-    conn: Mutex<Option<TcpStream>>,
+    conn: Mutex<Option<Conn>>,
     addr: String,
     local: SocketAddr,
     rank: usize,
     timeout: Duration,
+    /// Put in front of every key on the wire (empty for ddp-comm's own store).
+    prefix: String,
 }
 
 impl std::fmt::Debug for Store {
@@ -323,12 +381,14 @@ impl std::fmt::Debug for Store {
         f.debug_struct("Store")
             .field("addr", &self.addr)
             .field("rank", &self.rank)
+            .field("prefix", &self.prefix)
             .finish()
     }
 }
 
 impl Store {
-    /// Connects (retrying until `deadline`) and shakes hands with the store at `host:port`.
+    /// Connects (retrying until `deadline`) and shakes hands with ddp-comm's store at
+    /// `host:port`.
     pub(crate) fn connect(
         me: &Identity,
         host: &str,
@@ -366,11 +426,54 @@ impl Store {
             message: e.to_string(),
         })?;
         Ok(Store {
-            conn: Mutex::new(Some(stream)),
+            conn: Mutex::new(Some(Conn::Ddp(stream))),
             addr,
             local,
             rank: me.rank,
             timeout,
+            prefix: String::new(),
+        })
+    }
+
+    /// Connects (retrying until `deadline`) to a PyTorch `TCPStore` at `host:port` (torchrun's
+    /// agent store) and starts its protocol (VALIDATE, PING). Every key is sent as
+    /// `prefix + key`.
+    pub(crate) fn connect_torch(
+        rank: usize,
+        host: &str,
+        port: u16,
+        prefix: String,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<Store, CommError> {
+        let addr = format!("{host}:{port}");
+        let what = "torchrun's agent store (a PyTorch TCPStore)";
+        let stream = connect_retry(rank, what, host, port, deadline)?;
+        let err = |message: String| CommError::Store {
+            rank,
+            addr: addr.clone(),
+            message,
+        };
+        let local = stream.local_addr().map_err(|e| err(e.to_string()))?;
+        let start_deadline = deadline.max(Instant::now() + Duration::from_secs(1));
+        let conn = TorchConn::start(
+            stream,
+            std::process::id(),
+            timeout + RESPONSE_MARGIN,
+            start_deadline,
+        )
+        .map_err(|e| {
+            err(format!(
+                "PyTorch TCPStore handshake (VALIDATE, PING) failed: {e}"
+            ))
+        })?;
+        Ok(Store {
+            conn: Mutex::new(Some(Conn::Torch(conn))),
+            addr,
+            local,
+            rank,
+            timeout,
+            prefix,
         })
     }
 
@@ -384,39 +487,72 @@ impl Store {
         self.timeout
     }
 
+    /// The prefix put in front of every key on the wire: empty for ddp-comm's own store,
+    /// `//worker/attempt_{N}/` on torchrun's agent store (torch's `TCPStore` `/`, then the
+    /// `PrefixStore` of torch's own workers).
+    pub fn key_prefix(&self) -> &str {
+        &self.prefix
+    }
+
     /// This side's address of the connection to the store (its IP is the interface that
-    /// reaches rank 0; peers listen on it).
+    /// reaches the store's host; peers listen on it).
     pub(crate) fn local_addr(&self) -> SocketAddr {
         self.local
     }
 
-    fn request(&self, req: StoreRequest, wait: Duration) -> Result<StoreResponse, CommError> {
+    /// Runs one call on the connection: a failure that may leave the connection out of step
+    /// drops it (later calls fail at once), and every error names the store and this rank.
+    /// `keys` and `timeout` describe a timeout.
+    fn call<R>(
+        &self,
+        keys: &[&str],
+        timeout: Duration,
+        f: impl FnOnce(&mut Conn) -> Result<R, CallError>,
+    ) -> Result<R, CommError> {
         let mut guard = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(stream) = guard.as_mut() else {
+        let Some(conn) = guard.as_mut() else {
             return Err(self.err("the connection was lost earlier".into()));
         };
-        let result = (|| -> io::Result<StoreResponse> {
-            stream.set_read_timeout(Some(wait + RESPONSE_MARGIN))?;
-            stream.set_write_timeout(Some(wait + RESPONSE_MARGIN))?;
-            req.write(stream)?;
-            StoreResponse::read(stream)
-        })();
-        match result {
+        match f(conn) {
             Ok(r) => Ok(r),
+            Err(CallError::Timeout(missing)) => Err(CommError::StoreTimeout {
+                rank: self.rank,
+                addr: self.addr.clone(),
+                keys: if missing.is_empty() {
+                    let names: Vec<String> = keys.iter().map(|k| format!("{k:?}")).collect();
+                    names.join(", ")
+                } else {
+                    missing
+                },
+                timeout,
+            }),
+            Err(e @ CallError::Refused(_)) => Err(self.err(e.to_string())),
             Err(e) => {
-                // The stream may be out of step now; never use it again.
                 *guard = None;
-                let what = match e.kind() {
-                    io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => {
-                        "lost the connection (did rank 0 exit?)".to_string()
-                    }
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-                        "no response in time".to_string()
-                    }
-                    _ => e.to_string(),
-                };
-                Err(self.err(what))
+                Err(self.err(e.to_string()))
             }
+        }
+    }
+
+    /// Sends one request to ddp-comm's own server and reads its response (waiting up to `wait`
+    /// plus a margin); a status other than OK becomes the matching [`CallError`].
+    fn ddp_request(
+        stream: &mut TcpStream,
+        req: StoreRequest,
+        wait: Duration,
+    ) -> Result<StoreResponse, CallError> {
+        stream.set_read_timeout(Some(wait + RESPONSE_MARGIN))?;
+        stream.set_write_timeout(Some(wait + RESPONSE_MARGIN))?;
+        req.write(stream)?;
+        let resp = StoreResponse::read(stream)?;
+        match resp.status {
+            StoreStatus::Ok => Ok(resp),
+            StoreStatus::Timeout => Err(CallError::Timeout(
+                String::from_utf8_lossy(&resp.data).into_owned(),
+            )),
+            StoreStatus::Error => Err(CallError::Refused(
+                String::from_utf8_lossy(&resp.data).into_owned(),
+            )),
         }
     }
 
@@ -426,6 +562,11 @@ impl Store {
             addr: self.addr.clone(),
             message,
         }
+    }
+
+    /// The key as it travels: the prefix, then the key.
+    fn wire(&self, key: &str) -> String {
+        format!("{}{key}", self.prefix)
     }
 
     fn check_key(&self, key: &str) -> Result<(), CommError> {
@@ -439,25 +580,13 @@ impl Store {
         d.as_millis().min(u32::MAX as u128) as u32
     }
 
-    fn expect_ok(
-        &self,
-        resp: StoreResponse,
-        keys: &[&str],
-        timeout: Duration,
-    ) -> Result<StoreResponse, CommError> {
-        match resp.status {
-            StoreStatus::Ok => Ok(resp),
-            StoreStatus::Timeout => Err(CommError::StoreTimeout {
-                rank: self.rank,
-                addr: self.addr.clone(),
-                keys: if resp.data.is_empty() {
-                    keys.join(", ")
-                } else {
-                    String::from_utf8_lossy(&resp.data).into_owned()
-                },
-                timeout,
-            }),
-            StoreStatus::Error => Err(self.err(String::from_utf8_lossy(&resp.data).into_owned())),
+    fn ddp_req(cmd: StoreCmd, timeout: Duration, num: i64, keys: &[&str]) -> StoreRequest {
+        StoreRequest {
+            cmd,
+            timeout_ms: Self::millis(timeout),
+            num,
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+            value: Vec::new(),
         }
     }
 
@@ -470,15 +599,14 @@ impl Store {
                 value.len()
             )));
         }
-        let req = StoreRequest {
-            cmd: StoreCmd::Set,
-            timeout_ms: 0,
-            num: 0,
-            keys: vec![key.to_string()],
-            value: value.to_vec(),
-        };
-        let resp = self.request(req, self.timeout)?;
-        self.expect_ok(resp, &[key], self.timeout).map(|_| ())
+        self.call(&[key], self.timeout, |conn| match conn {
+            Conn::Ddp(s) => {
+                let mut req = Self::ddp_req(StoreCmd::Set, Duration::ZERO, 0, &[key]);
+                req.value = value.to_vec();
+                Self::ddp_request(s, req, self.timeout).map(|_| ())
+            }
+            Conn::Torch(t) => t.set(&self.wire(key), value),
+        })
     }
 
     /// Gets `key`'s value, waiting up to the store's timeout for it to be set.
@@ -489,15 +617,13 @@ impl Store {
     /// Gets `key`'s value, waiting up to `timeout` for it to be set.
     pub fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, CommError> {
         self.check_key(key)?;
-        let req = StoreRequest {
-            cmd: StoreCmd::Get,
-            timeout_ms: Self::millis(timeout),
-            num: 0,
-            keys: vec![key.to_string()],
-            value: Vec::new(),
-        };
-        let resp = self.request(req, timeout)?;
-        self.expect_ok(resp, &[key], timeout).map(|r| r.data)
+        self.call(&[key], timeout, |conn| match conn {
+            Conn::Ddp(s) => {
+                let req = Self::ddp_req(StoreCmd::Get, timeout, 0, &[key]);
+                Self::ddp_request(s, req, timeout).map(|r| r.data)
+            }
+            Conn::Torch(t) => t.get(&self.wire(key), timeout),
+        })
     }
 
     /// Waits up to the store's timeout until every key in `keys` is set.
@@ -513,30 +639,30 @@ impl Store {
         if keys.len() > 1024 {
             return Err(self.err(format!("{} keys in one wait (at most 1024)", keys.len())));
         }
-        let req = StoreRequest {
-            cmd: StoreCmd::Wait,
-            timeout_ms: Self::millis(timeout),
-            num: 0,
-            keys: keys.iter().map(|k| k.to_string()).collect(),
-            value: Vec::new(),
-        };
-        let resp = self.request(req, timeout)?;
-        self.expect_ok(resp, keys, timeout).map(|_| ())
+        self.call(keys, timeout, |conn| match conn {
+            Conn::Ddp(s) => {
+                let req = Self::ddp_req(StoreCmd::Wait, timeout, 0, keys);
+                Self::ddp_request(s, req, timeout).map(|_| ())
+            }
+            Conn::Torch(t) => {
+                let wire: Vec<String> = keys.iter().map(|k| self.wire(k)).collect();
+                let wire: Vec<&str> = wire.iter().map(String::as_str).collect();
+                t.wait(&wire, timeout)
+            }
+        })
     }
 
     /// Atomically adds `delta` to the integer stored at `key` (0 if unset) and returns the new
     /// value.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64, CommError> {
         self.check_key(key)?;
-        let req = StoreRequest {
-            cmd: StoreCmd::Add,
-            timeout_ms: 0,
-            num: delta,
-            keys: vec![key.to_string()],
-            value: Vec::new(),
-        };
-        let resp = self.request(req, self.timeout)?;
-        self.expect_ok(resp, &[key], self.timeout).map(|r| r.num)
+        self.call(&[key], self.timeout, |conn| match conn {
+            Conn::Ddp(s) => {
+                let req = Self::ddp_req(StoreCmd::Add, Duration::ZERO, delta, &[key]);
+                Self::ddp_request(s, req, self.timeout).map(|r| r.num)
+            }
+            Conn::Torch(t) => t.add(&self.wire(key), delta),
+        })
     }
 
     /// Whether every key in `keys` is set (does not wait).
@@ -544,15 +670,17 @@ impl Store {
         for k in keys {
             self.check_key(k)?;
         }
-        let req = StoreRequest {
-            cmd: StoreCmd::Check,
-            timeout_ms: 0,
-            num: 0,
-            keys: keys.iter().map(|k| k.to_string()).collect(),
-            value: Vec::new(),
-        };
-        let resp = self.request(req, self.timeout)?;
-        self.expect_ok(resp, keys, self.timeout).map(|r| r.num != 0)
+        self.call(keys, self.timeout, |conn| match conn {
+            Conn::Ddp(s) => {
+                let req = Self::ddp_req(StoreCmd::Check, Duration::ZERO, 0, keys);
+                Self::ddp_request(s, req, self.timeout).map(|r| r.num != 0)
+            }
+            Conn::Torch(t) => {
+                let wire: Vec<String> = keys.iter().map(|k| self.wire(k)).collect();
+                let wire: Vec<&str> = wire.iter().map(String::as_str).collect();
+                t.check(&wire)
+            }
+        })
     }
 }
 

@@ -8,6 +8,7 @@
 mod bench_allreduce;
 mod bench_scaling;
 mod bench_step;
+mod check_torchrun;
 mod gpu_check;
 mod plot;
 mod shards;
@@ -38,6 +39,9 @@ enum Task {
     /// Time one training step (forward, backward, Adam) of the CNN and the MLP at 1 thread and
     /// at every core, ours and PyTorch's when torch is at hand, with the ratio.
     BenchStep(bench_step::Args),
+    /// Run train-mnist under PyTorch's torchrun (its agent hosts the store) and check that
+    /// every rank trained (needs a python with torch).
+    CheckTorchrun(check_torchrun::Args),
     /// On a machine with NVIDIA GPUs: NCCL collectives checked and timed at every world size,
     /// one MNIST epoch with --backend cuda, and PyTorch's epoch beside it when torch is there.
     GpuCheck(gpu_check::Args),
@@ -64,6 +68,7 @@ fn main() -> Result<()> {
         Task::BenchAllreduce(args) => bench_allreduce::run(args),
         Task::BenchScaling(args) => bench_scaling::run(args),
         Task::BenchStep(args) => bench_step::run(args),
+        Task::CheckTorchrun(args) => check_torchrun::run(args),
         Task::GpuCheck(args) => gpu_check::run(args),
         Task::MakeShards(args) => shards::make(args),
         Task::ImportH5(args) => shards::import(args),
