@@ -56,6 +56,7 @@ use std::ops::Range;
 
 use crate::element::{Element, ReduceOp};
 use crate::error::CommError;
+use crate::shm::{self, ShmGroup};
 use crate::transport::{Buf, Mesh};
 use crate::wire::OpDesc;
 
@@ -84,6 +85,8 @@ pub(crate) struct Ctx<'a> {
     pub desc: OpDesc,
     pub segment_bytes: usize,
     pub small_bytes: usize,
+    /// Shared memory, when every rank shares this host: then it carries every collective.
+    pub shm: Option<&'a ShmGroup>,
 }
 
 impl Ctx<'_> {
@@ -154,6 +157,9 @@ pub(crate) fn all_reduce<T: Element>(
     buf: &mut [T],
     op: ReduceOp,
 ) -> Result<(), CommError> {
+    if let Some(s) = cx.shm {
+        return shm::all_reduce(s, cx.mesh, &cx.desc, buf, op);
+    }
     if bytes_of::<T>(buf.len()) <= cx.small_bytes {
         direct_all_reduce(cx, buf, op)
     } else {
@@ -282,6 +288,9 @@ pub(crate) fn reduce_scatter<T: Element>(
     buf: &mut [T],
     op: ReduceOp,
 ) -> Result<Vec<T>, CommError> {
+    if let Some(s) = cx.shm {
+        return shm::reduce_scatter(s, cx.mesh, &cx.desc, buf, op);
+    }
     let n = cx.world();
     let r = cx.rank();
     let len = buf.len();
@@ -335,6 +344,9 @@ pub(crate) fn all_gather<T: Element>(cx: &Ctx, input: &[T]) -> Result<Vec<T>, Co
         op: cx.desc.to_string(),
         message: format!("{l} elements times {n} ranks overflows"),
     })?;
+    if let Some(s) = cx.shm {
+        return shm::all_gather(s, cx.mesh, &cx.desc, input);
+    }
     let mut out = vec![T::zeroed(); total];
     out[r * l..(r + 1) * l].copy_from_slice(input);
     let block = |b: usize| b * l..(b + 1) * l;
@@ -361,6 +373,9 @@ pub(crate) fn all_gather<T: Element>(cx: &Ctx, input: &[T]) -> Result<Vec<T>, Co
 
 /// Overwrites `buf` on every rank with `root`'s `buf`.
 pub(crate) fn broadcast<T: Element>(cx: &Ctx, buf: &mut [T], root: usize) -> Result<(), CommError> {
+    if let Some(s) = cx.shm {
+        return shm::broadcast(s, cx.mesh, &cx.desc, buf, root);
+    }
     let n = cx.world();
     let r = cx.rank();
     let seg = cx.seg_elems::<T>();
@@ -403,6 +418,9 @@ pub(crate) fn broadcast<T: Element>(cx: &Ctx, buf: &mut [T], root: usize) -> Res
 
 /// Returns once every rank has entered the barrier: an empty frame to and from every peer.
 pub(crate) fn barrier(cx: &Ctx) -> Result<(), CommError> {
+    if let Some(s) = cx.shm {
+        return shm::barrier(s, cx.mesh, &cx.desc);
+    }
     for p in cx.peers() {
         cx.send::<u8>(p, &[])?;
     }

@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use crate::error::CommError;
 use crate::group::ProcessGroup;
+use crate::shm::Transport;
 
 /// Default deadline of every wait on a peer (a peer silent this long fails the group): 300 s.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -98,6 +99,10 @@ pub struct GroupConfig {
     /// `/worker/attempt_{restart count}/` as torch's own workers' keys do. `None`: rank 0 hosts
     /// ddp-comm's own store.
     pub torch_agent_store: Option<u32>,
+    /// What carries the collectives (`DDP_TRANSPORT`: `auto`, the default, uses shared memory
+    /// when every rank shares this host, confirmed by mapping each other's segments; `tcp`;
+    /// `shm`, an error when shared memory cannot be set up).
+    pub transport: Transport,
 }
 
 impl Default for GroupConfig {
@@ -118,6 +123,7 @@ impl Default for GroupConfig {
             job_id: None,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             small_allreduce_bytes: DEFAULT_SMALL_ALLREDUCE_BYTES,
+            transport: Transport::Auto,
             torch_agent_store: None,
         }
     }
@@ -175,6 +181,7 @@ pub struct GroupBuilder {
     segment_bytes: Option<usize>,
     small_allreduce_bytes: Option<usize>,
     torch_agent_store: Option<u32>,
+    transport: Option<Transport>,
     master_listener: Option<TcpListener>,
     no_env: bool,
 }
@@ -224,6 +231,11 @@ impl GroupBuilder {
     /// (overrides `DDP_PEER_TIMEOUT`; default 10 s).
     pub fn peer_timeout(mut self, timeout: Duration) -> Self {
         self.peer_timeout = Some(timeout);
+        self
+    }
+    /// What carries the collectives (overrides `DDP_TRANSPORT`; default [`Transport::Auto`]).
+    pub fn transport(mut self, transport: Transport) -> Self {
+        self.transport = Some(transport);
         self
     }
     /// Directory for the flight recorder's dumps (overrides `DDP_TRACE_DIR`).
@@ -612,6 +624,10 @@ fn resolve(
         Some(n) => Some(n),
         None => agent_store_from_env(env)?,
     };
+    let transport = match b.transport {
+        Some(t) => t,
+        None => Transport::parse(env("DDP_TRANSPORT").as_deref())?,
+    };
 
     Ok(GroupConfig {
         rank: rank.value,
@@ -629,6 +645,7 @@ fn resolve(
         segment_bytes,
         small_allreduce_bytes,
         torch_agent_store,
+        transport,
     })
 }
 

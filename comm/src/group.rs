@@ -19,6 +19,7 @@ use crate::config::{GroupBuilder, GroupConfig};
 use crate::element::{DType, Element, ReduceOp};
 use crate::error::CommError;
 use crate::flight::{CollectiveRecord, FlightRecorder};
+use crate::shm::ShmGroup;
 use crate::store::{Store, StoreServer};
 use crate::transport::{connect_mesh, remaining, Identity, Mesh, Shared, STALL_MARGIN};
 use crate::wire::{self, OpDesc, OpKind};
@@ -68,6 +69,8 @@ struct Engine {
     flight: Arc<FlightRecorder>,
     /// The flight-recorder index of the job being run (set by the job, taken by `run`).
     record: Option<u64>,
+    /// Shared memory, when every rank shares this host (it then carries every collective).
+    shm: Option<ShmGroup>,
 }
 
 impl Engine {
@@ -131,6 +134,7 @@ impl Engine {
             desc,
             segment_bytes: self.segment_bytes,
             small_bytes: self.small_bytes,
+            shm: self.shm.as_ref(),
         };
         let result = match catch_unwind(AssertUnwindSafe(|| f(&cx))) {
             Ok(r) => r,
@@ -454,7 +458,19 @@ impl ProcessGroup {
             wire::job_id_hex(&me.job_id)
         );
 
-        // 4. A barrier over the mesh: nobody returns before everyone is connected, so rank 0 may
+        // 4. Shared memory between the ranks that share this host (all of them, for now; else
+        // TCP carries everything). Every rank reaches the same verdict through the store.
+        let shm = ShmGroup::setup(
+            &store,
+            rank,
+            config.world_size,
+            &me.job_id,
+            config.transport,
+            config.timeout,
+            deadline,
+        )?;
+
+        // 5. A barrier over the mesh: nobody returns before everyone is connected, so rank 0 may
         // drop the group (and the store) at once without stranding a rank still starting up.
         let mut engine = Engine {
             mesh,
@@ -463,10 +479,11 @@ impl ProcessGroup {
             small_bytes,
             flight: flight.clone(),
             record: None,
+            shm,
         };
         engine.join()?;
 
-        // 5. The communication thread.
+        // 6. The communication thread.
         let shared = engine.mesh.shared().clone();
         let (jobs, rx) = crossbeam_channel::unbounded::<Job>();
         let thread = std::thread::Builder::new()

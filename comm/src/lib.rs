@@ -21,6 +21,7 @@
 //! - `torch_store.rs`: the client side of PyTorch's `TCPStore` protocol, for torchrun's agent
 //!   store (`TORCHELASTIC_USE_AGENT_STORE=True`);
 //! - `wire.rs`: the wire format (handshake, frame header, store protocol);
+//! - `shm.rs`: the shared-memory transport of ranks on one host ([`Transport`]);
 //! - `transport.rs`: connections, handshakes, the full mesh, reader/writer threads, failure
 //!   propagation;
 //! - `algorithms.rs`: the ring all-reduce and the other collectives;
@@ -42,6 +43,7 @@ mod group;
 pub mod launch;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod shm;
 mod store;
 mod torch_store;
 mod transport;
@@ -59,6 +61,7 @@ pub use element::{DType, Element, ReduceOp};
 pub use error::CommError;
 pub use flight::{CollectiveRecord, RecordState, FLIGHT_RECORDS};
 pub use group::{ProcessGroup, Work};
+pub use shm::Transport;
 pub use store::Store;
 pub use wire::MAX_TOKEN_BYTES;
 

@@ -181,6 +181,8 @@ fn round(seed: u64, rng: &mut Rng) -> (CommError, Duration, &'static str) {
                 .master_port(port)
                 .master_listener(listener)
                 .job_id("fuzz")
+                // The TCP wire is what is fuzzed (the fake rank 1 publishes no segment).
+                .transport(crate::Transport::Tcp)
                 .timeout(Duration::from_secs(5))
                 .peer_timeout(Duration::from_secs(1))
                 .connect_timeout(Duration::from_secs(10))

@@ -8,7 +8,7 @@ use std::fmt::Debug;
 use std::time::{Duration, Instant};
 
 use common::{run_group, Rng};
-use ddp_comm::{chunk_range, CommError, Element, ProcessGroup, ReduceOp};
+use ddp_comm::{chunk_range, CommError, Element, ProcessGroup, ReduceOp, Transport};
 use half::{bf16, f16};
 
 const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max];
@@ -188,12 +188,14 @@ fn assert_bits<T: TestElem>(got: &[T], want: &[T], what: &str) {
 }
 
 /// Runs every collective over `T` for several lengths on this rank and checks it.
-fn check_dtype<T: TestElem>(pg: &ProcessGroup, small: usize, lens: &[usize], seed: u64) {
+/// Over shared memory every reduction is in rank order (the "direct" reference), whatever the
+/// size.
+fn check_dtype<T: TestElem>(pg: &ProcessGroup, small: usize, lens: &[usize], seed: u64, shm: bool) {
     let (rank, n) = (pg.rank(), pg.world_size());
     let name = T::DTYPE.name();
     for (li, &len) in lens.iter().enumerate() {
         let xs = inputs::<T>(n, len, seed + li as u64);
-        let direct = len * std::mem::size_of::<T>() <= small;
+        let direct = shm || len * std::mem::size_of::<T>() <= small;
         for op in OPS {
             let what = format!("world {n} rank {rank}: all_reduce {len} {name} {op:?}");
             let out = pg
@@ -227,52 +229,65 @@ fn check_dtype<T: TestElem>(pg: &ProcessGroup, small: usize, lens: &[usize], see
     pg.barrier().unwrap();
 }
 
-fn check_everything(world: usize, small: usize, segment: usize) {
+fn check_everything(world: usize, small: usize, segment: usize, transport: Transport) {
     // 0 elements, 1 and 2 (fewer than the ranks), lengths not divisible by the world size, and
     // enough for several segments of `segment` bytes.
     let lens = [0usize, 1, 2, 7, 64, 301];
+    let shm = transport == Transport::Shm && world > 1;
     run_group(
         world,
-        |_, b| b.small_allreduce_bytes(small).segment_bytes(segment),
+        |_, b| {
+            b.small_allreduce_bytes(small)
+                .segment_bytes(segment)
+                .transport(transport)
+        },
         |_, pg| {
-            check_dtype::<f32>(&pg, small, &lens, 1);
-            check_dtype::<f64>(&pg, small, &lens, 2);
-            check_dtype::<bf16>(&pg, small, &lens, 3);
-            check_dtype::<f16>(&pg, small, &lens, 4);
-            check_dtype::<i32>(&pg, small, &lens, 5);
-            check_dtype::<i64>(&pg, small, &lens, 6);
-            check_dtype::<u8>(&pg, small, &lens, 7);
+            check_dtype::<f32>(&pg, small, &lens, 1, shm);
+            check_dtype::<f64>(&pg, small, &lens, 2, shm);
+            check_dtype::<bf16>(&pg, small, &lens, 3, shm);
+            check_dtype::<f16>(&pg, small, &lens, 4, shm);
+            check_dtype::<i32>(&pg, small, &lens, 5, shm);
+            check_dtype::<i64>(&pg, small, &lens, 6, shm);
+            check_dtype::<u8>(&pg, small, &lens, 7, shm);
         },
     );
 }
 
 #[test]
 fn every_op_and_dtype_world_1() {
-    check_everything(1, 1 << 20, 64);
+    check_everything(1, 1 << 20, 64, Transport::Auto);
+}
+
+#[test]
+fn every_op_and_dtype_over_shared_memory_worlds_2_to_5() {
+    // Explicitly shm: a fallback to TCP would be an error, not a silent pass.
+    for world in 2..=5 {
+        check_everything(world, 0, 64, Transport::Shm);
+    }
 }
 
 #[test]
 fn every_op_and_dtype_world_2_direct_and_ring() {
-    check_everything(2, usize::MAX, 64);
-    check_everything(2, 0, 64);
+    check_everything(2, usize::MAX, 64, Transport::Tcp);
+    check_everything(2, 0, 64, Transport::Tcp);
 }
 
 #[test]
 fn every_op_and_dtype_world_3_direct_and_ring() {
-    check_everything(3, usize::MAX, 64);
-    check_everything(3, 0, 64);
+    check_everything(3, usize::MAX, 64, Transport::Tcp);
+    check_everything(3, 0, 64, Transport::Tcp);
 }
 
 #[test]
 fn every_op_and_dtype_world_4_direct_and_ring() {
-    check_everything(4, usize::MAX, 48);
-    check_everything(4, 0, 48);
+    check_everything(4, usize::MAX, 48, Transport::Tcp);
+    check_everything(4, 0, 48, Transport::Tcp);
 }
 
 #[test]
 fn every_op_and_dtype_world_5_direct_and_ring() {
-    check_everything(5, usize::MAX, 40);
-    check_everything(5, 0, 40);
+    check_everything(5, usize::MAX, 40, Transport::Tcp);
+    check_everything(5, 0, 40, Transport::Tcp);
 }
 
 #[test]
@@ -312,7 +327,7 @@ fn large_buffers_use_the_pipelined_ring_and_are_bit_identical() {
     let want = reference_all_reduce(&xs, ReduceOp::Sum, false);
     let outs = run_group(
         2,
-        |_, b| b,
+        |_, b| b.transport(Transport::Tcp),
         |rank, pg| pg.all_reduce(xs[rank].clone(), ReduceOp::Sum).unwrap(),
     );
     for out in &outs {
@@ -330,7 +345,7 @@ fn large_buffers_use_the_pipelined_ring_and_are_bit_identical() {
     for _ in 0..2 {
         let outs = run_group(
             4,
-            |_, b| b.segment_bytes(64 << 10),
+            |_, b| b.segment_bytes(64 << 10).transport(Transport::Tcp),
             |rank, pg| {
                 let a = pg.all_reduce(xs[rank].clone(), ReduceOp::Avg).unwrap();
                 let b = pg.all_reduce(xs[rank].clone(), ReduceOp::Avg).unwrap();
@@ -354,6 +369,49 @@ fn large_buffers_use_the_pipelined_ring_and_are_bit_identical() {
                 .collect();
             assert_bits(g, &gathered, "all_gather");
             assert_bits(bc, &xs[3], "broadcast");
+        }
+    }
+}
+
+#[test]
+fn large_buffers_over_shared_memory_are_bit_identical() {
+    // Several 4 MiB pieces (the slots alternate), a last piece of odd length, two-phase and
+    // one-shot pieces; every element summed in rank order, the same bits on every rank, twice
+    // in one group and again in a new one.
+    let len = 2_500_001;
+    let xs = inputs::<f32>(3, len, 45);
+    let hs = inputs::<bf16>(3, 3 * (1 << 18) + 5, 46);
+    let want = reference_all_reduce(&xs, ReduceOp::Avg, true);
+    let want_h = reference_all_reduce(&hs, ReduceOp::Sum, true);
+    let want_max = reference_all_reduce(&xs, ReduceOp::Max, true);
+    for _ in 0..2 {
+        let outs = run_group(
+            3,
+            |_, b| b.transport(Transport::Shm),
+            |rank, pg| {
+                let a = pg.all_reduce(xs[rank].clone(), ReduceOp::Avg).unwrap();
+                let b = pg.all_reduce(xs[rank].clone(), ReduceOp::Avg).unwrap();
+                let h = pg.all_reduce(hs[rank].clone(), ReduceOp::Sum).unwrap();
+                let m = pg.all_reduce(xs[rank].clone(), ReduceOp::Max).unwrap();
+                let rs = pg.reduce_scatter(xs[rank].clone(), ReduceOp::Sum).unwrap();
+                let g = pg.all_gather(xs[rank][..1_200_000].to_vec()).unwrap();
+                let bc = pg.broadcast(xs[rank].clone(), 2).unwrap();
+                (a, b, h, m, rs, g, bc)
+            },
+        );
+        let gathered: Vec<f32> = xs
+            .iter()
+            .flat_map(|x| x[..1_200_000].iter().copied())
+            .collect();
+        for (rank, (a, b, h, m, rs, g, bc)) in outs.iter().enumerate() {
+            assert_bits(a, &want, "avg, first run");
+            assert_bits(b, &want, "avg, second run");
+            assert_bits(h, &want_h, "bf16 sum");
+            assert_bits(m, &want_max, "max");
+            let want_rs = reference_reduce_scatter(&xs, ReduceOp::Sum, true, rank);
+            assert_bits(rs, &want_rs, "reduce_scatter");
+            assert_bits(g, &gathered, "all_gather");
+            assert_bits(bc, &xs[2], "broadcast");
         }
     }
 }
@@ -464,9 +522,18 @@ fn message(r: &Result<impl Debug, CommError>) -> String {
 
 #[test]
 fn mismatched_collectives_fail_on_both_ranks_naming_both() {
+    check_mismatch(Transport::Tcp);
+}
+
+#[test]
+fn mismatched_collectives_over_shared_memory_fail_on_both_ranks_naming_both() {
+    check_mismatch(Transport::Shm);
+}
+
+fn check_mismatch(transport: Transport) {
     let outs = run_group(
         2,
-        |_, b| b,
+        |_, b| b.transport(transport),
         |rank, pg| {
             let t = Instant::now();
             let first = if rank == 0 {
@@ -488,10 +555,14 @@ fn mismatched_collectives_fail_on_both_ranks_naming_both() {
             msg.contains("broadcast #0 (10 f32, root 0)"),
             "rank {rank}: {msg}"
         );
-        assert!(
-            msg.contains("rank 1 is in broadcast") && msg.contains("rank 0 sent all_reduce"),
-            "rank {rank}: {msg}"
-        );
+        // Over TCP rank 1 sees rank 0's frame first and its ABORT reaches rank 0; over shared
+        // memory both see the other's fingerprint at once, and each names both sides.
+        let names_both = (msg.contains("rank 1 is in broadcast")
+            && msg.contains("rank 0 sent all_reduce"))
+            || (transport == Transport::Shm
+                && msg.contains("rank 0 is in all_reduce")
+                && msg.contains("rank 1 sent broadcast"));
+        assert!(names_both, "rank {rank}: {msg}");
         // Long before the 10 s deadline: a mismatch fails at once.
         assert!(*took < Duration::from_secs(8), "rank {rank} took {took:?}");
         // Every later operation fails too, with the same root cause.

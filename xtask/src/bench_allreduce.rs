@@ -49,6 +49,8 @@ const CROSSOVER_SIZES: [usize; 13] = [
 
 /// The environment variable through which the comm crate's algorithm choice is forced.
 const THRESHOLD_VAR: &str = "DDP_SMALL_ALLREDUCE_BYTES";
+/// The environment variable through which the transport is forced.
+const TRANSPORT_VAR: &str = "DDP_TRANSPORT";
 
 /// Arguments of `cargo xtask bench-allreduce`.
 #[derive(Debug, clap::Args)]
@@ -68,8 +70,9 @@ pub struct Args {
     /// Warm-up iterations per size (scaled down above 16 MiB, at least 1).
     #[arg(long, default_value_t = 3)]
     warmup: usize,
-    /// Our algorithms to time, comma separated: auto (the comm crate's choice), ring, small.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "auto")]
+    /// Our transports/algorithms to time, comma separated: shm, tcp (its algorithm by size),
+    /// auto (the comm crate's choice), ring, small (TCP algorithms forced).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "shm,tcp")]
     algo: Vec<Algo>,
     /// Also time ring against small on powers of 2 from 1 KiB to 4 MiB (up to --max-size) and
     /// report the size from which ring is faster.
@@ -86,11 +89,15 @@ pub struct Args {
 /// Which all-reduce algorithm of ours to time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Algo {
-    /// Whatever the comm crate picks by size.
+    /// Whatever the comm crate picks (shared memory on one host, by default).
     Auto,
-    /// The ring at every size.
+    /// Shared memory forced (`DDP_TRANSPORT=shm`).
+    Shm,
+    /// TCP forced (`DDP_TRANSPORT=tcp`), its algorithm picked by size.
+    Tcp,
+    /// The TCP ring at every size.
     Ring,
-    /// The small-buffer algorithm at every size.
+    /// The TCP small-buffer algorithm at every size.
     Small,
 }
 
@@ -98,17 +105,24 @@ impl Algo {
     fn name(self) -> &'static str {
         match self {
             Algo::Auto => "auto",
+            Algo::Shm => "shm",
+            Algo::Tcp => "tcp",
             Algo::Ring => "ring",
             Algo::Small => "small",
         }
     }
 
-    /// Sets or clears the threshold variable on `command` so that this algorithm runs.
+    /// Sets or clears the transport and threshold variables on `command` so that this
+    /// algorithm runs.
     fn apply(self, command: &mut Command) {
         match self {
-            Algo::Auto => command.env_remove(THRESHOLD_VAR),
-            Algo::Ring => command.env(THRESHOLD_VAR, "0"),
-            Algo::Small => command.env(THRESHOLD_VAR, (1u64 << 40).to_string()),
+            Algo::Auto => command.env_remove(THRESHOLD_VAR).env_remove(TRANSPORT_VAR),
+            Algo::Shm => command.env_remove(THRESHOLD_VAR).env(TRANSPORT_VAR, "shm"),
+            Algo::Tcp => command.env_remove(THRESHOLD_VAR).env(TRANSPORT_VAR, "tcp"),
+            Algo::Ring => command.env(THRESHOLD_VAR, "0").env(TRANSPORT_VAR, "tcp"),
+            Algo::Small => command
+                .env(THRESHOLD_VAR, (1u64 << 40).to_string())
+                .env(TRANSPORT_VAR, "tcp"),
         };
     }
 }
