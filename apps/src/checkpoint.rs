@@ -1,4 +1,7 @@
 //! Checkpoints: model, optimizer state, epoch, step and seed in one file, written atomically.
+//! Written at an epoch's end, or in the middle of one (`--checkpoint-every STEPS`): then
+//! `batch_in_epoch` says how many batches of the epoch in progress are done, and a resumed run
+//! continues with the next one.
 //!
 //! Layout of `checkpoint.ddpck`:
 //!
@@ -29,7 +32,16 @@ pub const CHECKPOINT_FILE: &str = "checkpoint.ddpck";
 pub struct CheckpointMeta {
     /// Epochs completed.
     pub epoch: usize,
-    /// Optimizer steps completed.
+    /// Batches of the epoch after those (the one in progress, index `epoch` from 0) already
+    /// trained: 0 at an epoch's end, the sampler position in a mid-epoch checkpoint. Absent
+    /// (0) in checkpoints of older versions, which were all written at epoch ends.
+    #[serde(default)]
+    pub batch_in_epoch: u64,
+    /// Each rank's sum of the training losses of those `batch_in_epoch` batches, in rank order
+    /// (for the epoch's mean loss after a resume); empty at an epoch's end.
+    #[serde(default)]
+    pub epoch_loss_sums: Vec<f64>,
+    /// Optimizer steps completed (the global step).
     pub step: u64,
     /// The run's seed.
     pub seed: u64,
@@ -107,6 +119,14 @@ pub fn save(dir: &Path, mut meta: CheckpointMeta, model: &[u8], optim: &[u8]) ->
 /// the header field at fault), never a panic: lengths in the header are checked against the
 /// file's actual size before anything is sliced or allocated.
 pub fn load(path: &Path) -> Result<Checkpoint> {
+    let bytes = read(path)?;
+    parse(&bytes, &path.display().to_string())
+}
+
+/// The bytes of the checkpoint file at `path`, for [`parse`] (here or on another rank, after a
+/// broadcast). Checks the magic and the header length against the file's size before reading
+/// the file, so a bad file is an error naming it, not a large allocation.
+pub fn read(path: &Path) -> Result<Vec<u8>> {
     let name = path.display();
     let size = std::fs::metadata(path)
         .with_context(|| format!("reading checkpoint {name}"))?
@@ -128,7 +148,24 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
     bytes.extend_from_slice(&head);
     file.read_to_end(&mut bytes)
         .with_context(|| format!("reading checkpoint {name}"))?;
-    let meta_end = 12 + meta_len as usize;
+    Ok(bytes)
+}
+
+/// Parses and verifies checkpoint bytes (as [`read`] returns them) that came from the file
+/// `name`, which every error names. Never panics on bad bytes: lengths are checked before
+/// anything is sliced, and the payload's SHA-256 against the header's.
+pub fn parse(bytes: &[u8], name: &str) -> Result<Checkpoint> {
+    if bytes.len() < 12 || &bytes[..8] != MAGIC {
+        bail!("{name} is not a ddp-rs checkpoint (bad magic bytes)");
+    }
+    let meta_len = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize;
+    ensure!(
+        meta_len <= bytes.len() - 12,
+        "{name} is truncated inside its header: the header length field says {meta_len} bytes, \
+         the file holds {} after it",
+        bytes.len() - 12
+    );
+    let meta_end = 12 + meta_len;
     let meta_bytes = bytes
         .get(12..meta_end)
         .with_context(|| format!("{name} is truncated inside its header"))?;
@@ -178,6 +215,8 @@ mod tests {
     fn meta() -> CheckpointMeta {
         CheckpointMeta {
             epoch: 2,
+            batch_in_epoch: 0,
+            epoch_loss_sums: Vec::new(),
             step: 100,
             seed: 7,
             world_size: 2,

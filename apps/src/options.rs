@@ -120,12 +120,30 @@ pub struct TrainArgs {
     /// With `--data-format shards`: shards read ahead by each rank (default 2).
     #[arg(long)]
     pub prefetch_shards: Option<usize>,
-    /// Directory of checkpoints (written by rank 0 every epoch and at the end).
+    /// Directory of checkpoints (written by rank 0 every epoch and at the end, and every
+    /// `--checkpoint-every` steps). Under `ddprun --max-restarts` (or torchrun), a restarted
+    /// rank (TORCHELASTIC_RESTART_COUNT above 0) resumes from it as if given `--resume`.
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
-    /// Continue from the checkpoint in the checkpoint directory.
+    /// Also write a checkpoint every STEPS global steps in the middle of an epoch (rank 0,
+    /// atomically); a resumed run continues with the next batch and, with nothing else changed,
+    /// ends bit-identical to an uninterrupted run. Needs `--checkpoint-dir`.
+    ///
+    /// Test hook (for the restart tests, not for users): with the environment variable
+    /// DDP_TEST_KILL_AT_STEP=K, on the first attempt (TORCHELASTIC_RESTART_COUNT unset or 0) the
+    /// rank DDP_TEST_KILL_RANK (default: the last rank) kills itself with SIGKILL right after
+    /// global step K (and its checkpoint, if any).
+    #[arg(long, value_name = "STEPS")]
+    pub checkpoint_every: Option<u64>,
+    /// Continue from the checkpoint in the checkpoint directory. It is rank 0 that reads it and
+    /// sends it to the other ranks, so nodes need no shared file system.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub resume: Option<bool>,
+    /// Resume even from a checkpoint written with another world size or seed (an error
+    /// otherwise, since the data order and dropout masks would not continue that run); a
+    /// warning says what differs.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub allow_mismatched_checkpoint: Option<bool>,
     /// Directory of metrics (CSV and TensorBoard event files).
     #[arg(long)]
     pub metrics_dir: Option<PathBuf>,
@@ -170,8 +188,8 @@ impl TrainArgs {
     pub fn or(&self, under: &TrainArgs) -> TrainArgs {
         merge_fields!(self, under; epochs, batch_size, lr, optimizer, momentum, lr_scaling, seed,
             backend, threads, workers, bucket_cap_mb, compression, data_dir, data_format,
-            prefetch_shards, checkpoint_dir,
-            resume, metrics_dir, export, log_interval, max_steps, train_samples, test_samples,
+            prefetch_shards, checkpoint_dir, checkpoint_every,
+            resume, allow_mismatched_checkpoint, metrics_dir, export, log_interval, max_steps, train_samples, test_samples,
             verbose, json, trace_dir, trace_steps)
     }
 
@@ -208,7 +226,9 @@ impl TrainArgs {
             data_format: a.data_format.unwrap_or(DataFormat::Memory),
             prefetch_shards: a.prefetch_shards.unwrap_or(2),
             checkpoint_dir: a.checkpoint_dir,
+            checkpoint_every: a.checkpoint_every,
             resume: a.resume.unwrap_or(false),
+            allow_mismatched_checkpoint: a.allow_mismatched_checkpoint.unwrap_or(false),
             metrics_dir: a.metrics_dir,
             export: a.export,
             log_interval: a.log_interval.unwrap_or(50).max(1),
@@ -235,6 +255,12 @@ impl TrainArgs {
         }
         if cfg.resume && cfg.checkpoint_dir.is_none() {
             bail!("--resume needs --checkpoint-dir");
+        }
+        if cfg.checkpoint_every == Some(0) {
+            bail!("checkpoint-every must be at least 1 step");
+        }
+        if cfg.checkpoint_every.is_some() && cfg.checkpoint_dir.is_none() {
+            bail!("--checkpoint-every needs --checkpoint-dir");
         }
         Ok(cfg)
     }
@@ -275,8 +301,12 @@ pub struct TrainConfig {
     pub prefetch_shards: usize,
     /// Checkpoint directory.
     pub checkpoint_dir: Option<PathBuf>,
+    /// Global steps between mid-epoch checkpoints, if any.
+    pub checkpoint_every: Option<u64>,
     /// Resume from the checkpoint directory.
     pub resume: bool,
+    /// Resume from a checkpoint of another world size or seed (with a warning).
+    pub allow_mismatched_checkpoint: bool,
     /// Metrics directory.
     pub metrics_dir: Option<PathBuf>,
     /// safetensors export path.

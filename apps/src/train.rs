@@ -3,7 +3,7 @@
 //! evaluation over every test sample once, checkpoints and metrics on rank 0.
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -107,6 +107,7 @@ enum Feed<B: Backend, S, const D: usize> {
     Memory {
         loader: DataLoader<B, S, D>,
         sampler: DistributedSampler,
+        batch_size: usize,
     },
     Shards {
         loader: ShardLoader<D>,
@@ -141,6 +142,7 @@ impl<B: Backend, S: BatchSource<D> + 'static, const D: usize> Feed<B, S, D> {
                 Feed::Memory {
                     loader: DataLoader::new(set, config, device)?,
                     sampler,
+                    batch_size: cfg.batch_size,
                 }
             }
             Data::Shards(set) => {
@@ -183,7 +185,9 @@ impl<B: Backend, S: BatchSource<D> + 'static, const D: usize> Feed<B, S, D> {
     /// Batches this rank takes per epoch.
     fn num_batches(&self) -> usize {
         match self {
-            Feed::Memory { loader, sampler } => loader.num_batches(sampler.num_samples()),
+            Feed::Memory {
+                loader, sampler, ..
+            } => loader.num_batches(sampler.num_samples()),
             Feed::Shards { loader, .. } => loader.num_batches(),
         }
     }
@@ -197,11 +201,31 @@ impl<B: Backend, S: BatchSource<D> + 'static, const D: usize> Feed<B, S, D> {
 
     /// The batches of the current epoch.
     fn batches(&self) -> Result<Box<dyn Iterator<Item = Result<Batch<B, D>>> + '_>> {
+        self.batches_from(0)
+    }
+
+    /// The batches of the current epoch after the first `skip` (where a run resumed from a
+    /// mid-epoch checkpoint continues). In memory the skipped samples are never built; from
+    /// shards they are read (the shard order fixes which samples come next) but not turned into
+    /// tensors.
+    fn batches_from(
+        &self,
+        skip: usize,
+    ) -> Result<Box<dyn Iterator<Item = Result<Batch<B, D>>> + '_>> {
         Ok(match self {
-            Feed::Memory { loader, sampler } => Box::new(loader.iter(sampler.indices())?.map(Ok)),
+            Feed::Memory {
+                loader,
+                sampler,
+                batch_size,
+            } => {
+                let mut indices = sampler.indices();
+                indices.drain(..skip.saturating_mul(*batch_size).min(indices.len()));
+                Box::new(loader.iter(indices)?.map(Ok))
+            }
             Feed::Shards { loader, device } => Box::new(
                 loader
                     .iter()?
+                    .skip(skip)
                     .map(move |b| Ok(b.map_err(anyhow::Error::from)?.into_tensors(device))),
             ),
         })
@@ -275,24 +299,30 @@ where
         test,
     } = task;
 
-    // Resume: every rank reads the checkpoint (rank 0's values are broadcast anyway).
+    // Resume: rank 0 reads the checkpoint and broadcasts it, so that the other ranks (on other
+    // nodes perhaps) need no access to the file. A rank restarted by its launcher resumes on
+    // its own when there is a checkpoint directory.
+    let restart = restart_count();
+    let resume = cfg.resume || (restart > 0 && cfg.checkpoint_dir.is_some());
     let mut start_epoch = 0;
+    let mut start_batch = 0usize;
+    let mut start_loss_sum = 0.0;
     let mut step: u64 = 0;
-    if cfg.resume {
+    if resume {
         let dir = cfg
             .checkpoint_dir
             .as_ref()
             .context("--resume needs --checkpoint-dir")?;
         let path = checkpoint::checkpoint_path(dir);
-        if path.exists() {
-            let ck = checkpoint::load(&path)?;
-            if ck.meta.model != name {
-                bail!(
-                    "{} holds a `{}` model, this run trains `{name}`",
-                    path.display(),
-                    ck.meta.model
-                );
-            }
+        if !cfg.resume {
+            say.line(format!(
+                "restart {restart} of the job ({}={restart}): resuming from {}",
+                ddp_comm::launch::RESTART_COUNT_ENV,
+                dir.display()
+            ));
+        }
+        if let Some(ck) = fetch_checkpoint(&pg, &path)? {
+            check_resumable(&ck.meta, &path, &name, (world, cfg), &say)?;
             let record = Recorder::<B>::load(&Bytes::default(), ck.model, &device)
                 .with_context(|| format!("{}: model record", path.display()))?;
             model = model.load_record(record);
@@ -300,13 +330,24 @@ where
                 .with_context(|| format!("{}: optimizer record", path.display()))?;
             optim = optim.load_record(record);
             start_epoch = ck.meta.epoch;
+            start_batch = usize::try_from(ck.meta.batch_in_epoch).unwrap_or(usize::MAX);
+            start_loss_sum = ck.meta.epoch_loss_sums.get(rank).copied().unwrap_or(0.0);
             step = ck.meta.step;
-            say.line(format!(
-                "resuming from {} (epoch {}, step {})",
-                path.display(),
-                start_epoch,
-                step
-            ));
+            if start_batch > 0 {
+                say.line(format!(
+                    "resuming from {} (mid-epoch: step {step}, epoch {} continues after its \
+                     batch {start_batch})",
+                    path.display(),
+                    start_epoch + 1
+                ));
+            } else {
+                say.line(format!(
+                    "resuming from {} (epoch {}, step {})",
+                    path.display(),
+                    start_epoch,
+                    step
+                ));
+            }
         } else {
             say.line(format!(
                 "no checkpoint at {}: starting fresh",
@@ -314,6 +355,7 @@ where
             ));
         }
     }
+    let kill_at = test_kill_step(rank, world, restart);
 
     let ddp_config = DdpConfig {
         bucket_cap_mb: cfg.bucket_cap_mb,
@@ -393,15 +435,19 @@ where
         }
         train_feed.set_epoch(epoch as u64);
         // Dropout masks depend on (seed, epoch, rank) only, so a resumed run matches.
-        B::seed(&device, mix(cfg.seed, epoch as u64, rank as u64));
+        // The batches of this epoch done before a resume (mid-epoch checkpoint).
+        let skip = if epoch == start_epoch { start_batch } else { 0 };
         let epoch_start = Instant::now();
         let bar = progress_bar(rank == 0, steps_per_epoch as u64, epoch + 1);
-        let mut loss_sum = 0.0;
-        let mut batches = 0usize;
+        if let Some(bar) = &bar {
+            bar.set_position(skip.min(steps_per_epoch) as u64);
+        }
+        let mut loss_sum = if skip > 0 { start_loss_sum } else { 0.0 };
+        let mut batches = skip;
         let mut epoch_samples = 0u64;
         let mut epoch_comm = SyncStats::default();
         let mut interval = Interval::new();
-        let mut feed = train_feed.batches()?;
+        let mut feed = train_feed.batches_from(skip)?;
         loop {
             if at_limit(step) {
                 break;
@@ -414,6 +460,12 @@ where
             let batch = batch?;
             let t_forward = Instant::now();
             let n = batch.targets.dims()[0];
+            // Dropout masks depend on (seed, epoch, rank, batch) only, so that a run resumed in
+            // the middle of an epoch draws the masks an uninterrupted run draws.
+            B::seed(
+                &device,
+                step_seed(cfg.seed, epoch as u64, rank as u64, batches as u64),
+            );
             let (loss, _) = model.loss(batch.inputs, batch.targets);
             let loss_value: f64 = loss.clone().into_scalar().elem();
             let t_backward = Instant::now();
@@ -459,6 +511,24 @@ where
                     "epoch {} step {step} ({batches}/{steps_per_epoch}) loss {loss_value:.4}",
                     epoch + 1
                 ));
+            }
+            // A mid-epoch checkpoint (the epoch's end, or a stop at --max-steps, writes its own).
+            let mid_epoch = batches < steps_per_epoch && !at_limit(step);
+            if mid_epoch && cfg.checkpoint_every.is_some_and(|k| step.is_multiple_of(k)) {
+                let position = (epoch, batches, loss_sum);
+                let saved =
+                    save_checkpoint::<B, M, O>(cfg, &pg, &name, position, step, &model, &optim)?;
+                if let Some(path) = saved {
+                    tracing::info!("step {step}: checkpoint {}", path.display());
+                    summary.checkpoint = Some(path);
+                }
+            }
+            if kill_at == Some(step) {
+                eprintln!(
+                    "test hook DDP_TEST_KILL_AT_STEP: rank {rank} kills itself after step {step}"
+                );
+                // SAFETY: raise has no memory-safety preconditions.
+                unsafe { libc::raise(libc::SIGKILL) };
             }
         }
         drop(feed);
@@ -507,21 +577,17 @@ where
                 comm_seconds: comm.total().as_secs_f64(),
             })?;
         }
-        if let (Some(dir), 0) = (&cfg.checkpoint_dir, rank) {
-            let meta = CheckpointMeta {
-                epoch: epoch + 1,
-                step,
-                seed: cfg.seed,
-                world_size: world,
-                model: name.clone(),
-                model_len: 0,
-                optim_len: 0,
-                sha256: String::new(),
-            };
-            let model_bytes =
-                Recorder::<B>::record(&Bytes::default(), model.clone().into_record(), ())?;
-            let optim_bytes = Recorder::<B>::record(&Bytes::default(), optim.to_record(), ())?;
-            summary.checkpoint = Some(checkpoint::save(dir, meta, &model_bytes, &optim_bytes)?);
+        // An epoch cut short by --max-steps is saved as the mid-epoch position it is, so that a
+        // resumed run finishes the epoch.
+        let position = if batches < steps_per_epoch {
+            (epoch, batches, loss_sum)
+        } else {
+            (epoch + 1, 0, 0.0)
+        };
+        if let Some(path) =
+            save_checkpoint::<B, M, O>(cfg, &pg, &name, position, step, &model, &optim)?
+        {
+            summary.checkpoint = Some(path);
         }
     }
 
@@ -752,6 +818,191 @@ fn mix(seed: u64, epoch: u64, rank: u64) -> u64 {
     ddp_data::sampler::splitmix64(
         seed ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ rank.wrapping_mul(0xbf58_476d_1ce4_e5b9),
     )
+}
+
+/// The dropout seed of batch `batch` (from 0) of epoch `epoch` on rank `rank`: [`mix`] of the
+/// first three mixed again with the batch, so that every step's masks can be drawn again
+/// without drawing the steps before it.
+fn step_seed(seed: u64, epoch: u64, rank: u64, batch: u64) -> u64 {
+    ddp_data::sampler::splitmix64(
+        mix(seed, epoch, rank) ^ batch.wrapping_mul(0x94d0_49bb_1331_11eb),
+    )
+}
+
+/// How many times the launcher restarted the job before starting this process
+/// (`TORCHELASTIC_RESTART_COUNT`, set by ddprun and torchrun); 0 when unset or unreadable.
+fn restart_count() -> usize {
+    std::env::var(ddp_comm::launch::RESTART_COUNT_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The test hook of `--checkpoint-every`'s documentation: the global step after which this
+/// rank kills itself, when `DDP_TEST_KILL_AT_STEP` asks for it on this attempt and this rank
+/// (`DDP_TEST_KILL_RANK`, default the last rank) and the launcher has not restarted the job.
+fn test_kill_step(rank: usize, world: usize, restart: usize) -> Option<u64> {
+    let step = std::env::var("DDP_TEST_KILL_AT_STEP")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    let victim = match std::env::var("DDP_TEST_KILL_RANK") {
+        Ok(r) => r.trim().parse().ok()?,
+        Err(_) => world - 1,
+    };
+    (restart == 0 && rank == victim).then_some(step)
+}
+
+/// Rank 0 reads the checkpoint at `path`, if there is one, and broadcasts it; every rank returns
+/// the same checkpoint (or `None`: start fresh). The other ranks never touch the file, so nodes
+/// need no shared file system. Rank 0 first broadcasts `[state, length]`: 1 when the checkpoint
+/// follows (then its bytes), 0 when there is none, -1 when rank 0 could not read it (it returns
+/// its own error naming the file; the others say rank 0 failed), so that no rank waits for bytes
+/// that never come.
+fn fetch_checkpoint(pg: &ProcessGroup, path: &Path) -> Result<Option<checkpoint::Checkpoint>> {
+    let name = path.display().to_string();
+    if pg.rank() == 0 {
+        let read = if path.exists() {
+            checkpoint::read(path)
+                .and_then(|bytes| Ok((checkpoint::parse(&bytes, &name)?, bytes)))
+                .map(Some)
+        } else {
+            Ok(None)
+        };
+        let header = match &read {
+            Ok(Some((_, bytes))) => vec![1i64, bytes.len() as i64],
+            Ok(None) => vec![0, 0],
+            Err(_) => vec![-1, 0],
+        };
+        pg.broadcast(header, 0)
+            .context("sending the checkpoint to the other ranks")?;
+        let Some((ck, bytes)) = read? else {
+            return Ok(None);
+        };
+        pg.broadcast(bytes, 0)
+            .context("sending the checkpoint to the other ranks")?;
+        Ok(Some(ck))
+    } else {
+        let header = pg
+            .broadcast(vec![0i64; 2], 0)
+            .context("receiving the checkpoint from rank 0")?;
+        match header[..] {
+            [1, len] => {
+                let len = usize::try_from(len)
+                    .with_context(|| format!("rank 0 announced a checkpoint of {len} bytes"))?;
+                let bytes = pg
+                    .broadcast(vec![0u8; len], 0)
+                    .context("receiving the checkpoint from rank 0")?;
+                Ok(Some(checkpoint::parse(&bytes, &name)?))
+            }
+            [0, _] => Ok(None),
+            _ => bail!("rank 0 could not read the checkpoint {name} (rank 0's error says why)"),
+        }
+    }
+}
+
+/// Whether this run may resume from the checkpoint at `path` described by `meta`: the same
+/// model always; the same world size and seed unless `--allow-mismatched-checkpoint` (then a
+/// warning), since another world size or seed changes the data order and the dropout masks, so
+/// the resumed run would not continue the one that wrote it. Every rank decides the same.
+fn check_resumable(
+    meta: &CheckpointMeta,
+    path: &Path,
+    name: &str,
+    (world, cfg): (usize, &TrainConfig),
+    say: &Say,
+) -> Result<()> {
+    if meta.model != name {
+        bail!(
+            "{} holds a `{}` model, this run trains `{name}`",
+            path.display(),
+            meta.model
+        );
+    }
+    let mut differences = Vec::new();
+    if meta.world_size != world {
+        differences.push(format!(
+            "world size {} (this run: {world})",
+            meta.world_size
+        ));
+    }
+    if meta.seed != cfg.seed {
+        differences.push(format!("seed {} (this run: {})", meta.seed, cfg.seed));
+    }
+    if differences.is_empty() {
+        return Ok(());
+    }
+    let what = differences.join(" and ");
+    if !cfg.allow_mismatched_checkpoint {
+        bail!(
+            "{} was written by a run with {what}: resuming would not continue that run (another \
+             data order and other dropout masks); pass --allow-mismatched-checkpoint to resume \
+             from it anyway",
+            path.display()
+        );
+    }
+    tracing::warn!(
+        "{} was written by a run with {what}; resuming anyway",
+        path.display()
+    );
+    say.line(format!(
+        "warning: {} was written by a run with {what}; resuming anyway \
+         (--allow-mismatched-checkpoint)",
+        path.display()
+    ));
+    Ok(())
+}
+
+/// Writes a checkpoint of the run at `position` (epochs completed, batches of the next epoch
+/// done, this rank's loss sum over them) after global step `step`, when the run has a
+/// checkpoint directory: every rank takes part (a mid-epoch position gathers each rank's loss
+/// sum), rank 0 writes the file atomically and returns its path.
+fn save_checkpoint<B, M, O>(
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    name: &str,
+    (epoch, batch_in_epoch, loss_sum): (usize, usize, f64),
+    step: u64,
+    model: &M,
+    optim: &O,
+) -> Result<Option<PathBuf>>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    O: Optimizer<M, B>,
+{
+    let Some(dir) = &cfg.checkpoint_dir else {
+        return Ok(None);
+    };
+    let epoch_loss_sums = if batch_in_epoch > 0 {
+        pg.all_gather(vec![loss_sum])?
+    } else {
+        Vec::new()
+    };
+    if pg.rank() != 0 {
+        return Ok(None);
+    }
+    let meta = CheckpointMeta {
+        epoch,
+        batch_in_epoch: batch_in_epoch as u64,
+        epoch_loss_sums,
+        step,
+        seed: cfg.seed,
+        world_size: pg.world_size(),
+        model: name.to_string(),
+        model_len: 0,
+        optim_len: 0,
+        sha256: String::new(),
+    };
+    let model_bytes = Recorder::<B>::record(&Bytes::default(), model.clone().into_record(), ())?;
+    let optim_bytes = Recorder::<B>::record(&Bytes::default(), optim.to_record(), ())?;
+    Ok(Some(checkpoint::save(
+        dir,
+        meta,
+        &model_bytes,
+        &optim_bytes,
+    )?))
 }
 
 /// FNV-1a of the values' little-endian bytes.

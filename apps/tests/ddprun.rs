@@ -26,6 +26,11 @@ const STOPPED_EARLY: Duration = Duration::from_secs(20);
 
 /// A ddprun command with a short grace period and no inherited torchrun variables.
 fn ddprun(nproc: usize, script: &str) -> Command {
+    ddprun_with(&[], nproc, script)
+}
+
+/// [`ddprun`] with more of ddprun's options.
+fn ddprun_with(options: &[&str], nproc: usize, script: &str) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
     command.args([
         "--grace-period",
@@ -33,6 +38,7 @@ fn ddprun(nproc: usize, script: &str) -> Command {
         "--nproc-per-node",
         &nproc.to_string(),
     ]);
+    command.args(options);
     command.args(["--", "sh", "-c", script]);
     for var in [
         "RANK",
@@ -43,7 +49,10 @@ fn ddprun(nproc: usize, script: &str) -> Command {
     ] {
         command.env_remove(var);
     }
-    command.env_remove("MASTER_PORT").env_remove("DDP_JOB_ID");
+    command
+        .env_remove("MASTER_PORT")
+        .env_remove("DDP_JOB_ID")
+        .env_remove("TORCHELASTIC_RESTART_COUNT");
     command
 }
 
@@ -552,5 +561,104 @@ fn missing_program_is_a_clear_error() {
             .contains("could not start rank 0 (`/nonexistent/ddprun-test-program`)"),
         "{}",
         done.stderr
+    );
+}
+
+/// `--max-restarts 0` (the default, given explicitly here) is today's behaviour: the first
+/// failure ends the job with the failed rank's code, and nothing starts again.
+#[test]
+fn max_restarts_zero_never_restarts() {
+    let done = run(ddprun_with(
+        &["--max-restarts", "0"],
+        2,
+        r#"echo "attempt $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS"
+           if [ "$RANK" = 1 ]; then exit 3; fi; sleep 30"#,
+    ));
+    assert_eq!(done.status.code(), Some(3), "stderr:\n{}", done.stderr);
+    assert!(done.elapsed < STOPPED_EARLY, "{:?}", done.elapsed);
+    assert_eq!(
+        done.stdout.matches("attempt 0 of 0").count(),
+        2,
+        "one attempt of each rank:\n{}",
+        done.stdout
+    );
+    assert!(!done.stdout.contains("attempt 1"), "{}", done.stdout);
+    assert!(!done.stderr.contains("restart"), "{}", done.stderr);
+    let last = root_cause(&done.stderr);
+    assert!(
+        last.contains("job failed. Root cause") && last.contains("exited with code 3"),
+        "{last}"
+    );
+}
+
+/// With restarts left, a failure restarts all ranks (TORCHELASTIC_RESTART_COUNT counts them);
+/// a rank that fails every time uses the budget up, and the job ends as without restarts: the
+/// last failure's code and root cause.
+#[test]
+fn restarts_until_the_budget_is_used_up() {
+    let done = run(ddprun_with(
+        &["--max-restarts", "2"],
+        2,
+        r#"echo "attempt $TORCHELASTIC_RESTART_COUNT port $MASTER_PORT"
+           if [ "$RANK" = 1 ]; then exit 3; fi; sleep 30"#,
+    ));
+    assert_eq!(done.status.code(), Some(3), "stderr:\n{}", done.stderr);
+    assert!(done.elapsed < STOPPED_EARLY, "{:?}", done.elapsed);
+    for k in 0..3 {
+        assert!(
+            done.stdout.contains(&format!("[rank 1] attempt {k} ")),
+            "attempt {k}:\n{}",
+            done.stdout
+        );
+    }
+    assert!(!done.stdout.contains("attempt 3"), "{}", done.stdout);
+    for k in 1..=2 {
+        assert!(
+            done.stderr.contains(&format!(
+                "rank 1 failed (exited with code 3); restarting all 2 ranks (restart {k} of 2)"
+            )),
+            "{}",
+            done.stderr
+        );
+    }
+    assert!(
+        done.stderr.contains("all 2 restarts are used up"),
+        "{}",
+        done.stderr
+    );
+    let last = root_cause(&done.stderr);
+    assert!(
+        last.contains("exited with code 3")
+            && last.contains("(in the attempt after 2 restarts, the last one allowed)"),
+        "{last}"
+    );
+}
+
+/// A rank that fails only on the first attempt: one restart, exit 0.
+#[test]
+fn a_restart_that_succeeds_gives_zero() {
+    let done = run(ddprun_with(
+        &["--max-restarts", "3"],
+        2,
+        r#"if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$RANK" = 0 ]; then kill -9 $$; fi
+           if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then sleep 30; fi; echo "rank $RANK done""#,
+    ));
+    assert!(done.status.success(), "stderr:\n{}", done.stderr);
+    assert!(
+        done.stderr
+            .contains("rank 0 failed (killed by SIGKILL); restarting all 2 ranks (restart 1 of 3)"),
+        "{}",
+        done.stderr
+    );
+    assert!(
+        done.stderr.contains("1 of 3 restarts used"),
+        "{}",
+        done.stderr
+    );
+    assert!(!done.stderr.contains("Root cause"), "{}", done.stderr);
+    assert!(
+        done.stdout.contains("[rank 1] rank 1 done"),
+        "{}",
+        done.stdout
     );
 }

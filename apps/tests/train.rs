@@ -364,3 +364,201 @@ fn fetch_data_prints_the_folder_the_trainer_reads() {
     let printed = String::from_utf8_lossy(&out.stdout);
     assert_eq!(Path::new(printed.trim()), dir, "{}", text(&out));
 }
+
+/// The CNN (it has dropout, so the masks of the replayed steps matter) on a small subset: 20
+/// steps per epoch on 2 ranks, 40 on one.
+const SMALL_CNN: [&str; 8] = [
+    "--train-samples",
+    "640",
+    "--test-samples",
+    "200",
+    "--batch-size",
+    "16",
+    "--epochs",
+    "1",
+];
+
+/// `train-mnist ARGS` as one process (world size 1), without any launcher variables.
+fn mnist_alone(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_train-mnist"));
+    command
+        .arg("--data-dir")
+        .arg(mnist_dir())
+        .args(["--threads", "1", "--json"])
+        .args(args);
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "DDP_TEST_KILL_AT_STEP",
+        "DDP_TEST_KILL_RANK",
+    ] {
+        command.env_remove(var);
+    }
+    command
+}
+
+/// Issue 13 item 3: rank 1 kills itself (SIGKILL, the test hook) after step 7 under
+/// `ddprun --max-restarts 1`; ddprun restarts both ranks once, they resume from the mid-epoch
+/// checkpoint of step 5 on their own, and the job ends with exit 0 and the very weights of an
+/// uninterrupted run.
+#[test]
+fn a_killed_rank_is_restarted_and_resumes_from_the_mid_epoch_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let whole_weights = dir.path().join("whole.safetensors");
+    let whole = summary(&ddprun_mnist(
+        2,
+        &[
+            &SMALL_CNN[..],
+            &["--export", whole_weights.to_str().unwrap()],
+        ]
+        .concat(),
+    ));
+
+    let ck = dir.path().join("ck");
+    let weights = dir.path().join("restarted.safetensors");
+    let out = run(Command::new(env!("CARGO_BIN_EXE_ddprun"))
+        .args(["--nproc-per-node", "2", "--max-restarts", "1", "--"])
+        .arg(env!("CARGO_BIN_EXE_train-mnist"))
+        .arg("--data-dir")
+        .arg(mnist_dir())
+        .args(["--threads", "1", "--json"])
+        .args(SMALL_CNN)
+        .args(["--checkpoint-every", "5", "--checkpoint-dir"])
+        .arg(&ck)
+        .arg("--export")
+        .arg(&weights)
+        .env("DDP_TEST_KILL_AT_STEP", "7")
+        .env_remove("DDP_TEST_KILL_RANK")
+        .env_remove("TORCHELASTIC_RESTART_COUNT"));
+    let all = text(&out);
+    let restarted = summary(&out);
+    assert!(
+        all.contains("rank 1 kills itself after step 7"),
+        "the hook did not fire:\n{all}"
+    );
+    assert_eq!(
+        all.matches("restarting all 2 ranks").count(),
+        1,
+        "exactly one restart:\n{all}"
+    );
+    assert!(all.contains("(restart 1 of 1)"), "{all}");
+    assert!(all.contains("1 of 1 restarts used"), "{all}");
+    assert!(
+        all.contains("(mid-epoch: step 5, epoch 1 continues after its batch 5)"),
+        "no resume from the step-5 checkpoint:\n{all}"
+    );
+    assert_eq!(restarted["steps"], whole["steps"]);
+    assert_eq!(
+        restarted["params_hash"], whole["params_hash"],
+        "the restarted run ended with other weights:\n{all}"
+    );
+    assert_eq!(restarted["train_loss"], whole["train_loss"]);
+    assert_eq!(
+        std::fs::read(&weights).unwrap(),
+        std::fs::read(&whole_weights).unwrap(),
+        "exported weights differ"
+    );
+}
+
+/// A mid-epoch `--resume` in one process, no launcher: the run killed after step 7 resumes
+/// from its checkpoint of step 5 and ends bit-identical to an uninterrupted run.
+#[test]
+fn a_mid_epoch_resume_in_one_process_ends_bit_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    let whole_weights = dir.path().join("whole.safetensors");
+    let whole = summary(&run(mnist_alone(&SMALL_CNN)
+        .arg("--export")
+        .arg(&whole_weights)));
+    assert_eq!(whole["steps"], 40);
+
+    let ck = dir.path().join("ck");
+    let killed = run(mnist_alone(&SMALL_CNN)
+        .args(["--checkpoint-every", "5", "--checkpoint-dir"])
+        .arg(&ck)
+        .env("DDP_TEST_KILL_AT_STEP", "7"));
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        killed.status.signal(),
+        Some(9),
+        "the hook did not kill the run:\n{}",
+        text(&killed)
+    );
+
+    let weights = dir.path().join("resumed.safetensors");
+    let out = run(mnist_alone(&SMALL_CNN)
+        .args(["--resume", "--checkpoint-every", "5", "--checkpoint-dir"])
+        .arg(&ck)
+        .arg("--export")
+        .arg(&weights));
+    let resumed = summary(&out);
+    assert!(
+        text(&out).contains("(mid-epoch: step 5, epoch 1 continues after its batch 5)"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(resumed["steps"], 40);
+    assert_eq!(resumed["params_hash"], whole["params_hash"]);
+    assert_eq!(resumed["train_loss"], whole["train_loss"]);
+    assert_eq!(
+        std::fs::read(&weights).unwrap(),
+        std::fs::read(&whole_weights).unwrap()
+    );
+}
+
+/// A checkpoint written by one process (world size 1) is refused by a 2-rank run, with an
+/// error naming the file and both world sizes, and by a run with another seed; with
+/// `--allow-mismatched-checkpoint` the 2-rank run resumes from it with a warning.
+#[test]
+fn a_checkpoint_of_another_world_size_is_refused_unless_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().to_str().unwrap();
+    let small = [
+        "--model",
+        "mlp",
+        "--train-samples",
+        "400",
+        "--batch-size",
+        "50",
+    ];
+    let args = [
+        &small[..],
+        &["--test-samples", "100", "--checkpoint-dir", ck],
+    ]
+    .concat();
+    let first = summary(&run(&mut mnist_alone(
+        &[&args[..], &["--max-steps", "4", "--checkpoint-every", "2"]].concat(),
+    )));
+    assert_eq!(first["steps"], 4);
+
+    let resume = [&args[..], &["--resume", "--epochs", "1"]].concat();
+    let out = ddprun_mnist(2, &resume);
+    let all = text(&out);
+    assert!(!out.status.success(), "{all}");
+    assert!(
+        all.contains("checkpoint.ddpck") && all.contains("world size 1 (this run: 2)"),
+        "{all}"
+    );
+    assert!(all.contains("--allow-mismatched-checkpoint"), "{all}");
+
+    let out = run(&mut mnist_alone(&[&resume[..], &["--seed", "5"]].concat()));
+    let all = text(&out);
+    assert!(!out.status.success(), "{all}");
+    assert!(
+        all.contains("checkpoint.ddpck") && all.contains("seed 0 (this run: 5)"),
+        "{all}"
+    );
+
+    let out = ddprun_mnist(
+        2,
+        &[&resume[..], &["--allow-mismatched-checkpoint"]].concat(),
+    );
+    let s = summary(&out);
+    assert!(text(&out).contains("warning:"), "{}", text(&out));
+    assert_eq!(s["world_size"], 2);
+    assert_eq!(s["epochs"], 1);
+}

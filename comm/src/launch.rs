@@ -31,6 +31,16 @@
 //!    said they handle it (a process group with a trace directory leaves a marker file), since
 //!    its default action ends a process.
 //! 5. When every rank has exited 0, returns `Ok` with each rank's status.
+//! 6. With [`LaunchConfig::max_restarts`] above 0 (`ddprun --max-restarts N`, torchrun's flag),
+//!    a failure does not end the job while restarts are left: once the old ranks are stopped as
+//!    in step 4, all local ranks start again as a new rendezvous round (a fresh `MASTER_PORT` on
+//!    a single node, the same one when given; a new `DDP_JOB_ID`), with
+//!    `TORCHELASTIC_RESTART_COUNT` counting the restarts (0 on the first start) and
+//!    `TORCHELASTIC_MAX_RESTARTS` set, as torchrun sets them; a trainer with checkpoints resumes
+//!    from its last one. A `SIGINT`/`SIGTERM` to the launcher never leads to a restart. Restarts
+//!    are per node: on several nodes each launcher restarts its own ranks (the ranks of the
+//!    other nodes fail too when a peer dies, so their launchers restart as well and the nodes
+//!    meet again at the fixed port); coordinating restarts through the store is future work.
 //!
 //! Unix only: it relies on process groups and signals.
 #![cfg(unix)]
@@ -99,6 +109,10 @@ pub struct LaunchConfig {
     /// Whether to forward `SIGINT` and `SIGTERM` received by this process to the ranks. The
     /// handlers are installed for the duration of [`launch`] and the previous ones restored.
     pub forward_signals: bool,
+    /// How many times to restart all local ranks after one failed (`--max-restarts`); 0, the
+    /// default, stops the job at the first failure. A `SIGINT`/`SIGTERM` to the launcher never
+    /// leads to a restart. See [`launch`] for what a restart does.
+    pub max_restarts: usize,
 }
 
 impl LaunchConfig {
@@ -115,6 +129,7 @@ impl LaunchConfig {
             command,
             grace_period: DEFAULT_GRACE_PERIOD,
             forward_signals: true,
+            max_restarts: 0,
         }
     }
 
@@ -209,6 +224,9 @@ pub struct RankFailure {
     pub hang_report: Option<String>,
     /// The directory with the flight records and error files (kept after a failure).
     pub trace_dir: Option<PathBuf>,
+    /// How many times the launcher had restarted the ranks before this failure (see
+    /// [`LaunchConfig::max_restarts`]).
+    pub restarts: usize,
 }
 
 /// Every local rank's ending, in local rank order, returned when all ranks succeeded.
@@ -216,8 +234,10 @@ pub struct RankFailure {
 pub struct LaunchReport {
     /// The `MASTER_PORT` the ranks were given (the picked one on a single node).
     pub master_port: u16,
-    /// How each local rank ended.
+    /// How each local rank ended (in the last attempt).
     pub exits: Vec<RankExit>,
+    /// How many times the ranks were restarted before the attempt that succeeded.
+    pub restarts: usize,
 }
 
 /// Why a launch did not succeed.
@@ -359,15 +379,25 @@ pub fn free_port(addr: Ipv4Addr) -> Result<u16, LaunchError> {
         })
 }
 
-/// The environment variables that local rank `local_rank` is started with: `RANK`,
-/// `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_RANK` (the node rank, as torchrun
-/// names it), `MASTER_ADDR`, `MASTER_PORT`, and `DDP_JOB_ID` when `job_id` is given.
+/// The variable that tells a rank how many times the launcher has restarted the job before
+/// starting it (0 on the first attempt), as torchrun names it.
+pub const RESTART_COUNT_ENV: &str = "TORCHELASTIC_RESTART_COUNT";
+
+/// The variable that tells a rank how many restarts the launcher allows (`--max-restarts`), as
+/// torchrun names it.
+pub const MAX_RESTARTS_ENV: &str = "TORCHELASTIC_MAX_RESTARTS";
+
+/// The environment variables that local rank `local_rank` is started with on attempt `restart`
+/// (0 for the first start): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+/// `GROUP_RANK` (the node rank, as torchrun names it), `MASTER_ADDR`, `MASTER_PORT`,
+/// [`RESTART_COUNT_ENV`] and [`MAX_RESTARTS_ENV`], and `DDP_JOB_ID` when `job_id` is given.
 pub fn rank_env(
     config: &LaunchConfig,
     local_rank: usize,
     master_addr: &str,
     master_port: u16,
     job_id: Option<&str>,
+    restart: usize,
 ) -> Vec<(&'static str, String)> {
     let mut env = vec![
         ("RANK", config.global_rank(local_rank).to_string()),
@@ -377,6 +407,8 @@ pub fn rank_env(
         ("GROUP_RANK", config.node_rank.to_string()),
         ("MASTER_ADDR", master_addr.to_string()),
         ("MASTER_PORT", master_port.to_string()),
+        (RESTART_COUNT_ENV, restart.to_string()),
+        (MAX_RESTARTS_ENV, config.max_restarts.to_string()),
     ];
     if let Some(id) = job_id {
         env.push(("DDP_JOB_ID", id.to_string()));
@@ -384,9 +416,45 @@ pub fn rank_env(
     env
 }
 
+/// The job id of attempt `restart`: the configured id (an inherited `DDP_JOB_ID` on several
+/// nodes) on the first attempt and that id with `-restart<k>` appended on restart `k`, so that
+/// every node that restarts as often derives the same one; on a single node without a
+/// configured id, a freshly generated one per attempt. `None` on several nodes without any id.
+fn attempt_job_id(config: &LaunchConfig, restart: usize, port: u16) -> Option<String> {
+    let base = match &config.job_id {
+        Some(id) => Some(id.clone()),
+        None if config.nnodes == 1 => return Some(generate_job_id(port)),
+        None => std::env::var("DDP_JOB_ID").ok().filter(|id| !id.is_empty()),
+    };
+    match (base, restart) {
+        (Some(id), 0) => Some(id),
+        (Some(id), k) => Some(format!("{id}-restart{k}")),
+        // Nothing to pass; the ranks inherit nothing either (restart 0 keeps today's behaviour).
+        (None, _) => None,
+    }
+}
+
+/// Removes the files a previous run or attempt left in the trace directory (flight records,
+/// error files, handler markers), which would be taken for this attempt's.
+fn clear_trace_files(trace_dir: &Path) {
+    if let Ok(entries) = std::fs::read_dir(trace_dir) {
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with("flight-rank")
+                || name.starts_with("error-rank")
+                || name.starts_with(crate::flight::HANDLER_MARKER)
+            {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    let _ = std::fs::create_dir_all(trace_dir);
+}
+
 /// Runs the job described by `config` on this node and waits for it; see the module
 /// documentation for what happens on the way. Returns when every local rank has ended and its
-/// output has been forwarded.
+/// output has been forwarded, after restarting the ranks up to `config.max_restarts` times.
 pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
     // 1. Check the configuration and settle the rendezvous address.
     let (program, args) = config.command.split_first().ok_or(LaunchError::NoCommand)?;
@@ -404,8 +472,8 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
             nnodes: config.nnodes,
         });
     }
-    let (master_addr, master_port) = match (&config.master_addr, config.master_port) {
-        (Some(addr), Some(port)) => (addr.clone(), port),
+    let (master_addr, fixed_port) = match (&config.master_addr, config.master_port) {
+        (Some(addr), Some(port)) => (addr.clone(), Some(port)),
         _ if config.nnodes > 1 => {
             return Err(LaunchError::MultiNodeNeedsMaster {
                 nnodes: config.nnodes,
@@ -415,19 +483,13 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
             let addr = addr
                 .clone()
                 .unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_string());
-            let port = match port {
-                Some(port) => port,
-                // The store may bind any interface; a port free on all of them is free on each.
-                None => free_port(Ipv4Addr::UNSPECIFIED)?,
-            };
             (addr, port)
         }
     };
-    let job_id = match &config.job_id {
-        Some(id) => Some(id.clone()),
-        None if config.nnodes == 1 => Some(generate_job_id(master_port)),
-        None => None,
-    };
+    // The store may bind any interface; a port free on all of them is free on each.
+    let pick_port = || fixed_port.map_or_else(|| free_port(Ipv4Addr::UNSPECIFIED), Ok);
+    let mut master_port = pick_port()?;
+    let mut job_id = attempt_job_id(config, 0, master_port);
 
     let mut signals = if config.forward_signals {
         Some(SignalForwarding::install()?)
@@ -446,21 +508,117 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
             (std::env::temp_dir().join(name), true)
         }
     };
-    // Files of an earlier run in a user's directory would be taken for this one's.
-    if let Ok(entries) = std::fs::read_dir(&trace_dir) {
-        for e in entries.flatten() {
-            let name = e.file_name();
-            let name = name.to_string_lossy();
-            if name.starts_with("flight-rank")
-                || name.starts_with("error-rank")
-                || name.starts_with(crate::flight::HANDLER_MARKER)
+
+    // 2. to 5., once per attempt: the restart loop. Attempt k (k = 0 is the first start) runs
+    // all local ranks with TORCHELASTIC_RESTART_COUNT=k until they have all ended. When every
+    // rank succeeded, the job is done. When a rank failed (the others were already stopped:
+    // SIGTERM, then SIGKILL after the grace period, and everything they started killed) and
+    // fewer than `max_restarts` restarts were used, and no SIGINT/SIGTERM reached the launcher
+    // meanwhile (a user who stops the job means it), the launcher starts all local ranks again
+    // as a new rendezvous round: a fresh free MASTER_PORT on a single node (the same one when it
+    // was given) and a new DDP_JOB_ID, so that a straggler of the old group can neither reach the
+    // new store nor pass the new group's handshake. Files of the old attempt in the trace
+    // directory are cleared first, so the new attempt's report is its own. Any other ending (a
+    // failure with the budget spent, an interruption, a launcher error) ends the job with that
+    // attempt's result, exactly as without restarts. Restarts are per node: on several nodes,
+    // each node's launcher restarts its own ranks when they fail (which they do when a rank of
+    // another node dies), and the nodes meet again at the fixed MASTER_PORT; nothing coordinates
+    // them through the store yet.
+    let mut restarts = 0;
+    loop {
+        clear_trace_files(&trace_dir);
+        let attempt = Attempt {
+            program,
+            args,
+            master_addr: &master_addr,
+            master_port,
+            job_id: job_id.as_deref(),
+            restart: restarts,
+            trace_dir: &trace_dir,
+        };
+        let (result, signalled) = run_attempt(config, &attempt, signals.as_mut());
+        match result {
+            Err(LaunchError::RankFailed(failure))
+                if !signalled && restarts < config.max_restarts =>
             {
-                let _ = std::fs::remove_file(e.path());
+                restarts += 1;
+                let whose = if config.nnodes > 1 {
+                    "this node's"
+                } else {
+                    "all"
+                };
+                notice(&format!(
+                    "rank {} failed ({}); restarting {whose} {} ranks (restart {restarts} of {})",
+                    failure.rank,
+                    failure.exit.without_hint(),
+                    config.nproc_per_node,
+                    config.max_restarts
+                ));
+                if let Some(message) = &failure.message {
+                    notice(&format!("rank {}'s error:", failure.rank));
+                    for line in message.lines() {
+                        notice(&format!("  {line}"));
+                    }
+                }
+                // A stop request that arrived while the old group was going away.
+                if let Some(signal) = signals.as_mut().and_then(SignalForwarding::take) {
+                    notice(&format!("received {}; not restarting", signal_name(signal)));
+                    return Err(LaunchError::Interrupted { signal });
+                }
+                master_port = pick_port()?;
+                job_id = attempt_job_id(config, restarts, master_port);
+            }
+            Err(LaunchError::RankFailed(mut failure)) => {
+                if config.max_restarts > 0 && !signalled {
+                    notice(&format!(
+                        "rank {} failed and all {} restarts are used up; the job failed",
+                        failure.rank, config.max_restarts
+                    ));
+                }
+                failure.restarts = restarts;
+                return Err(LaunchError::RankFailed(failure));
+            }
+            Err(error) => return Err(error),
+            Ok(mut report) => {
+                if own_trace_dir {
+                    let _ = std::fs::remove_dir_all(&trace_dir);
+                }
+                if config.max_restarts > 0 {
+                    notice(&format!(
+                        "all ranks finished; {restarts} of {} restarts used",
+                        config.max_restarts
+                    ));
+                }
+                report.restarts = restarts;
+                return Ok(report);
             }
         }
     }
-    let _ = std::fs::create_dir_all(&trace_dir);
+}
 
+/// What differs between the attempts of one launch.
+struct Attempt<'a> {
+    program: &'a OsString,
+    args: &'a [OsString],
+    master_addr: &'a str,
+    master_port: u16,
+    job_id: Option<&'a str>,
+    /// Restarts before this attempt (0 on the first).
+    restart: usize,
+    trace_dir: &'a Path,
+}
+
+/// Starts the local ranks once, watches them until all have ended and reports how: steps 2 to 5
+/// of the module documentation. Also says whether the launcher received `SIGINT`/`SIGTERM`
+/// meanwhile (then no restart may follow).
+fn run_attempt(
+    config: &LaunchConfig,
+    attempt: &Attempt<'_>,
+    mut signals: Option<&mut SignalForwarding>,
+) -> (Result<LaunchReport, LaunchError>, bool) {
+    let trace_dir = attempt.trace_dir;
+    let program = attempt.program;
+    let master_port = attempt.master_port;
     // 2. and 3. Start the ranks, each with two reader threads forwarding its output.
     let (done_tx, done_rx) = mpsc::channel::<()>();
     let mut ranks: Vec<Rank> = Vec::with_capacity(config.nproc_per_node);
@@ -468,16 +626,17 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
         let rank = config.global_rank(local_rank);
         let mut command = Command::new(program);
         command
-            .args(args)
+            .args(attempt.args)
             .envs(rank_env(
                 config,
                 local_rank,
-                &master_addr,
+                attempt.master_addr,
                 master_port,
-                job_id.as_deref(),
+                attempt.job_id,
+                attempt.restart,
             ))
-            .env(crate::flight::TRACE_DIR_ENV, &trace_dir)
-            .env(ERROR_FILE_ENV, error_file(&trace_dir, rank))
+            .env(crate::flight::TRACE_DIR_ENV, trace_dir)
+            .env(ERROR_FILE_ENV, error_file(trace_dir, rank))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -490,11 +649,12 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
                     started.signal_group(libc::SIGKILL);
                     let _ = started.child.wait();
                 }
-                return Err(LaunchError::Spawn {
+                let error = LaunchError::Spawn {
                     rank,
                     program: program.to_string_lossy().into_owned(),
                     source,
-                });
+                };
+                return (Err(error), false);
             }
         };
         let prefix = format!("[rank {rank}] ");
@@ -522,15 +682,17 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
     let mut interrupted: Option<i32> = None;
     let mut kill_at: Option<Instant> = None;
     let mut wait_error: Option<LaunchError> = None;
+    let mut signalled = false;
     loop {
-        if signals.as_mut().is_some_and(SignalForwarding::take_usr1) {
+        if signals.as_mut().is_some_and(|s| s.take_usr1()) {
             notice("received SIGUSR1: where each rank is");
-            print_hang_report(&ask_for_flight_records(&mut ranks, &trace_dir), &trace_dir);
+            print_hang_report(&ask_for_flight_records(&mut ranks, trace_dir), trace_dir);
         }
-        if let Some(signal) = signals.as_mut().and_then(SignalForwarding::take) {
+        if let Some(signal) = signals.as_mut().and_then(|s| s.take()) {
+            signalled = true;
             if interrupted.is_none() && first_failure.is_none() {
                 interrupted = Some(signal);
-                print_hang_report(&ask_for_flight_records(&mut ranks, &trace_dir), &trace_dir);
+                print_hang_report(&ask_for_flight_records(&mut ranks, trace_dir), trace_dir);
                 notice(&format!(
                     "received {}; forwarding it to the ranks (SIGKILL in {:?}, or at once on a \
                      second signal)",
@@ -567,6 +729,7 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
                     message: None,
                     hang_report: None,
                     trace_dir: None,
+                    restarts: attempt.restart,
                 });
                 notice(&format!(
                     "rank {rank} {exit}; stopping the other ranks (SIGTERM, SIGKILL after {:?})",
@@ -574,7 +737,7 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
                 ));
                 // Where the others are, before they are stopped: the rank that never entered
                 // the collective the others wait in is often the real story.
-                ask_for_flight_records(&mut ranks, &trace_dir);
+                ask_for_flight_records(&mut ranks, trace_dir);
                 stop_running(&mut ranks, libc::SIGTERM);
                 kill_at = Some(Instant::now() + config.grace_period);
             }
@@ -608,32 +771,30 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
             Err(_) => break, // all readers done (disconnected) or out of time
         }
     }
-    drop(signals);
 
     if let Some(error) = wait_error {
-        return Err(error);
+        return (Err(error), signalled);
     }
     if let Some(mut failure) = first_failure {
         let failed = ranks.iter().find(|r| r.rank == failure.rank);
-        failure.message = read_error_file(&error_file(&trace_dir, failure.rank))
+        failure.message = read_error_file(&error_file(trace_dir, failure.rank))
             .or_else(|| failed.and_then(|r| error_lines(&r.tail)));
-        failure.hang_report = hang_report_of(&trace_dir, config);
-        failure.trace_dir = Some(trace_dir);
-        return Err(LaunchError::RankFailed(failure));
-    }
-    if own_trace_dir && interrupted.is_none() {
-        let _ = std::fs::remove_dir_all(&trace_dir);
+        failure.hang_report = hang_report_of(trace_dir, config);
+        failure.trace_dir = Some(trace_dir.to_path_buf());
+        return (Err(LaunchError::RankFailed(failure)), signalled);
     }
     if let Some(signal) = interrupted {
-        return Err(LaunchError::Interrupted { signal });
+        return (Err(LaunchError::Interrupted { signal }), signalled);
     }
-    Ok(LaunchReport {
+    let report = LaunchReport {
         master_port,
         exits: ranks
             .iter()
             .map(|rank| rank.exit.unwrap_or(RankExit::Code(-1)))
             .collect(),
-    })
+        restarts: attempt.restart,
+    };
+    (Ok(report), signalled)
 }
 
 /// One local rank's process.
@@ -1033,5 +1194,123 @@ fn restore_handlers(saved: &mut Vec<(i32, libc::sigaction)>) {
     for (signal, previous) in saved.drain(..).rev() {
         // SAFETY: restores a sigaction obtained from the kernel.
         unsafe { libc::sigaction(signal, &previous, std::ptr::null_mut()) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh empty directory under the temporary directory, removed on drop.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(name: &str) -> TempDir {
+            let nanos = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            let dir = std::env::temp_dir()
+                .join(format!("ddp-launch-{name}-{}-{nanos}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            TempDir(dir)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A launch of `nproc` ranks running `sh -c script sh DIR`: each rank records its
+    /// environment in `DIR/attempt<TORCHELASTIC_RESTART_COUNT>-rank<RANK>` first.
+    fn shell_job(nproc: usize, max_restarts: usize, dir: &Path, script: &str) -> LaunchConfig {
+        let record = "echo \"$MASTER_PORT $DDP_JOB_ID $TORCHELASTIC_MAX_RESTARTS\" > \
+                      \"$1/attempt$TORCHELASTIC_RESTART_COUNT-rank$RANK\"; ";
+        let command = vec![
+            "sh".into(),
+            "-c".into(),
+            format!("{record}{script}").into(),
+            "sh".into(),
+            dir.as_os_str().to_owned(),
+        ];
+        let mut config = LaunchConfig::new(nproc, command);
+        config.max_restarts = max_restarts;
+        config.forward_signals = false;
+        config.grace_period = Duration::from_secs(2);
+        config
+    }
+
+    fn recorded(dir: &Path, attempt: usize, rank: usize) -> Option<Vec<String>> {
+        let text =
+            std::fs::read_to_string(dir.join(format!("attempt{attempt}-rank{rank}"))).ok()?;
+        Some(text.split_whitespace().map(str::to_string).collect())
+    }
+
+    /// Rank 1 fails on the first attempt only (rank 0 would wait for it): one restart, with a
+    /// new port and job id, and the job succeeds.
+    #[test]
+    fn a_failure_restarts_all_ranks_in_a_new_round() {
+        let dir = TempDir::new("restart");
+        let script = "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then \
+                        if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 30; fi; exit 0";
+        let report = launch(&shell_job(2, 1, &dir.0, script)).expect("the restart succeeds");
+        assert_eq!(report.restarts, 1);
+        assert_eq!(report.exits, vec![RankExit::Code(0); 2]);
+        let first = recorded(&dir.0, 0, 1).expect("attempt 0 of rank 1 ran");
+        let second = recorded(&dir.0, 1, 1).expect("attempt 1 of rank 1 ran");
+        assert!(recorded(&dir.0, 1, 0).is_some(), "attempt 1 of rank 0 ran");
+        assert_eq!(first[2], "1", "TORCHELASTIC_MAX_RESTARTS");
+        assert_ne!(first[0], second[0], "a new MASTER_PORT");
+        assert_eq!(second[0], report.master_port.to_string());
+        assert_ne!(first[1], second[1], "a new DDP_JOB_ID");
+        assert!(recorded(&dir.0, 2, 1).is_none(), "no second restart");
+    }
+
+    /// With no restarts allowed, the first failure ends the job as it always did.
+    #[test]
+    fn no_restart_budget_stops_at_the_first_failure() {
+        let dir = TempDir::new("norestart");
+        let script = "if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 30";
+        let started = Instant::now();
+        match launch(&shell_job(2, 0, &dir.0, script)) {
+            Err(LaunchError::RankFailed(failure)) => {
+                assert_eq!((failure.rank, failure.exit), (1, RankExit::Code(3)));
+                assert_eq!(failure.restarts, 0);
+            }
+            other => panic!("expected rank 1's failure, got {other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(20));
+        assert_eq!(recorded(&dir.0, 0, 1).unwrap()[2], "0");
+        assert!(recorded(&dir.0, 1, 1).is_none(), "no restart");
+    }
+
+    /// A rank that fails every time uses up the budget; the last failure is the error, with a
+    /// job id per attempt derived from the given one.
+    #[test]
+    fn an_exhausted_budget_reports_the_last_failure() {
+        let dir = TempDir::new("exhausted");
+        let mut config = shell_job(1, 2, &dir.0, "exit 5");
+        config.job_id = Some("myjob".into());
+        config.master_port = Some(free_port(Ipv4Addr::UNSPECIFIED).unwrap());
+        match launch(&config) {
+            Err(error @ LaunchError::RankFailed(_)) => {
+                assert_eq!(error.exit_code(), 5);
+                let LaunchError::RankFailed(failure) = error else {
+                    unreachable!()
+                };
+                assert_eq!(failure.restarts, 2);
+            }
+            other => panic!("expected a failure, got {other:?}"),
+        }
+        let ids: Vec<String> = (0..3)
+            .map(|k| recorded(&dir.0, k, 0).expect("every attempt ran")[1].clone())
+            .collect();
+        assert_eq!(ids, ["myjob", "myjob-restart1", "myjob-restart2"]);
+        let ports: Vec<String> = (0..3)
+            .map(|k| recorded(&dir.0, k, 0).unwrap()[0].clone())
+            .collect();
+        assert!(ports.iter().all(|p| *p == ports[0]), "a given port is kept");
+        assert!(recorded(&dir.0, 3, 0).is_none());
     }
 }

@@ -9,7 +9,9 @@
 //! `MASTER_PORT` (and `DDP_JOB_ID`); its output lines come out prefixed with `[rank R]`. When a
 //! rank fails, the others are stopped and ddprun exits non-zero, naming the first failure last,
 //! with its error message and where every rank was (flight records). `kill -USR1` of ddprun
-//! prints where every rank is without stopping the job.
+//! prints where every rank is without stopping the job. With `--max-restarts N`, a failure
+//! restarts all local ranks (up to N times) instead of ending the job; trainers given a
+//! `--checkpoint-dir` then resume from their last checkpoint.
 //! All the work is in the `ddp_comm::launch` library; this binary only parses arguments.
 
 /// mimalloc, for the reasons given at its dependency in apps/Cargo.toml.
@@ -52,6 +54,14 @@ struct Args {
     /// Seconds between SIGTERM and SIGKILL when stopping the ranks.
     #[arg(long, value_name = "SECS", default_value_t = 5.0)]
     grace_period: f64,
+    /// Restart all local ranks up to N times when one fails (0: stop the job at the first
+    /// failure). Each restart is a new rendezvous round (new MASTER_PORT on a single node unless
+    /// --master-port is given, new DDP_JOB_ID) with TORCHELASTIC_RESTART_COUNT set to the number
+    /// of restarts so far; the trainers then resume from their --checkpoint-dir on their own.
+    /// SIGINT/SIGTERM to ddprun never restarts. On several nodes, each node restarts its own
+    /// ranks (no coordination through the store yet).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    max_restarts: usize,
     /// The command each rank runs, and its arguments (after `--`).
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
     command: Vec<OsString>,
@@ -76,6 +86,7 @@ fn main() -> ExitCode {
         command: args.command,
         grace_period,
         forward_signals: true,
+        max_restarts: args.max_restarts,
     };
     match launch::launch(&config) {
         Ok(_) => ExitCode::SUCCESS,
@@ -97,6 +108,11 @@ fn report(error: &LaunchError) {
     };
     let rule = "=".repeat(78);
     let mut text = format!("{rule}\nddprun: job failed. Root cause:\n  {error}\n");
+    match failure.restarts {
+        0 => {}
+        1 => text += "  (in the attempt after 1 restart, the last one allowed)\n",
+        n => text += &format!("  (in the attempt after {n} restarts, the last one allowed)\n"),
+    }
     let indent = |block: &str| {
         block
             .lines()
