@@ -47,19 +47,7 @@ fn assert_no_cuda_driver() {
 /// Runs `bin ARGS` as a standalone rank (none of the launcher's variables), under a deadline.
 fn standalone(bin: &str, args: &[&str]) -> Output {
     let mut command = Command::new(bin);
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "SLURM_PROCID",
-        "SLURM_NTASKS",
-        "SLURM_LOCALID",
-    ] {
-        command.env_remove(var);
-    }
+    common::clear_launcher_env(&mut command);
     command.args(args);
     common::output_with_deadline(&mut command, DEADLINE)
 }

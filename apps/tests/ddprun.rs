@@ -40,19 +40,7 @@ fn ddprun_with(options: &[&str], nproc: usize, script: &str) -> Command {
     ]);
     command.args(options);
     command.args(["--", "sh", "-c", script]);
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-    ] {
-        command.env_remove(var);
-    }
-    command
-        .env_remove("MASTER_PORT")
-        .env_remove("DDP_JOB_ID")
-        .env_remove("TORCHELASTIC_RESTART_COUNT");
+    common::clear_launcher_env(&mut command);
     command
 }
 

@@ -386,19 +386,7 @@ fn mnist_alone(args: &[&str]) -> Command {
         .arg(mnist_dir())
         .args(["--threads", "1", "--json"])
         .args(args);
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_RESTART_COUNT",
-        "DDP_TEST_KILL_AT_STEP",
-        "DDP_TEST_KILL_RANK",
-    ] {
-        command.env_remove(var);
-    }
+    common::clear_launcher_env(&mut command);
     command
 }
 

@@ -136,3 +136,30 @@ pub fn output_with_deadline(command: &mut Command, deadline: Duration) -> Output
         stderr: stderr.join().unwrap(),
     }
 }
+
+/// The variables of launchers (torchrun, ddprun, Slurm) and the trainers' test hooks, which a
+/// child started on its own must not inherit from a test run under one.
+const LAUNCHER_VARS: &[&str] = &[
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "DDP_JOB_ID",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "DDP_TEST_KILL_AT_STEP",
+    "DDP_TEST_KILL_RANK",
+];
+
+/// Removes [`LAUNCHER_VARS`] from `command`'s environment.
+pub fn clear_launcher_env(command: &mut Command) -> &mut Command {
+    for var in LAUNCHER_VARS {
+        command.env_remove(var);
+    }
+    command
+}
