@@ -166,7 +166,7 @@ pub struct TrainArgs {
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub verbose: Option<bool>,
     /// Directory for Chrome trace event files of a window of steps (`trace-rank<R>.json` per
-    /// rank; open them in https://ui.perfetto.dev).
+    /// rank; open them in <https://ui.perfetto.dev>).
     #[arg(long)]
     pub trace_dir: Option<PathBuf>,
     /// With `--trace-dir`: the global steps traced, `A..B` (from 1, B excluded; default 10..15).

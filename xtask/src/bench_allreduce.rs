@@ -13,7 +13,7 @@
 //! `small` to a size no buffer reaches, `auto` leaves the crate's default. `--crossover` times
 //! ring against small on powers of two from 1 KiB to 4 MiB and reports where ring overtakes.
 //!
-//! Python: `$DDP_BENCH_PYTHON`, else `python3`; gloo is skipped, with the reason, unless it can
+//! Python: `util::torch_python` (`$DDP_PYTHON`, else `~/.cache/torchenv/bin/python`, else `python3`); gloo is skipped, with the reason, unless it can
 //! `import torch` and torch has gloo.
 
 use ddp_comm::bytes::{human_size, parse_size};
@@ -345,9 +345,9 @@ fn read_run(command: &mut Command, json: &Path) -> Result<RunReport> {
     serde_json::from_str(&text).with_context(|| format!("parsing {}", json.display()))
 }
 
-/// Finds a python that can import torch with gloo: `$DDP_BENCH_PYTHON`, else `python3`.
+/// Finds a python that can import torch with gloo ([`util::torch_python`]).
 fn find_gloo() -> Gloo {
-    let python = std::env::var("DDP_BENCH_PYTHON").unwrap_or_else(|_| "python3".to_string());
+    let python = util::torch_python().display().to_string();
     let probe = "import torch, torch.distributed as d\n\
                  assert d.is_available() and d.is_gloo_available(), 'this torch has no gloo'\n\
                  print(torch.__version__)";
@@ -368,8 +368,8 @@ fn find_gloo() -> Gloo {
                 .unwrap_or("no message");
             Gloo::Skipped {
                 reason: format!(
-                    "`{python}` cannot import torch with gloo ({last}); set DDP_BENCH_PYTHON to a \
-                     python that can"
+                    "`{python}` cannot import torch with gloo ({last}); set DDP_PYTHON to a python \
+                     that can"
                 ),
             }
         }

@@ -119,13 +119,9 @@ for name, model, loss_fn in [("cnn", Net(), F.nll_loss), ("mlp", Mlp(), F.cross_
     print(f"{name} {times[len(times) // 2] * 1e3:.3f}")
 "#;
 
-/// A python with torch: `$DDP_PYTHON`, else `~/.cache/torchenv/bin/python` if torch imports.
+/// A python with torch ([`util::torch_python`]) if torch imports.
 fn torch_python() -> Option<PathBuf> {
-    let candidate = std::env::var_os("DDP_PYTHON")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/torchenv/bin/python"))
-        })?;
+    let candidate = util::torch_python();
     let ok = Command::new(&candidate)
         .args(["-c", "import torch"])
         .output()

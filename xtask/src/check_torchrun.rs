@@ -1,6 +1,6 @@
 //! `cargo xtask check-torchrun`: ddp-rs under PyTorch's own launcher. Runs
 //! `torchrun --no-python --standalone --nproc-per-node N target/release/train-mnist ...` with the
-//! torch of `$TORCH_PYTHON` (a python that imports torch) or `~/.cache/torchenv/bin/python`, and
+//! torch of `$DDP_PYTHON` (a python that imports torch) or `~/.cache/torchenv/bin/python`, and
 //! checks that it exits 0 and that every rank trained: one summary per rank, each of the full
 //! world size and step count, with identical final parameters (the replicas stayed in step).
 //!
@@ -45,27 +45,22 @@ struct RankSummary {
     test_accuracy: f64,
 }
 
-/// A python with torch: `$TORCH_PYTHON`, else `~/.cache/torchenv/bin/python`; an error that
-/// says how to provide one if neither imports torch.
+/// A python with torch ([`util::torch_python`]); an error that says how to provide one if it
+/// does not import torch.
 fn torch_python() -> Result<PathBuf> {
-    let candidate = match std::env::var_os("TORCH_PYTHON") {
-        Some(p) => PathBuf::from(p),
-        None => std::env::var_os("HOME")
-            .map(|h| PathBuf::from(h).join(".cache/torchenv/bin/python"))
-            .context("HOME is not set; give a python with torch in $TORCH_PYTHON")?,
-    };
+    let candidate = util::torch_python();
     let output = Command::new(&candidate)
         .args(["-c", "import torch; print(torch.__version__)"])
         .output()
         .with_context(|| {
             format!(
-                "starting {} (set $TORCH_PYTHON to a python with torch)",
+                "starting {} (set $DDP_PYTHON to a python with torch)",
                 candidate.display()
             )
         })?;
     if !output.status.success() {
         bail!(
-            "{} cannot import torch (set $TORCH_PYTHON to a python with torch): {}",
+            "{} cannot import torch (set $DDP_PYTHON to a python with torch): {}",
             candidate.display(),
             String::from_utf8_lossy(&output.stderr).trim()
         );

@@ -12,7 +12,7 @@
 //! 4. `train-mnist --backend cuda` for one epoch on one GPU (and on all of them when there are
 //!    several: gradients then go through NCCL on the GPU): test accuracy and samples/s.
 //! 5. The same epoch in PyTorch on the same GPU (`xtask/scripts/torch_mnist_epoch.py`) when a
-//!    python with torch and CUDA is at hand (`$DDP_BENCH_PYTHON`, else `python3`), and the
+//!    python with torch and CUDA is at hand (`$DDP_PYTHON`, else `~/.cache/torchenv/bin/python`, else `python3`), and the
 //!    ratio of our samples/s to PyTorch's.
 //!
 //! Results go to `target/gpu-check/` (or `--out`): `gpu-check.md` (printed at the end) and
@@ -290,7 +290,7 @@ fn probe(bin_dir: &Path, out: &Path) -> Result<(usize, String)> {
 /// A `libnccl.so.2` from pip's nvidia-nccl package or the usual library folders.
 fn find_libnccl2() -> Option<PathBuf> {
     let mut dirs: Vec<PathBuf> = Vec::new();
-    let python = std::env::var("DDP_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let python = util::torch_python().display().to_string();
     if let Ok(output) = Command::new(&python)
         .args([
             "-c",
@@ -318,7 +318,7 @@ fn find_libnccl2() -> Option<PathBuf> {
 
 /// PyTorch's epoch on GPU 0, or why it was skipped.
 fn torch_epoch(data_dir: &Path, batch_size: usize) -> Result<std::result::Result<Epoch, String>> {
-    let python = std::env::var("DDP_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let python = util::torch_python().display().to_string();
     let probe = Command::new(&python)
         .args([
             "-c",

@@ -111,6 +111,19 @@ pub fn run_dir(name: &str, out: Option<PathBuf>) -> Result<PathBuf> {
     Ok(out)
 }
 
+/// The python the torch comparisons use (gloo, PyTorch's step, torchrun, PyTorch on GPU):
+/// `$DDP_PYTHON`, else `~/.cache/torchenv/bin/python` when it exists (the README's venv), else
+/// `python3`. Each task checks what it needs of it (torch, gloo, CUDA) and says so.
+pub fn torch_python() -> PathBuf {
+    if let Some(p) = std::env::var_os("DDP_PYTHON").filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    std::env::var_os("HOME")
+        .map(|h| PathBuf::from(h).join(".cache/torchenv/bin/python"))
+        .filter(|p| p.exists())
+        .unwrap_or_else(|| PathBuf::from("python3"))
+}
+
 /// A Markdown table's first two lines: `first_columns` then `columns`.
 pub fn md_header(first_columns: &[&str], columns: impl IntoIterator<Item = String>) -> String {
     let names: Vec<String> = first_columns
