@@ -27,7 +27,8 @@ pub struct Args {
     pub trainer_args: Vec<String>,
 }
 
-/// The phases of a step as the trainer names its spans, in the order of a step.
+/// The phases of a step as the trainer names its spans, in the order of a step: the training
+/// thread's, then the communication thread's `all_reduce`.
 const PHASES: [&str; 8] = [
     "data",
     "forward",
@@ -140,16 +141,8 @@ fn breakdown(traces: &[Value]) -> String {
 }
 
 /// The training thread's spans that are phases of their own (`step` and `sync` enclose
-/// others).
-const TRAINING_PHASES: [&str; 7] = [
-    "data",
-    "forward",
-    "backward",
-    "pack",
-    "wait",
-    "unpack",
-    "optimizer",
-];
+/// others): every phase but the last, `all_reduce`.
+const TRAINING_PHASES: &[&str] = PHASES.split_last().expect("phases").1;
 
 /// `(name, start, end)` of the complete events of one trace on track `tid`, in microseconds.
 fn spans_on(trace: &Value, tid: u64) -> Vec<(String, f64, f64)> {
@@ -183,7 +176,7 @@ fn overlap(traces: &[Value]) -> String {
         let reduce_ms: f64 =
             reduces.iter().map(|r| r.2 - r.1).fold(0.0, |a, b| a + b) / 1e3 / steps;
         md += &format!("| {rank} | {reduce_ms:.2} |");
-        for p in TRAINING_PHASES {
+        for &p in TRAINING_PHASES {
             let mut both = 0.0;
             for (_, a, b) in reduces.iter().filter(|r| r.0 == "all_reduce") {
                 for (_, c, d) in training.iter().filter(|t| t.0 == p) {
