@@ -40,6 +40,22 @@
 //! on every rank. The same direct pattern serves small reduce-scatters (each rank gets only its
 //! chunk from everyone), all-gathers, broadcasts (the root sends to everyone) and the barrier.
 //!
+//! # Hierarchical all-reduce (ranks on several hosts)
+//!
+//! When some ranks share a host and the group spans several hosts (`shm.rs` finds out which),
+//! an all-reduce runs in three phases: (1) the ranks of each host all-reduce over shared memory
+//! (rank order inside the host), (2) the host's leader (its lowest rank) all-reduces the host's
+//! sum with the other leaders over TCP, with the algorithms of this file over the leaders alone
+//! (direct or ring by size; `Avg` divides by the whole group's size once, at the leaders),
+//! (3) each leader broadcasts the result to its host over shared memory. Only one rank per host
+//! sends over the network, and each host's bytes cross it once instead of once per rank. Every
+//! rank ends with the bytes its leader computed, and the leaders with the same bytes (the TCP
+//! algorithms are bit-identical across ranks), so results are bit-identical across ranks and runs
+//! of the same topology; the order of the sum is: each host's ranks in rank order, then the
+//! hosts as the TCP algorithm combines them (with exactly representable values, e.g. integers,
+//! every topology gives the same bits). Broadcast and barrier take the same three steps;
+//! all-gather and reduce-scatter go over TCP among all ranks.
+//!
 //! # Other collectives
 //!
 //! * Reduce-scatter (large): the reduce-scatter half of the ring, shifted by one chunk so that
@@ -79,22 +95,29 @@ pub fn chunk_range(len: usize, world: usize, index: usize) -> Range<usize> {
     start..start + base + usize::from(index < extra)
 }
 
-/// Everything an algorithm needs: the mesh, the fingerprint of the running collective, tuning.
+/// Everything an algorithm needs: the mesh, the fingerprint of the running collective, tuning,
+/// and who takes part: `members` (global ranks; every rank of the group, or the hosts' leaders in
+/// a hierarchical all-reduce). The algorithms speak of ranks as indices into `members`:
+/// `rank()` is ours, `world()` their number, and `send`/`recv` map an index to the global rank.
 pub(crate) struct Ctx<'a> {
     pub mesh: &'a Mesh,
     pub desc: OpDesc,
     pub segment_bytes: usize,
     pub small_bytes: usize,
-    /// Shared memory, when every rank shares this host: then it carries every collective.
+    /// Shared memory between the ranks of this host, when some ranks share it.
     pub shm: Option<&'a ShmGroup>,
+    /// The global ranks taking part, in ring order.
+    pub members: &'a [usize],
+    /// Our index in `members`.
+    pub me: usize,
 }
 
 impl Ctx<'_> {
     fn rank(&self) -> usize {
-        self.mesh.rank
+        self.me
     }
     fn world(&self) -> usize {
-        self.mesh.world
+        self.members.len()
     }
     fn right(&self) -> usize {
         (self.rank() + 1) % self.world()
@@ -106,14 +129,18 @@ impl Ctx<'_> {
         (self.segment_bytes / std::mem::size_of::<T>()).max(1)
     }
     fn send<T: Element>(&self, peer: usize, data: &[T]) -> Result<(), CommError> {
-        self.mesh.send(peer, &self.desc, self.mesh.copy_of(data))
+        self.mesh
+            .send(self.members[peer], &self.desc, self.mesh.copy_of(data))
     }
     fn forward(&self, peer: usize, buf: Buf) -> Result<(), CommError> {
-        self.mesh.send(peer, &self.desc, buf)
+        self.mesh.send(self.members[peer], &self.desc, buf)
     }
     fn recv<T: Element>(&self, peer: usize, elems: usize) -> Result<Buf, CommError> {
-        self.mesh
-            .recv(peer, &self.desc, elems * std::mem::size_of::<T>())
+        self.mesh.recv(
+            self.members[peer],
+            &self.desc,
+            elems * std::mem::size_of::<T>(),
+        )
     }
     fn recv_into<T: Element>(&self, peer: usize, dst: &mut [T]) -> Result<(), CommError> {
         let b = self.recv::<T>(peer, dst.len())?;
@@ -122,6 +149,18 @@ impl Ctx<'_> {
     }
     fn peers(&self) -> impl Iterator<Item = usize> + '_ {
         (0..self.world()).filter(move |&p| p != self.rank())
+    }
+    /// The same collective over TCP among `members` (we are `members[me]`), e.g. the leaders.
+    fn over<'b>(&'b self, members: &'b [usize], me: usize) -> Ctx<'b> {
+        Ctx {
+            mesh: self.mesh,
+            desc: self.desc,
+            segment_bytes: self.segment_bytes,
+            small_bytes: self.small_bytes,
+            shm: None,
+            members,
+            me,
+        }
     }
 }
 
@@ -157,8 +196,10 @@ pub(crate) fn all_reduce<T: Element>(
     buf: &mut [T],
     op: ReduceOp,
 ) -> Result<(), CommError> {
-    if let Some(s) = cx.shm {
-        return shm::all_reduce(s, cx.mesh, &cx.desc, buf, op);
+    match cx.shm {
+        Some(s) if s.is_flat() => return shm::all_reduce(s, cx.mesh, &cx.desc, buf, op),
+        Some(s) => return hierarchical_all_reduce(cx, s, buf, op),
+        None => {}
     }
     if bytes_of::<T>(buf.len()) <= cx.small_bytes {
         direct_all_reduce(cx, buf, op)
@@ -168,6 +209,25 @@ pub(crate) fn all_reduce<T: Element>(
         let n = cx.world();
         ring_all_gather(cx, buf, |c| chunk_range(len, n, c), cx.rank() + 1, true)
     }
+}
+
+/// The hierarchical all-reduce of ranks on several hosts (see the module documentation).
+fn hierarchical_all_reduce<T: Element>(
+    cx: &Ctx,
+    s: &ShmGroup,
+    buf: &mut [T],
+    op: ReduceOp,
+) -> Result<(), CommError> {
+    let acc_op = accumulate_op(op);
+    shm::all_reduce(s, cx.mesh, &cx.desc, buf, acc_op)?;
+    if s.is_leader() {
+        let host = s.host_of(cx.mesh.rank);
+        all_reduce(&cx.over(s.leaders(), host), buf, acc_op)?;
+        if op == ReduceOp::Avg {
+            T::divide(buf, cx.mesh.world);
+        }
+    }
+    shm::broadcast(s, cx.mesh, &cx.desc, buf, 0)
 }
 
 fn direct_all_reduce<T: Element>(cx: &Ctx, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
@@ -288,7 +348,7 @@ pub(crate) fn reduce_scatter<T: Element>(
     buf: &mut [T],
     op: ReduceOp,
 ) -> Result<Vec<T>, CommError> {
-    if let Some(s) = cx.shm {
+    if let Some(s) = cx.shm.filter(|s| s.is_flat()) {
         return shm::reduce_scatter(s, cx.mesh, &cx.desc, buf, op);
     }
     let n = cx.world();
@@ -344,7 +404,7 @@ pub(crate) fn all_gather<T: Element>(cx: &Ctx, input: &[T]) -> Result<Vec<T>, Co
         op: cx.desc.to_string(),
         message: format!("{l} elements times {n} ranks overflows"),
     })?;
-    if let Some(s) = cx.shm {
+    if let Some(s) = cx.shm.filter(|s| s.is_flat()) {
         return shm::all_gather(s, cx.mesh, &cx.desc, input);
     }
     let mut out = vec![T::zeroed(); total];
@@ -373,8 +433,25 @@ pub(crate) fn all_gather<T: Element>(cx: &Ctx, input: &[T]) -> Result<Vec<T>, Co
 
 /// Overwrites `buf` on every rank with `root`'s `buf`.
 pub(crate) fn broadcast<T: Element>(cx: &Ctx, buf: &mut [T], root: usize) -> Result<(), CommError> {
-    if let Some(s) = cx.shm {
-        return shm::broadcast(s, cx.mesh, &cx.desc, buf, root);
+    match cx.shm {
+        Some(s) if s.is_flat() => return shm::broadcast(s, cx.mesh, &cx.desc, buf, root),
+        Some(s) => {
+            // Inside the root's host, from the leaders' root (the root's leader) to the other
+            // leaders over TCP, then inside every other host from its leader.
+            let (root, me) = (cx.members[root], cx.mesh.rank);
+            let (root_host, host) = (s.host_of(root), s.host_of(me));
+            if let Some(local_root) = s.local_index(root) {
+                shm::broadcast(s, cx.mesh, &cx.desc, buf, local_root)?;
+            }
+            if s.is_leader() {
+                broadcast(&cx.over(s.leaders(), host), buf, root_host)?;
+            }
+            if host != root_host {
+                shm::broadcast(s, cx.mesh, &cx.desc, buf, 0)?;
+            }
+            return Ok(());
+        }
+        None => {}
     }
     let n = cx.world();
     let r = cx.rank();
@@ -418,8 +495,17 @@ pub(crate) fn broadcast<T: Element>(cx: &Ctx, buf: &mut [T], root: usize) -> Res
 
 /// Returns once every rank has entered the barrier: an empty frame to and from every peer.
 pub(crate) fn barrier(cx: &Ctx) -> Result<(), CommError> {
-    if let Some(s) = cx.shm {
-        return shm::barrier(s, cx.mesh, &cx.desc);
+    match cx.shm {
+        Some(s) if s.is_flat() => return shm::barrier(s, cx.mesh, &cx.desc),
+        Some(s) => {
+            // Everyone of every host in, as seen by the leaders, then everyone out.
+            shm::barrier(s, cx.mesh, &cx.desc)?;
+            if s.is_leader() {
+                barrier(&cx.over(s.leaders(), s.host_of(cx.mesh.rank)))?;
+            }
+            return shm::barrier(s, cx.mesh, &cx.desc);
+        }
+        None => {}
     }
     for p in cx.peers() {
         cx.send::<u8>(p, &[])?;

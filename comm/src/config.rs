@@ -100,9 +100,13 @@ pub struct GroupConfig {
     /// ddp-comm's own store.
     pub torch_agent_store: Option<u32>,
     /// What carries the collectives (`DDP_TRANSPORT`: `auto`, the default, uses shared memory
-    /// when every rank shares this host, confirmed by mapping each other's segments; `tcp`;
-    /// `shm`, an error when shared memory cannot be set up).
+    /// between the ranks that share a host, confirmed by mapping each other's segments, and TCP
+    /// between hosts; `tcp`; `shm`, an error when shared memory cannot be set up).
     pub transport: Transport,
+    /// This rank's host identity for the transport's choice (`DDP_HOST_ID`): ranks with equal
+    /// identities try shared memory with each other. `None`: the host name plus the kernel's
+    /// boot id. Set it where those do not tell hosts apart, or to simulate several hosts.
+    pub host_id: Option<String>,
 }
 
 impl Default for GroupConfig {
@@ -125,6 +129,7 @@ impl Default for GroupConfig {
             small_allreduce_bytes: DEFAULT_SMALL_ALLREDUCE_BYTES,
             transport: Transport::Auto,
             torch_agent_store: None,
+            host_id: None,
         }
     }
 }
@@ -182,6 +187,7 @@ pub struct GroupBuilder {
     small_allreduce_bytes: Option<usize>,
     torch_agent_store: Option<u32>,
     transport: Option<Transport>,
+    host_id: Option<String>,
     master_listener: Option<TcpListener>,
     no_env: bool,
 }
@@ -236,6 +242,11 @@ impl GroupBuilder {
     /// What carries the collectives (overrides `DDP_TRANSPORT`; default [`Transport::Auto`]).
     pub fn transport(mut self, transport: Transport) -> Self {
         self.transport = Some(transport);
+        self
+    }
+    /// This rank's host identity (overrides `DDP_HOST_ID`; see [`GroupConfig::host_id`]).
+    pub fn host_id(mut self, host_id: impl Into<String>) -> Self {
+        self.host_id = Some(host_id.into());
         self
     }
     /// Directory for the flight recorder's dumps (overrides `DDP_TRACE_DIR`).
@@ -628,6 +639,11 @@ fn resolve(
         Some(t) => t,
         None => Transport::parse(env("DDP_TRANSPORT").as_deref())?,
     };
+    let host_id = b
+        .host_id
+        .clone()
+        .or_else(|| env("DDP_HOST_ID"))
+        .filter(|h| !h.trim().is_empty());
 
     Ok(GroupConfig {
         rank: rank.value,
@@ -646,6 +662,7 @@ fn resolve(
         small_allreduce_bytes,
         torch_agent_store,
         transport,
+        host_id,
     })
 }
 

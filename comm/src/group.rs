@@ -69,8 +69,11 @@ struct Engine {
     flight: Arc<FlightRecorder>,
     /// The flight-recorder index of the job being run (set by the job, taken by `run`).
     record: Option<u64>,
-    /// Shared memory, when every rank shares this host (it then carries every collective).
+    /// Shared memory between the ranks of this host, when some share it (alone when every rank
+    /// does; with TCP between hosts otherwise).
     shm: Option<ShmGroup>,
+    /// Every rank of the group, `0..world`: the members of a collective over all of them.
+    members: Vec<usize>,
 }
 
 impl Engine {
@@ -135,6 +138,8 @@ impl Engine {
             segment_bytes: self.segment_bytes,
             small_bytes: self.small_bytes,
             shm: self.shm.as_ref(),
+            members: &self.members,
+            me: rank,
         };
         let result = match catch_unwind(AssertUnwindSafe(|| f(&cx))) {
             Ok(r) => r,
@@ -458,14 +463,16 @@ impl ProcessGroup {
             wire::job_id_hex(&me.job_id)
         );
 
-        // 4. Shared memory between the ranks that share this host (all of them, for now; else
-        // TCP carries everything). Every rank reaches the same verdict through the store.
+        // 4. Shared memory between the ranks that share a host (all of them: it carries every
+        // collective; some: hierarchical, with TCP between hosts; none: TCP alone). Every rank
+        // reaches the same verdict through the store.
         let shm = ShmGroup::setup(
             &store,
             rank,
             config.world_size,
             &me.job_id,
             config.transport,
+            config.host_id.as_deref(),
             config.timeout,
             deadline,
         )?;
@@ -480,6 +487,7 @@ impl ProcessGroup {
             flight: flight.clone(),
             record: None,
             shm,
+            members: (0..config.world_size).collect(),
         };
         engine.join()?;
 

@@ -170,6 +170,35 @@ fn reference_reduce_scatter<T: TestElem>(
     }
 }
 
+/// The documented result of a hierarchical all-reduce (ranks on several hosts; `hosts[r]` is
+/// rank r's host, hosts numbered in the order of their lowest rank): each host's ranks summed in
+/// rank order, then the hosts' sums combined as the TCP algorithm over the leaders does (`direct`:
+/// host order; ring: chunk c from host c), and `Avg` divided by the world size once.
+fn reference_hierarchical<T: TestElem>(
+    xs: &[Vec<T>],
+    op: ReduceOp,
+    hosts: &[usize],
+    direct: bool,
+) -> Vec<T> {
+    let (n, len) = (xs.len(), xs[0].len());
+    let acc_op = if op == ReduceOp::Avg {
+        ReduceOp::Sum
+    } else {
+        op
+    };
+    let n_hosts = hosts.iter().max().unwrap() + 1;
+    let sums: Vec<Vec<T>> = (0..n_hosts)
+        .map(|h| fold(xs, (0..n).filter(|&r| hosts[r] == h), 0..len, acc_op))
+        .collect();
+    let mut out = reference_all_reduce(&sums, acc_op, direct);
+    if op == ReduceOp::Avg {
+        for a in out.iter_mut() {
+            *a = T::div(*a, n);
+        }
+    }
+    out
+}
+
 fn assert_bits<T: TestElem>(got: &[T], want: &[T], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     let g: &[u8] = bytemuck::cast_slice(got);
@@ -188,20 +217,33 @@ fn assert_bits<T: TestElem>(got: &[T], want: &[T], what: &str) {
 }
 
 /// Runs every collective over `T` for several lengths on this rank and checks it.
-/// Over shared memory every reduction is in rank order (the "direct" reference), whatever the
-/// size.
-fn check_dtype<T: TestElem>(pg: &ProcessGroup, small: usize, lens: &[usize], seed: u64, shm: bool) {
+/// Over shared memory on one host every reduction is in rank order (the "direct" reference),
+/// whatever the size; over several hosts (`hosts`: each rank's host, when some share one) the
+/// all-reduce is hierarchical and the other collectives go over TCP.
+fn check_dtype<T: TestElem>(
+    pg: &ProcessGroup,
+    small: usize,
+    lens: &[usize],
+    seed: u64,
+    shm: bool,
+    hosts: Option<&[usize]>,
+) {
     let (rank, n) = (pg.rank(), pg.world_size());
     let name = T::DTYPE.name();
     for (li, &len) in lens.iter().enumerate() {
         let xs = inputs::<T>(n, len, seed + li as u64);
-        let direct = shm || len * std::mem::size_of::<T>() <= small;
+        let small_enough = len * std::mem::size_of::<T>() <= small;
+        let direct = (shm && hosts.is_none()) || small_enough;
         for op in OPS {
             let what = format!("world {n} rank {rank}: all_reduce {len} {name} {op:?}");
             let out = pg
                 .all_reduce(xs[rank].clone(), op)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
-            assert_bits(&out, &reference_all_reduce(&xs, op, direct), &what);
+            let want = match hosts {
+                Some(h) => reference_hierarchical(&xs, op, h, small_enough),
+                None => reference_all_reduce(&xs, op, direct),
+            };
+            assert_bits(&out, &want, &what);
 
             let what = format!("world {n} rank {rank}: reduce_scatter {len} {name} {op:?}");
             let out = pg
@@ -230,27 +272,59 @@ fn check_dtype<T: TestElem>(pg: &ProcessGroup, small: usize, lens: &[usize], see
 }
 
 fn check_everything(world: usize, small: usize, segment: usize, transport: Transport) {
+    check_topology(world, small, segment, transport, None);
+}
+
+/// [`check_everything`] with rank r on simulated host `hosts[r]` (`GroupBuilder::host_id`).
+fn check_topology(
+    world: usize,
+    small: usize,
+    segment: usize,
+    transport: Transport,
+    hosts: Option<&[usize]>,
+) {
     // 0 elements, 1 and 2 (fewer than the ranks), lengths not divisible by the world size, and
     // enough for several segments of `segment` bytes.
     let lens = [0usize, 1, 2, 7, 64, 301];
     let shm = transport == Transport::Shm && world > 1;
+    // Hierarchical only when some host has two ranks; one rank per host is plain TCP.
+    let shared = |h: &[usize]| (0..world).any(|r| h.iter().filter(|&&x| x == h[r]).count() > 1);
+    let hier = hosts.filter(|h| shm && shared(h));
+    let flat_shm = shm && hosts.is_none();
     run_group(
         world,
-        |_, b| {
-            b.small_allreduce_bytes(small)
+        |rank, b| {
+            let b = b
+                .small_allreduce_bytes(small)
                 .segment_bytes(segment)
-                .transport(transport)
+                .transport(transport);
+            match hosts {
+                Some(h) => b.host_id(format!("host-{}", h[rank])),
+                None => b,
+            }
         },
         |_, pg| {
-            check_dtype::<f32>(&pg, small, &lens, 1, shm);
-            check_dtype::<f64>(&pg, small, &lens, 2, shm);
-            check_dtype::<bf16>(&pg, small, &lens, 3, shm);
-            check_dtype::<f16>(&pg, small, &lens, 4, shm);
-            check_dtype::<i32>(&pg, small, &lens, 5, shm);
-            check_dtype::<i64>(&pg, small, &lens, 6, shm);
-            check_dtype::<u8>(&pg, small, &lens, 7, shm);
+            check_dtype::<f32>(&pg, small, &lens, 1, flat_shm, hier);
+            check_dtype::<f64>(&pg, small, &lens, 2, flat_shm, hier);
+            check_dtype::<bf16>(&pg, small, &lens, 3, flat_shm, hier);
+            check_dtype::<f16>(&pg, small, &lens, 4, flat_shm, hier);
+            check_dtype::<i32>(&pg, small, &lens, 5, flat_shm, hier);
+            check_dtype::<i64>(&pg, small, &lens, 6, flat_shm, hier);
+            check_dtype::<u8>(&pg, small, &lens, 7, flat_shm, hier);
         },
     );
+}
+
+#[test]
+fn every_op_and_dtype_across_simulated_hosts() {
+    // Two hosts of two; hosts interleaved (Slurm's cyclic placement); a host of one beside a
+    // host of two; one rank per host (plain TCP). Leaders direct (small) and ring (0).
+    let topologies: [&[usize]; 4] = [&[0, 0, 1, 1], &[0, 1, 0, 1, 0], &[0, 1, 1], &[0, 1, 2]];
+    for hosts in topologies {
+        for small in [usize::MAX, 0] {
+            check_topology(hosts.len(), small, 64, Transport::Shm, Some(hosts));
+        }
+    }
 }
 
 #[test]
@@ -413,6 +487,37 @@ fn large_buffers_over_shared_memory_are_bit_identical() {
             assert_bits(g, &gathered, "all_gather");
             assert_bits(bc, &xs[2], "broadcast");
         }
+    }
+}
+
+#[test]
+fn large_buffers_across_simulated_hosts_are_bit_identical() {
+    // Two hosts of two ranks (hosts interleaved): many shared-memory pieces inside each host,
+    // the TCP ring between the leaders; the documented order, the same bits on every rank.
+    let hosts = [0usize, 1, 0, 1];
+    let len = 2_500_001;
+    let xs = inputs::<f32>(4, len, 47);
+    let hs = inputs::<bf16>(4, 3 * (1 << 18) + 5, 48);
+    let want = reference_hierarchical(&xs, ReduceOp::Avg, &hosts, false);
+    let want_h = reference_hierarchical(&hs, ReduceOp::Sum, &hosts, false);
+    let outs = run_group(
+        4,
+        |rank, b| {
+            b.transport(Transport::Shm)
+                .host_id(format!("host-{}", hosts[rank]))
+        },
+        |rank, pg| {
+            let a = pg.all_reduce(xs[rank].clone(), ReduceOp::Avg).unwrap();
+            let h = pg.all_reduce(hs[rank].clone(), ReduceOp::Sum).unwrap();
+            let bc = pg.broadcast(xs[rank].clone(), 3).unwrap();
+            pg.barrier().unwrap();
+            (a, h, bc)
+        },
+    );
+    for (a, h, bc) in &outs {
+        assert_bits(a, &want, "avg");
+        assert_bits(h, &want_h, "bf16 sum");
+        assert_bits(bc, &xs[3], "broadcast");
     }
 }
 

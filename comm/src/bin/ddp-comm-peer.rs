@@ -9,7 +9,10 @@
 //! Variables of its own: `PEER_STEPS` (default 20; 0 runs until an error), `PEER_ELEMS`
 //! (all-reduce length, default 100000), `PEER_SLEEP_MS` (pause between steps, default 0;
 //! with `PEER_SLEEP_RANK=R` only rank R pauses: a rank in a long step),
-//! `PEER_OP` (`all_reduce` (default) or `barrier`), `PEER_LISTEN_FD` (rank 0 only: an inherited,
+//! `PEER_OP` (`all_reduce` (default), `barrier`, or `digest`: an all-reduce (sum) of
+//! `PEER_ELEMS` values of [`peer_value`] (`PEER_VALUES=float`, the default for `digest`, or
+//! `int`: small integers, whose sums are exact in any order), printing `rank R step N digest H`
+//! with H the FNV-1a hash of the result's bytes, in hex), `PEER_LISTEN_FD` (rank 0 only: an inherited,
 //! already bound listening socket to host the store on, so that a test needs no free-port guess).
 //!
 //! The error line names the rank the error blames (`CommError::peer`): `rank R error (blames
@@ -25,6 +28,21 @@ fn var(name: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// Element `i` of `rank`'s input for `PEER_OP=digest`: from a splitmix64 of (rank, i), a float
+/// in [-1, 1) or (`ints`) an integer in -8..8. Tests compute the expected sums from the same
+/// formula.
+pub fn peer_value(rank: usize, i: usize, ints: bool) -> f32 {
+    let mut z = ((rank as u64) << 40 ^ i as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    if ints {
+        (z % 16) as f32 - 8.0
+    } else {
+        (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
 }
 
 fn main() {
@@ -56,6 +74,13 @@ fn main() {
     while steps == 0 || step < steps {
         let result = if op == "barrier" {
             pg.barrier()
+        } else if op == "digest" {
+            let ints = std::env::var("PEER_VALUES").is_ok_and(|v| v == "int");
+            let buf: Vec<f32> = (0..elems).map(|i| peer_value(rank, i, ints)).collect();
+            pg.all_reduce(buf, ReduceOp::Sum).map(|out| {
+                let hash = ddp_comm::bytes::fnv1a(bytemuck::cast_slice(&out));
+                println!("rank {rank} step {step} digest {hash:016x}");
+            })
         } else {
             let buf: Vec<f32> = (0..elems).map(|i| (i % 7) as f32 + rank as f32).collect();
             pg.all_reduce(buf, ReduceOp::Sum).map(|out| {
