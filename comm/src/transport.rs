@@ -39,7 +39,7 @@
 use std::io::{self, BufReader, Read};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -63,6 +63,30 @@ const ABORT_FLUSH: Duration = Duration::from_secs(2);
 /// progress: enough for a collective's own deadline, the attribution and the ABORT flush to
 /// report first.
 pub(crate) const STALL_MARGIN: Duration = Duration::from_secs(5);
+
+/// DATA frames a rank may have on a link that the receiver has not consumed yet (see `wire.rs`,
+/// CREDIT): what bounds the memory a peer can make a rank hold, 16 segments per link (16 MiB at
+/// the default 1 MiB segments), and still enough to keep a pipelined ring busy.
+pub(crate) const LINK_CREDITS: u64 = 16;
+
+/// A link's flow control. `granted`: the credits the peer has granted us beyond the first
+/// [`LINK_CREDITS`], raised by the link's reader on every CREDIT frame and waited on by its
+/// writer before each DATA frame. `to_grant`: credits the communication thread has granted the
+/// peer that the writer has yet to send; they must not wait behind DATA frames queued to the
+/// writer (two writers each waiting for the other's credit would deadlock), so the writer sends
+/// them whenever it looks: on a nudge through its queue, and while it waits for credit itself.
+struct Credits {
+    granted: Mutex<u64>,
+    changed: Condvar,
+    to_grant: AtomicU64,
+}
+
+impl Credits {
+    fn grant(&self, frames: u64) {
+        *self.granted.lock().unwrap_or_else(|p| p.into_inner()) += frames;
+        self.changed.notify_all();
+    }
+}
 
 /// Time left until `deadline` (zero if passed).
 pub(crate) fn remaining(deadline: Instant) -> Duration {
@@ -571,6 +595,9 @@ enum Outgoing {
     Goodbye,
     /// "Still alive", from the liveness thread.
     Heartbeat,
+    /// "Send the credits granted to the peer" (`Credits::to_grant`), from the communication
+    /// thread.
+    Credit,
 }
 
 /// What a reader thread hands the communication thread.
@@ -589,9 +616,14 @@ pub(crate) struct Shared {
     abort_tx: Mutex<Option<Sender<()>>>,
     abort_rx: Receiver<()>,
     writers: Mutex<Vec<Sender<Outgoing>>>,
+    /// Every link's send credits: woken on failure, so that a writer waiting for credit moves
+    /// on to the ABORT at once.
+    credits: Mutex<Vec<Arc<Credits>>>,
     /// Connections lost (closed, reset, stuck) before the group failed, in the order seen: the
     /// evidence from which [`Shared::peer_lost`] picks a root cause if no ABORT explains it.
     lost: Mutex<Vec<CommError>>,
+    /// Writers waiting for credit right now: a closing mesh waits for them (see `Mesh::drop`).
+    waiting_for_credit: AtomicU64,
     /// Counts frames received and collectives finished: [`crate::Work::wait`]'s evidence that
     /// the group is still making progress.
     pub progress: AtomicU64,
@@ -610,7 +642,9 @@ impl Shared {
             abort_tx: Mutex::new(Some(abort_tx)),
             abort_rx,
             writers: Mutex::new(Vec::new()),
+            credits: Mutex::new(Vec::new()),
             lost: Mutex::new(Vec::new()),
+            waiting_for_credit: AtomicU64::new(0),
             progress: AtomicU64::new(0),
             epoch: Instant::now(),
         }
@@ -673,6 +707,14 @@ impl Shared {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
+        for c in self
+            .credits
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            c.changed.notify_all();
+        }
         let text = err.to_string();
         let blamed = err.peer();
         for w in self
@@ -693,6 +735,13 @@ struct Link {
     goodbye: Arc<AtomicBool>,
     /// When the last frame from the peer arrived, in ms since `Shared::epoch`.
     heard: Arc<AtomicU64>,
+    /// DATA frames from the peer that the communication thread consumed.
+    consumed: AtomicU64,
+    /// Credits granted to the peer so far beyond the first [`LINK_CREDITS`] (raised before each
+    /// CREDIT frame is queued; the reader checks the peer against it).
+    granted: Arc<AtomicU64>,
+    /// The link's flow control (the writer sends `to_grant`).
+    credits: Arc<Credits>,
     writer: Option<JoinHandle<()>>,
     reader: Option<JoinHandle<()>>,
 }
@@ -709,6 +758,7 @@ pub(crate) struct Mesh {
     pool: Arc<Pool>,
     /// The liveness thread, and the sender whose drop stops it.
     liveness: Option<(Sender<()>, JoinHandle<()>)>,
+    peer_timeout: Duration,
 }
 
 impl Mesh {
@@ -746,9 +796,21 @@ impl Mesh {
             let (rtx, rx) = unbounded();
             let goodbye = Arc::new(AtomicBool::new(false));
             let heard = Arc::new(AtomicU64::new(0));
+            let credits = Arc::new(Credits {
+                granted: Mutex::new(0),
+                changed: Condvar::new(),
+                to_grant: AtomicU64::new(0),
+            });
+            let granted = Arc::new(AtomicU64::new(0));
+            shared.credits.lock().unwrap().push(credits.clone());
             let w_stream = stream.try_clone().map_err(|e| io_err(peer, e))?;
             let r_stream = stream.try_clone().map_err(|e| io_err(peer, e))?;
-            let (sh, gb, done) = (shared.clone(), goodbye.clone(), done_tx.clone());
+            let (sh, gb, done, cr) = (
+                shared.clone(),
+                goodbye.clone(),
+                done_tx.clone(),
+                credits.clone(),
+            );
             let writer = std::thread::Builder::new()
                 .name(format!("ddp-w{rank}->{peer}"))
                 .spawn(move || {
@@ -758,17 +820,27 @@ impl Mesh {
                         shared: sh,
                         goodbye: gb,
                         heard: None,
+                        credits: cr,
+                        granted: None,
                     };
-                    writer_loop(w_stream, side, wrx, timeout);
+                    writer_loop(
+                        w_stream,
+                        side,
+                        wrx,
+                        timeout,
+                        heartbeat_interval(peer_timeout),
+                    );
                     drop(done);
                 })
                 .map_err(|e| io_err(peer, e))?;
-            let (sh, gb, done, pl, hd) = (
+            let (sh, gb, done, pl, hd, cr, gr) = (
                 shared.clone(),
                 goodbye.clone(),
                 done_tx.clone(),
                 pool.clone(),
                 heard.clone(),
+                credits.clone(),
+                granted.clone(),
             );
             let reader = std::thread::Builder::new()
                 .name(format!("ddp-r{rank}<-{peer}"))
@@ -779,6 +851,8 @@ impl Mesh {
                         shared: sh,
                         goodbye: gb,
                         heard: Some(hd),
+                        credits: cr,
+                        granted: Some(gr),
                     };
                     reader_loop(r_stream, side, rtx, pl, max_frame);
                     drop(done);
@@ -791,6 +865,9 @@ impl Mesh {
                 stream,
                 goodbye,
                 heard,
+                consumed: AtomicU64::new(0),
+                granted,
+                credits,
                 writer: Some(writer),
                 reader: Some(reader),
             }));
@@ -805,6 +882,7 @@ impl Mesh {
             threads_done,
             pool,
             liveness: Some(liveness),
+            peer_timeout,
         })
     }
 
@@ -890,6 +968,17 @@ impl Mesh {
         };
         match msg {
             Ok(Incoming::Data(header, buf)) => {
+                // Consumed: grant the peer more credit, half the window at a time.
+                let consumed = link.consumed.fetch_add(1, Ordering::Relaxed) + 1;
+                let granted = link.granted.load(Ordering::Relaxed);
+                if consumed - granted >= LINK_CREDITS / 2 {
+                    link.granted.store(consumed, Ordering::Release);
+                    link.credits
+                        .to_grant
+                        .fetch_add(consumed - granted, Ordering::AcqRel);
+                    let _ = link.tx.send(Outgoing::Credit);
+                    link.credits.changed.notify_all(); // a writer waiting for credit sends it
+                }
                 if header.desc().as_ref() != Some(desc) {
                     return Err(CommError::Mismatch {
                         rank: self.rank,
@@ -920,6 +1009,18 @@ impl Mesh {
     }
 }
 
+impl Mesh {
+    /// Whether a peer that has not said goodbye has been silent for the peer timeout.
+    fn any_peer_silent(&self) -> bool {
+        let now = self.shared.epoch.elapsed().as_millis() as u64;
+        let limit = self.peer_timeout.as_millis() as u64;
+        self.links.iter().flatten().any(|l| {
+            !l.goodbye.load(Ordering::Acquire)
+                && now.saturating_sub(l.heard.load(Ordering::Relaxed)) > limit
+        })
+    }
+}
+
 impl Drop for Mesh {
     /// Clean shutdown: GOODBYE to every peer (unless the group failed: then the ABORTs are
     /// already queued), then wait briefly for the writers to finish and for the peers to close
@@ -938,8 +1039,28 @@ impl Drop for Mesh {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clear();
-        let deadline = Instant::now() + self.timeout.min(CLOSE_GRACE);
-        while self.threads_done.recv_deadline(deadline).is_ok() {}
+        // Wait for the threads: CLOSE_GRACE at most, but longer (up to the group's deadline)
+        // while a writer still waits for credit to deliver frames queued before the drop and
+        // every peer is alive (heard from within the peer timeout): a peer busy in a long step
+        // consumes them later, and must get them.
+        let start = Instant::now();
+        loop {
+            let now = Instant::now();
+            let extend = self.shared.waiting_for_credit.load(Ordering::Acquire) > 0
+                && !self.shared.is_failed()
+                && now < start + self.timeout
+                && !self.any_peer_silent();
+            let end = if extend {
+                now + Duration::from_millis(50)
+            } else {
+                start + self.timeout.min(CLOSE_GRACE)
+            };
+            match self.threads_done.recv_deadline(end) {
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) if !extend => break,
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+                _ => {}
+            }
+        }
         for link in self.links.iter_mut().flatten() {
             let _ = link.stream.shutdown(Shutdown::Both);
             for thread in [link.writer.take(), link.reader.take()]
@@ -960,6 +1081,15 @@ struct LinkSide {
     goodbye: Arc<AtomicBool>,
     /// The reader's: stamped with every frame that arrives.
     heard: Option<Arc<AtomicU64>>,
+    /// Credits the peer granted us (raised by the reader, spent by the writer).
+    credits: Arc<Credits>,
+    /// The reader's: credits we granted the peer beyond the first [`LINK_CREDITS`].
+    granted: Option<Arc<AtomicU64>>,
+}
+
+/// How often heartbeats go out: a fifth of the peer timeout, 20 ms to 1 s.
+fn heartbeat_interval(peer_timeout: Duration) -> Duration {
+    (peer_timeout / 5).clamp(Duration::from_millis(20), Duration::from_secs(1))
 }
 
 /// Starts the liveness thread of a mesh: every `peer_timeout / 5` (20 ms to 1 s) it queues a
@@ -982,7 +1112,7 @@ fn start_liveness(
     peer_timeout: Duration,
     flight: Arc<FlightRecorder>,
 ) -> Result<(Sender<()>, JoinHandle<()>), CommError> {
-    let interval = (peer_timeout / 5).clamp(Duration::from_millis(20), Duration::from_secs(1));
+    let interval = heartbeat_interval(peer_timeout);
     // (peer, its writer's queue, when it was last heard from, whether it said goodbye)
     type Watched = (usize, Sender<Outgoing>, Arc<AtomicU64>, Arc<AtomicBool>);
     let watched: Vec<Watched> = links
@@ -1039,58 +1169,96 @@ fn start_liveness(
     Ok((stop, thread))
 }
 
-fn writer_loop(mut stream: TcpStream, side: LinkSide, rx: Receiver<Outgoing>, timeout: Duration) {
+/// The writer of one link: sends what the communication and liveness threads queue, in order.
+/// A DATA frame first waits for credit (see `wire.rs`, CREDIT); while it waits, the writer sends
+/// a heartbeat itself every `interval`, so that a peer that is slow to consume (a long step)
+/// never takes this rank for dead.
+fn writer_loop(
+    mut stream: TcpStream,
+    side: LinkSide,
+    rx: Receiver<Outgoing>,
+    timeout: Duration,
+    interval: Duration,
+) {
     let LinkSide {
         rank,
         peer,
         shared,
         goodbye,
+        credits,
         ..
     } = side;
     let heartbeat = Header::control(FrameKind::Heartbeat, 0);
+    let mut sent: u64 = 0;
+    // Sends the credits granted to the peer since the last CREDIT frame, if any.
+    let send_grants = |stream: &mut TcpStream| -> io::Result<()> {
+        let frames = credits.to_grant.swap(0, Ordering::AcqRel);
+        if frames == 0 {
+            return Ok(());
+        }
+        let mut header = Header::control(FrameKind::Credit, 0);
+        header.arg = frames.min(u64::from(u32::MAX)) as u32;
+        wire::write_frame(stream, &header, &[])
+    };
+    // Waits until DATA frame number `sent + 1` has credit: Ok(false) if the group failed
+    // meanwhile (the frame is dropped), an error if a heartbeat could not be written.
+    let wait_for_credit_slow = |stream: &mut TcpStream, sent: u64| -> io::Result<bool> {
+        loop {
+            send_grants(stream)?;
+            {
+                let granted = credits.granted.lock().unwrap_or_else(|p| p.into_inner());
+                if sent < LINK_CREDITS + *granted {
+                    return Ok(true);
+                }
+                // (Closing is no reason to drop data: frames queued before the group was
+                // dropped still go out, before the GOODBYE, as the peer consumes them.)
+                if shared.is_failed() {
+                    return Ok(false);
+                }
+                let (granted, waited) = credits
+                    .changed
+                    .wait_timeout(granted, interval)
+                    .unwrap_or_else(|p| p.into_inner());
+                if sent < LINK_CREDITS + *granted {
+                    return Ok(true);
+                }
+                if !waited.timed_out() {
+                    continue;
+                }
+            }
+            if shared.is_failed() {
+                return Ok(false);
+            }
+            wire::write_frame(stream, &heartbeat, &[])?;
+        }
+    };
+    let wait_for_credit = |stream: &mut TcpStream, sent: u64| -> io::Result<bool> {
+        if sent < LINK_CREDITS + *credits.granted.lock().unwrap_or_else(|p| p.into_inner()) {
+            return Ok(true);
+        }
+        shared.waiting_for_credit.fetch_add(1, Ordering::AcqRel);
+        let waited = wait_for_credit_slow(stream, sent);
+        shared.waiting_for_credit.fetch_sub(1, Ordering::AcqRel);
+        waited
+    };
     for msg in rx.iter() {
-        match msg {
-            Outgoing::Data(..) | Outgoing::Heartbeat => {
+        let written = match msg {
+            Outgoing::Data(header, buf) => {
                 if shared.is_failed() {
                     continue; // the protocol is over; only the ABORT matters now
                 }
-                let written = match &msg {
-                    Outgoing::Data(header, buf) => {
-                        wire::write_frame(&mut stream, header, buf.as_bytes())
+                match wait_for_credit(&mut stream, sent) {
+                    Ok(true) => {
+                        sent += 1;
+                        wire::write_frame(&mut stream, &header, buf.as_bytes())
                     }
-                    _ => wire::write_frame(&mut stream, &heartbeat, &[]),
-                };
-                if let Err(e) = written {
-                    if !shared.closing.load(Ordering::Acquire) {
-                        let err = if goodbye.load(Ordering::Acquire) {
-                            CommError::PeerLeft { rank, peer }
-                        } else {
-                            match e.kind() {
-                                io::ErrorKind::BrokenPipe
-                                | io::ErrorKind::ConnectionReset
-                                | io::ErrorKind::ConnectionAborted => CommError::PeerClosed { rank, peer },
-                                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => CommError::PeerIo {
-                                    rank,
-                                    peer,
-                                    message: format!(
-                                        "sending to rank {peer} made no progress for {timeout:?} (is rank {peer} stuck?)"
-                                    ),
-                                },
-                                _ => CommError::PeerIo {
-                                    rank,
-                                    peer,
-                                    message: format!("sending to rank {peer}: {e}"),
-                                },
-                            }
-                        };
-                        match err {
-                            CommError::PeerLeft { .. } => shared.fail(err),
-                            _ => shared.peer_lost(err),
-                        }
-                    }
-                    break;
+                    Ok(false) => continue,
+                    Err(e) => Err(e),
                 }
             }
+            Outgoing::Heartbeat | Outgoing::Credit if shared.is_failed() => continue,
+            Outgoing::Heartbeat => wire::write_frame(&mut stream, &heartbeat, &[]),
+            Outgoing::Credit => send_grants(&mut stream),
             Outgoing::Abort(text, blamed) => {
                 let bytes = text.as_bytes();
                 let bytes = &bytes[..bytes.len().min(wire::MAX_ABORT_BYTES)];
@@ -1104,6 +1272,36 @@ fn writer_loop(mut stream: TcpStream, side: LinkSide, rx: Receiver<Outgoing>, ti
                     wire::write_frame(&mut stream, &Header::control(FrameKind::Goodbye, 0), &[]);
                 break;
             }
+        };
+        if let Err(e) = written {
+            if !shared.closing.load(Ordering::Acquire) {
+                let err = if goodbye.load(Ordering::Acquire) {
+                    CommError::PeerLeft { rank, peer }
+                } else {
+                    match e.kind() {
+                        io::ErrorKind::BrokenPipe
+                        | io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::ConnectionAborted => CommError::PeerClosed { rank, peer },
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => CommError::PeerIo {
+                            rank,
+                            peer,
+                            message: format!(
+                                "sending to rank {peer} made no progress for {timeout:?} (is rank {peer} stuck?)"
+                            ),
+                        },
+                        _ => CommError::PeerIo {
+                            rank,
+                            peer,
+                            message: format!("sending to rank {peer}: {e}"),
+                        },
+                    }
+                };
+                match err {
+                    CommError::PeerLeft { .. } => shared.fail(err),
+                    _ => shared.peer_lost(err),
+                }
+            }
+            break;
         }
     }
     let _ = stream.shutdown(Shutdown::Write);
@@ -1122,7 +1320,11 @@ fn reader_loop(
         shared,
         goodbye,
         heard,
+        credits,
+        granted,
     } = side;
+    let granted = granted.expect("a reader has the grant counter");
+    let mut received: u64 = 0;
     let mut reader = BufReader::with_capacity(64 << 10, &stream);
     let protocol = |message: String| CommError::Protocol {
         rank,
@@ -1147,6 +1349,15 @@ fn reader_loop(
                 if len > max_frame {
                     break Some(protocol(format!(
                         "a frame of {len} bytes exceeds the limit of {max_frame} bytes"
+                    )));
+                }
+                received += 1;
+                if received > LINK_CREDITS + granted.load(Ordering::Acquire) && !shared.is_failed()
+                {
+                    break Some(protocol(format!(
+                        "rank {peer} sent more than {LINK_CREDITS} segments beyond what rank {rank} \
+                         had consumed (it ignores flow control); rank {rank} stopped reading so \
+                         that its memory stays bounded"
                     )));
                 }
                 let mut buf = pool.buf(len);
@@ -1184,6 +1395,12 @@ fn reader_loop(
                         "a HEARTBEAT with a payload of {len} bytes"
                     )));
                 }
+            }
+            FrameKind::Credit => {
+                if len != 0 {
+                    break Some(protocol(format!("a CREDIT with a payload of {len} bytes")));
+                }
+                credits.grant(u64::from(header.arg));
             }
             FrameKind::Goodbye => {
                 goodbye.store(true, Ordering::Release);

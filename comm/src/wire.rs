@@ -12,7 +12,7 @@
 //! ```text
 //! offset size field
 //!  0     4    magic         b"DDPC"
-//!  4     2    version       PROTOCOL_VERSION (2: heartbeats)
+//!  4     2    version       PROTOCOL_VERSION (3: credits)
 //!  6     1    kind          1 HELLO to the store, 2 HELLO to a peer, 3 ACCEPT, 4 REJECT
 //!  7     1    reserved      0
 //!  8     16   job id        peers: random, made by rank 0 and published in the store (or
@@ -36,13 +36,14 @@
 //! ```text
 //! offset size field
 //!  0     4    marker        b"DDPF" (catches a desynchronised stream at once)
-//!  4     1    kind          1 DATA, 2 ABORT, 3 GOODBYE, 4 HEARTBEAT
+//!  4     1    kind          1 DATA, 2 ABORT, 3 GOODBYE, 4 HEARTBEAT, 5 CREDIT
 //!  5     1    op            1 all_reduce, 2 broadcast, 3 all_gather, 4 reduce_scatter, 5 barrier,
 //!                           6 start-up barrier (ends every group's start-up; not numbered)
 //!  6     1    dtype         1 f32, 2 f64, 3 bf16, 4 f16, 5 i32, 6 i64, 7 u8
 //!  7     1    reserved      0
 //!  8     4    arg           reduce op (1 sum, 2 avg, 3 min, 4 max) or broadcast root;
-//!                           in an ABORT, the rank the sender blames (0xFFFFFFFF: none)
+//!                           in an ABORT, the rank the sender blames (0xFFFFFFFF: none);
+//!                           in a CREDIT, the number of DATA frames granted
 //! 12     4    payload len   bytes that follow; at most the segment size (DATA) or 64 KiB (ABORT)
 //! 16     8    seq           the collective's sequence number in the group (0, 1, 2, ...)
 //! 24     8    count         elements in the collective's input buffer
@@ -64,6 +65,13 @@
 //! "still alive": every link carries one every `DDP_PEER_TIMEOUT / 5` from a thread of its own,
 //! and a peer from which no frame at all arrives for `DDP_PEER_TIMEOUT` is declared dead.
 //!
+//! CREDIT (no payload) is flow control: on each link a sender may have at most
+//! `LINK_CREDITS` (16) DATA frames that the receiver has not yet consumed; the receiver grants
+//! more with a CREDIT frame (`arg` = frames granted) as its algorithm consumes them, in batches
+//! of half that. A receiver thus never holds more than 16 segments per peer, whatever the peer
+//! does: a peer that sends beyond its credits is a protocol error naming it. Control frames
+//! (ABORT, GOODBYE, HEARTBEAT, CREDIT) need no credit, so liveness never waits on flow control.
+//!
 //! # Rendezvous store (after the handshake, on a store connection)
 //!
 //! Request: `cmd u8` (1 SET, 2 GET, 3 WAIT, 4 ADD, 5 CHECK), `key count u16`, `timeout ms u32`
@@ -82,7 +90,7 @@ use crate::element::{DType, ReduceOp};
 /// Magic bytes that open every handshake.
 pub(crate) const MAGIC: [u8; 4] = *b"DDPC";
 /// Version of this wire format; both sides must have the same.
-pub(crate) const PROTOCOL_VERSION: u16 = 2;
+pub(crate) const PROTOCOL_VERSION: u16 = 3;
 /// Longest token a handshake may carry.
 pub const MAX_TOKEN_BYTES: usize = 1024;
 /// Longest text (token or reject reason) a handshake may carry.
@@ -240,6 +248,7 @@ pub(crate) enum FrameKind {
     Abort = 2,
     Goodbye = 3,
     Heartbeat = 4,
+    Credit = 5,
 }
 
 /// The collective a DATA frame belongs to.
@@ -375,6 +384,7 @@ impl Header {
             2 => FrameKind::Abort,
             3 => FrameKind::Goodbye,
             4 => FrameKind::Heartbeat,
+            5 => FrameKind::Credit,
             k => return Err(format!("unknown frame kind {k}")),
         };
         Ok(Header {

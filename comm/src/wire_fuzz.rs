@@ -164,6 +164,41 @@ fn names_rank(text: &str, r: usize) -> bool {
     })
 }
 
+/// Rank 1 by hand: the store, the mesh handshake, the start-up barrier, against a real rank 0
+/// of job "fuzz" hosting its store on `port`. Returns the connection to rank 0, with the rest
+/// of the mesh and the store client, which must stay alive as long as it.
+fn join_as_rank_1(port: u16) -> (TcpStream, Vec<Option<TcpStream>>, crate::store::Store) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut me = Identity {
+        rank: 1,
+        world: 2,
+        job_id: wire::job_id_from_name("fuzz"),
+        token: None,
+    };
+    let store =
+        crate::store::Store::connect(&me, "127.0.0.1", port, deadline, Duration::from_secs(10))
+            .unwrap();
+    let id = store
+        .get_timeout("ddp/job_id", Duration::from_secs(10))
+        .unwrap();
+    me.job_id = wire::parse_job_id(&String::from_utf8_lossy(&id)).unwrap();
+    assert_eq!(store.add("ddp/joined/1", 1).unwrap(), 1);
+    let local_ip = store.local_addr().ip();
+    let mut streams = connect_mesh(&me, &store, local_ip, "127.0.0.1", deadline).unwrap();
+    let mut stream = streams[0].take().unwrap();
+    let join = OpDesc {
+        op: OpKind::Join,
+        seq: 0,
+        dtype: DType::U8,
+        count: 0,
+        arg: 0,
+    };
+    stream.write_all(&Header::data(&join, 0).encode()).unwrap();
+    read_join_frame(&mut stream);
+
+    (stream, streams, store)
+}
+
 /// One round: rank 0 for real, rank 1 by hand. Returns rank 0's error and how long it took
 /// to come after the garbage was sent.
 fn round(seed: u64, rng: &mut Rng) -> (CommError, Duration, &'static str) {
@@ -201,34 +236,7 @@ fn round(seed: u64, rng: &mut Rng) -> (CommError, Duration, &'static str) {
         })
         .unwrap();
 
-    // Rank 1 by hand: the store, the mesh handshake, the start-up barrier.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut me = Identity {
-        rank: 1,
-        world: 2,
-        job_id: wire::job_id_from_name("fuzz"),
-        token: None,
-    };
-    let store =
-        crate::store::Store::connect(&me, "127.0.0.1", port, deadline, Duration::from_secs(10))
-            .unwrap();
-    let id = store
-        .get_timeout("ddp/job_id", Duration::from_secs(10))
-        .unwrap();
-    me.job_id = wire::parse_job_id(&String::from_utf8_lossy(&id)).unwrap();
-    assert_eq!(store.add("ddp/joined/1", 1).unwrap(), 1);
-    let local_ip = store.local_addr().ip();
-    let mut streams = connect_mesh(&me, &store, local_ip, "127.0.0.1", deadline).unwrap();
-    let mut stream = streams[0].take().unwrap();
-    let join = OpDesc {
-        op: OpKind::Join,
-        seq: 0,
-        dtype: DType::U8,
-        count: 0,
-        arg: 0,
-    };
-    stream.write_all(&Header::data(&join, 0).encode()).unwrap();
-    read_join_frame(&mut stream);
+    let (mut stream, streams, store) = join_as_rank_1(port);
 
     // Rank 0 is now in its all-reduce, waiting for rank 1: the garbage.
     let (bytes, hold, what) = garbage(rng);
@@ -287,4 +295,77 @@ fn garbage_from_a_peer_past_the_handshake_is_an_error_naming_it() {
     }
     assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
     eprintln!("60 rounds of garbage, every one named rank 1; slowest {slowest:?}");
+}
+
+/// This process's resident memory in bytes (`/proc/self/statm`).
+fn resident_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
+}
+
+/// A peer that floods valid DATA frames (400 MB of them, all of `all_reduce #0`) at a rank that
+/// consumes only one: the rank holds at most its credits' worth (16 frames), fails with an error
+/// naming the peer, and its memory does not grow with the flood.
+#[test]
+fn a_peer_that_floods_frames_cannot_grow_the_receivers_memory() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (tx, rx) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("fuzz-rank0-flood".into())
+        .spawn(move || {
+            let pg = ProcessGroup::builder()
+                .no_env()
+                .rank(0)
+                .world_size(2)
+                .master_addr("127.0.0.1")
+                .master_port(port)
+                .master_listener(listener)
+                .job_id("fuzz")
+                .transport(crate::Transport::Tcp)
+                .timeout(Duration::from_secs(10))
+                .connect_timeout(Duration::from_secs(10))
+                .build()
+                .unwrap();
+            let first = pg.all_reduce(vec![1.0f32; COUNT], ReduceOp::Sum);
+            // Consume nothing more for a while: the flood arrives meanwhile.
+            std::thread::sleep(Duration::from_secs(2));
+            let _ = tx.send((first.map(|v| v.len()), pg.barrier()));
+        })
+        .unwrap();
+    let (mut stream, _streams, _store) = join_as_rank_1(port);
+    let before = resident_bytes();
+    let frame: Vec<u8> = {
+        let mut f = Header::data(&expected_desc(), COUNT * 4).encode().to_vec();
+        f.extend(std::iter::repeat_n(0u8, COUNT * 4));
+        f
+    };
+    stream
+        .set_write_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let mut sent = 0usize;
+    while sent < 100_000 && stream.write_all(&frame).is_ok() {
+        sent += 1;
+    }
+    let (first, after) = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("rank 0 hung under a flood");
+    let grown = resident_bytes().saturating_sub(before);
+    assert_eq!(first.expect("the first all-reduce"), COUNT);
+    let err = after
+        .expect_err("rank 0's group survived a flood")
+        .to_string();
+    assert!(
+        names_rank(&err, 1) && err.contains("flow control"),
+        "rank 0's error: {err}"
+    );
+    assert!(
+        grown < 64 << 20,
+        "rank 0's process grew by {grown} bytes under a flood ({sent} frames went out)"
+    );
+    eprintln!(
+        "flood: {sent} frames of {} bytes went out, memory grew by {grown} bytes; {err}",
+        frame.len()
+    );
 }

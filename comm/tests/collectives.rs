@@ -521,6 +521,33 @@ fn large_buffers_across_simulated_hosts_are_bit_identical() {
     }
 }
 
+/// Flow control never silences a rank: rank 0 sends 100 segments (beyond its 16 credits) to
+/// rank 1, which sits in a step three times the peer timeout before it consumes any. Rank 0's
+/// writer waits for credit meanwhile, and must keep sending heartbeats, or rank 1 would declare
+/// it dead.
+#[test]
+fn a_sender_waiting_for_credit_still_sends_heartbeats() {
+    let xs: Vec<f32> = (0..25_600).map(|i| i as f32).collect();
+    let outs = run_group(
+        2,
+        |_, b| {
+            b.transport(Transport::Tcp)
+                .segment_bytes(1024)
+                .peer_timeout(Duration::from_secs(1))
+        },
+        |rank, pg| {
+            if rank == 1 {
+                std::thread::sleep(Duration::from_secs(3));
+            }
+            pg.broadcast(xs.clone(), 0)
+        },
+    );
+    for (rank, out) in outs.into_iter().enumerate() {
+        let out = out.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_bits(&out, &xs, "broadcast");
+    }
+}
+
 #[test]
 fn async_work_runs_in_submission_order() {
     let outs = run_group(
