@@ -16,12 +16,13 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
 use crate::algorithms::{self, Ctx};
 use crate::config::{GroupBuilder, GroupConfig};
+use crate::connect::{connect_mesh, Identity};
 use crate::element::{DType, Element, ReduceOp};
 use crate::error::CommError;
 use crate::flight::{CollectiveRecord, FlightRecorder};
 use crate::shm::ShmGroup;
 use crate::store::{Store, StoreServer};
-use crate::transport::{connect_mesh, remaining, Identity, Mesh, Shared, STALL_MARGIN};
+use crate::transport::{remaining, Mesh, Shared, STALL_MARGIN};
 use crate::wire::{self, OpDesc, OpKind};
 
 const JOB_ID_KEY: &str = "ddp/job_id";

@@ -21,10 +21,12 @@
 //! - `torch_store.rs`: the client side of PyTorch's `TCPStore` protocol, for torchrun's agent
 //!   store (`TORCHELASTIC_USE_AGENT_STORE=True`);
 //! - `wire.rs`: the wire format (handshake, frame header, store protocol);
-//! - `shm.rs`: the shared-memory transport of ranks on one host ([`Transport`]);
-//! - `transport.rs`: connections, handshakes, the full mesh, reader/writer threads, failure
-//!   propagation;
-//! - `algorithms.rs`: the ring all-reduce and the other collectives;
+//! - `shm.rs`: the shared-memory transport of the ranks that share a host, and the topology
+//!   (hosts, leaders) behind the hierarchical all-reduce ([`Transport`]);
+//! - `connect.rs`: connecting with retries, handshakes, the full mesh of peer connections;
+//! - `transport.rs`: the running mesh: reader/writer threads, flow control (credits), liveness,
+//!   failure propagation;
+//! - `algorithms.rs`: the ring all-reduce, the hierarchical all-reduce and the other collectives;
 //! - `group.rs`: [`ProcessGroup`], its communication thread and [`Work`];
 //! - `flight.rs`: the flight recorder (the last collectives, dumped on failure, timeout or
 //!   SIGUSR1) and the hang report merged from the ranks' dumps;
@@ -36,6 +38,7 @@
 mod algorithms;
 pub mod bytes;
 mod config;
+mod connect;
 mod element;
 mod error;
 pub mod flight;

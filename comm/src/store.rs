@@ -22,9 +22,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::connect::{connect_retry, handshake_accept, handshake_connect, Identity};
 use crate::error::CommError;
 use crate::torch_store::TorchConn;
-use crate::transport::{connect_retry, handshake_accept, handshake_connect, remaining, Identity};
+use crate::transport::remaining;
 use crate::wire::{
     HelloKind, StoreCmd, StoreRequest, StoreResponse, StoreStatus, MAX_STORE_VALUE_BYTES,
 };
@@ -196,7 +197,7 @@ fn serve_client(mut stream: &TcpStream, state: &ServerState) {
         }
         me.check(h, true)
     };
-    let timeout = crate::transport::HANDSHAKE_TIMEOUT;
+    let timeout = crate::connect::HANDSHAKE_TIMEOUT;
     if handshake_accept(stream, timeout, "the rendezvous store", &reply, check).is_err() {
         return;
     }
