@@ -857,7 +857,7 @@ fn writer_loop(
                 match wait_for_credit(&mut stream, sent) {
                     Ok(true) => {
                         sent += 1;
-                        wire::write_frame(&mut stream, &header, buf.as_bytes())
+                        wire::send_frame(&stream, &header, buf.as_bytes())
                     }
                     Ok(false) => continue,
                     Err(e) => Err(e),

@@ -441,6 +441,70 @@ pub(crate) fn write_frame(w: &mut impl Write, header: &Header, payload: &[u8]) -
     }
 }
 
+/// Writes a header and its payload to a socket with one vectored system call per attempt
+/// (`sendmsg` with `MSG_NOSIGNAL`: a closed peer is an `EPIPE` error, never a `SIGPIPE`), so a
+/// segment's header never goes out as a packet of its own and the payload is sent straight
+/// from the caller's buffer. Partial sends continue where they stopped; the socket's write
+/// timeout surfaces as `WouldBlock`/`TimedOut`, as with `write_all`.
+pub(crate) fn send_frame(
+    stream: &std::net::TcpStream,
+    header: &Header,
+    payload: &[u8],
+) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let head = header.encode();
+    let total = head.len() + payload.len();
+    let mut done = 0usize;
+    while done < total {
+        let mut iov = [
+            libc::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: 0,
+            },
+            libc::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: 0,
+            },
+        ];
+        let mut n = 0;
+        if done < head.len() {
+            iov[n] = libc::iovec {
+                iov_base: head[done..].as_ptr() as *mut libc::c_void,
+                iov_len: head.len() - done,
+            };
+            n += 1;
+        }
+        let from = done.saturating_sub(head.len());
+        if from < payload.len() {
+            iov[n] = libc::iovec {
+                iov_base: payload[from..].as_ptr() as *mut libc::c_void,
+                iov_len: payload.len() - from,
+            };
+            n += 1;
+        }
+        // SAFETY: a zeroed msghdr with only the iovecs set; they point into `head` and
+        // `payload`, which outlive the call.
+        let sent = unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = iov.as_mut_ptr();
+            msg.msg_iovlen = n as _;
+            libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
+        };
+        if sent < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if sent == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        done += sent as usize;
+    }
+    Ok(())
+}
+
 /// A job id derived from a launcher's job name (`DDP_JOB_ID`): the same on every rank, never
 /// all zero (all zero means "no job id" in a HELLO to the store).
 pub(crate) fn job_id_from_name(name: &str) -> [u8; 16] {
@@ -595,6 +659,36 @@ fn read_blob(r: &mut impl Read, cap: usize, what: &str) -> io::Result<Vec<u8>> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn send_frame_puts_header_and_payload_on_the_socket_in_order() {
+        // 3 MiB: more than a socket buffer takes at once, so the partial-send path runs.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let tx = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut rx, _) = listener.accept().unwrap();
+        let payload: Vec<u8> = (0..3usize << 20).map(|i| (i * 7 % 251) as u8).collect();
+        let h = Header::control(FrameKind::Abort, payload.len());
+        let reader = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            rx.read_to_end(&mut got).unwrap();
+            got
+        });
+        send_frame(&tx, &h, &payload).unwrap();
+        send_frame(&tx, &Header::control(FrameKind::Goodbye, 0), &[]).unwrap();
+        drop(tx);
+        let got = reader.join().unwrap();
+        assert_eq!(got.len(), 2 * HEADER_BYTES + payload.len());
+        assert_eq!(
+            Header::decode(&got[..HEADER_BYTES].try_into().unwrap()).unwrap(),
+            h
+        );
+        assert!(got[HEADER_BYTES..HEADER_BYTES + payload.len()] == payload[..]);
+        let tail = &got[HEADER_BYTES + payload.len()..];
+        assert_eq!(
+            Header::decode(tail.try_into().unwrap()).unwrap().kind,
+            FrameKind::Goodbye
+        );
+    }
+
     use super::*;
 
     #[test]
