@@ -78,6 +78,12 @@ pub struct Args {
     /// report the size from which ring is faster.
     #[arg(long)]
     crossover: bool,
+    /// Also time each even rank count as two "hosts" (network namespaces joined by a veth pair,
+    /// each with its own DDP_HOST_ID, half the ranks each, one ddprun per host): the
+    /// hierarchical all-reduce (`2hosts-hier`: shared memory inside each host, TCP between
+    /// them) beside the flat TCP ring (`2hosts-tcp`). Needs root (`ip netns`).
+    #[arg(long)]
+    two_hosts: bool,
     /// Do not run gloo even if torch is available.
     #[arg(long)]
     no_gloo: bool,
@@ -230,6 +236,11 @@ pub fn run(args: Args) -> Result<()> {
         for &algo in &args.algo {
             runs.push(run_ours(&bin, &raw, world, algo, &sizes, &args)?);
         }
+        if args.two_hosts && world % 2 == 0 {
+            for transport in ["auto", "tcp"] {
+                runs.push(run_two_hosts(&bin, &raw, world, transport, &sizes, &args)?);
+            }
+        }
         if args.crossover && !crossover_sizes.is_empty() {
             let ring = run_ours(&bin, &raw, world, Algo::Ring, &crossover_sizes, &args)?;
             let small = run_ours(&bin, &raw, world, Algo::Small, &crossover_sizes, &args)?;
@@ -308,6 +319,114 @@ fn run_ours(
     command.arg("--json").arg(&json);
     algo.apply(&mut command);
     read_run(&mut command, &json)
+}
+
+/// Two network namespaces joined by a veth pair, deleted (with the pair) on drop.
+struct TwoHosts {
+    names: [String; 2],
+}
+
+impl TwoHosts {
+    const ADDRS: [&'static str; 2] = ["10.233.9.1", "10.233.9.2"];
+
+    fn new() -> Result<TwoHosts> {
+        let id = std::process::id();
+        let hosts = TwoHosts {
+            names: [format!("ddpb-{id}-a"), format!("ddpb-{id}-b")],
+        };
+        let veth = [
+            format!("dvb{}a", id % 100_000),
+            format!("dvb{}b", id % 100_000),
+        ];
+        let [a, b] = &hosts.names;
+        let ip = |args: &[&str]| -> Result<()> {
+            util::run(Command::new("ip").args(args))
+                .context("--two-hosts needs root and iproute2's `ip` (network namespaces)")
+        };
+        ip(&["netns", "add", a])?;
+        ip(&["netns", "add", b])?;
+        ip(&[
+            "link", "add", &veth[0], "netns", a, "type", "veth", "peer", "name", &veth[1], "netns",
+            b,
+        ])?;
+        for (i, ns) in hosts.names.iter().enumerate() {
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+            ip(&[
+                "-n",
+                ns,
+                "addr",
+                "add",
+                &format!("{}/24", Self::ADDRS[i]),
+                "dev",
+                &veth[i],
+            ])?;
+            ip(&["-n", ns, "link", "set", &veth[i], "up"])?;
+        }
+        Ok(hosts)
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        for ns in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+    }
+}
+
+/// Runs `ddp-allreduce-bench` over `world` ranks on two "hosts" ([`TwoHosts`]), half on each,
+/// with `DDP_TRANSPORT=transport`, one ddprun per host; reads rank 0's results.
+fn run_two_hosts(
+    bin: &Path,
+    raw: &Path,
+    world: usize,
+    transport: &str,
+    sizes: &[usize],
+    args: &Args,
+) -> Result<RunReport> {
+    let label = if transport == "tcp" {
+        "2hosts-tcp"
+    } else {
+        "2hosts-hier"
+    };
+    let json = raw.join(format!("ddp-rs-{label}-{world}ranks.json"));
+    let _ = std::fs::remove_file(&json);
+    let hosts = TwoHosts::new()?;
+    let mut children = Vec::new();
+    for (node, ns) in hosts.names.iter().enumerate() {
+        let mut command = Command::new("ip");
+        command.args(["netns", "exec", ns]).arg(bin.join("ddprun"));
+        command.args(["--nnodes", "2", "--node-rank", &node.to_string()]);
+        command.args(["--nproc-per-node", &(world / 2).to_string()]);
+        command.args([
+            "--master-addr",
+            TwoHosts::ADDRS[0],
+            "--master-port",
+            "29577",
+            "--",
+        ]);
+        command.arg(bin.join("ddp-allreduce-bench"));
+        command.args(["--sizes", &size_list(sizes), "--label", label]);
+        command.args(["--iters", &args.iters.to_string()]);
+        command.args(["--warmup", &args.warmup.to_string()]);
+        command.arg("--json").arg(&json);
+        command
+            .env(TRANSPORT_VAR, transport)
+            .env_remove(THRESHOLD_VAR);
+        command.env("DDP_HOST_ID", format!("bench-host-{node}"));
+        eprintln!("$ {}", util::command_line(&command));
+        children.push(command.spawn().context("starting ddprun in a namespace")?);
+    }
+    for mut child in children {
+        let status = child.wait()?;
+        if !status.success() {
+            bail!("ddprun on a simulated host failed ({status})");
+        }
+    }
+    drop(hosts);
+    let text =
+        std::fs::read_to_string(&json).with_context(|| format!("reading {}", json.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("parsing {}", json.display()))
 }
 
 /// Runs the gloo script over `world` ranks under ddprun, and reads its results.
