@@ -317,7 +317,7 @@ where
         if !cfg.resume {
             say.line(format!(
                 "restart {restart} of the job ({}={restart}): resuming from {}",
-                ddp_comm::launch::RESTART_COUNT_ENV,
+                ddp_comm::elastic::RESTART_COUNT_ENV,
                 dir.display()
             ));
         }
@@ -832,7 +832,7 @@ fn step_seed(seed: u64, epoch: u64, rank: u64, batch: u64) -> u64 {
 /// How many times the launcher restarted the job before starting this process
 /// (`TORCHELASTIC_RESTART_COUNT`, set by ddprun and torchrun); 0 when unset or unreadable.
 fn restart_count() -> usize {
-    std::env::var(ddp_comm::launch::RESTART_COUNT_ENV)
+    std::env::var(ddp_comm::elastic::RESTART_COUNT_ENV)
         .ok()
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0)

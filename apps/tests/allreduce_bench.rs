@@ -9,7 +9,7 @@ use common::output_with_deadline;
 
 /// Runs the bench over `nproc` ranks with the extra `env`, failing the test past 120 s.
 fn bench(nproc: usize, env: &[(&str, &str)], json: &std::path::Path) -> (bool, String) {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    let mut command = Command::new(common::workspace_bin("ddprun"));
     command.args([
         "--grace-period",
         "1",
@@ -107,7 +107,7 @@ fn bench_over_three_ranks_reports_bus_bandwidth() {
 #[test]
 fn bench_refuses_a_size_that_is_not_whole_floats() {
     let dir = tempfile::tempdir().unwrap();
-    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    let mut command = Command::new(common::workspace_bin("ddprun"));
     command.args(["--grace-period", "1", "--nproc-per-node", "2", "--"]);
     command
         .arg(env!("CARGO_BIN_EXE_ddp-allreduce-bench"))

@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+mod common;
+
 fn mnist_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/mnist")
 }
@@ -85,7 +87,7 @@ fn trainer(shards: &Path, args: &[&str]) -> Vec<String> {
 fn two_ranks_learn_mnist_from_shards() {
     let dir = make_shards();
     let shards = dir.path().join("shards");
-    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    let mut command = Command::new(common::workspace_bin("ddprun"));
     command
         .args(["--nproc-per-node", "2", "--"])
         .arg(env!("CARGO_BIN_EXE_train-mnist"))

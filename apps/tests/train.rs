@@ -24,7 +24,7 @@ fn mnist_dir() -> PathBuf {
 
 /// Runs `train-mnist ARGS` on `nproc` ranks through ddprun.
 fn ddprun_mnist(nproc: usize, args: &[&str]) -> Output {
-    run(Command::new(env!("CARGO_BIN_EXE_ddprun"))
+    run(Command::new(common::workspace_bin("ddprun"))
         .args(["--nproc-per-node", &nproc.to_string(), "--"])
         .arg(env!("CARGO_BIN_EXE_train-mnist"))
         .arg("--data-dir")
@@ -61,7 +61,7 @@ fn two_ranks_learn_mnist() {
     let metrics = dir.path().join("metrics");
     let weights = dir.path().join("model.safetensors");
     let traces = dir.path().join("traces");
-    let out = run(Command::new(env!("CARGO_BIN_EXE_ddprun"))
+    let out = run(Command::new(common::workspace_bin("ddprun"))
         .args(["--nproc-per-node", "2", "--"])
         .arg(env!("CARGO_BIN_EXE_train-mnist"))
         .arg("--data-dir")
@@ -409,7 +409,7 @@ fn a_killed_rank_is_restarted_and_resumes_from_the_mid_epoch_checkpoint() {
 
     let ck = dir.path().join("ck");
     let weights = dir.path().join("restarted.safetensors");
-    let out = run(Command::new(env!("CARGO_BIN_EXE_ddprun"))
+    let out = run(Command::new(common::workspace_bin("ddprun"))
         .args(["--nproc-per-node", "2", "--max-restarts", "1", "--"])
         .arg(env!("CARGO_BIN_EXE_train-mnist"))
         .arg("--data-dir")

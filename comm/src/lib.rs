@@ -31,7 +31,8 @@
 //! - `flight.rs`: the flight recorder (the last collectives, dumped on failure, timeout or
 //!   SIGUSR1) and the hang report merged from the ranks' dumps;
 //! - `element.rs`: [`Element`], [`DType`], [`ReduceOp`] and the reduction kernels;
-//! - `launch.rs`: the `ddprun` launcher library;
+//! - `elastic.rs`: what a rank shares with its launcher (ddprun in `ddp-launch`, or torchrun):
+//!   the error file, the restart variables;
 //! - `nccl.rs` (feature `nccl`): `nccl::NcclGroup`, collectives on CUDA buffers through NCCL.
 #![warn(missing_docs)]
 
@@ -39,11 +40,11 @@ mod algorithms;
 pub mod bytes;
 mod config;
 mod connect;
+pub mod elastic;
 mod element;
 mod error;
 pub mod flight;
 mod group;
-pub mod launch;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod shm;
@@ -65,7 +66,7 @@ pub use error::CommError;
 pub use flight::{CollectiveRecord, RecordState, FLIGHT_RECORDS};
 pub use group::{ProcessGroup, Work};
 pub use shm::Transport;
-pub use store::Store;
+pub use store::{Store, StoreHost};
 pub use wire::MAX_TOKEN_BYTES;
 
 /// The README's code blocks, compiled (and run) as doctests.

@@ -127,6 +127,26 @@ impl StoreServer {
     }
 }
 
+/// A rendezvous store hosted outside any process group, for launchers: with `ddprun
+/// --nnodes N --max-restarts K`, node 0's launcher hosts one and every node's launcher
+/// coordinates restarts through it (`ddp-launch`). Clients reach it with
+/// [`Store::connect_host`]; dropping it stops it and closes their connections.
+pub struct StoreHost {
+    _server: StoreServer,
+}
+
+impl StoreHost {
+    /// Listens on every interface at `port` for the `clients` clients of job `job` (a name that
+    /// every client gives too; `DDP_TOKEN`, when set, must match as well).
+    pub fn start(port: u16, clients: usize, job: &str) -> Result<StoreHost, CommError> {
+        let token = std::env::var("DDP_TOKEN").ok().filter(|t| !t.is_empty());
+        let job_id = crate::wire::job_id_from_name(job);
+        Ok(StoreHost {
+            _server: StoreServer::start(None, "0.0.0.0", port, clients, token, job_id)?,
+        })
+    }
+}
+
 impl Drop for StoreServer {
     fn drop(&mut self) {
         self.state.stop.store(true, Ordering::Release);
@@ -434,6 +454,26 @@ impl Store {
             timeout,
             prefix: String::new(),
         })
+    }
+
+    /// Connects (retrying until `deadline`) to a [`StoreHost`] at `host:port` as client `index`
+    /// of `clients`, of job `job`; every call then has the deadline `timeout`.
+    pub fn connect_host(
+        host: &str,
+        port: u16,
+        index: usize,
+        clients: usize,
+        job: &str,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<Store, CommError> {
+        let me = Identity {
+            rank: index,
+            world: clients,
+            job_id: crate::wire::job_id_from_name(job),
+            token: std::env::var("DDP_TOKEN").ok().filter(|t| !t.is_empty()),
+        };
+        Store::connect(&me, host, port, deadline, timeout)
     }
 
     /// Connects (retrying until `deadline`) to a PyTorch `TCPStore` at `host:port` (torchrun's

@@ -199,6 +199,22 @@ fn join_as_rank_1(port: u16) -> (TcpStream, Vec<Option<TcpStream>>, crate::store
     (stream, streams, store)
 }
 
+/// The real rank 0 of a 2-rank job "fuzz" hosting its store on `listener`, over TCP (the TCP
+/// wire is what is fuzzed; the fake rank 1 publishes no shared-memory segment).
+fn rank_0(listener: TcpListener) -> crate::GroupBuilder {
+    let port = listener.local_addr().unwrap().port();
+    ProcessGroup::builder()
+        .no_env()
+        .rank(0)
+        .world_size(2)
+        .master_addr("127.0.0.1")
+        .master_port(port)
+        .master_listener(listener)
+        .job_id("fuzz")
+        .transport(crate::Transport::Tcp)
+        .connect_timeout(Duration::from_secs(10))
+}
+
 /// One round: rank 0 for real, rank 1 by hand. Returns rank 0's error and how long it took
 /// to come after the garbage was sent.
 fn round(seed: u64, rng: &mut Rng) -> (CommError, Duration, &'static str) {
@@ -208,19 +224,9 @@ fn round(seed: u64, rng: &mut Rng) -> (CommError, Duration, &'static str) {
     std::thread::Builder::new()
         .name(format!("fuzz-rank0-{seed}"))
         .spawn(move || {
-            let result = ProcessGroup::builder()
-                .no_env()
-                .rank(0)
-                .world_size(2)
-                .master_addr("127.0.0.1")
-                .master_port(port)
-                .master_listener(listener)
-                .job_id("fuzz")
-                // The TCP wire is what is fuzzed (the fake rank 1 publishes no segment).
-                .transport(crate::Transport::Tcp)
+            let result = rank_0(listener)
                 .timeout(Duration::from_secs(5))
                 .peer_timeout(Duration::from_secs(1))
-                .connect_timeout(Duration::from_secs(10))
                 .build();
             // The result goes out before the group is dropped (dropping a failed group waits
             // briefly for its peers to close), so that the time measured is detection time.
@@ -315,17 +321,8 @@ fn a_peer_that_floods_frames_cannot_grow_the_receivers_memory() {
     std::thread::Builder::new()
         .name("fuzz-rank0-flood".into())
         .spawn(move || {
-            let pg = ProcessGroup::builder()
-                .no_env()
-                .rank(0)
-                .world_size(2)
-                .master_addr("127.0.0.1")
-                .master_port(port)
-                .master_listener(listener)
-                .job_id("fuzz")
-                .transport(crate::Transport::Tcp)
+            let pg = rank_0(listener)
                 .timeout(Duration::from_secs(10))
-                .connect_timeout(Duration::from_secs(10))
                 .build()
                 .unwrap();
             let first = pg.all_reduce(vec![1.0f32; COUNT], ReduceOp::Sum);
@@ -352,10 +349,12 @@ fn a_peer_that_floods_frames_cannot_grow_the_receivers_memory() {
         .recv_timeout(Duration::from_secs(30))
         .expect("rank 0 hung under a flood");
     let grown = resident_bytes().saturating_sub(before);
-    assert_eq!(first.expect("the first all-reduce"), COUNT);
-    let err = after
-        .expect_err("rank 0's group survived a flood")
-        .to_string();
+    // The flood may be caught before rank 0's first all-reduce has consumed its one frame
+    // (then that all-reduce fails) or after (then the next collective does).
+    let err = match (first, after) {
+        (Err(e), _) | (Ok(_), Err(e)) => e.to_string(),
+        (Ok(n), Ok(())) => panic!("rank 0's group survived a flood (first all-reduce: {n})"),
+    };
     assert!(
         names_rank(&err, 1) && err.contains("flow control"),
         "rank 0's error: {err}"

@@ -371,7 +371,7 @@ fn a_step_longer_than_the_peer_timeout_is_not_a_death() {
                 .recv_timeout(left)
                 .unwrap_or_else(|_| panic!("rank {rank} did not finish its 4 steps"));
             assert!(!line.contains("error"), "rank {rank}: {line}");
-            if line == format!("rank {rank} done") {
+            if line.starts_with(&format!("rank {rank} done")) {
                 break;
             }
         }
@@ -591,59 +591,4 @@ fn two_hosts_of_two_ranks_reduce_hierarchically_with_the_flat_rings_bits() {
     );
     assert_eq!(mixed_int, flat_int, "hierarchical vs flat ring");
     assert_eq!(mixed_int[0], hash(&expect(true)), "exact integer sums");
-}
-
-/// The launcher's root cause quotes the failed rank's own error (from the error file it wrote)
-/// and says where every rank was: rank 2 is in a long step (alive: heartbeats flow) and never
-/// enters all_reduce #1, in which ranks 0 and 1 time out (DDP_TIMEOUT=3).
-#[test]
-fn the_launcher_quotes_the_error_and_reports_who_never_entered() {
-    use ddp_comm::launch::{launch, LaunchConfig, LaunchError};
-    let command = [
-        "env",
-        "DDP_TIMEOUT=3",
-        "PEER_STEPS=0",
-        "PEER_ELEMS=1000",
-        "PEER_SLEEP_MS=30000",
-        "PEER_SLEEP_RANK=2",
-        env!("CARGO_BIN_EXE_ddp-comm-peer"),
-    ];
-    let mut config = LaunchConfig::new(3, command.iter().map(Into::into).collect());
-    config.grace_period = Duration::from_secs(1);
-    config.forward_signals = false; // tests share the process: no signal handlers
-    let started = Instant::now();
-    let failure = match launch(&config) {
-        Err(LaunchError::RankFailed(f)) => f,
-        other => panic!("expected a failed rank, got {other:?}"),
-    };
-    assert!(
-        started.elapsed() < Duration::from_secs(25),
-        "{:?}",
-        started.elapsed()
-    );
-    if let Some(dir) = &failure.trace_dir {
-        let _ = std::fs::remove_dir_all(dir);
-    }
-    assert!(failure.rank < 2, "{failure:?}");
-    let message = failure.message.clone().unwrap_or_default();
-    assert!(
-        message.contains("all_reduce #1") && message.contains("rank 2"),
-        "the root cause quotes the rank's error: {failure:?}"
-    );
-    let report = failure.hang_report.clone().unwrap_or_default();
-    assert!(
-        report
-            .lines()
-            .any(|l| l == "rank 2 last completed all_reduce #0 and never entered #1"),
-        "{report}"
-    );
-    for rank in [0, 1] {
-        assert!(
-            report.lines().any(|l| {
-                (l.starts_with(&format!("rank {rank} ")) || l.starts_with("ranks 0, 1 "))
-                    && l.contains("all_reduce #1")
-            }),
-            "rank {rank} is reported in all_reduce #1: {report}"
-        );
-    }
 }

@@ -309,6 +309,11 @@ fn seeded_init_is_deterministic() {
 fn init_bounds_match_pytorch_defaults() {
     let _rng = rng_lock();
     // PyTorch: weights and biases U(-1/sqrt(fan_in), 1/sqrt(fan_in)); burn's defaults agree.
+    // Seeded: unseeded, the draw depended on which tests ran before. The lower check ("the
+    // bound is used, not a smaller one") only for tensors of 64 values or more: the largest of
+    // n uniform draws stays under 0.8 of the bound with probability 0.8^n (11 % for fc2's 10
+    // biases, 6e-7 at 64).
+    B::seed(&device(), 11);
     let cnn = MnistCnnConfig::new().init::<B>(&device());
     let fan_ins = [9.0f32, 288.0, 288.0 * 32.0, 128.0];
     let specs = param_specs(&cnn);
@@ -317,7 +322,7 @@ fn init_bounds_match_pytorch_defaults() {
         let max = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         assert!(max <= bound, "{}: max |w| {max} > {bound}", specs[k].name);
         assert!(
-            max > 0.8 * bound,
+            values.len() < 64 || max > 0.8 * bound,
             "{}: max |w| {max} ≪ {bound}",
             specs[k].name
         );

@@ -43,7 +43,7 @@ fn defaults() -> TrainArgs {
 }
 
 fn main() -> std::process::ExitCode {
-    ddp_comm::launch::finish(try_main())
+    ddp_comm::elastic::finish(try_main())
 }
 
 fn try_main() -> Result<()> {

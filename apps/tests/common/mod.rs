@@ -3,7 +3,9 @@
 //! deadline, so that no test can hang or leave processes behind.
 //!
 //! Killing `ddprun` is enough to stop its ranks: it starts them with `PR_SET_PDEATHSIG =
-//! SIGKILL` (comm/src/launch.rs), so they die with it.
+//! SIGKILL` (launch/src/lib.rs), so they die with it.
+//!
+//! The launcher's tests (launch/tests) include this file too (`#[path]`).
 
 #![allow(dead_code)] // each test binary uses a subset
 
@@ -12,6 +14,25 @@ use std::process::{Child, ChildStderr, ChildStdout, Command, ExitStatus, Output,
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
+
+/// A binary of another package of the workspace (`ddprun` of ddp-launch, `ddp-comm-peer` of
+/// ddp-comm, ...), where the workspace build puts it: next to this test's executable, in
+/// `target/<profile>/`. Cargo gives a test the path of its own package's binaries only.
+pub fn workspace_bin(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test's own path");
+    let path = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .map(|dir| dir.join(name));
+    match path {
+        Some(path) if path.exists() => path,
+        _ => panic!(
+            "{name} is not built next to {}: build the whole workspace first (cargo build \
+             --release --workspace, or cargo test --release --workspace)",
+            exe.display()
+        ),
+    }
+}
 
 /// A child process under guard: killed (and reaped) on drop if still running, and killed by a
 /// watchdog thread once `deadline` has passed since it started.

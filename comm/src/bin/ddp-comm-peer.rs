@@ -64,12 +64,16 @@ fn main() {
         Ok(pg) => pg,
         Err(e) => {
             println!("error: {e}");
-            ddp_comm::launch::record_error(&e.to_string());
+            ddp_comm::elastic::record_error(&e.to_string());
             std::process::exit(3);
         }
     };
     let rank = pg.rank();
     let world = pg.world_size();
+    let attempt = var(ddp_comm::elastic::RESTART_COUNT_ENV, 0);
+    let exit_at = (std::env::var("PEER_EXIT_RANK").ok() == Some(rank.to_string())
+        && (attempt == 0 || std::env::var("PEER_EXIT_ALWAYS").is_ok_and(|v| v == "1")))
+    .then(|| var("PEER_EXIT_STEP", 0));
     let mut step = 0u64;
     while steps == 0 || step < steps {
         let result = if op == "barrier" {
@@ -101,16 +105,21 @@ fn main() {
                     .peer()
                     .map_or_else(|| "nobody".to_string(), |p| format!("rank {p}"));
                 println!("rank {rank} error (blames {blamed}): {e}");
-                ddp_comm::launch::record_error(&e.to_string());
+                ddp_comm::elastic::record_error(&e.to_string());
                 let _ = std::io::stdout().flush();
                 std::process::exit(3);
             }
         }
         let _ = std::io::stdout().flush();
+        if exit_at == Some(step) {
+            println!("rank {rank} exits with code 7 at step {step} (PEER_EXIT_RANK)");
+            let _ = std::io::stdout().flush();
+            std::process::exit(7);
+        }
         step += 1;
         if std::env::var("PEER_SLEEP_RANK").map_or(true, |r| r == rank.to_string()) {
             std::thread::sleep(sleep);
         }
     }
-    println!("rank {rank} done");
+    println!("rank {rank} done (attempt {attempt})");
 }

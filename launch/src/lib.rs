@@ -1,7 +1,7 @@
 //! The `ddprun` launcher: start the local ranks of a job, forward their output, and stop them
 //! all when one fails.
 //!
-//! [`launch`] is the whole launcher; `apps/src/bin/ddprun.rs` only parses arguments into a
+//! [`launch`] is the whole launcher; `src/bin/ddprun.rs` only parses arguments into a
 //! [`LaunchConfig`] and calls it. What it does, in order:
 //!
 //! 1. Checks the configuration and, on a single node with no port given, picks a free port for
@@ -18,7 +18,7 @@
 //!    whatever is left after the grace period, and returns [`LaunchError::RankFailed`] naming
 //!    that rank, how it ended, its own error message (from the error file it wrote, see
 //!    [`record_error`], else its last lines of output that look like an error) and where every
-//!    rank was (the hang report merged from their flight records, see [`crate::flight`]). A
+//!    rank was (the hang report merged from their flight records, see [`ddp_comm::flight`]). A
 //!    `SIGINT` or `SIGTERM` sent to the launcher is forwarded to every rank the same way (a
 //!    second one kills at once), and gives [`LaunchError::Interrupted`]; before forwarding it,
 //!    the launcher asks the ranks for their flight records (SIGUSR1) and prints the hang report,
@@ -37,13 +37,22 @@
 //!    a single node, the same one when given; a new `DDP_JOB_ID`), with
 //!    `TORCHELASTIC_RESTART_COUNT` counting the restarts (0 on the first start) and
 //!    `TORCHELASTIC_MAX_RESTARTS` set, as torchrun sets them; a trainer with checkpoints resumes
-//!    from its last one. A `SIGINT`/`SIGTERM` to the launcher never leads to a restart. Restarts
-//!    are per node: on several nodes each launcher restarts its own ranks (the ranks of the
-//!    other nodes fail too when a peer dies, so their launchers restart as well and the nodes
-//!    meet again at the fixed port); coordinating restarts through the store is future work.
+//!    from its last one. A `SIGINT`/`SIGTERM` to the launcher never leads to a restart. On
+//!    several nodes the launchers coordinate through a store that node 0's launcher hosts on
+//!    `MASTER_PORT + 1` (`agents.rs`): the first node whose ranks fail in a round moves every
+//!    node to the next round, so all restart together with the same count and all quote the
+//!    same first failure; a node whose ranks finished waits for the others (and joins a restart
+//!    if one comes); a node whose launcher dies is named by the others, which stop their ranks.
 //!
 //! Unix only: it relies on process groups and signals.
 #![cfg(unix)]
+#![warn(missing_docs)]
+
+mod agents;
+
+pub use ddp_comm::elastic::{
+    finish, record_error, ERROR_FILE_ENV, MAX_RESTARTS_ENV, RESTART_COUNT_ENV,
+};
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
@@ -72,10 +81,6 @@ const TAIL_LINES: usize = 40;
 /// How long the launcher waits for the ranks' flight records after asking with SIGUSR1 (their
 /// liveness threads answer within a second).
 const FLIGHT_WAIT: Duration = Duration::from_millis(2500);
-
-/// The variable torchrun sets to the file where a rank records its fatal error (torchelastic's
-/// `@record`); ddprun sets it too, and [`record_error`] writes it.
-pub const ERROR_FILE_ENV: &str = "TORCHELASTIC_ERROR_FILE";
 
 /// The grace period between `SIGTERM` and `SIGKILL` when no other is configured.
 pub const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(5);
@@ -220,7 +225,7 @@ pub struct RankFailure {
     /// like an error (or its last lines).
     pub message: Option<String>,
     /// Where every local rank was when the job failed, merged from their flight records
-    /// ([`crate::flight::hang_report`]); `None` when no rank left one.
+    /// ([`ddp_comm::flight::hang_report`]); `None` when no rank left one.
     pub hang_report: Option<String>,
     /// The directory with the flight records and error files (kept after a failure).
     pub trace_dir: Option<PathBuf>,
@@ -319,6 +324,22 @@ pub enum LaunchError {
         /// The signal received.
         signal: i32,
     },
+    /// Several nodes: the launchers could not coordinate (a node's launcher lost, node 0's store
+    /// unreachable); this node's ranks were stopped.
+    #[error("{message}; this node's ranks were stopped")]
+    Agents {
+        /// What happened, naming the node.
+        message: String,
+    },
+    /// Several nodes: a rank of another node failed and every restart was used; this node's
+    /// ranks were stopped.
+    #[error("the job failed on another node and all {max_restarts} restarts are used up: {first_failure}")]
+    FailedElsewhere {
+        /// `--max-restarts`.
+        max_restarts: usize,
+        /// The failure as that node's launcher described it.
+        first_failure: String,
+    },
 }
 
 impl LaunchError {
@@ -379,14 +400,6 @@ pub fn free_port(addr: Ipv4Addr) -> Result<u16, LaunchError> {
         })
 }
 
-/// The variable that tells a rank how many times the launcher has restarted the job before
-/// starting it (0 on the first attempt), as torchrun names it.
-pub const RESTART_COUNT_ENV: &str = "TORCHELASTIC_RESTART_COUNT";
-
-/// The variable that tells a rank how many restarts the launcher allows (`--max-restarts`), as
-/// torchrun names it.
-pub const MAX_RESTARTS_ENV: &str = "TORCHELASTIC_MAX_RESTARTS";
-
 /// The environment variables that local rank `local_rank` is started with on attempt `restart`
 /// (0 for the first start): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
 /// `GROUP_RANK` (the node rank, as torchrun names it), `MASTER_ADDR`, `MASTER_PORT`,
@@ -443,7 +456,7 @@ fn clear_trace_files(trace_dir: &Path) {
             let name = name.to_string_lossy();
             if name.starts_with("flight-rank")
                 || name.starts_with("error-rank")
-                || name.starts_with(crate::flight::HANDLER_MARKER)
+                || name.starts_with(ddp_comm::flight::HANDLER_MARKER)
             {
                 let _ = std::fs::remove_file(e.path());
             }
@@ -496,8 +509,29 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
     } else {
         None
     };
+    // Several nodes with restarts: the launchers coordinate through node 0's store on the next
+    // port (see agents.rs); a job name keeps other jobs' launchers out.
+    let agents = if config.nnodes > 1 && config.max_restarts > 0 {
+        let port = master_port.checked_add(1).ok_or(LaunchError::Agents {
+            message: format!(
+                "--master-port {master_port}: the launchers' store needs the next port"
+            ),
+        })?;
+        let name = job_id
+            .clone()
+            .unwrap_or_else(|| format!("ddprun-{master_addr}:{master_port}"));
+        Some(agents::Agents::join(
+            config.node_rank,
+            config.nnodes,
+            &master_addr,
+            port,
+            &name,
+        )?)
+    } else {
+        None
+    };
     // The ranks' flight records and error files: the user's DDP_TRACE_DIR, else our own.
-    let (trace_dir, own_trace_dir) = match std::env::var_os(crate::flight::TRACE_DIR_ENV) {
+    let (trace_dir, own_trace_dir) = match std::env::var_os(ddp_comm::flight::TRACE_DIR_ENV) {
         Some(d) if !d.is_empty() => (PathBuf::from(d), false),
         _ => {
             let name = format!(
@@ -520,10 +554,8 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
     // new store nor pass the new group's handshake. Files of the old attempt in the trace
     // directory are cleared first, so the new attempt's report is its own. Any other ending (a
     // failure with the budget spent, an interruption, a launcher error) ends the job with that
-    // attempt's result, exactly as without restarts. Restarts are per node: on several nodes,
-    // each node's launcher restarts its own ranks when they fail (which they do when a rank of
-    // another node dies), and the nodes meet again at the fixed MASTER_PORT; nothing coordinates
-    // them through the store yet.
+    // attempt's result, exactly as without restarts. On several nodes the launchers agree on
+    // every round through node 0's store (agents.rs) and meet again at the fixed MASTER_PORT.
     let mut restarts = 0;
     loop {
         clear_trace_files(&trace_dir);
@@ -536,14 +568,63 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
             restart: restarts,
             trace_dir: &trace_dir,
         };
-        let (result, signalled) = run_attempt(config, &attempt, signals.as_mut());
+        let round = restarts as u64;
+        let stop_check = || -> Option<Result<(), String>> {
+            let a = agents.as_ref()?;
+            if let Some(why) = a.lost() {
+                return Some(Err(why));
+            }
+            (a.round() > round).then_some(Ok(()))
+        };
+        let (mut result, signalled) = run_attempt(config, &attempt, signals.as_mut(), &stop_check);
+        // Several nodes: settle the round with the other launchers. A local failure is
+        // announced (the first node to announce a round's failure moves everyone on); a stop
+        // for a failure elsewhere, or a success here while a rank elsewhere failed, restarts
+        // as well, quoting the other node's failure.
+        if let (Some(a), false) = (agents.as_ref(), signalled) {
+            let elsewhere = match &result {
+                Err(LaunchError::RankFailed(failure)) => {
+                    let first = a.announce_failure(round, &failure_line(failure))?;
+                    (!first.starts_with(&format!("node {}: ", config.node_rank))).then_some(first)
+                }
+                Err(LaunchError::Agents { message }) if message == RESTART_REQUESTED => {
+                    Some(a.failure_of(round)?)
+                }
+                Ok(_) if !a.finish_round(round)? => Some(a.failure_of(round)?),
+                _ => None,
+            };
+            if let Some(first) = elsewhere {
+                if restarts >= config.max_restarts {
+                    notice(&format!("the job failed on another node: {first}"));
+                    return Err(LaunchError::FailedElsewhere {
+                        max_restarts: config.max_restarts,
+                        first_failure: first,
+                    });
+                }
+                a.wait_stopped(round)?;
+                restarts += 1;
+                notice(&format!(
+                    "{first}; restarting this node's {} ranks (restart {restarts} of {})",
+                    config.nproc_per_node, config.max_restarts
+                ));
+                if let Some(signal) = signals.as_mut().and_then(SignalForwarding::take) {
+                    notice(&format!("received {}; not restarting", signal_name(signal)));
+                    return Err(LaunchError::Interrupted { signal });
+                }
+                job_id = attempt_job_id(config, restarts, master_port);
+                continue;
+            }
+            if let Err(LaunchError::RankFailed(failure)) = &mut result {
+                failure.restarts = restarts;
+            }
+        }
         match result {
             Err(LaunchError::RankFailed(failure))
                 if !signalled && restarts < config.max_restarts =>
             {
                 restarts += 1;
                 let whose = if config.nnodes > 1 {
-                    "this node's"
+                    "every node's"
                 } else {
                     "all"
                 };
@@ -564,6 +645,9 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
                 if let Some(signal) = signals.as_mut().and_then(SignalForwarding::take) {
                     notice(&format!("received {}; not restarting", signal_name(signal)));
                     return Err(LaunchError::Interrupted { signal });
+                }
+                if let Some(a) = &agents {
+                    a.wait_stopped(round)?;
                 }
                 master_port = pick_port()?;
                 job_id = attempt_job_id(config, restarts, master_port);
@@ -596,6 +680,27 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
     }
 }
 
+/// The message of the `LaunchError::Agents` with which an attempt ends when another node's
+/// launcher asked for a restart (internal: never returned by [`launch`]).
+const RESTART_REQUESTED: &str = "restart requested by another node";
+
+/// One line describing a failed rank, for the other nodes' launchers.
+fn failure_line(failure: &RankFailure) -> String {
+    let mut line = format!("rank {} {}", failure.rank, failure.exit.without_hint());
+    let message = failure.message.as_deref().and_then(|m| {
+        let lines: Vec<&str> = m.lines().filter(|l| !l.trim().is_empty()).collect();
+        let error = lines
+            .iter()
+            .find(|l| l.to_ascii_lowercase().contains("error"));
+        error.or(lines.last()).copied()
+    });
+    if let Some(message) = message {
+        line.push_str(": ");
+        line.push_str(message);
+    }
+    line
+}
+
 /// What differs between the attempts of one launch.
 struct Attempt<'a> {
     program: &'a OsString,
@@ -615,6 +720,7 @@ fn run_attempt(
     config: &LaunchConfig,
     attempt: &Attempt<'_>,
     mut signals: Option<&mut SignalForwarding>,
+    stop_check: &dyn Fn() -> Option<Result<(), String>>,
 ) -> (Result<LaunchReport, LaunchError>, bool) {
     let trace_dir = attempt.trace_dir;
     let program = attempt.program;
@@ -635,7 +741,7 @@ fn run_attempt(
                 attempt.job_id,
                 attempt.restart,
             ))
-            .env(crate::flight::TRACE_DIR_ENV, trace_dir)
+            .env(ddp_comm::flight::TRACE_DIR_ENV, trace_dir)
             .env(ERROR_FILE_ENV, error_file(trace_dir, rank))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -683,7 +789,20 @@ fn run_attempt(
     let mut kill_at: Option<Instant> = None;
     let mut wait_error: Option<LaunchError> = None;
     let mut signalled = false;
+    // Several nodes: a restart decided by another node's launcher (Ok) or a node lost (Err).
+    let mut stopped_by_agents: Option<Result<(), String>> = None;
     loop {
+        if stopped_by_agents.is_none() && first_failure.is_none() && interrupted.is_none() {
+            if let Some(stop) = stop_check() {
+                notice(&match &stop {
+                    Ok(()) => "a rank of another node failed; stopping this node's ranks".into(),
+                    Err(why) => format!("{why}; stopping this node's ranks"),
+                });
+                stop_running(&mut ranks, libc::SIGTERM);
+                kill_at = Some(Instant::now() + config.grace_period);
+                stopped_by_agents = Some(stop);
+            }
+        }
         if signals.as_mut().is_some_and(|s| s.take_usr1()) {
             notice("received SIGUSR1: where each rank is");
             print_hang_report(&ask_for_flight_records(&mut ranks, trace_dir), trace_dir);
@@ -716,7 +835,8 @@ fn run_attempt(
                 continue;
             };
             let (rank, local_rank) = (ranks[index].rank, ranks[index].local_rank);
-            let stopping = first_failure.is_some() || interrupted.is_some();
+            let stopping =
+                first_failure.is_some() || interrupted.is_some() || stopped_by_agents.is_some();
             if exit.success() {
                 continue;
             } else if stopping {
@@ -775,6 +895,14 @@ fn run_attempt(
     if let Some(error) = wait_error {
         return (Err(error), signalled);
     }
+    match stopped_by_agents {
+        Some(Ok(())) => {
+            let message = RESTART_REQUESTED.to_string();
+            return (Err(LaunchError::Agents { message }), signalled);
+        }
+        Some(Err(message)) => return (Err(LaunchError::Agents { message }), signalled),
+        None => {}
+    }
     if let Some(mut failure) = first_failure {
         let failed = ranks.iter().find(|r| r.rank == failure.rank);
         failure.message = read_error_file(&error_file(trace_dir, failure.rank))
@@ -810,57 +938,6 @@ struct Rank {
 /// `<dir>/error-rank<R>.json`: where rank `rank` records its fatal error.
 fn error_file(dir: &Path, rank: usize) -> PathBuf {
     dir.join(format!("error-rank{rank}.json"))
-}
-
-/// Records a fatal error of this process where the launcher looks for it: the file named by
-/// `TORCHELASTIC_ERROR_FILE` (set by ddprun and by torchrun), in torchelastic's format
-/// (`{"message": {"message": ..., "extraInfo": {"timestamp": ...}}}`), so that both launchers
-/// quote it in their failure summary. Does nothing without the variable, and never fails: the
-/// error being reported matters more. Call it just before exiting on a fatal error.
-pub fn record_error(message: &str) {
-    let Some(path) = std::env::var_os(ERROR_FILE_ENV).filter(|p| !p.is_empty()) else {
-        return;
-    };
-    let path = PathBuf::from(path);
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let body = serde_json::json!({
-        "message": {
-            "message": message,
-            "extraInfo": { "py_callstack": "", "timestamp": secs.to_string() },
-        }
-    });
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    if std::fs::write(&tmp, body.to_string()).is_ok() {
-        let _ = std::fs::rename(&tmp, &path);
-    }
-}
-
-/// Ends a program's `main` the way a launched rank should: on an error, prints it with its
-/// causes (`Error: {error:?}`, as Rust does for a `main` that returns `Err`), records it with
-/// [`record_error`] (its `{error:#}` form: one line with the causes, as `anyhow` writes it) and
-/// exits with code 1.
-///
-/// ```no_run
-/// fn main() -> std::process::ExitCode {
-///     ddp_comm::launch::finish(run())
-/// }
-/// fn run() -> Result<(), std::io::Error> {
-///     std::fs::read("missing.bin").map(drop)
-/// }
-/// ```
-pub fn finish<E: std::fmt::Debug + std::fmt::Display>(
-    result: Result<(), E>,
-) -> std::process::ExitCode {
-    match result {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("Error: {error:?}");
-            record_error(&format!("{error:#}"));
-            std::process::ExitCode::FAILURE
-        }
-    }
 }
 
 /// The message of an error file written by [`record_error`] (or by torchelastic's `@record`:
@@ -902,10 +979,10 @@ fn error_lines(tail: &Mutex<VecDeque<String>>) -> Option<String> {
 /// record, written one on its failure, or exited. Returns the hang report (empty when no rank
 /// was asked).
 fn ask_for_flight_records(ranks: &mut [Rank], dir: &Path) -> String {
-    let asked_at = crate::flight::now_us();
+    let asked_at = ddp_comm::flight::now_us();
     let mut asked = Vec::new();
     for (i, r) in ranks.iter().enumerate() {
-        if r.exit.is_none() && dir.join(crate::flight::handler_marker(r.rank)).exists() {
+        if r.exit.is_none() && dir.join(ddp_comm::flight::handler_marker(r.rank)).exists() {
             // Only the rank itself: what it started may not handle SIGUSR1.
             // SAFETY: kill has no memory-safety preconditions.
             unsafe { libc::kill(r.child.id() as libc::pid_t, libc::SIGUSR1) };
@@ -917,7 +994,7 @@ fn ask_for_flight_records(ranks: &mut [Rank], dir: &Path) -> String {
     }
     let deadline = Instant::now() + FLIGHT_WAIT;
     loop {
-        let (dumps, _) = crate::flight::read_dumps(dir);
+        let (dumps, _) = ddp_comm::flight::read_dumps(dir);
         let answered = |r: &mut Rank| {
             // (`try_wait` keeps the status for the watch loop's own look.)
             dumps
@@ -929,7 +1006,7 @@ fn ask_for_flight_records(ranks: &mut [Rank], dir: &Path) -> String {
         let all = asked.iter().all(|&i| answered(&mut ranks[i]));
         if all || Instant::now() >= deadline {
             let world = ranks.iter().map(|r| r.rank + 1).max().unwrap_or(0);
-            return crate::flight::hang_report(&dumps, world);
+            return ddp_comm::flight::hang_report(&dumps, world);
         }
         thread::sleep(Duration::from_millis(50));
     }
@@ -937,7 +1014,7 @@ fn ask_for_flight_records(ranks: &mut [Rank], dir: &Path) -> String {
 
 /// The hang report of this node's ranks from whatever flight records they left.
 fn hang_report_of(dir: &Path, config: &LaunchConfig) -> Option<String> {
-    let (mut dumps, _) = crate::flight::read_dumps(dir);
+    let (mut dumps, _) = ddp_comm::flight::read_dumps(dir);
     let local: Vec<usize> = (0..config.nproc_per_node)
         .map(|l| config.global_rank(l))
         .collect();
@@ -945,7 +1022,7 @@ fn hang_report_of(dir: &Path, config: &LaunchConfig) -> Option<String> {
     if dumps.is_empty() {
         return None;
     }
-    let report = crate::flight::hang_report(&dumps, config.world_size());
+    let report = ddp_comm::flight::hang_report(&dumps, config.world_size());
     // Ranks of other nodes are not ours to report as missing.
     let report: Vec<&str> = report
         .lines()
@@ -1314,3 +1391,8 @@ mod tests {
         assert!(recorded(&dir.0, 3, 0).is_none());
     }
 }
+
+/// The README's code blocks, compiled (and run) as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -12,18 +12,14 @@
 //! prints where every rank is without stopping the job. With `--max-restarts N`, a failure
 //! restarts all local ranks (up to N times) instead of ending the job; trainers given a
 //! `--checkpoint-dir` then resume from their last checkpoint.
-//! All the work is in the `ddp_comm::launch` library; this binary only parses arguments.
-
-/// mimalloc, for the reasons given at its dependency in apps/Cargo.toml.
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+//! All the work is in the `ddp_launch` library; this binary only parses arguments.
 
 use std::ffi::OsString;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use ddp_comm::launch::{self, LaunchConfig, LaunchError};
+use ddp_launch::{self as launch, LaunchConfig, LaunchError};
 
 /// Start N local ranks of a distributed job with the torchrun environment variables set.
 #[derive(Debug, Parser)]

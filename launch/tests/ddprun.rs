@@ -14,6 +14,7 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
+#[path = "../../apps/tests/common/mod.rs"]
 mod common;
 use common::Guarded;
 
@@ -649,4 +650,151 @@ fn a_restart_that_succeeds_gives_zero() {
         "{}",
         done.stdout
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Several nodes: two ddpruns on this host as node 0 and node 1, their ranks running comm's
+// `ddp-comm-peer` (all-reduces in a loop).
+
+/// A port P such that P and P + 1 (the launchers' store) were both free just now.
+fn two_free_ports() -> u16 {
+    for _ in 0..50 {
+        let a = TcpListener::bind("0.0.0.0:0").unwrap();
+        let port = a.local_addr().unwrap().port();
+        if port < u16::MAX && TcpListener::bind(("0.0.0.0", port + 1)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no two consecutive free ports");
+}
+
+/// Node `node`'s ddprun of a 2-node job of one rank per node on 127.0.0.1:`port`, with
+/// `--max-restarts restarts`, its rank running `ddp-comm-peer` with `env` (NAME=VALUE).
+fn node(node: usize, port: u16, restarts: usize, env: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    command.args([
+        "--grace-period",
+        "0.5",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+    ]);
+    command.args([
+        "--node-rank",
+        &node.to_string(),
+        "--master-addr",
+        "127.0.0.1",
+    ]);
+    command.args(["--master-port", &port.to_string()]);
+    command.args(["--max-restarts", &restarts.to_string(), "--", "env"]);
+    command.args(["PEER_ELEMS=1000", "PEER_SLEEP_MS=20", "DDP_PEER_TIMEOUT=3"]);
+    command.args(env);
+    command.arg(common::workspace_bin("ddp-comm-peer"));
+    common::clear_launcher_env(&mut command);
+    command.env("DDP_JOB_ID", format!("multinode-{port}"));
+    command
+}
+
+/// Rank 1 (node 1) fails at step 5 of the first attempt: both launchers restart their ranks
+/// once, together (restart count 1 on both), and the job ends with exit 0 on both nodes.
+#[test]
+fn two_nodes_restart_together_when_a_rank_fails() {
+    let port = two_free_ports();
+    let env = ["PEER_STEPS=12", "PEER_EXIT_RANK=1", "PEER_EXIT_STEP=5"];
+    let nodes = [start(node(0, port, 1, &env)), start(node(1, port, 1, &env))];
+    let [a, b] = nodes.map(Running::finish);
+    for (n, done) in [&a, &b].into_iter().enumerate() {
+        assert!(
+            done.status.success(),
+            "node {n}: {}\nstdout:\n{}\nstderr:\n{}",
+            done.status,
+            done.stdout,
+            done.stderr
+        );
+        assert!(
+            done.stderr.contains("(restart 1 of 1)"),
+            "node {n}:\n{}",
+            done.stderr
+        );
+        assert!(
+            !done.stderr.contains("(restart 2"),
+            "node {n}:\n{}",
+            done.stderr
+        );
+        assert!(
+            done.stdout
+                .contains(&format!("[rank {n}] rank {n} done (attempt 1)")),
+            "node {n}:\n{}",
+            done.stdout
+        );
+    }
+    assert!(
+        b.stdout.contains("rank 1 exits with code 7 at step 5"),
+        "{}",
+        b.stdout
+    );
+    eprintln!(
+        "both nodes restarted once and finished in {:?} and {:?}",
+        a.elapsed, b.elapsed
+    );
+}
+
+/// Rank 1 fails on every attempt: after the one restart allowed, both nodes fail; node 1 with
+/// its rank's failure, node 0 quoting it.
+#[test]
+fn two_nodes_fail_together_when_the_restarts_are_used_up() {
+    let port = two_free_ports();
+    let env = [
+        "PEER_STEPS=0",
+        "PEER_EXIT_RANK=1",
+        "PEER_EXIT_STEP=3",
+        "PEER_EXIT_ALWAYS=1",
+    ];
+    let nodes = [start(node(0, port, 1, &env)), start(node(1, port, 1, &env))];
+    let [a, b] = nodes.map(Running::finish);
+    assert!(
+        !a.status.success() && !b.status.success(),
+        "{:?} {:?}",
+        a.status,
+        b.status
+    );
+    assert!(a.elapsed < STOPPED_EARLY && b.elapsed < STOPPED_EARLY);
+    for (n, done) in [&a, &b].into_iter().enumerate() {
+        assert!(
+            done.stderr.contains("(restart 1 of 1)"),
+            "node {n}:\n{}",
+            done.stderr
+        );
+        assert!(done.stderr.contains("rank 1"), "node {n}:\n{}", done.stderr);
+    }
+}
+
+/// Node 1's launcher is killed (SIGKILL; its rank dies with it) while the job runs: node 0's
+/// launcher names node 1 and exits non-zero instead of waiting for it forever.
+#[test]
+fn a_killed_launcher_is_named_by_the_other_node() {
+    let port = two_free_ports();
+    let env = ["PEER_STEPS=0"];
+    let a = start(node(0, port, 1, &env));
+    let b = start(node(1, port, 1, &env));
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(b.child.try_wait().is_none(), "node 1 ended early");
+    // SAFETY: kill(2) on the pid of our own child.
+    unsafe { libc::kill(b.child.id() as i32, libc::SIGKILL) };
+    let killed = std::time::Instant::now();
+    let a = a.finish();
+    drop(b.finish());
+    assert!(!a.status.success(), "node 0 succeeded:\n{}", a.stderr);
+    assert!(
+        a.stderr.contains("node 1 has not been heard from"),
+        "node 0 does not name node 1:\n{}",
+        a.stderr
+    );
+    assert!(
+        killed.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        killed.elapsed()
+    );
+    eprintln!("node 0 named node 1 {:?} after the kill", killed.elapsed());
 }
