@@ -20,9 +20,17 @@
 //! reduced segment k of a chunk, it queues that segment for the right neighbour (the writer thread
 //! of that link sends it while this thread receives and reduces segment k+1). Sends and receives
 //! on the two ring links are thus in flight together with the reduction, and the ring does not
-//! wait for whole chunks. Received segments are reduced *into the received buffer* (`incoming =
-//! incoming + mine`), copied into the result, and the very same buffer is queued to the right:
-//! one copy per segment, no extra allocation.
+//! wait for whole chunks.
+//!
+//! No segment is copied in user space on its way: a segment goes out from where it lies in the
+//! caller's buffer (lent to the link's writer thread, which sends it with one `sendmsg`), a
+//! segment of the reduce-scatter lands in a pool buffer and is reduced into the caller's buffer
+//! in place (`mine = incoming + mine`, one pass), and a segment of the all-gather is read from
+//! the socket straight into the caller's buffer (a receive posted to the link's reader thread
+//! before the frame arrives; a copy only when the frame came first). The memory lent to the
+//! transport threads is accounted for ([`Ctx::lending`]): a collective returns only once they
+//! are done with it, on errors too. Why the algorithms never write what is still lent is told
+//! at [`ring_reduce_scatter`].
 //!
 //! The reduction order of every element is fixed: chunk c is summed as
 //! ((x_c + x_{c+1}) + x_{c+2}) + ... + x_{c-1} (ranks mod N), for every run with the same world
@@ -128,12 +136,22 @@ impl Ctx<'_> {
     fn seg_elems<T>(&self) -> usize {
         (self.segment_bytes / std::mem::size_of::<T>()).max(1)
     }
+    /// Queues a copy of `data` to `peer` (the caller may change `data` at once).
     fn send<T: Element>(&self, peer: usize, data: &[T]) -> Result<(), CommError> {
         self.mesh
             .send(self.members[peer], &self.desc, self.mesh.copy_of(data))
     }
-    fn forward(&self, peer: usize, buf: Buf) -> Result<(), CommError> {
-        self.mesh.send(self.members[peer], &self.desc, buf)
+    /// Queues `data` to `peer`, sent from where it lies (no copy).
+    ///
+    /// # Safety
+    ///
+    /// `data` must stay alive and unmodified until the collective settles ([`Ctx::lending`]).
+    unsafe fn lend<T: Element>(&self, peer: usize, data: &[T]) -> Result<(), CommError> {
+        // SAFETY: passed on to the caller.
+        unsafe {
+            self.mesh
+                .send_lent(self.members[peer], &self.desc, bytemuck::cast_slice(data))
+        }
     }
     fn recv<T: Element>(&self, peer: usize, elems: usize) -> Result<Buf, CommError> {
         self.mesh.recv(
@@ -142,10 +160,34 @@ impl Ctx<'_> {
             elems * std::mem::size_of::<T>(),
         )
     }
-    fn recv_into<T: Element>(&self, peer: usize, dst: &mut [T]) -> Result<(), CommError> {
-        let b = self.recv::<T>(peer, dst.len())?;
-        dst.copy_from_slice(b.as_slice());
-        Ok(())
+    /// Receives the next frame from `peer` into `dst`, straight from the socket when it can.
+    ///
+    /// # Safety
+    ///
+    /// After an error, `dst` must stay alive and untouched until the collective settles
+    /// ([`Ctx::lending`]).
+    unsafe fn recv_into<T: Element>(&self, peer: usize, dst: &mut [T]) -> Result<(), CommError> {
+        // SAFETY: passed on to the caller.
+        unsafe {
+            self.mesh.recv_into(
+                self.members[peer],
+                &self.desc,
+                bytemuck::cast_slice_mut(dst),
+            )
+        }
+    }
+    /// Runs `f`, the TCP part of a collective that lends memory to the transport
+    /// ([`Ctx::lend`], [`Ctx::recv_into`]), and waits until the transport is done with it
+    /// ([`Mesh::settle`]), whatever `f` returned: only then may that memory be used or freed, so
+    /// every buffer `f` lends must outlive this call.
+    fn lending<R>(&self, f: impl FnOnce() -> Result<R, CommError>) -> Result<R, CommError> {
+        match f() {
+            Ok(v) => self.mesh.settle(&self.desc, Ok(())).map(|()| v),
+            Err(e) => Err(self
+                .mesh
+                .settle(&self.desc, Err(e))
+                .expect_err("settling an error returns it")),
+        }
     }
     fn peers(&self) -> impl Iterator<Item = usize> + '_ {
         (0..self.world()).filter(move |&p| p != self.rank())
@@ -188,6 +230,59 @@ fn accumulate_op(op: ReduceOp) -> ReduceOp {
     }
 }
 
+/// `mine = incoming op mine`: the ring's order of operands (the partial result that arrived
+/// first, this rank's values second), written into `mine` in one pass over memory, block by
+/// block through a buffer that stays in L1.
+fn reduce_received<T: Element>(op: ReduceOp, mine: &mut [T], incoming: &[T]) {
+    const BLOCK: usize = 2048;
+    let mut acc = [T::zeroed(); BLOCK];
+    for (m, i) in mine.chunks_mut(BLOCK).zip(incoming.chunks(BLOCK)) {
+        let a = &mut acc[..m.len()];
+        a.copy_from_slice(i);
+        T::reduce_into(op, a, m);
+        m.copy_from_slice(a);
+    }
+}
+
+/// A collective's buffer seen through one raw pointer, for the algorithms that lend parts of
+/// it to the transport ([`Ctx::lend`], [`Ctx::recv_into`]) while they work on other parts: a
+/// segment handed to a writer thread and the one this thread reduces are disjoint views of the
+/// same allocation, which references taken from one `&mut [T]` cannot express (each
+/// `&mut buf[..]` would claim the whole slice).
+#[derive(Clone, Copy)]
+struct View<T> {
+    ptr: *mut T,
+    len: usize,
+}
+
+impl<T> View<T> {
+    fn new(buf: &mut [T]) -> View<T> {
+        View {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+        }
+    }
+
+    /// # Safety
+    ///
+    /// No thread may write `r` while the returned slice lives.
+    unsafe fn get(&self, r: Range<usize>) -> &[T] {
+        assert!(r.start <= r.end && r.end <= self.len);
+        // SAFETY: in bounds; no writer by the caller's promise.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(r.start), r.len()) }
+    }
+
+    /// # Safety
+    ///
+    /// No other thread may read or write `r` while the returned slice lives.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn get_mut(&self, r: Range<usize>) -> &mut [T] {
+        assert!(r.start <= r.end && r.end <= self.len);
+        // SAFETY: in bounds; exclusive by the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.len()) }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // all_reduce
 
@@ -202,13 +297,14 @@ pub(crate) fn all_reduce<T: Element>(
         None => {}
     }
     if bytes_of::<T>(buf.len()) <= cx.small_bytes {
-        direct_all_reduce(cx, buf, op)
-    } else {
-        ring_reduce_scatter(cx, buf, op, 0, true)?;
-        let len = buf.len();
-        let n = cx.world();
-        ring_all_gather(cx, buf, |c| chunk_range(len, n, c), cx.rank() + 1, true)
+        return cx.lending(|| direct_all_reduce(cx, buf, op));
     }
+    let (len, n) = (buf.len(), cx.world());
+    let view = View::new(buf);
+    cx.lending(|| {
+        ring_reduce_scatter(cx, view, op, 0, true)?;
+        ring_all_gather(cx, view, |c| chunk_range(len, n, c), cx.rank() + 1, true)
+    })
 }
 
 /// The hierarchical all-reduce of ranks on several hosts (see the module documentation).
@@ -230,6 +326,8 @@ fn hierarchical_all_reduce<T: Element>(
     shm::broadcast(s, cx.mesh, &cx.desc, buf, 0)
 }
 
+/// Sends copies (`buf` becomes the accumulator at once) and receives rank 0's contribution
+/// straight into `buf`; run under [`Ctx::lending`].
 fn direct_all_reduce<T: Element>(cx: &Ctx, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
     let seg = cx.seg_elems::<T>();
     let all = 0..buf.len();
@@ -246,7 +344,9 @@ fn direct_all_reduce<T: Element>(cx: &Ctx, buf: &mut [T], op: ReduceOp) -> Resul
     };
     if cx.rank() != 0 {
         for s in segments(all.clone(), seg) {
-            cx.recv_into(0, &mut buf[s])?;
+            // SAFETY: `buf` outlives the `lending` this runs under, and is not touched again
+            // after an error.
+            unsafe { cx.recv_into(0, &mut buf[s])? };
         }
     }
     let acc_op = accumulate_op(op);
@@ -269,38 +369,49 @@ fn direct_all_reduce<T: Element>(cx: &Ctx, buf: &mut [T], op: ReduceOp) -> Resul
 /// The reduce-scatter half of the ring. At step s rank r sends chunk (r + shift - s) and
 /// receives chunk (r + shift - s - 1); it ends holding the finished chunk (r + shift + 1) (mod
 /// N). With `send_final`, each finished segment is queued to the right at once (step 0 of the
-/// all-gather that follows).
+/// all-gather that follows). Runs under [`Ctx::lending`], with `buf` outliving it.
+///
+/// Every segment goes out from where it lies in `buf` (lent), and a received segment is
+/// reduced into `buf` in place. Why nothing this rank lends is written while the transport may
+/// still read it: within the reduce-scatter each chunk is written once, before it is sent; a
+/// chunk written later (by the all-gather, with its final value) was sent earlier only as a
+/// partial result, and the final value depends on that partial result, so it cannot arrive
+/// before the right neighbour has received it, i.e. before the writer thread is done with it.
 fn ring_reduce_scatter<T: Element>(
     cx: &Ctx,
-    buf: &mut [T],
+    buf: View<T>,
     op: ReduceOp,
     shift: usize,
     send_final: bool,
 ) -> Result<(), CommError> {
     let n = cx.world();
     let r = cx.rank();
-    let len = buf.len();
+    let len = buf.len;
     let seg = cx.seg_elems::<T>();
     let (left, right) = (cx.left(), cx.right());
     let chunk = |c: usize| chunk_range(len, n, c % n);
     let acc_op = accumulate_op(op);
 
     for s in segments(chunk(r + shift), seg) {
-        cx.send(right, &buf[s])?;
+        // SAFETY: see the function's documentation.
+        unsafe { cx.lend(right, buf.get(s))? };
     }
     for step in 0..n - 1 {
         let c = (r + shift + 2 * n - step - 1) % n;
         let last = step == n - 2;
         for s in segments(chunk(c), seg) {
-            let mut incoming = cx.recv::<T>(left, s.len())?;
-            let acc = incoming.as_mut_slice::<T>();
-            T::reduce_into(acc_op, acc, &buf[s.clone()]);
-            if last && op == ReduceOp::Avg {
-                T::divide(acc, n);
+            let incoming = cx.recv::<T>(left, s.len())?;
+            {
+                // SAFETY: chunk c is not lent (see the function's documentation).
+                let mine = unsafe { buf.get_mut(s.clone()) };
+                reduce_received(acc_op, mine, incoming.as_slice());
+                if last && op == ReduceOp::Avg {
+                    T::divide(mine, n);
+                }
             }
-            buf[s].copy_from_slice(acc);
             if !last || send_final {
-                cx.forward(right, incoming)?;
+                // SAFETY: see the function's documentation.
+                unsafe { cx.lend(right, buf.get(s))? };
             }
         }
     }
@@ -309,10 +420,13 @@ fn ring_reduce_scatter<T: Element>(
 
 /// The all-gather half of the ring over blocks `block(0..N)` of `buf`: rank r starts owning
 /// block `own` (already sent to the right if `own_sent`); at step t it receives block
-/// (own - t - 1) from the left and forwards it, except at the last step.
+/// (own - t - 1) from the left, straight into `buf`, and forwards it from there, except at the
+/// last step. Runs under [`Ctx::lending`], with `buf` outliving it: every block is written
+/// once, by a receive, before it is lent (and blocks lent before the all-gather, see
+/// [`ring_reduce_scatter`], are done with by the time their final value arrives).
 fn ring_all_gather<T: Element>(
     cx: &Ctx,
-    buf: &mut [T],
+    buf: View<T>,
     block: impl Fn(usize) -> Range<usize>,
     own: usize,
     own_sent: bool,
@@ -322,17 +436,20 @@ fn ring_all_gather<T: Element>(
     let (left, right) = (cx.left(), cx.right());
     if !own_sent {
         for s in segments(block(own % n), seg) {
-            cx.send(right, &buf[s])?;
+            // SAFETY: see the function's documentation.
+            unsafe { cx.lend(right, buf.get(s))? };
         }
     }
     for step in 0..n - 1 {
         let b = (own + 2 * n - step - 1) % n;
         let forward = step < n - 2;
         for s in segments(block(b), seg) {
-            let incoming = cx.recv::<T>(left, s.len())?;
-            buf[s].copy_from_slice(incoming.as_slice());
-            if forward {
-                cx.forward(right, incoming)?;
+            // SAFETY: see the function's documentation.
+            unsafe {
+                cx.recv_into(left, buf.get_mut(s.clone()))?;
+                if forward {
+                    cx.lend(right, buf.get(s))?;
+                }
             }
         }
     }
@@ -357,34 +474,42 @@ pub(crate) fn reduce_scatter<T: Element>(
     let mine = chunk_range(len, n, r);
     if bytes_of::<T>(len) > cx.small_bytes {
         // Shift by N-1 so that rank r ends with chunk r.
-        ring_reduce_scatter(cx, buf, op, n - 1, false)?;
+        let view = View::new(buf);
+        cx.lending(|| ring_reduce_scatter(cx, view, op, n - 1, false))?;
         return Ok(buf[mine].to_vec());
     }
-    let seg = cx.seg_elems::<T>();
-    for p in cx.peers() {
-        for s in segments(chunk_range(len, n, p), seg) {
-            cx.send(p, &buf[s])?;
-        }
-    }
+    // Every rank sends each peer its chunk of `buf` (lent: `buf` is not written again) and
+    // accumulates its own chunk in `acc`, starting from rank 0's contribution.
+    let mut acc: Vec<T> = buf[mine.clone()].to_vec();
     let own = &buf[mine.clone()];
-    let mut acc: Vec<T> = own.to_vec();
+    let seg = cx.seg_elems::<T>();
     let local = |s: &Range<usize>| s.start - mine.start..s.end - mine.start;
-    if r != 0 {
-        for s in segments(mine.clone(), seg) {
-            cx.recv_into(0, &mut acc[local(&s)])?;
-        }
-    }
-    let acc_op = accumulate_op(op);
-    for p in 1..n {
-        if p == r {
-            T::reduce_into(acc_op, &mut acc, own);
-        } else {
-            for s in segments(mine.clone(), seg) {
-                let b = cx.recv::<T>(p, s.len())?;
-                T::reduce_into(acc_op, &mut acc[local(&s)], b.as_slice());
+    cx.lending(|| {
+        for p in cx.peers() {
+            for s in segments(chunk_range(len, n, p), seg) {
+                // SAFETY: `buf` outlives the `lending` and is only read.
+                unsafe { cx.lend(p, &buf[s])? };
             }
         }
-    }
+        if r != 0 {
+            for s in segments(mine.clone(), seg) {
+                // SAFETY: `acc` outlives the `lending` and is not touched after an error.
+                unsafe { cx.recv_into(0, &mut acc[local(&s)])? };
+            }
+        }
+        let acc_op = accumulate_op(op);
+        for p in 1..n {
+            if p == r {
+                T::reduce_into(acc_op, &mut acc, own);
+            } else {
+                for s in segments(mine.clone(), seg) {
+                    let b = cx.recv::<T>(p, s.len())?;
+                    T::reduce_into(acc_op, &mut acc[local(&s)], b.as_slice());
+                }
+            }
+        }
+        Ok(())
+    })?;
     if op == ReduceOp::Avg {
         T::divide(&mut acc, n);
     }
@@ -411,20 +536,26 @@ pub(crate) fn all_gather<T: Element>(cx: &Ctx, input: &[T]) -> Result<Vec<T>, Co
     out[r * l..(r + 1) * l].copy_from_slice(input);
     let block = |b: usize| b * l..(b + 1) * l;
     if bytes_of::<T>(total) > cx.small_bytes {
-        ring_all_gather(cx, &mut out, block, r, false)?;
+        let view = View::new(&mut out);
+        cx.lending(|| ring_all_gather(cx, view, block, r, false))?;
         return Ok(out);
     }
     let seg = cx.seg_elems::<T>();
-    for p in cx.peers() {
-        for s in segments(0..l, seg) {
-            cx.send(p, &input[s])?;
+    cx.lending(|| {
+        for p in cx.peers() {
+            for s in segments(0..l, seg) {
+                // SAFETY: `input` outlives the `lending` and is only read.
+                unsafe { cx.lend(p, &input[s])? };
+            }
         }
-    }
-    for p in cx.peers() {
-        for s in segments(block(p), seg) {
-            cx.recv_into(p, &mut out[s])?;
+        for p in cx.peers() {
+            for s in segments(block(p), seg) {
+                // SAFETY: `out` outlives the `lending` and is not touched after an error.
+                unsafe { cx.recv_into(p, &mut out[s])? };
+            }
         }
-    }
+        Ok(())
+    })?;
     Ok(out)
 }
 
@@ -457,37 +588,42 @@ pub(crate) fn broadcast<T: Element>(cx: &Ctx, buf: &mut [T], root: usize) -> Res
     let r = cx.rank();
     let seg = cx.seg_elems::<T>();
     let all = 0..buf.len();
-    if bytes_of::<T>(buf.len()) <= cx.small_bytes {
-        if r == root {
-            for p in cx.peers() {
-                for s in segments(all.clone(), seg) {
-                    cx.send(p, &buf[s])?;
+    let small = bytes_of::<T>(buf.len()) <= cx.small_bytes;
+    // Every segment is written at most once (by its receive) before it is lent, and `buf`
+    // outlives the `lending`.
+    let view = View::new(buf);
+    cx.lending(|| {
+        if small {
+            for s in segments(all, seg) {
+                // SAFETY: see above.
+                unsafe {
+                    if r == root {
+                        for p in cx.peers() {
+                            cx.lend(p, view.get(s.clone()))?;
+                        }
+                    } else {
+                        cx.recv_into(root, view.get_mut(s))?;
+                    }
                 }
             }
-        } else {
-            for s in segments(all, seg) {
-                cx.recv_into(root, &mut buf[s])?;
-            }
+            return Ok(());
         }
-        return Ok(());
-    }
-    // Pipelined chain root -> root+1 -> ... -> root-1.
-    let position = (r + n - root) % n;
-    if position == 0 {
-        for s in segments(all, seg) {
-            cx.send(cx.right(), &buf[s])?;
-        }
-    } else {
+        // Pipelined chain root -> root+1 -> ... -> root-1.
+        let position = (r + n - root) % n;
         let last = position == n - 1;
         for s in segments(all, seg) {
-            let incoming = cx.recv::<T>(cx.left(), s.len())?;
-            buf[s].copy_from_slice(incoming.as_slice());
-            if !last {
-                cx.forward(cx.right(), incoming)?;
+            // SAFETY: see above.
+            unsafe {
+                if position != 0 {
+                    cx.recv_into(cx.left(), view.get_mut(s.clone()))?;
+                }
+                if !last {
+                    cx.lend(cx.right(), view.get(s))?;
+                }
             }
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -40,6 +40,17 @@
 //! gone wait for this verdict too ([`Mesh::recv`], [`Mesh::send`]), so every error a caller
 //! sees carries the group's one root cause.
 //!
+//! Memory lent by the communication thread. A writer sends a DATA frame either from a pool
+//! buffer it owns ([`Mesh::send`]) or straight from the running collective's buffer
+//! ([`Mesh::send_lent`]); a reader reads a DATA payload into a pool buffer, or straight into the
+//! collective's buffer when the communication thread posted a receive for that very frame before
+//! it arrived ([`Mesh::recv_into`]: the post names the link's frame number, the collective and
+//! the length, and only the reader that takes it out of its slot writes to it). Each such use is
+//! a loan counted per link, and a collective ends with [`Mesh::settle`], which waits until every
+//! loan is back, so the caller's buffer is never freed or changed under a thread; after a
+//! failure a thread stuck in a system call on a stuck peer's socket is freed by shutting the
+//! socket down.
+//!
 //! Clean shutdown: each writer sends a GOODBYE frame after its queue and half-closes its socket;
 //! a reader that sees GOODBYE half-closes its side in answer, so both readers reach EOF at once
 //! and the connection is closed without resets. A peer's close without GOODBYE is a failure.
@@ -185,10 +196,6 @@ impl Buf {
     pub fn as_slice<T: Element>(&self) -> &[T] {
         bytemuck::cast_slice(self.as_bytes())
     }
-
-    pub fn as_mut_slice<T: Element>(&mut self) -> &mut [T] {
-        bytemuck::cast_slice_mut(self.as_bytes_mut())
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -196,7 +203,7 @@ impl Buf {
 
 /// What the communication thread hands a writer thread.
 enum Outgoing {
-    Data(Header, Buf),
+    Data(Header, Payload),
     /// The error text and the rank it blames.
     Abort(String, Option<usize>),
     Goodbye,
@@ -209,9 +216,87 @@ enum Outgoing {
 
 /// What a reader thread hands the communication thread.
 enum Incoming {
+    /// A frame read into a pool buffer.
     Data(Header, Buf),
+    /// A frame read straight into the posted receive's memory (see [`Mesh::recv_into`]); the
+    /// reader checked that it belongs to the posted collective and has the posted length.
+    Landed,
     Goodbye,
 }
+
+/// Memory of the running collective that a link's reader or writer thread uses without owning
+/// it: the caller's buffer, sent from in place ([`Mesh::send_lent`]) or received into in place
+/// ([`Mesh::recv_into`]). Counted per link until the thread is done with it;
+/// [`Mesh::settle`] waits for the count to reach zero before the collective may return.
+#[derive(Default)]
+struct Loans {
+    out: Mutex<u64>,
+    returned: Condvar,
+}
+
+impl Loans {
+    fn lend(self: &Arc<Self>) -> Loan {
+        *self.out.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        Loan(self.clone())
+    }
+}
+
+/// One outstanding loan: dropping it returns it.
+struct Loan(Arc<Loans>);
+
+impl Drop for Loan {
+    fn drop(&mut self) {
+        let mut out = self.0.out.lock().unwrap_or_else(|p| p.into_inner());
+        *out -= 1;
+        if *out == 0 {
+            self.0.returned.notify_all();
+        }
+    }
+}
+
+/// The bytes of a DATA frame: a pool buffer the writer owns, or memory lent by the
+/// communication thread for as long as the loan is out ([`Mesh::send_lent`]).
+enum Payload {
+    Owned(Buf),
+    Lent {
+        ptr: *const u8,
+        len: usize,
+        _loan: Loan,
+    },
+}
+
+// SAFETY: lent memory is only read, and its lender keeps it alive and unmodified until the loan
+// is returned (the contract of `Mesh::send_lent`, enforced by `Mesh::settle`).
+unsafe impl Send for Payload {}
+
+impl Payload {
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            Payload::Owned(b) => b.as_bytes(),
+            // SAFETY: see `unsafe impl Send for Payload`.
+            Payload::Lent { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+        }
+    }
+}
+
+/// A receive posted by the communication thread ([`Mesh::recv_into`]): the payload of the
+/// link's DATA frame number `frame`, if it belongs to `desc` and has `len` bytes, goes straight
+/// to `ptr` instead of into a pool buffer.
+struct Post {
+    frame: u64,
+    desc: OpDesc,
+    ptr: *mut u8,
+    len: usize,
+    _loan: Loan,
+}
+
+// SAFETY: the poster keeps the memory alive and untouched until the loan is returned (the
+// contract of `Mesh::recv_into`, enforced by `Mesh::settle`); only the thread that takes the
+// post out of its slot writes to it.
+unsafe impl Send for Post {}
+
+/// A link's slot for the receive posted by the communication thread, taken by the reader.
+type PostSlot = Arc<Mutex<Option<Post>>>;
 
 /// State shared by the communication thread and every reader and writer thread of a group.
 pub(crate) struct Shared {
@@ -234,6 +319,8 @@ pub(crate) struct Shared {
     /// Counts frames received and collectives finished: [`crate::Work::wait`]'s evidence that
     /// the group is still making progress.
     pub progress: AtomicU64,
+    /// DATA frames read from the socket straight into a posted receive ([`Mesh::recv_into`]).
+    pub landed: AtomicU64,
     /// Time origin of the links' `heard` stamps.
     epoch: Instant,
 }
@@ -253,6 +340,7 @@ impl Shared {
             lost: Mutex::new(Vec::new()),
             waiting_for_credit: AtomicU64::new(0),
             progress: AtomicU64::new(0),
+            landed: AtomicU64::new(0),
             epoch: Instant::now(),
         }
     }
@@ -349,6 +437,10 @@ struct Link {
     granted: Arc<AtomicU64>,
     /// The link's flow control (the writer sends `to_grant`).
     credits: Arc<Credits>,
+    /// The receive posted for the link's reader, if any.
+    post: PostSlot,
+    /// The running collective's memory that the link's threads are using.
+    loans: Arc<Loans>,
     writer: Option<JoinHandle<()>>,
     reader: Option<JoinHandle<()>>,
 }
@@ -409,6 +501,8 @@ impl Mesh {
                 to_grant: AtomicU64::new(0),
             });
             let granted = Arc::new(AtomicU64::new(0));
+            let post: PostSlot = Arc::new(Mutex::new(None));
+            let loans = Arc::new(Loans::default());
             shared.credits.lock().unwrap().push(credits.clone());
             let w_stream = stream.try_clone().map_err(|e| io_err(peer, e))?;
             let r_stream = stream.try_clone().map_err(|e| io_err(peer, e))?;
@@ -429,6 +523,7 @@ impl Mesh {
                         heard: None,
                         credits: cr,
                         granted: None,
+                        post: None,
                     };
                     writer_loop(
                         w_stream,
@@ -440,7 +535,7 @@ impl Mesh {
                     drop(done);
                 })
                 .map_err(|e| io_err(peer, e))?;
-            let (sh, gb, done, pl, hd, cr, gr) = (
+            let (sh, gb, done, pl, hd, cr, gr, po) = (
                 shared.clone(),
                 goodbye.clone(),
                 done_tx.clone(),
@@ -448,6 +543,7 @@ impl Mesh {
                 heard.clone(),
                 credits.clone(),
                 granted.clone(),
+                post.clone(),
             );
             let reader = std::thread::Builder::new()
                 .name(format!("ddp-r{rank}<-{peer}"))
@@ -460,6 +556,7 @@ impl Mesh {
                         heard: Some(hd),
                         credits: cr,
                         granted: Some(gr),
+                        post: Some(po),
                     };
                     reader_loop(r_stream, side, rtx, pl, max_frame);
                     drop(done);
@@ -475,6 +572,8 @@ impl Mesh {
                 consumed: AtomicU64::new(0),
                 granted,
                 credits,
+                post,
+                loans,
                 writer: Some(writer),
                 reader: Some(reader),
             }));
@@ -546,10 +645,35 @@ impl Mesh {
 
     /// Queues one DATA frame of collective `desc` to `peer`; returns at once.
     pub fn send(&self, peer: usize, desc: &OpDesc, payload: Buf) -> Result<(), CommError> {
+        self.queue(peer, desc, Payload::Owned(payload))
+    }
+
+    /// Queues one DATA frame of collective `desc` to `peer` that the link's writer sends straight
+    /// from `bytes`, without a copy; returns at once.
+    ///
+    /// # Safety
+    ///
+    /// `bytes` must stay alive and unmodified until [`Mesh::settle`] has returned: the writer
+    /// reads them at some point before then.
+    pub unsafe fn send_lent(
+        &self,
+        peer: usize,
+        desc: &OpDesc,
+        bytes: &[u8],
+    ) -> Result<(), CommError> {
+        let payload = Payload::Lent {
+            ptr: bytes.as_ptr(),
+            len: bytes.len(),
+            _loan: self.link(peer).loans.lend(),
+        };
+        self.queue(peer, desc, payload)
+    }
+
+    fn queue(&self, peer: usize, desc: &OpDesc, payload: Payload) -> Result<(), CommError> {
         if let Some(e) = self.shared.error() {
             return Err(e);
         }
-        let header = Header::data(desc, payload.len());
+        let header = Header::data(desc, payload.as_bytes().len());
         self.link(peer)
             .tx
             .send(Outgoing::Data(header, payload))
@@ -559,6 +683,60 @@ impl Mesh {
     /// Waits (at most the group's timeout) for the next DATA frame from `peer`, which must belong
     /// to collective `desc` and carry exactly `expected_len` bytes.
     pub fn recv(&self, peer: usize, desc: &OpDesc, expected_len: usize) -> Result<Buf, CommError> {
+        match self.next(peer, desc)? {
+            Incoming::Data(header, buf) => {
+                self.check(peer, desc, &header, buf.len(), expected_len)?;
+                Ok(buf)
+            }
+            _ => Err(CommError::Internal {
+                rank: self.rank,
+                message: format!("a frame from rank {peer} landed with no receive posted"),
+            }),
+        }
+    }
+
+    /// Receives the next DATA frame from `peer`, which must belong to collective `desc` and
+    /// carry exactly `dst.len()` bytes, into `dst`: the link's reader reads the payload from the
+    /// socket straight into `dst` when the receive is posted before the frame arrives, and it
+    /// is copied from a pool buffer otherwise.
+    ///
+    /// # Safety
+    ///
+    /// On an error the reader may still be writing to `dst`: `dst` must stay alive, and be
+    /// neither read nor written, until [`Mesh::settle`] has returned.
+    pub unsafe fn recv_into(
+        &self,
+        peer: usize,
+        desc: &OpDesc,
+        dst: &mut [u8],
+    ) -> Result<(), CommError> {
+        let link = self.link(peer);
+        let frame = link.consumed.load(Ordering::Relaxed) + 1;
+        *link.post.lock().unwrap_or_else(|p| p.into_inner()) = Some(Post {
+            frame,
+            desc: *desc,
+            ptr: dst.as_mut_ptr(),
+            len: dst.len(),
+            _loan: link.loans.lend(),
+        });
+        let got = self.next(peer, desc);
+        // Not wanted any more, unless the reader has taken it (then its loan is out until the
+        // reader is done with `dst`).
+        drop(link.post.lock().unwrap_or_else(|p| p.into_inner()).take());
+        match got? {
+            Incoming::Landed => Ok(()),
+            Incoming::Data(header, buf) => {
+                self.check(peer, desc, &header, buf.len(), dst.len())?;
+                dst.copy_from_slice(buf.as_bytes());
+                Ok(())
+            }
+            Incoming::Goodbye => unreachable!("`next` turns GOODBYE into an error"),
+        }
+    }
+
+    /// Waits (at most the group's timeout) for the next frame from `peer` and counts it as
+    /// consumed, granting the peer more credit.
+    fn next(&self, peer: usize, desc: &OpDesc) -> Result<Incoming, CommError> {
         let link = self.link(peer);
         let deadline = Instant::now() + self.timeout;
         let msg = select! {
@@ -574,7 +752,11 @@ impl Mesh {
             }
         };
         match msg {
-            Ok(Incoming::Data(header, buf)) => {
+            Ok(Incoming::Goodbye) => Err(CommError::PeerLeft {
+                rank: self.rank,
+                peer,
+            }),
+            Ok(frame) => {
                 // Consumed: grant the peer more credit, half the window at a time.
                 let consumed = link.consumed.fetch_add(1, Ordering::Relaxed) + 1;
                 let granted = link.granted.load(Ordering::Relaxed);
@@ -586,32 +768,108 @@ impl Mesh {
                     let _ = link.tx.send(Outgoing::Credit);
                     link.credits.changed.notify_all(); // a writer waiting for credit sends it
                 }
-                if header.desc().as_ref() != Some(desc) {
-                    return Err(CommError::Mismatch {
-                        rank: self.rank,
-                        peer,
-                        ours: desc.to_string(),
-                        theirs: header.describe(),
-                    });
-                }
-                if buf.len() != expected_len {
-                    return Err(CommError::Protocol {
-                        rank: self.rank,
-                        peer,
-                        message: format!(
-                            "in {desc} rank {peer} sent a segment of {} bytes where {expected_len} were expected \
-                             (do all ranks use the same segment size?)",
-                            buf.len()
-                        ),
-                    });
-                }
-                Ok(buf)
+                Ok(frame)
             }
-            Ok(Incoming::Goodbye) => Err(CommError::PeerLeft {
+            Err(_) => Err(self.gone(peer)),
+        }
+    }
+
+    /// Checks that a frame from `peer` belongs to `desc` and has the expected length.
+    fn check(
+        &self,
+        peer: usize,
+        desc: &OpDesc,
+        header: &Header,
+        len: usize,
+        expected_len: usize,
+    ) -> Result<(), CommError> {
+        if header.desc().as_ref() != Some(desc) {
+            return Err(CommError::Mismatch {
                 rank: self.rank,
                 peer,
-            }),
-            Err(_) => Err(self.gone(peer)),
+                ours: desc.to_string(),
+                theirs: header.describe(),
+            });
+        }
+        if len != expected_len {
+            return Err(CommError::Protocol {
+                rank: self.rank,
+                peer,
+                message: format!(
+                    "in {desc} rank {peer} sent a segment of {len} bytes where {expected_len} were expected \
+                     (do all ranks use the same segment size?)"
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Ends the collective `desc` whose algorithm returned `outcome`: waits until every reader
+    /// and writer thread is done with the memory the collective lent them
+    /// ([`Mesh::send_lent`], [`Mesh::recv_into`]), so that the caller may reuse or free it.
+    ///
+    /// After a success, lent sends may still be on their way (a peer has yet to consume them):
+    /// waits for them while the peers make progress, at most the group's timeout (then the
+    /// group fails with a timeout naming the peer). After an error the group fails first (its
+    /// writers drop their queued frames and send the ABORT); a thread that still holds a loan
+    /// [`ABORT_FLUSH`] later is blocked in a send to or a receive from a stuck peer, and
+    /// shutting that link's socket down ends the blocked call at once (a shut-down socket
+    /// fails every send and ends every receive), so every loan comes back promptly.
+    /// Returns `outcome`, or the timeout.
+    pub fn settle(&self, desc: &OpDesc, outcome: Result<(), CommError>) -> Result<(), CommError> {
+        if let Err(e) = &outcome {
+            self.shared.fail(e.clone());
+        }
+        let start = Instant::now();
+        let mut failed_at = None;
+        let mut timed_out = None;
+        for (peer, link) in self.links.iter().enumerate() {
+            let Some(link) = link else { continue };
+            let mut shut = false;
+            let mut out = link.loans.out.lock().unwrap_or_else(|p| p.into_inner());
+            while *out > 0 {
+                let now = Instant::now();
+                if self.shared.is_failed() {
+                    let since = *failed_at.get_or_insert(now);
+                    if !shut && now >= since + ABORT_FLUSH {
+                        let _ = link.stream.shutdown(Shutdown::Both);
+                        shut = true;
+                    }
+                    // Past this, a thread with a loan would be stuck between two system calls
+                    // on a shut-down socket, which cannot happen: letting the caller free the
+                    // memory it uses would be worse than stopping.
+                    if now >= since + ABORT_FLUSH + CLOSE_GRACE * 5 {
+                        eprintln!(
+                            "rank {}: a transport thread of the link to rank {peer} kept memory of {desc} \
+                             after its socket was shut down; aborting",
+                            self.rank
+                        );
+                        std::process::abort();
+                    }
+                } else if now >= start + self.timeout {
+                    let err = CommError::Timeout {
+                        rank: self.rank,
+                        peer,
+                        op: format!("{desc} (sending to rank {peer})"),
+                        timeout: self.timeout,
+                    };
+                    timed_out.get_or_insert(err.clone());
+                    drop(out);
+                    self.shared.fail(err);
+                    out = link.loans.out.lock().unwrap_or_else(|p| p.into_inner());
+                    continue;
+                }
+                out = link
+                    .loans
+                    .returned
+                    .wait_timeout(out, Duration::from_millis(20))
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+        }
+        match timed_out {
+            Some(e) if outcome.is_ok() => Err(e),
+            _ => outcome,
         }
     }
 }
@@ -692,6 +950,8 @@ struct LinkSide {
     credits: Arc<Credits>,
     /// The reader's: credits we granted the peer beyond the first [`LINK_CREDITS`].
     granted: Option<Arc<AtomicU64>>,
+    /// The reader's: the receive posted by the communication thread.
+    post: Option<PostSlot>,
 }
 
 /// How often heartbeats go out: a fifth of the peer timeout, 20 ms to 1 s.
@@ -850,14 +1110,14 @@ fn writer_loop(
     };
     for msg in rx.iter() {
         let written = match msg {
-            Outgoing::Data(header, buf) => {
+            Outgoing::Data(header, payload) => {
                 if shared.is_failed() {
                     continue; // the protocol is over; only the ABORT matters now
                 }
                 match wait_for_credit(&mut stream, sent) {
                     Ok(true) => {
                         sent += 1;
-                        wire::send_frame(&stream, &header, buf.as_bytes())
+                        wire::send_frame(&stream, &header, payload.as_bytes())
                     }
                     Ok(false) => continue,
                     Err(e) => Err(e),
@@ -929,8 +1189,10 @@ fn reader_loop(
         heard,
         credits,
         granted,
+        post,
     } = side;
     let granted = granted.expect("a reader has the grant counter");
+    let post = post.expect("a reader has the post slot");
     let mut received: u64 = 0;
     let mut reader = BufReader::with_capacity(64 << 10, &stream);
     let protocol = |message: String| CommError::Protocol {
@@ -967,15 +1229,33 @@ fn reader_loop(
                          that its memory stays bounded"
                     )));
                 }
-                let mut buf = pool.buf(len);
-                if let Err(e) = reader.read_exact(buf.as_bytes_mut()) {
-                    break Some(read_error(rank, peer, e));
-                }
+                // The communication thread's posted receive, if it waits for this very frame.
+                let posted = post.lock().unwrap_or_else(|p| p.into_inner()).take_if(|p| {
+                    p.frame == received && p.len == len && header.desc() == Some(p.desc)
+                });
+                let incoming = if let Some(p) = posted {
+                    // SAFETY: the poster keeps this memory alive and untouched until the loan
+                    // (dropped right after the read) is returned; nobody else took the post.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(p.ptr, p.len) };
+                    let read = reader.read_exact(dst);
+                    drop(p);
+                    if let Err(e) = read {
+                        break Some(read_error(rank, peer, e));
+                    }
+                    shared.landed.fetch_add(1, Ordering::Relaxed);
+                    Incoming::Landed
+                } else {
+                    let mut buf = pool.buf(len);
+                    if let Err(e) = reader.read_exact(buf.as_bytes_mut()) {
+                        break Some(read_error(rank, peer, e));
+                    }
+                    Incoming::Data(header, buf)
+                };
                 shared.progress.fetch_add(1, Ordering::Relaxed);
                 if shared.is_failed() {
                     continue; // nobody will read it; keep draining until the peer closes
                 }
-                if tx.send(Incoming::Data(header, buf)).is_err() {
+                if tx.send(incoming).is_err() {
                     break None;
                 }
             }
@@ -1038,5 +1318,128 @@ fn read_error(rank: usize, peer: usize, e: io::Error) -> CommError {
             peer,
             message: format!("receiving from rank {peer}: {e}"),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::element::DType;
+    use crate::wire::OpKind;
+    use std::net::TcpListener;
+
+    /// Rank 0's mesh, and the other end of its one connection (to rank 1).
+    fn rank_0_and_socket(timeout: Duration) -> (Mesh, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (b, _) = listener.accept().unwrap();
+        (mesh(0, vec![None, Some(a)], timeout), b)
+    }
+
+    fn mesh(rank: usize, streams: Vec<Option<TcpStream>>, timeout: Duration) -> Mesh {
+        let flight = FlightRecorder::new(rank, 2, None);
+        Mesh::start(
+            rank,
+            streams,
+            timeout,
+            Duration::from_secs(10),
+            64 << 20,
+            flight,
+        )
+        .unwrap()
+    }
+
+    /// Two meshes (ranks 0 and 1) joined by one real TCP connection.
+    fn pair(timeout: Duration) -> (Mesh, Mesh) {
+        let (m0, b) = rank_0_and_socket(timeout);
+        (m0, mesh(1, vec![Some(b), None], timeout))
+    }
+
+    fn desc(seq: u64) -> OpDesc {
+        OpDesc {
+            op: OpKind::Broadcast,
+            seq,
+            dtype: DType::U8,
+            count: 0,
+            arg: 0,
+        }
+    }
+
+    /// A receive posted before its frame arrives gets the payload straight from the socket; one
+    /// posted after gets a copy; both get the right bytes, and the sender's lent memory is
+    /// settled once the receiver consumed it.
+    #[test]
+    fn a_posted_receive_lands_in_place_and_a_late_one_gets_a_copy() {
+        let (m0, m1) = pair(Duration::from_secs(20));
+        let data: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        std::thread::scope(|s| {
+            // Posted first: rank 1 sends only 300 ms later.
+            let receiver = s.spawn(|| {
+                let mut dst = vec![0u8; data.len()];
+                // SAFETY: `dst` outlives the settle below and is not touched before it.
+                let r = unsafe { m0.recv_into(1, &desc(0), &mut dst) };
+                m0.settle(&desc(0), r).unwrap();
+                dst
+            });
+            std::thread::sleep(Duration::from_millis(300));
+            // SAFETY: `data` is neither changed nor dropped before the settle.
+            unsafe { m1.send_lent(0, &desc(0), &data).unwrap() };
+            m1.settle(&desc(0), Ok(())).unwrap();
+            assert!(receiver.join().unwrap() == data);
+        });
+        assert_eq!(m0.shared().landed.load(Ordering::Relaxed), 1);
+
+        // The frame first: it waits in a pool buffer, and the receive copies it.
+        // SAFETY: as above.
+        unsafe { m1.send_lent(0, &desc(1), &data).unwrap() };
+        std::thread::sleep(Duration::from_millis(300));
+        let mut dst = vec![0u8; data.len()];
+        // SAFETY: as above.
+        let r = unsafe { m0.recv_into(1, &desc(1), &mut dst) };
+        m0.settle(&desc(1), r).unwrap();
+        m1.settle(&desc(1), Ok(())).unwrap();
+        assert!(dst == data);
+        assert_eq!(m0.shared().landed.load(Ordering::Relaxed), 1);
+
+        // A frame of another collective is not taken by the posted receive: a mismatch.
+        let other = vec![1u8; 10];
+        // SAFETY: as above.
+        unsafe { m1.send_lent(0, &desc(7), &other).unwrap() };
+        let mut dst = vec![0u8; 10];
+        // SAFETY: as above.
+        let r = unsafe { m0.recv_into(1, &desc(2), &mut dst) };
+        assert!(matches!(r, Err(CommError::Mismatch { .. })), "{r:?}");
+        assert!(m0.settle(&desc(2), r).is_err());
+        assert_eq!(dst, vec![0u8; 10]);
+    }
+
+    /// A lent send to a peer that never reads: once the group fails, the writer blocked in
+    /// `sendmsg` on the full socket gives the memory back within a few seconds (the link is shut
+    /// down after the ABORT had its chance), not at the write timeout.
+    #[test]
+    fn a_failed_group_takes_back_memory_lent_to_a_writer_stuck_on_a_full_socket() {
+        // Rank 1 is a bare socket that never reads.
+        let (m0, peer) = rank_0_and_socket(Duration::from_secs(120));
+        let data = vec![3u8; 64 << 20];
+        // 64 frames of 1 MiB: the first 16 have credit, far more than the socket buffers hold.
+        for chunk in data.chunks(1 << 20) {
+            // SAFETY: `data` outlives the settle below.
+            unsafe { m0.send_lent(1, &desc(0), chunk).unwrap() };
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let started = Instant::now();
+        let err = CommError::Internal {
+            rank: 0,
+            message: "test failure".into(),
+        };
+        let settled = m0.settle(&desc(0), Err(err));
+        let took = started.elapsed();
+        assert!(settled.is_err());
+        assert!(
+            took >= ABORT_FLUSH && took < ABORT_FLUSH + Duration::from_secs(5),
+            "settling took {took:?}"
+        );
+        drop(data);
+        drop(peer);
     }
 }
