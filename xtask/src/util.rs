@@ -13,9 +13,29 @@ pub fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
-/// The cargo that runs this task (`$CARGO`), or `cargo` from the path.
+/// The cargo that runs this task (`$CARGO`), or `cargo` from the path, without the variables
+/// that `cargo run` set for this task's own package (`CARGO_MANIFEST_DIR`, `CARGO_PKG_*`, ...).
+/// Left in, they reach the build scripts' fingerprints (ring's tracks `CARGO_MANIFEST_DIR`), so
+/// an xtask's build and a plain `cargo build`/`cargo test` would each rebuild ring, rustls,
+/// ureq, ddp-data and ddp-apps (about 2 minutes) after the other.
 fn cargo() -> Command {
-    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+    let mut command = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        let set_by_cargo_run = name.starts_with("CARGO_PKG_")
+            || matches!(
+                name.as_ref(),
+                "CARGO_MANIFEST_DIR"
+                    | "CARGO_MANIFEST_PATH"
+                    | "CARGO_CRATE_NAME"
+                    | "CARGO_BIN_NAME"
+                    | "CARGO_PRIMARY_PACKAGE"
+            );
+        if set_by_cargo_run {
+            command.env_remove(name.as_ref());
+        }
+    }
+    command
 }
 
 /// The workspace's target directory, as cargo reports it (so `CARGO_TARGET_DIR` is honoured).
