@@ -19,11 +19,13 @@ if ! cargo clippy --version >/dev/null 2>&1; then rustup component add clippy; f
 if ! cargo fmt --version >/dev/null 2>&1; then rustup component add rustfmt; fi
 
 step "system packages"
-# The network-namespace tests (comm/tests/processes.rs: a cut link between two "hosts") need
-# iproute2's `ip`; the Slurm step needs slurm-wlm and munge; the Python steps need venv (Debian ships it apart from python3). Installed
-# only when missing.
+# The network-namespace tests (comm/tests/processes.rs: a cut link between two "hosts", a lossy
+# link and a one-way partition made with nftables rules) need iproute2's `ip` and nftables'
+# `nft`; the Slurm step needs slurm-wlm and munge; the Python steps need venv (Debian ships it
+# apart from python3). Installed only when missing.
 missing=()
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+command -v nft >/dev/null 2>&1 || missing+=(nftables)
 command -v slurmctld >/dev/null 2>&1 || missing+=(slurm-wlm)
 command -v munged >/dev/null 2>&1 || missing+=(munge)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing+=(python3-venv)

@@ -60,8 +60,9 @@
 //! release store, and only when the sleeper count says there are any), so that ranks that
 //! outnumber the cores give their core to the rank that works instead of spinning. Every wait
 //! checks the group's failure state (a dead peer is still detected by its TCP link and
-//! heartbeats, which stay up) and the group's deadline at least every few milliseconds, and
-//! names the peer it waits for.
+//! heartbeats, which stay up), whether the peer it waits for has left the group (its GOODBYE
+//! arrived over TCP), and the group's deadline at least every few milliseconds, and names the
+//! peer it waits for.
 
 use std::ffi::CString;
 use std::ops::Range;
@@ -608,6 +609,14 @@ impl ShmGroup {
                 if let Some(e) = mesh.shared().error() {
                     return Err(e);
                 }
+            }
+            // A peer that left the group cleanly never moves its counter again (it published
+            // what it had before its GOODBYE went out, hence the second look).
+            if mesh.said_goodbye(self.members[i]) && counter.load(Ordering::Acquire) < epoch {
+                return Err(CommError::PeerLeft {
+                    rank: self.rank,
+                    peer: self.members[i],
+                });
             }
             if waited > self.timeout {
                 return Err(CommError::Timeout {

@@ -17,6 +17,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -48,7 +49,8 @@ struct ServerState {
 /// The store server (rank 0). Dropping it stops it and closes its client connections.
 pub(crate) struct StoreServer {
     state: Arc<ServerState>,
-    local: SocketAddr,
+    /// A second handle of the accepting thread's listening socket, to stop its `accept`.
+    listening: TcpListener,
     acceptor: Option<JoinHandle<()>>,
 }
 
@@ -93,7 +95,7 @@ impl StoreServer {
                 })?
             }
         };
-        let local = listener.local_addr().map_err(|e| CommError::Listen {
+        let listening = listener.try_clone().map_err(|e| CommError::Listen {
             rank: 0,
             what: "the rendezvous store".into(),
             addr: format!("port {port}"),
@@ -121,7 +123,7 @@ impl StoreServer {
             })?;
         Ok(StoreServer {
             state,
-            local,
+            listening,
             acceptor: Some(acceptor),
         })
     }
@@ -151,20 +153,14 @@ impl Drop for StoreServer {
     fn drop(&mut self) {
         self.state.stop.store(true, Ordering::Release);
         self.state.changed.notify_all();
-        // Wake the blocking accept with a connection of our own.
-        let ip = match self.local.ip() {
-            std::net::IpAddr::V4(ip) if ip.is_unspecified() => {
-                std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)
-            }
-            std::net::IpAddr::V6(ip) if ip.is_unspecified() => {
-                std::net::IpAddr::V6(std::net::Ipv6Addr::LOCALHOST)
-            }
-            ip => ip,
-        };
-        let _ = TcpStream::connect_timeout(
-            &SocketAddr::new(ip, self.local.port()),
-            Duration::from_secs(1),
-        );
+        // Stop the blocking accept: on Linux, shutting a listening socket down wakes every
+        // thread blocked in accept() on it with EINVAL, and the loop sees `stop`. (Not a
+        // connection of our own to wake it: a firewall or a lossy loopback can drop that
+        // connection, and then accept, and this drop, would wait forever.)
+        // SAFETY: shutdown on a descriptor we own; it changes the socket's state only.
+        unsafe {
+            libc::shutdown(self.listening.as_raw_fd(), libc::SHUT_RDWR);
+        }
         for c in self
             .state
             .conns

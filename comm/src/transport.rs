@@ -605,6 +605,13 @@ impl Mesh {
         self.links[peer].as_ref().expect("no link to self")
     }
 
+    /// Whether `peer` has said GOODBYE (dropped its group cleanly): it sends nothing more, and
+    /// a collective that still waits for it will wait in vain (see `shm.rs`, where no frame
+    /// tells the waiter so).
+    pub fn said_goodbye(&self, peer: usize) -> bool {
+        self.link(peer).goodbye.load(Ordering::Acquire)
+    }
+
     /// The error to report when a link's thread is gone: the group's root cause, once the
     /// group has settled who failed first (a lost link waits for that verdict).
     fn gone(&self, peer: usize) -> CommError {
@@ -1082,6 +1089,14 @@ fn writer_loop(
                 if shared.is_failed() {
                     return Ok(false);
                 }
+                // A peer that said GOODBYE grants nothing more: it left while this rank still
+                // had data for it (the caller reports that).
+                if goodbye.load(Ordering::Acquire) {
+                    return Err(io::Error::new(
+                        io::ErrorKind::BrokenPipe,
+                        format!("rank {peer} said goodbye"),
+                    ));
+                }
                 let (granted, waited) = credits
                     .changed
                     .wait_timeout(granted, interval)
@@ -1109,6 +1124,7 @@ fn writer_loop(
         waited
     };
     for msg in rx.iter() {
+        let data = matches!(msg, Outgoing::Data(..));
         let written = match msg {
             Outgoing::Data(header, payload) => {
                 if shared.is_failed() {
@@ -1123,7 +1139,13 @@ fn writer_loop(
                     Err(e) => Err(e),
                 }
             }
-            Outgoing::Heartbeat | Outgoing::Credit if shared.is_failed() => continue,
+            // A peer that said GOODBYE reads nothing more (its reader answered by shutting our
+            // direction down): heartbeats and credits for it are moot, and not an error.
+            Outgoing::Heartbeat | Outgoing::Credit
+                if shared.is_failed() || goodbye.load(Ordering::Acquire) =>
+            {
+                continue
+            }
             Outgoing::Heartbeat => wire::write_frame(&mut stream, &heartbeat, &[]),
             Outgoing::Credit => send_grants(&mut stream),
             Outgoing::Abort(text, blamed) => {
@@ -1141,7 +1163,11 @@ fn writer_loop(
             }
         };
         if let Err(e) = written {
-            if !shared.closing.load(Ordering::Acquire) {
+            // A heartbeat or credit that raced with the peer's GOODBYE: the peer left after
+            // receiving everything it needed from us, so this is the end of the link, no failure.
+            // (DATA for a departed peer is: it left while this rank still needed it.)
+            let quiet = !data && goodbye.load(Ordering::Acquire);
+            if !quiet && !shared.closing.load(Ordering::Acquire) {
                 let err = if goodbye.load(Ordering::Acquire) {
                     CommError::PeerLeft { rank, peer }
                 } else {
@@ -1411,6 +1437,34 @@ mod tests {
         assert!(matches!(r, Err(CommError::Mismatch { .. })), "{r:?}");
         assert!(m0.settle(&desc(2), r).is_err());
         assert_eq!(dst, vec![0u8; 10]);
+    }
+
+    /// A peer that leaves (GOODBYE) right after sending frames this rank has not consumed yet:
+    /// consuming them grants credit, and the CREDIT frame meets a connection the peer has closed
+    /// (and whose sending side our reader shut down in answer to the GOODBYE). That ends the
+    /// link, it is no failure: every frame arrives and the group stays healthy. (It was a
+    /// failure, "rank 1 left the group while rank 0 still needed it", which a broadcast's root
+    /// that finished first and dropped its group caused now and then.)
+    #[test]
+    fn credit_for_a_peer_that_said_goodbye_is_not_a_failure() {
+        let (m0, m1) = pair(Duration::from_secs(20));
+        let data: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
+        for seq in 0..LINK_CREDITS {
+            m1.send(0, &desc(seq), m1.copy_of(&data)).unwrap();
+        }
+        drop(m1); // GOODBYE after the queued frames, then the socket closes
+        std::thread::sleep(Duration::from_millis(300));
+        for seq in 0..LINK_CREDITS {
+            let got = m0.recv(1, &desc(seq), data.len()).unwrap();
+            assert!(got.as_bytes() == &data[..], "frame {seq}");
+        }
+        // The CREDIT for the consumed frames is queued; give the writer time to try it.
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            m0.shared().error().is_none(),
+            "the group failed: {:?}",
+            m0.shared().error()
+        );
     }
 
     /// A lent send to a peer that never reads: once the group fails, the writer blocked in

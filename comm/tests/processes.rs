@@ -78,6 +78,7 @@ fn spawn_peer(spec: &Spec, rank: usize, listen_fd: Option<i32>, netns: Option<&s
         "DDP_TRACE_DIR",
         "PEER_LISTEN_FD",
         "PEER_SLEEP_RANK",
+        "DDP_TRANSPORT",
     ] {
         cmd.env_remove(var);
     }
@@ -471,7 +472,9 @@ fn a_cut_link_ends_both_ranks_within_15_s_naming_each_other() {
         elems: 300_000,
         sleep_ms: 20,
         master: (TwoHosts::ADDRS[0], 29500),
-        env: &[("DDP_TIMEOUT", "300")],
+        // TCP, as between real hosts: the namespaces share this machine's memory, so `auto`
+        // would carry the data over shared memory and only the heartbeats over the link.
+        env: &[("DDP_TIMEOUT", "300"), ("DDP_TRANSPORT", "tcp")],
     };
     let mut peers: Vec<Peer> = (0..2)
         .map(|r| spawn_peer(&spec, r, None, Some(&hosts.names[r])))
@@ -591,4 +594,202 @@ fn two_hosts_of_two_ranks_reduce_hierarchically_with_the_flat_rings_bits() {
     );
     assert_eq!(mixed_int, flat_int, "hierarchical vs flat ring");
     assert_eq!(mixed_int[0], hash(&expect(true)), "exact integer sums");
+}
+
+/// Runs `nft args...` inside network namespace `ns`; panics with its error output when it fails
+/// (nftables' `nft`, as root; CI installs it).
+fn nft(ns: &str, args: &[&str]) {
+    let out = Command::new("ip")
+        .args(["netns", "exec", ns, "nft"])
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run `ip netns exec {ns} nft`: {e}"));
+    assert!(
+        out.status.success(),
+        "`nft {}` in {ns} failed (the test needs nftables' nft and root): {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Makes host `ns` drop `percent` % of the packets it sends (100: all of them), at random, with
+/// an nftables rule on its output hook. Nothing is reset or closed: TCP sees only loss.
+fn drop_outgoing(ns: &str, percent: u32) {
+    nft(ns, &["add", "table", "inet", "ddpt"]);
+    nft(
+        ns,
+        &[
+            "add",
+            "chain",
+            "inet",
+            "ddpt",
+            "out",
+            "{ type filter hook output priority 0; }",
+        ],
+    );
+    let rule = if percent >= 100 {
+        "drop".to_string()
+    } else {
+        format!("numgen random mod 100 < {percent} drop")
+    };
+    nft(ns, &["add", "rule", "inet", "ddpt", "out", &rule]);
+}
+
+/// Two ranks on two "hosts" whose link loses 10 % of the packets in each direction (nftables):
+/// TCP retransmits, so all-reduces only slow down. Every step of both ranks must give the exact
+/// sum (integer inputs, computed here independently), and neither rank may take the loss for a
+/// dead peer: the heartbeats and the data share the lossy connections.
+#[test]
+fn a_lossy_link_slows_all_reduces_but_never_breaks_them() {
+    let hosts = TwoHosts::new("loss");
+    for ns in &hosts.names {
+        drop_outgoing(ns, 10);
+    }
+    const STEPS: usize = 10;
+    const ELEMS: usize = 1_000_003;
+    let steps = STEPS.to_string();
+    // TCP, as between real hosts (see the cut test).
+    let env = [
+        ("PEER_VALUES", "int"),
+        ("PEER_STEPS", steps.as_str()),
+        ("DDP_TIMEOUT", "60"),
+        ("DDP_TRANSPORT", "tcp"),
+    ];
+    let spec = Spec {
+        world: 2,
+        op: "digest",
+        elems: ELEMS,
+        sleep_ms: 0,
+        master: (TwoHosts::ADDRS[0], 29500),
+        env: &env,
+    };
+    let started = Instant::now();
+    let mut peers: Vec<Peer> = (0..2)
+        .map(|r| spawn_peer(&spec, r, None, Some(&hosts.names[r])))
+        .collect();
+    let sum: Vec<f32> = (0..ELEMS)
+        .map(|i| peer_value(0, i, true) + peer_value(1, i, true))
+        .collect();
+    let want = format!(
+        "{:016x}",
+        ddp_comm::bytes::fnv1a(bytemuck::cast_slice(&sum))
+    );
+    let deadline = started + Duration::from_secs(90);
+    for (rank, p) in peers.iter_mut().enumerate() {
+        let mut seen = 0;
+        while seen < STEPS {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = p.lines.recv_timeout(left).unwrap_or_else(|_| {
+                panic!(
+                    "rank {rank} printed {seen} of {STEPS} digests within 90 s over a lossy link"
+                )
+            });
+            assert!(!line.contains("error"), "rank {rank}: {line}");
+            if let Some(rest) = line.strip_prefix(&format!("rank {rank} step {seen} digest ")) {
+                assert_eq!(rest, want, "rank {rank} step {seen}: wrong sum");
+                seen += 1;
+            }
+        }
+        let status = loop {
+            if let Some(s) = p.child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "rank {rank} did not exit");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert!(status.success(), "rank {rank} exited with {status}");
+    }
+    eprintln!(
+        "{STEPS} all-reduces of {ELEMS} f32 over a link losing 10 % each way took {:?}",
+        started.elapsed()
+    );
+}
+
+/// A one-way partition (a firewall that drops everything host a sends; host b's packets still
+/// arrive): rank 1 hears nothing from rank 0, and rank 0's data and acknowledgements never
+/// reach rank 1, so rank 1's sends stall too. Both ranks must fail within 15 s, each naming the
+/// other, with the collective deadline at 300 s.
+#[test]
+fn a_one_way_partition_ends_both_ranks_within_15_s_naming_each_other() {
+    let hosts = TwoHosts::new("oneway");
+    let spec = Spec {
+        world: 2,
+        op: "all_reduce",
+        elems: 300_000,
+        sleep_ms: 20,
+        master: (TwoHosts::ADDRS[0], 29500),
+        // TCP, as between real hosts: the namespaces share this machine's memory, so `auto`
+        // would carry the data over shared memory and only the heartbeats over the link.
+        env: &[("DDP_TIMEOUT", "300"), ("DDP_TRANSPORT", "tcp")],
+    };
+    let mut peers: Vec<Peer> = (0..2)
+        .map(|r| spawn_peer(&spec, r, None, Some(&hosts.names[r])))
+        .collect();
+    wait_for_steps(&peers, 5);
+    drop_outgoing(&hosts.names[0], 100);
+    let cut_at = Instant::now();
+    let took = expect_blame(
+        &mut peers,
+        &[Some(1), Some(0)],
+        cut_at,
+        Duration::from_secs(15),
+    );
+    eprintln!("both ranks named each other within {took:?} of the one-way partition");
+    drop(peers);
+}
+
+/// Rank 0 hosts the rendezvous store, and its exit must not depend on reaching the store's
+/// port: a firewall that drops new connections to that port once the group has formed (here:
+/// every SYN to it, on loopback too) must not keep rank 0 from exiting. (The store used to wake
+/// its accepting thread with a connection of its own, and waited forever when that SYN was
+/// dropped: a lossy link could hang a finished job.)
+#[test]
+fn rank_0_exits_when_its_store_port_is_firewalled_after_start_up() {
+    let hosts = TwoHosts::new("fw");
+    let spec = Spec {
+        world: 2,
+        op: "all_reduce",
+        elems: 1000,
+        sleep_ms: 20,
+        master: (TwoHosts::ADDRS[0], 29500),
+        env: &[("PEER_STEPS", "40")],
+    };
+    let mut peers: Vec<Peer> = (0..2)
+        .map(|r| spawn_peer(&spec, r, None, Some(&hosts.names[0])))
+        .collect();
+    wait_for_steps(&peers, 5);
+    drop_outgoing_syns_to(&hosts.names[0], 29500);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for (rank, p) in peers.iter_mut().enumerate() {
+        let status = loop {
+            if let Some(s) = p.child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "rank {rank} did not exit within 20 s of its 40 steps' start with the store port firewalled"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert!(status.success(), "rank {rank} exited with {status}");
+    }
+}
+
+/// Makes host `ns` drop every connection attempt (SYN) to TCP port `port`, loopback included;
+/// established connections go on.
+fn drop_outgoing_syns_to(ns: &str, port: u16) {
+    nft(ns, &["add", "table", "inet", "ddpt"]);
+    nft(
+        ns,
+        &[
+            "add",
+            "chain",
+            "inet",
+            "ddpt",
+            "out",
+            "{ type filter hook output priority 0; }",
+        ],
+    );
+    let rule = format!("tcp dport {port} tcp flags syn drop");
+    nft(ns, &["add", "rule", "inet", "ddpt", "out", &rule]);
 }
