@@ -169,8 +169,16 @@ impl Hello {
         // Check the magic on its own first, so that a short foreign greeting is recognised.
         r.read_exact(&mut fixed[..4])?;
         if fixed[..4] != MAGIC {
+            // Printable bytes are shown as text too: "HTTP" says at once that a web server or
+            // proxy answered.
+            let text = fixed[..4]
+                .iter()
+                .all(|b| b.is_ascii_graphic())
+                .then(|| format!(" = {:?}", String::from_utf8_lossy(&fixed[..4])))
+                .unwrap_or_default();
             return Err(invalid(format!(
-                "bad magic bytes {:02x?} (not a ddp-comm connection)",
+                "bad magic bytes {:02x?}{text} (not a ddp-comm connection: another service \
+                 answered on that address and port)",
                 &fixed[..4]
             )));
         }
@@ -659,6 +667,21 @@ fn read_blob(r: &mut impl Read, cap: usize, what: &str) -> io::Result<Vec<u8>> {
 
 #[cfg(test)]
 mod tests {
+    /// A foreign greeting (here an HTTP proxy's answer) is named, with its bytes as text.
+    #[test]
+    fn a_foreign_greeting_is_shown_as_text() {
+        let err = Hello::read(&mut &b"HTTP/1.1 400 Bad Request\r\n"[..]).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("bad magic bytes [48, 54, 54, 50] = \"HTTP\""),
+            "{msg}"
+        );
+        assert!(msg.contains("another service"), "{msg}");
+        // Unprintable bytes are shown in hex only.
+        let err = Hello::read(&mut &[0u8, 1, 2, 3, 4, 5][..]).unwrap_err();
+        assert!(!err.to_string().contains(" = "), "{err}");
+    }
+
     #[test]
     fn send_frame_puts_header_and_payload_on_the_socket_in_order() {
         // 3 MiB: more than a socket buffer takes at once, so the partial-send path runs.
