@@ -274,6 +274,40 @@ fn value<'a>(vars: &'a [(String, String)], name: &str) -> &'a str {
         .1
 }
 
+/// A torchrun command line works as it is: `--standalone`, underscore spellings, `=` values
+/// and no `--` before the command.
+#[test]
+fn torchrun_spellings_are_accepted() {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    command.args([
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max_restarts=0",
+        "sh",
+        "-c",
+        PRINT_ENV,
+    ]);
+    common::clear_launcher_env(&mut command);
+    let done = run(command);
+    assert!(done.status.success(), "stderr:\n{}", done.stderr);
+    let per_rank = printed_env(&done.stdout, 2);
+    for (rank, vars) in per_rank.iter().enumerate() {
+        assert_eq!(value(vars, "RANK"), rank.to_string());
+        assert_eq!(value(vars, "WORLD_SIZE"), "2");
+    }
+
+    // --standalone is one node: beside --nnodes it is refused, naming both.
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    command.args(["--standalone", "--nnodes", "2", "--", "true"]);
+    let done = run(command);
+    assert_eq!(done.status.code(), Some(2), "{}", done.stderr);
+    assert!(
+        done.stderr.contains("--standalone") && done.stderr.contains("--nnodes"),
+        "{}",
+        done.stderr
+    );
+}
+
 #[test]
 fn every_rank_gets_its_variables_on_one_node() {
     let done = run(ddprun(3, PRINT_ENV));

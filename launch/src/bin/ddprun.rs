@@ -30,20 +30,25 @@ use ddp_launch::{self as launch, LaunchConfig, LaunchError};
 )]
 struct Args {
     /// Ranks to start on this node.
-    #[arg(long, value_name = "N", default_value_t = 1)]
+    #[arg(long, alias = "nproc_per_node", value_name = "N", default_value_t = 1)]
     nproc_per_node: usize,
     /// Nodes in the job; more than 1 needs --master-addr and --master-port.
     #[arg(long, value_name = "M", default_value_t = 1)]
     nnodes: usize,
     /// This node's index, 0 to nnodes-1; RANK = node_rank * nproc_per_node + LOCAL_RANK.
-    #[arg(long, value_name = "K", default_value_t = 0)]
+    #[arg(long, alias = "node_rank", value_name = "K", default_value_t = 0)]
     node_rank: usize,
     /// Address of the node with node rank 0 [default on a single node: 127.0.0.1].
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, alias = "master_addr", value_name = "ADDR")]
     master_addr: Option<String>,
     /// Port of the rendezvous store [default on a single node: a free port].
-    #[arg(long, value_name = "PORT")]
+    #[arg(long, alias = "master_port", value_name = "PORT")]
     master_port: Option<u16>,
+    /// One node, a free port: what ddprun does without --nnodes anyway; accepted so that a
+    /// torchrun command line works as it is (torchrun's underscore spellings, such as
+    /// --nproc_per_node, are accepted too).
+    #[arg(long, conflicts_with_all = ["nnodes", "node_rank", "master_addr", "master_port"])]
+    standalone: bool,
     /// Job id exported as DDP_JOB_ID [default on a single node: generated].
     #[arg(long, value_name = "ID")]
     job_id: Option<String>,
@@ -54,9 +59,10 @@ struct Args {
     /// failure). Each restart is a new rendezvous round (new MASTER_PORT on a single node unless
     /// --master-port is given, new DDP_JOB_ID) with TORCHELASTIC_RESTART_COUNT set to the number
     /// of restarts so far; the trainers then resume from their --checkpoint-dir on their own.
-    /// SIGINT/SIGTERM to ddprun never restarts. On several nodes, each node restarts its own
-    /// ranks (no coordination through the store yet).
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    /// SIGINT/SIGTERM to ddprun never restarts. On several nodes the ddpruns restart together:
+    /// node 0's hosts a store on --master-port + 1 through which the first node to see a
+    /// failure moves every node to the next round.
+    #[arg(long, alias = "max_restarts", value_name = "N", default_value_t = 0)]
     max_restarts: usize,
     /// The command each rank runs, and its arguments (after `--`).
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
@@ -72,6 +78,8 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // --standalone asks for what is the default; clap refuses it beside a multi-node option.
+    debug_assert!(!args.standalone || args.nnodes == 1);
     let config = LaunchConfig {
         nproc_per_node: args.nproc_per_node,
         nnodes: args.nnodes,
