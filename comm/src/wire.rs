@@ -171,11 +171,11 @@ impl Hello {
         if fixed[..4] != MAGIC {
             // Printable bytes are shown as text too: "HTTP" says at once that a web server or
             // proxy answered.
-            let text = fixed[..4]
-                .iter()
-                .all(|b| b.is_ascii_graphic())
-                .then(|| format!(" = {:?}", String::from_utf8_lossy(&fixed[..4])))
-                .unwrap_or_default();
+            let text = if fixed[..4].iter().all(|b| b.is_ascii_graphic()) {
+                format!(" = {:?}", String::from_utf8_lossy(&fixed[..4]))
+            } else {
+                String::new()
+            };
             return Err(invalid(format!(
                 "bad magic bytes {:02x?}{text} (not a ddp-comm connection: another service \
                  answered on that address and port)",
