@@ -87,4 +87,7 @@ bash ci/slurm.sh target/ci-slurm
 step "clippy"
 cargo clippy --release --workspace --all-targets --features "$FEATURES" -- -D warnings
 
+step "docs: every crate's documentation renders without warnings (broken or private links)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features "$FEATURES"
+
 step "done"

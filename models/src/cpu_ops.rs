@@ -754,7 +754,7 @@ impl FastOps for Flex {
         tensor(dx, &xs)
     }
 
-    /// [`dropout_mask`], its seed two 32-bit draws from flex's seeded generator (so
+    /// `dropout_mask` (this file), its seed two 32-bit draws from flex's seeded generator (so
     /// `Flex::seed` fixes the mask, as it fixes burn's).
     fn fast_dropout_mask(
         shape: Shape,

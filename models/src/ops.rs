@@ -8,7 +8,7 @@
 //! - Its default methods are burn's own ops (`B::conv2d`, `B::conv2d_x_backward`, ...), so a
 //!   backend with an empty `impl FastOps` (burn-cuda) computes exactly what `Conv2d::forward`
 //!   would.
-//! - The CPU backend (`Flex`) overrides them with the kernels of [`crate::cpu_ops`]:
+//! - The CPU backend (`Flex`) overrides them with the kernels of `cpu_ops.rs`:
 //!   im2col + gemm straight on NCHW data, parallel over the images of the batch.
 //! - `Autodiff<B>` overrides the forward methods to record its own backward steps, which call
 //!   `B`'s gradient methods of this trait: on `Autodiff<Flex>` the backward pass runs the fast
