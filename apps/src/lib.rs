@@ -1,6 +1,8 @@
-//! ddp-apps: the pieces behind the binaries (`train-mnist`, `train-pima`, `ddprun`,
+//! ddp-apps: the pieces behind the binaries (`train-mnist`, `train-pima`,
 //! `ddp-allreduce-bench`): settings, the shared training loop, checkpoints and metrics. The
 //! binaries themselves only parse arguments and wire these and the library crates together.
+
+#![warn(missing_docs)]
 
 pub mod bench;
 pub mod checkpoint;

@@ -5,6 +5,8 @@
 //! each backward pass, [`DistributedDataParallel::sync`] averages the gradients across ranks with
 //! bucketed, asynchronous all-reduce, and the loop stays a burn loop. See the crate README.
 
+#![warn(missing_docs)]
+
 mod ddp;
 mod error;
 mod params;
