@@ -18,6 +18,22 @@ struct Peer {
     lines: mpsc::Receiver<String>,
 }
 
+impl Peer {
+    /// Waits for the process to exit, at most until `deadline` (then panics, naming `rank`).
+    fn exit_status_by(&mut self, deadline: Instant, rank: usize) -> std::process::ExitStatus {
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "rank {rank} did not exit in time"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
 impl Drop for Peer {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -465,7 +481,14 @@ fn ip(args: &[&str]) {
 /// collective deadline at 300 s.
 #[test]
 fn a_cut_link_ends_both_ranks_within_15_s_naming_each_other() {
-    let hosts = TwoHosts::new("cut");
+    partition_is_named_by_both("cut", "the cut", TwoHosts::cut);
+}
+
+/// Two ranks on two "hosts" train over TCP until `partition` (which must stop traffic without
+/// closing a socket); then both must fail within 15 s, each naming the other, though the
+/// collective deadline is 300 s.
+fn partition_is_named_by_both(tag: &str, what: &str, partition: impl FnOnce(&TwoHosts)) {
+    let hosts = TwoHosts::new(tag);
     let spec = Spec {
         world: 2,
         op: "all_reduce",
@@ -480,7 +503,7 @@ fn a_cut_link_ends_both_ranks_within_15_s_naming_each_other() {
         .map(|r| spawn_peer(&spec, r, None, Some(&hosts.names[r])))
         .collect();
     wait_for_steps(&peers, 5);
-    hosts.cut();
+    partition(&hosts);
     let cut_at = Instant::now();
     let took = expect_blame(
         &mut peers,
@@ -488,7 +511,7 @@ fn a_cut_link_ends_both_ranks_within_15_s_naming_each_other() {
         cut_at,
         Duration::from_secs(15),
     );
-    eprintln!("both ranks named each other within {took:?} of the cut");
+    eprintln!("both ranks named each other within {took:?} of {what}");
     drop(peers);
 }
 
@@ -550,13 +573,7 @@ fn digests(hosts: &TwoHosts, split: bool, transport: &str, values: &str) -> Vec<
                 break d.to_string();
             }
         };
-        let status = loop {
-            if let Some(s) = p.child.try_wait().unwrap() {
-                break s;
-            }
-            assert!(Instant::now() < deadline, "rank {rank} did not exit");
-            std::thread::sleep(Duration::from_millis(10));
-        };
+        let status = p.exit_status_by(deadline, rank);
         assert!(status.success(), "rank {rank} exited with {status}");
         out.push(digest);
     }
@@ -596,43 +613,29 @@ fn two_hosts_of_two_ranks_reduce_hierarchically_with_the_flat_rings_bits() {
     assert_eq!(mixed_int[0], hash(&expect(true)), "exact integer sums");
 }
 
-/// Runs `nft args...` inside network namespace `ns`; panics with its error output when it fails
-/// (nftables' `nft`, as root; CI installs it).
+/// Runs `nft args...` inside network namespace `ns` (nftables' `nft`, as root; CI installs
+/// it); panics with its error output when it fails.
 fn nft(ns: &str, args: &[&str]) {
-    let out = Command::new("ip")
-        .args(["netns", "exec", ns, "nft"])
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run `ip netns exec {ns} nft`: {e}"));
-    assert!(
-        out.status.success(),
-        "`nft {}` in {ns} failed (the test needs nftables' nft and root): {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ip(&[&["netns", "exec", ns, "nft"], args].concat());
 }
 
-/// Makes host `ns` drop `percent` % of the packets it sends (100: all of them), at random, with
-/// an nftables rule on its output hook. Nothing is reset or closed: TCP sees only loss.
+/// Makes host `ns` drop `percent` % of the packets it sends (100: all of them), at random.
+/// Nothing is reset or closed: TCP sees only loss.
 fn drop_outgoing(ns: &str, percent: u32) {
-    nft(ns, &["add", "table", "inet", "ddpt"]);
-    nft(
-        ns,
-        &[
-            "add",
-            "chain",
-            "inet",
-            "ddpt",
-            "out",
-            "{ type filter hook output priority 0; }",
-        ],
-    );
-    let rule = if percent >= 100 {
-        "drop".to_string()
+    if percent >= 100 {
+        output_rule(ns, "drop");
     } else {
-        format!("numgen random mod 100 < {percent} drop")
-    };
-    nft(ns, &["add", "rule", "inet", "ddpt", "out", &rule]);
+        output_rule(ns, &format!("numgen random mod 100 < {percent} drop"));
+    }
+}
+
+/// Adds an nftables `rule` on the output hook of host `ns` (every packet it sends, loopback
+/// included).
+fn output_rule(ns: &str, rule: &str) {
+    nft(ns, &["add", "table", "inet", "ddpt"]);
+    let chain = "{ type filter hook output priority 0; }";
+    nft(ns, &["add", "chain", "inet", "ddpt", "out", chain]);
+    nft(ns, &["add", "rule", "inet", "ddpt", "out", rule]);
 }
 
 /// Two ranks on two "hosts" whose link loses 10 % of the packets in each direction (nftables):
@@ -690,13 +693,7 @@ fn a_lossy_link_slows_all_reduces_but_never_breaks_them() {
                 seen += 1;
             }
         }
-        let status = loop {
-            if let Some(s) = p.child.try_wait().unwrap() {
-                break s;
-            }
-            assert!(Instant::now() < deadline, "rank {rank} did not exit");
-            std::thread::sleep(Duration::from_millis(10));
-        };
+        let status = p.exit_status_by(deadline, rank);
         assert!(status.success(), "rank {rank} exited with {status}");
     }
     eprintln!(
@@ -711,31 +708,9 @@ fn a_lossy_link_slows_all_reduces_but_never_breaks_them() {
 /// other, with the collective deadline at 300 s.
 #[test]
 fn a_one_way_partition_ends_both_ranks_within_15_s_naming_each_other() {
-    let hosts = TwoHosts::new("oneway");
-    let spec = Spec {
-        world: 2,
-        op: "all_reduce",
-        elems: 300_000,
-        sleep_ms: 20,
-        master: (TwoHosts::ADDRS[0], 29500),
-        // TCP, as between real hosts: the namespaces share this machine's memory, so `auto`
-        // would carry the data over shared memory and only the heartbeats over the link.
-        env: &[("DDP_TIMEOUT", "300"), ("DDP_TRANSPORT", "tcp")],
-    };
-    let mut peers: Vec<Peer> = (0..2)
-        .map(|r| spawn_peer(&spec, r, None, Some(&hosts.names[r])))
-        .collect();
-    wait_for_steps(&peers, 5);
-    drop_outgoing(&hosts.names[0], 100);
-    let cut_at = Instant::now();
-    let took = expect_blame(
-        &mut peers,
-        &[Some(1), Some(0)],
-        cut_at,
-        Duration::from_secs(15),
-    );
-    eprintln!("both ranks named each other within {took:?} of the one-way partition");
-    drop(peers);
+    partition_is_named_by_both("oneway", "the one-way partition", |hosts| {
+        drop_outgoing(&hosts.names[0], 100)
+    });
 }
 
 /// Rank 0 hosts the rendezvous store, and its exit must not depend on reaching the store's
@@ -758,38 +733,12 @@ fn rank_0_exits_when_its_store_port_is_firewalled_after_start_up() {
         .map(|r| spawn_peer(&spec, r, None, Some(&hosts.names[0])))
         .collect();
     wait_for_steps(&peers, 5);
-    drop_outgoing_syns_to(&hosts.names[0], 29500);
+    // Every connection attempt (SYN) to the store's port, loopback included; the established
+    // connections go on.
+    output_rule(&hosts.names[0], "tcp dport 29500 tcp flags syn drop");
     let deadline = Instant::now() + Duration::from_secs(20);
     for (rank, p) in peers.iter_mut().enumerate() {
-        let status = loop {
-            if let Some(s) = p.child.try_wait().unwrap() {
-                break s;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "rank {rank} did not exit within 20 s of its 40 steps' start with the store port firewalled"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        };
+        let status = p.exit_status_by(deadline, rank);
         assert!(status.success(), "rank {rank} exited with {status}");
     }
-}
-
-/// Makes host `ns` drop every connection attempt (SYN) to TCP port `port`, loopback included;
-/// established connections go on.
-fn drop_outgoing_syns_to(ns: &str, port: u16) {
-    nft(ns, &["add", "table", "inet", "ddpt"]);
-    nft(
-        ns,
-        &[
-            "add",
-            "chain",
-            "inet",
-            "ddpt",
-            "out",
-            "{ type filter hook output priority 0; }",
-        ],
-    );
-    let rule = format!("tcp dport {port} tcp flags syn drop");
-    nft(ns, &["add", "rule", "inet", "ddpt", "out", &rule]);
 }
