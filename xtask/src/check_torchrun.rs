@@ -87,6 +87,8 @@ fn torch_python() -> Result<PathBuf> {
 pub fn run(args: Args) -> Result<()> {
     const CHECKPOINT_EVERY: u64 = 5;
     const KILL_AT: u64 = 7;
+    /// The last checkpoint before the kill, where the ranks must resume.
+    const RESUMED_AT: u64 = KILL_AT / CHECKPOINT_EVERY * CHECKPOINT_EVERY;
     if args.steps <= KILL_AT {
         bail!(
             "--steps must exceed {KILL_AT} (the restart check kills a rank after step {KILL_AT})"
@@ -127,11 +129,7 @@ pub fn run(args: Args) -> Result<()> {
     if !status.success() {
         bail!("torchrun --max-restarts 1 failed ({status}) after a rank was killed at step {KILL_AT}; see the output above");
     }
-    check_restart(
-        &output,
-        KILL_AT,
-        KILL_AT / CHECKPOINT_EVERY * CHECKPOINT_EVERY,
-    )?;
+    check_restart(&output, KILL_AT, RESUMED_AT)?;
     check_summaries(&restarted, args.nproc, args.steps)?;
     if restarted[0].params_hash != whole.params_hash {
         bail!(
@@ -146,7 +144,7 @@ pub fn run(args: Args) -> Result<()> {
          torchrun, resumed from the step-{} checkpoint, the uninterrupted run's parameters ({}); \
          {:.1} s in all",
         args.nproc - 1,
-        KILL_AT / CHECKPOINT_EVERY * CHECKPOINT_EVERY,
+        RESUMED_AT,
         restarted[0].params_hash,
         started.elapsed().as_secs_f64()
     );
