@@ -84,7 +84,7 @@ sinfo
 
 # The example as written, resized for this node (flags on the command line override the
 # script's #SBATCH lines); arguments after the script go to train-mnist.
-export DDP_DATA_DIR=${DDP_DATA_DIR:-$(realpath ../shared/data)}
+export DDP_DATA_DIR=${DDP_DATA_DIR:-$HOME/.cache/ddp-rs}
 set +e
 timeout 900 sbatch --wait --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 --time=00:15:00 \
   --output="$out/job-%j.out" apps/examples/train-mnist.sbatch \

@@ -1,6 +1,6 @@
 //! End-to-end: `train-mnist --data-format shards` as real processes, under `ddprun` and
-//! standalone, on shards that `ddp-shards from-mnist` writes from the real MNIST in
-//! `../shared/data/mnist`. Every process runs under a deadline.
+//! standalone, on shards that `ddp-shards from-mnist` writes from the real MNIST (see
+//! `mnist::real_mnist`). Every process runs under a deadline.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -9,9 +9,10 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 mod common;
+mod mnist;
 
 fn mnist_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/mnist")
+    mnist::real_mnist()
 }
 
 /// Runs `command` with its output in files under `dir`, killing it after `secs`; returns

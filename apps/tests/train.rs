@@ -1,11 +1,12 @@
-//! End-to-end: the trainers as real processes under `ddprun`, on the real MNIST files in
-//! `../shared/data/mnist`.
+//! End-to-end: the trainers as real processes under `ddprun`, on the real MNIST files (see
+//! `mnist::real_mnist`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
 mod common;
+mod mnist;
 
 /// The longest one trainer run in these tests may take on a loaded 2-core machine (a deadline
 /// against hangs, not a speed check: speed is measured by the benches).
@@ -19,7 +20,7 @@ fn run(command: &mut Command) -> Output {
 use serde_json::Value;
 
 fn mnist_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/mnist")
+    mnist::real_mnist()
 }
 
 /// Runs `train-mnist ARGS` on `nproc` ranks through ddprun.
@@ -321,17 +322,19 @@ fn config_file_values_apply_and_flags_override_them() {
 fn a_corrupt_data_file_is_an_error_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     for name in [
-        "train-images-idx3-ubyte.gz",
-        "t10k-images-idx3-ubyte.gz",
-        "t10k-labels-idx1-ubyte.gz",
+        "train-images-idx3-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
     ] {
-        std::fs::copy(mnist_dir().join(name), dir.path().join(name)).unwrap();
+        let from = mnist::file(&mnist_dir(), name);
+        std::fs::copy(&from, dir.path().join(from.file_name().unwrap())).unwrap();
     }
-    // A labels file cut short, as an interrupted copy would leave it.
-    let labels = std::fs::read(mnist_dir().join("train-labels-idx1-ubyte.gz")).unwrap();
+    // A labels file cut short, as an interrupted copy would leave it (raw or .gz, as found).
+    let labels = mnist::file(&mnist_dir(), "train-labels-idx1-ubyte");
+    let bytes = std::fs::read(&labels).unwrap();
     std::fs::write(
-        dir.path().join("train-labels-idx1-ubyte.gz"),
-        &labels[..labels.len() / 2],
+        dir.path().join(labels.file_name().unwrap()),
+        &bytes[..bytes.len() / 2],
     )
     .unwrap();
     let out = run(Command::new(env!("CARGO_BIN_EXE_train-mnist"))
@@ -339,7 +342,7 @@ fn a_corrupt_data_file_is_an_error_naming_it() {
         .arg(dir.path()));
     assert!(!out.status.success());
     let all = text(&out);
-    assert!(all.contains("train-labels-idx1-ubyte.gz"), "{all}");
+    assert!(all.contains("train-labels-idx1-ubyte"), "{all}");
 }
 
 /// `--fetch-data` (used by job scripts before `srun`) resolves the same folder the trainer
@@ -349,11 +352,14 @@ fn fetch_data_prints_the_folder_the_trainer_reads() {
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("mnist");
     std::fs::create_dir(&dir).unwrap();
-    for entry in std::fs::read_dir(mnist_dir()).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_some_and(|e| e == "gz") {
-            std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
-        }
+    for name in [
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ] {
+        let from = mnist::file(&mnist_dir(), name);
+        std::fs::copy(&from, dir.join(from.file_name().unwrap())).unwrap();
     }
     let out = run(Command::new(env!("CARGO_BIN_EXE_train-mnist"))
         .arg("--fetch-data")

@@ -1,20 +1,20 @@
-//! MNIST on the real files in `shared/data/mnist`, and every kind of bad IDX input.
+//! MNIST on the real files (found or fetched by `ddp_data::fetch::mnist_for_tests`: the product's
+//! cache, the developers' `../shared/data/mnist`, or a download into the target folder), and
+//! every kind of bad IDX input.
 
-use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::io::Write;
 use std::sync::OnceLock;
 
 use ddp_data::{BatchSource, DataError, Dataset, Mnist, MnistSplit, Normalization};
 use flate2::write::GzEncoder;
 use flate2::Compression;
 
-fn shared_mnist() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/mnist")
-}
+mod common;
+use common::real_mnist;
 
 fn train() -> &'static Mnist {
     static TRAIN: OnceLock<Mnist> = OnceLock::new();
-    TRAIN.get_or_init(|| Mnist::load(&shared_mnist(), MnistSplit::Train).unwrap())
+    TRAIN.get_or_init(|| Mnist::load(&real_mnist(), MnistSplit::Train).unwrap())
 }
 
 #[test]
@@ -73,24 +73,49 @@ fn normalised_train_pixels_have_mean_0_and_std_1() {
 
 #[test]
 fn real_test_set_raw_and_gzip_agree() {
-    let gz = Mnist::load(&shared_mnist(), MnistSplit::Test).unwrap();
-    assert_eq!(gz.len(), 10_000);
-    assert_eq!(&gz.labels()[..10], &[7, 2, 1, 0, 4, 1, 4, 9, 5, 9]);
+    let real = Mnist::load(&real_mnist(), MnistSplit::Test).unwrap();
+    assert_eq!(real.len(), 10_000);
+    assert_eq!(&real.labels()[..10], &[7, 2, 1, 0, 4, 1, 4, 9, 5, 9]);
 
-    // The same files decompressed, under the raw names.
-    let tmp = tempfile::tempdir().unwrap();
-    for name in ["t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"] {
-        let mut bytes = Vec::new();
-        flate2::read::GzDecoder::new(
-            std::fs::File::open(shared_mnist().join(format!("{name}.gz"))).unwrap(),
-        )
-        .read_to_end(&mut bytes)
-        .unwrap();
-        std::fs::write(tmp.path().join(name), bytes).unwrap();
+    // The same files in both forms: raw under the plain names, gzip-compressed under `.gz`.
+    for gz in [false, true] {
+        let tmp = tempfile::tempdir().unwrap();
+        for name in ["t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"] {
+            let bytes = common::read_decompressed(&real_mnist(), name);
+            if gz {
+                std::fs::write(tmp.path().join(format!("{name}.gz")), gzip(&bytes)).unwrap();
+            } else {
+                std::fs::write(tmp.path().join(name), bytes).unwrap();
+            }
+        }
+        let copy = Mnist::load(tmp.path(), MnistSplit::Test).unwrap();
+        assert_eq!(copy.pixels(), real.pixels(), "gz: {gz}");
+        assert_eq!(copy.labels(), real.labels(), "gz: {gz}");
     }
-    let raw = Mnist::load(tmp.path(), MnistSplit::Test).unwrap();
-    assert_eq!(raw.pixels(), gz.pixels());
-    assert_eq!(raw.labels(), gz.labels());
+}
+
+/// The fetcher's constants (names, lengths, SHA-256 of the decompressed files) against the
+/// data set's own published sums (`fixtures/mnist-SHA256SUMS.raw`, copied from the MNIST copy
+/// the project was started with) and against the real files.
+#[test]
+fn fetch_constants_match_the_published_sums_and_the_real_files() {
+    use ddp_data::fetch::{MNIST_LEN, MNIST_SHA256};
+    use sha2::{Digest, Sha256};
+    let listed = include_str!("fixtures/mnist-SHA256SUMS.raw");
+    assert_eq!(listed.lines().count(), 4);
+    for (&(name, sum), len) in MNIST_SHA256.iter().zip(MNIST_LEN) {
+        assert!(
+            listed.lines().any(|l| l == format!("{sum}  {name}")),
+            "{name} {sum} is not in the published sums"
+        );
+        let bytes = common::read_decompressed(&real_mnist(), name);
+        assert_eq!(bytes.len() as u64, len, "{name}");
+        let digest: String = Sha256::digest(&bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(digest, sum, "{name}");
+    }
 }
 
 // ---- bad input -------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 //! `DistributedSampler`'s contract and the loader's batches (order, shapes, worker count).
 
-use std::path::Path;
+mod common;
+
 use std::sync::Arc;
 
 use burn::backend::Flex;
@@ -271,8 +272,7 @@ fn pima_batches_do_not_depend_on_the_worker_count() {
 
 #[test]
 fn mnist_batches_do_not_depend_on_the_worker_count() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/mnist");
-    let test = Arc::new(Mnist::load(&dir, MnistSplit::Test).unwrap());
+    let test = Arc::new(Mnist::load(&common::real_mnist(), MnistSplit::Test).unwrap());
     let indices = DistributedSampler::new(test.len(), 3, 0)
         .unwrap()
         .with_seed(1)

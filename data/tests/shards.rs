@@ -3,6 +3,8 @@
 //! the padding, the same number of steps on every rank, seeded orders), and batches equal to the
 //! in-memory loader's on the real MNIST.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -638,7 +640,7 @@ fn bad_configurations_are_errors() {
 // Batches as the in-memory loader gives them, on the real MNIST
 
 fn mnist_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/mnist")
+    common::real_mnist()
 }
 
 #[test]
