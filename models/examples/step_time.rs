@@ -11,19 +11,19 @@
 
 use std::time::{Duration, Instant};
 
-use burn::backend::{Autodiff, Flex};
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
-use burn::optim::{AdamConfig, GradientsParams, Optimizer};
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{AdamConfig, GradientsParams};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use ddp_models::{Classifier, MnistCnnConfig, MnistMlpConfig, PimaMlpConfig};
+
+/// The device of the timed steps: burn's CPU backend, recording gradients.
+fn device() -> Device {
+    Device::flex().autodiff()
+}
 
 /// The trainers' global allocator (see apps/Cargo.toml), so that the times are theirs.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-type B = Autodiff<Flex>;
-type Inner = <B as AutodiffBackend>::InnerBackend;
 
 /// Per-phase times of one step.
 #[derive(Default, Clone, Copy)]
@@ -36,18 +36,18 @@ struct Phases {
 
 /// Takes every gradient out as `Vec<f32>` and registers it again, as a DDP wrapper would
 /// around its all-reduce.
-fn flat_round_trip<M: Module<B>>(model: &M, grads: GradientsParams) -> GradientsParams {
+fn flat_round_trip<M: Module>(model: &M, grads: GradientsParams) -> GradientsParams {
     struct RoundTrip {
         grads: GradientsParams,
     }
-    impl ModuleVisitor<B> for RoundTrip {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if let Some(g) = self.grads.remove::<Inner, D>(param.id) {
+    impl ModuleVisitor for RoundTrip {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.remove::<D>(param.id) {
                 let shape = g.dims();
                 let device = g.device();
-                let flat = g.into_data().into_vec::<f32>().unwrap();
-                let back = Tensor::<Inner, D>::from_data(TensorData::new(flat, shape), &device);
-                self.grads.register::<Inner, D>(param.id, back);
+                let flat = g.into_data().try_into_vec::<f32>().unwrap();
+                let back = Tensor::<D>::from_data(TensorData::new(flat, shape), &device);
+                self.grads.register::<D>(param.id, back);
             }
         }
     }
@@ -59,18 +59,18 @@ fn flat_round_trip<M: Module<B>>(model: &M, grads: GradientsParams) -> Gradients
 fn time_steps<M, const D: usize>(
     name: &str,
     mut model: M,
-    input: Tensor<B, D>,
-    targets: Tensor<B, 1, Int>,
+    input: Tensor<D>,
+    targets: Tensor<1, Int>,
     steps: usize,
 ) where
-    M: AutodiffModule<B> + Classifier<B, D>,
+    M: Module + Classifier<D>,
 {
-    let mut optim = AdamConfig::new().init::<B, M>();
+    let mut optim = AdamConfig::new().init();
     let mut samples = Vec::new();
     for step in 0..steps + 2 {
         let t0 = Instant::now();
         let (loss, _) = model.loss(input.clone(), targets.clone());
-        let _ = loss.clone().into_scalar();
+        let _ = loss.clone().into_scalar::<f32>();
         let t1 = Instant::now();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let t2 = Instant::now();
@@ -114,11 +114,11 @@ fn time_steps<M, const D: usize>(
 
 /// FNV-1a over the little-endian bytes of every parameter: equal across processes exactly when
 /// the parameters are bit-identical.
-fn fingerprint<M: Module<B>>(model: &M) -> u64 {
+fn fingerprint<M: Module>(model: &M) -> u64 {
     ddp_comm::bytes::fnv1a(&ddp_models::safetensors_bytes(model).unwrap())
 }
 
-fn images(n: usize, device: &burn::tensor::Device<B>) -> (Tensor<B, 4>, Tensor<B, 1, Int>) {
+fn images(n: usize, device: &Device) -> (Tensor<4>, Tensor<1, Int>) {
     let pixels: Vec<f32> = (0..n * 784)
         .map(|i| ((i * 31 % 97) as f32 / 97.0) - 0.5)
         .collect();
@@ -134,21 +134,21 @@ fn main() {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(10);
-    let device = Default::default();
-    B::seed(&device, 0);
+    let device = device();
+    device.seed(0);
     println!("median of {steps} steps after 2 warm-up steps; times in ms");
     for batch in [64, 32] {
         let (x, y) = images(batch, &device);
-        let cnn = MnistCnnConfig::new().init::<B>(&device);
+        let cnn = MnistCnnConfig::new().init(&device);
         time_steps(&format!("cnn b={batch}"), cnn, x.clone(), y.clone(), steps);
-        let mlp = MnistMlpConfig::new().init::<B>(&device);
+        let mlp = MnistMlpConfig::new().init(&device);
         time_steps(&format!("mlp b={batch}"), mlp, x, y, steps);
     }
     let rows: Vec<f32> = (0..32 * 8)
         .map(|i| ((i * 37 % 17) as f32 - 8.0) / 8.0)
         .collect();
     let labels: Vec<i64> = (0..32).map(|i| i % 2).collect();
-    let pima = PimaMlpConfig::new().init::<B>(&device);
+    let pima = PimaMlpConfig::new().init(&device);
     time_steps(
         "pima b=32",
         pima,

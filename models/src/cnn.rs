@@ -15,10 +15,10 @@ use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig};
 use burn::tensor::activation::{log_softmax, relu};
-use burn::tensor::backend::Backend;
+use burn::tensor::Device;
 use burn::tensor::{Int, Tensor};
 
-use crate::ops::{self, FastOps};
+use crate::ops;
 use crate::{correct_argmax, materialize, nll_loss, Classifier};
 
 /// Configuration of [`MnistCnn`]. The defaults are the PyTorch tutorial's; set the dropout
@@ -39,27 +39,27 @@ pub struct MnistCnnConfig {
 /// The MNIST CNN. Field names are PyTorch's, so parameter paths are `conv1.weight`, ...,
 /// `fc2.bias`. Input `[batch, 1, 28, 28]`, output log-probabilities `[batch, num_classes]`.
 #[derive(Module, Debug)]
-pub struct MnistCnn<B: Backend> {
+pub struct MnistCnn {
     /// 1 → 32 channels, 3x3, stride 1, no padding.
-    pub conv1: Conv2d<B>,
+    pub conv1: Conv2d,
     /// 32 → 64 channels, 3x3, stride 1, no padding.
-    pub conv2: Conv2d<B>,
+    pub conv2: Conv2d,
     /// 2x2 max-pool, stride 2.
     pub pool: MaxPool2d,
     /// Dropout after the pool.
     pub dropout1: Dropout,
     /// 9216 → 128.
-    pub fc1: Linear<B>,
+    pub fc1: Linear,
     /// Dropout after `fc1`.
     pub dropout2: Dropout,
     /// 128 → `num_classes`.
-    pub fc2: Linear<B>,
+    pub fc2: Linear,
 }
 
 impl MnistCnnConfig {
     /// Builds the model on `device` with burn's default initialisation (the same uniform
     /// bounds as PyTorch's defaults), drawing every parameter now, in visiting order.
-    pub fn init<B: Backend>(&self, device: &B::Device) -> MnistCnn<B> {
+    pub fn init(&self, device: &Device) -> MnistCnn {
         let model = MnistCnn {
             conv1: Conv2dConfig::new([1, 32], [3, 3]).init(device),
             conv2: Conv2dConfig::new([32, 64], [3, 3]).init(device),
@@ -73,7 +73,7 @@ impl MnistCnnConfig {
     }
 }
 
-impl<B: FastOps> MnistCnn<B> {
+impl MnistCnn {
     /// Log-probabilities `[batch, num_classes]` for images `[batch, 1, 28, 28]`.
     ///
     /// Dropout is active only on an autodiff backend (training); on the inner backend
@@ -84,7 +84,7 @@ impl<B: FastOps> MnistCnn<B> {
     /// # Panics
     ///
     /// If the input is not `[batch, 1, 28, 28]`.
-    pub fn forward(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
+    pub fn forward(&self, images: Tensor<4>) -> Tensor<2> {
         let [_, channels, height, width] = images.dims();
         assert!(
             channels == 1 && height == 28 && width == 28,
@@ -104,28 +104,28 @@ impl<B: FastOps> MnistCnn<B> {
     /// Mean negative log-likelihood over the batch (shape `[1]`) and the log-probabilities.
     pub fn loss(
         &self,
-        images: Tensor<B, 4>,
-        targets: Tensor<B, 1, Int>,
-    ) -> (Tensor<B, 1>, Tensor<B, 2>) {
+        images: Tensor<4>,
+        targets: Tensor<1, Int>,
+    ) -> (Tensor<1>, Tensor<2>) {
         let log_probs = self.forward(images);
         (nll_loss(log_probs.clone(), targets), log_probs)
     }
 }
 
-impl<B: FastOps> Classifier<B, 4> for MnistCnn<B> {
-    fn forward(&self, input: Tensor<B, 4>) -> Tensor<B, 2> {
+impl Classifier<4> for MnistCnn {
+    fn forward(&self, input: Tensor<4>) -> Tensor<2> {
         MnistCnn::forward(self, input)
     }
 
     fn loss(
         &self,
-        input: Tensor<B, 4>,
-        targets: Tensor<B, 1, Int>,
-    ) -> (Tensor<B, 1>, Tensor<B, 2>) {
+        input: Tensor<4>,
+        targets: Tensor<1, Int>,
+    ) -> (Tensor<1>, Tensor<2>) {
         MnistCnn::loss(self, input, targets)
     }
 
-    fn correct(&self, output: &Tensor<B, 2>, targets: &Tensor<B, 1, Int>) -> usize {
+    fn correct(&self, output: &Tensor<2>, targets: &Tensor<1, Int>) -> usize {
         correct_argmax(output, targets)
     }
 }

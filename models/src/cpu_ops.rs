@@ -17,11 +17,10 @@
 use std::cell::RefCell;
 
 use burn::backend::flex::FlexTensor;
-use burn::backend::Flex;
-use burn::tensor::ops::{
-    ConvOptions, Device, FloatTensor, IntTensor, IntTensorOps, MaxPool2dWithIndices,
-};
-use burn::tensor::{DType, Distribution, FloatDType, IntDType, Shape, TensorData, TensorMetadata};
+use burn::backend::ops::{ConvOptions, FloatTensorOps, IntTensorOps, ModuleOps};
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{Flex, TensorMetadata};
+use burn::tensor::{DType, Distribution, FloatDType, IntDType, Shape, TensorData};
 use rayon::prelude::*;
 
 use crate::ops::FastOps;
@@ -89,7 +88,8 @@ impl ConvGeom {
     /// The geometry of `x` `[n, c, h, w]` convolved with `weight` `[co, c, kh, kw]`.
     fn new(x: &[usize], weight: &[usize], options: &ConvOptions<2>) -> Self {
         let [sh, sw] = options.stride;
-        let [ph, pw] = options.padding;
+        // Symmetric padding only (the caller checked): the begin of each (begin, end) pair.
+        let [(ph, _), (pw, _)] = options.padding;
         let [dh, dw] = options.dilation;
         let (h, w, kh, kw) = (x[2], x[3], weight[2], weight[3]);
         let out = |size: usize, k: usize, s: usize, p: usize, d: usize| {
@@ -574,6 +574,11 @@ impl PoolGeom {
     }
 }
 
+/// Whether the kernels take this convolution: one group, symmetric padding.
+fn plain(options: &ConvOptions<2>) -> bool {
+    options.groups == 1 && options.padding.iter().all(|(begin, end)| begin == end)
+}
+
 /// Whether the fast kernels take these tensors: `f32`, rank 4.
 fn f32_4d(tensors: &[&FlexTensor]) -> bool {
     tensors
@@ -581,32 +586,52 @@ fn f32_4d(tensors: &[&FlexTensor]) -> bool {
         .all(|t| t.dtype() == DType::F32 && t.shape().num_dims() == 4)
 }
 
+/// The forward convolution of [`FastOps::fast_conv2d`] and
+/// [`FastOps::fast_conv2d_with_bias`] on flex: `conv2d_forward`, or burn's own where the kernels
+/// do not apply.
+fn conv2d(
+    x: FlexTensor,
+    weight: FlexTensor,
+    bias: Option<FlexTensor>,
+    options: ConvOptions<2>,
+) -> FlexTensor {
+    if !plain(&options)
+        || !f32_4d(&[&x, &weight])
+        || bias.as_ref().is_some_and(|b| b.dtype() != DType::F32)
+    {
+        return <Flex as ModuleOps<Flex>>::conv2d(x, weight, bias, options);
+    }
+    let (xs, ws) = (x.shape().to_vec(), weight.shape().to_vec());
+    let g = ConvGeom::new(&xs, &ws, &options);
+    let (x, weight) = (contiguous(x), contiguous(weight));
+    let bias = bias.map(contiguous);
+    let out = conv2d_forward(
+        values(&x),
+        values(&weight),
+        bias.as_ref().map(values),
+        xs[0],
+        ws[0],
+        &g,
+    );
+    tensor(out, &[xs[0], ws[0], g.oh, g.ow])
+}
+
 impl FastOps for Flex {
     fn fast_conv2d(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
-        if options.groups != 1
-            || !f32_4d(&[&x, &weight])
-            || bias.as_ref().is_some_and(|b| b.dtype() != DType::F32)
-        {
-            return <Flex as burn::tensor::ops::ModuleOps<Flex>>::conv2d(x, weight, bias, options);
-        }
-        let (xs, ws) = (x.shape().to_vec(), weight.shape().to_vec());
-        let g = ConvGeom::new(&xs, &ws, &options);
-        let (x, weight) = (contiguous(x), contiguous(weight));
-        let bias = bias.map(contiguous);
-        let out = conv2d_forward(
-            values(&x),
-            values(&weight),
-            bias.as_ref().map(values),
-            xs[0],
-            ws[0],
-            &g,
-        );
-        tensor(out, &[xs[0], ws[0], g.oh, g.ow])
+        conv2d(x, weight, None, options)
+    }
+
+    fn fast_conv2d_with_bias(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        conv2d(x, weight, Some(bias), options)
     }
 
     fn fast_conv2d_x_backward(
@@ -615,8 +640,8 @@ impl FastOps for Flex {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
-        if options.groups != 1 || !f32_4d(&[&x, &weight, &output_grad]) {
-            return <Flex as burn::tensor::ops::ModuleOps<Flex>>::conv2d_x_backward(
+        if !plain(&options) || !f32_4d(&[&x, &weight, &output_grad]) {
+            return <Flex as ModuleOps<Flex>>::conv2d_x_backward(
                 x,
                 weight,
                 output_grad,
@@ -636,8 +661,8 @@ impl FastOps for Flex {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
-        if options.groups != 1 || !f32_4d(&[&x, &weight, &output_grad]) {
-            return <Flex as burn::tensor::ops::ModuleOps<Flex>>::conv2d_weight_backward(
+        if !plain(&options) || !f32_4d(&[&x, &weight, &output_grad]) {
+            return <Flex as ModuleOps<Flex>>::conv2d_weight_backward(
                 x,
                 weight,
                 output_grad,
@@ -657,7 +682,7 @@ impl FastOps for Flex {
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         if !f32_4d(&[&x, &output_grad]) || bias.dtype() != DType::F32 {
-            return <Flex as burn::tensor::ops::ModuleOps<Flex>>::conv2d_bias_backward(
+            return <Flex as ModuleOps<Flex>>::conv2d_bias_backward(
                 x,
                 bias,
                 output_grad,
@@ -675,20 +700,22 @@ impl FastOps for Flex {
         stride: [usize; 2],
         padding: [usize; 2],
         dilation: [usize; 2],
-    ) -> MaxPool2dWithIndices<Self> {
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
         let xs = x.shape().to_vec();
         let geom = f32_4d(&[&x])
             .then(|| PoolGeom::new(xs[2], xs[3], kernel_size, stride, padding, dilation))
             .flatten();
         let Some(g) = geom else {
-            return <Flex as burn::tensor::ops::ModuleOps<Flex>>::max_pool2d_with_indices(
+            let out = <Flex as ModuleOps<Flex>>::max_pool2d_with_indices(
                 x,
                 kernel_size,
                 stride,
                 padding,
                 dilation,
                 false,
+                IntDType::I64,
             );
+            return (out.output, out.indices);
         };
         let x = contiguous(x);
         let planes = xs[0] * xs[1];
@@ -700,7 +727,7 @@ impl FastOps for Flex {
             .zip(values(&x).par_chunks(plane_in))
             .for_each(|((o, i), xp)| max_pool_plane(xp, &g, o, i));
         let shape = [xs[0], xs[1], g.oh, g.ow];
-        MaxPool2dWithIndices::new(
+        (
             tensor(out, &shape),
             FlexTensor::from_data(TensorData::new(idx, shape.to_vec())),
         )
@@ -716,7 +743,7 @@ impl FastOps for Flex {
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
         if !f32_4d(&[&x, &output_grad]) || indices.dtype() != DType::I64 {
-            return <Flex as burn::tensor::ops::ModuleOps<Flex>>::max_pool2d_with_indices_backward(
+            return <Flex as ModuleOps<Flex>>::max_pool2d_with_indices_backward(
                 x,
                 kernel_size,
                 stride,
@@ -755,30 +782,20 @@ impl FastOps for Flex {
     }
 
     /// `dropout_mask` (this file), its seed two 32-bit draws from flex's seeded generator (so
-    /// `Flex::seed` fixes the mask, as it fixes burn's).
-    fn fast_dropout_mask(
-        shape: Shape,
-        prob: f64,
-        device: &Device<Self>,
-        dtype: FloatDType,
-    ) -> FloatTensor<Self> {
+    /// `Device::seed` fixes the mask, as it fixes burn's).
+    fn fast_dropout_mask(like: FloatTensor<Self>, prob: f64) -> FloatTensor<Self> {
+        let dtype: FloatDType = like.dtype().into();
+        let device = like.device();
+        let shape = like.shape();
         if dtype != FloatDType::F32 || !(0.0..1.0).contains(&prob) {
             let keep = 1.0 - prob;
-            let mask = <Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_random(
-                shape,
-                Distribution::Bernoulli(keep),
-                device,
-                dtype,
-            );
-            return <Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_mul_scalar(
-                mask,
-                burn::tensor::Scalar::from(1.0 / keep),
-            );
+            let mask = Flex::float_random(shape, Distribution::Bernoulli(keep), &device, dtype);
+            return Flex::float_mul_scalar(mask, burn::tensor::Scalar::from(1.0 / keep));
         }
         let draws = Flex::int_random(
             Shape::new([2]),
             Distribution::Uniform(0.0, 4_294_967_296.0),
-            device,
+            &device,
             IntDType::I64,
         );
         let (start, end) = draws

@@ -6,7 +6,7 @@ use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::relu;
-use burn::tensor::backend::Backend;
+use burn::tensor::Device;
 use burn::tensor::{Int, Tensor};
 
 use crate::{correct_argmax, cross_entropy, materialize, Classifier};
@@ -28,16 +28,16 @@ pub struct MnistMlpConfig {
 /// The MNIST MLP. Parameter paths `fc1.weight`, `fc1.bias`, `fc2.weight`, `fc2.bias`.
 /// Output: logits `[batch, num_classes]`.
 #[derive(Module, Debug)]
-pub struct MnistMlp<B: Backend> {
+pub struct MnistMlp {
     /// `input` → `hidden`.
-    pub fc1: Linear<B>,
+    pub fc1: Linear,
     /// `hidden` → `num_classes`.
-    pub fc2: Linear<B>,
+    pub fc2: Linear,
 }
 
 impl MnistMlpConfig {
     /// Builds the model on `device`, drawing every parameter now, in visiting order.
-    pub fn init<B: Backend>(&self, device: &B::Device) -> MnistMlp<B> {
+    pub fn init(&self, device: &Device) -> MnistMlp {
         let model = MnistMlp {
             fc1: LinearConfig::new(self.input, self.hidden).init(device),
             fc2: LinearConfig::new(self.hidden, self.num_classes).init(device),
@@ -46,14 +46,14 @@ impl MnistMlpConfig {
     }
 }
 
-impl<B: Backend> MnistMlp<B> {
+impl MnistMlp {
     /// Logits `[batch, num_classes]` for a batch of any rank whose first dimension is the
     /// batch: `[batch, 1, 28, 28]` images or `[batch, 784]` rows are flattened alike.
     ///
     /// # Panics
     ///
     /// If the elements per sample differ from the configured input size.
-    pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, 2> {
+    pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<2> {
         let dims = input.dims();
         let batch = dims[0];
         let features: usize = dims[1..].iter().product();
@@ -70,9 +70,9 @@ impl<B: Backend> MnistMlp<B> {
     /// Mean cross-entropy over the batch (shape `[1]`) and the logits.
     pub fn loss<const D: usize>(
         &self,
-        input: Tensor<B, D>,
-        targets: Tensor<B, 1, Int>,
-    ) -> (Tensor<B, 1>, Tensor<B, 2>) {
+        input: Tensor<D>,
+        targets: Tensor<1, Int>,
+    ) -> (Tensor<1>, Tensor<2>) {
         let logits = self.forward(input);
         (cross_entropy(logits.clone(), targets), logits)
     }
@@ -82,20 +82,20 @@ impl<B: Backend> MnistMlp<B> {
 /// trainer can swap one model for the other; call the inherent methods for `[batch, 784]` rows.
 ///
 /// [`MnistCnn`]: crate::MnistCnn
-impl<B: Backend> Classifier<B, 4> for MnistMlp<B> {
-    fn forward(&self, input: Tensor<B, 4>) -> Tensor<B, 2> {
+impl Classifier<4> for MnistMlp {
+    fn forward(&self, input: Tensor<4>) -> Tensor<2> {
         MnistMlp::forward(self, input)
     }
 
     fn loss(
         &self,
-        input: Tensor<B, 4>,
-        targets: Tensor<B, 1, Int>,
-    ) -> (Tensor<B, 1>, Tensor<B, 2>) {
+        input: Tensor<4>,
+        targets: Tensor<1, Int>,
+    ) -> (Tensor<1>, Tensor<2>) {
         MnistMlp::loss(self, input, targets)
     }
 
-    fn correct(&self, output: &Tensor<B, 2>, targets: &Tensor<B, 1, Int>) -> usize {
+    fn correct(&self, output: &Tensor<2>, targets: &Tensor<1, Int>) -> usize {
         correct_argmax(output, targets)
     }
 }

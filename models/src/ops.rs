@@ -1,50 +1,65 @@
 //! The operations the models spend their time in, as a backend extension: [`FastOps`].
 //!
 //! The models call [`conv2d`], [`max_pool2d`] and [`dropout`] instead of `Conv2d::forward`,
-//! `MaxPool2d::forward` and `Dropout::forward`. They take burn's own layers (so the models keep their fields, their
-//! record layout and their PyTorch names) and end in a method of [`FastOps`], a trait every
-//! backend the models run on implements:
+//! `MaxPool2d::forward` and `Dropout::forward`. They take burn's own layers (so the models keep
+//! their fields, their record layout and their PyTorch names). On burn's CPU backend (a
+//! `Device::flex()` device, with or without autodiff) they end in a method of [`FastOps`], a
+//! burn 0.22 backend extension (`#[backend_extension]`) implemented for two backends:
 //!
-//! - Its default methods are burn's own ops (`B::conv2d`, `B::conv2d_x_backward`, ...), so a
-//!   backend with an empty `impl FastOps` (burn-cuda) computes exactly what `Conv2d::forward`
-//!   would.
-//! - The CPU backend (`Flex`) overrides them with the kernels of `cpu_ops.rs`:
-//!   im2col + gemm straight on NCHW data, parallel over the images of the batch.
-//! - `Autodiff<B>` overrides the forward methods to record its own backward steps, which call
-//!   `B`'s gradient methods of this trait: on `Autodiff<Flex>` the backward pass runs the fast
-//!   kernels too, on `Autodiff<Cuda>` burn's.
+//! - `Flex` runs the kernels of `cpu_ops.rs`: im2col + gemm straight on NCHW data, parallel
+//!   over the images of the batch;
+//! - `Autodiff<B>` records its own backward steps, which call `B`'s gradient methods of this
+//!   trait: on an autodiff flex device the backward pass runs the fast kernels too.
+//!
+//! On every other device (CUDA, ...) they are the layer's own `forward`: burn's kernels. The
+//! trait's default methods are burn's own ops, so a backend added to the extension without
+//! kernels of its own computes exactly what the layer would.
 //!
 //! A layer configuration the fast path does not cover (groups, asymmetric or `Same`
-//! padding, `ceil_mode`) falls back to the layer's own `forward`, so every configuration gives
-//! burn's result.
+//! padding, `ceil_mode`) falls back to the layer's own `forward` too, so every configuration
+//! gives burn's result.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::autodiff::NodeId;
-use burn::backend::Autodiff;
+use burn::backend::ops::ConvOptions;
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{
+    backend_extension, Autodiff, AutodiffBackend, Backend, Dispatch, DispatchDevice,
+    TensorMetadata,
+};
 use burn::nn::conv::Conv2d;
 use burn::nn::pool::MaxPool2d;
 use burn::nn::{Dropout, PaddingConfig2d};
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::ops::{ConvOptions, Device, FloatTensor, IntTensor, MaxPool2dWithIndices};
-use burn::tensor::{Distribution, FloatDType, Scalar, Shape, Tensor, TensorPrimitive};
+use burn::tensor::{Device, Distribution, IntDType, Scalar, Tensor};
 
 /// Backend extension for the models' hot operations. Every method has a default that is
 /// burn's own op; a backend overrides the ones it has faster kernels for.
 ///
 /// Shapes and semantics are those of burn's `ModuleOps` methods of the same name without the
 /// `fast_` prefix.
+#[backend_extension(Flex, Autodiff)]
 pub trait FastOps: Backend {
-    /// 2-D convolution, NCHW, symmetric padding.
+    /// 2-D convolution without bias, NCHW.
     fn fast_conv2d(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
-        Self::conv2d(x, weight, bias, options)
+        Self::conv2d(x, weight, None, options)
+    }
+
+    /// 2-D convolution with a bias, NCHW. (Two methods rather than one with an optional bias:
+    /// burn 0.22's extension macro does not route `Option` tensor arguments.)
+    fn fast_conv2d_with_bias(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        Self::conv2d(x, weight, Some(bias), options)
     }
 
     /// Gradient of [`FastOps::fast_conv2d`] with respect to its input.
@@ -76,16 +91,25 @@ pub trait FastOps: Backend {
         Self::conv2d_bias_backward(x, bias, output_grad)
     }
 
-    /// 2-D max-pool, NCHW, with the flat index (`y * width + x`) of each maximum in its input
-    /// plane.
+    /// 2-D max-pool, NCHW: the output and the flat index (`y * width + x`) of each maximum in
+    /// its input plane.
     fn fast_max_pool2d_with_indices(
         x: FloatTensor<Self>,
         kernel_size: [usize; 2],
         stride: [usize; 2],
         padding: [usize; 2],
         dilation: [usize; 2],
-    ) -> MaxPool2dWithIndices<Self> {
-        Self::max_pool2d_with_indices(x, kernel_size, stride, padding, dilation, false)
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        let out = Self::max_pool2d_with_indices(
+            x,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            false,
+            IntDType::I64,
+        );
+        (out.output, out.indices)
     }
 
     /// Gradient of [`FastOps::fast_max_pool2d_with_indices`] with respect to its input.
@@ -111,84 +135,92 @@ pub trait FastOps: Backend {
         .x_grad
     }
 
-    /// A dropout mask of `shape`: every element independently `1 / (1 - prob)` with
-    /// probability `1 - prob`, else `0`, drawn from the backend's seeded generator (so
-    /// `Backend::seed` makes it reproducible). `prob` must lie in `[0, 1)`. The default is
-    /// burn's own sampling (a Bernoulli tensor, then scaled).
-    fn fast_dropout_mask(
-        shape: Shape,
-        prob: f64,
-        device: &Device<Self>,
-        dtype: FloatDType,
-    ) -> FloatTensor<Self> {
+    /// A dropout mask of `like`'s shape, device and dtype: every element independently
+    /// `1 / (1 - prob)` with probability `1 - prob`, else `0`, drawn from the device's seeded
+    /// generator (so `Device::seed` makes it reproducible). `prob` must lie in `[0, 1)`. The
+    /// default is burn's own sampling (a Bernoulli tensor, then scaled).
+    fn fast_dropout_mask(like: FloatTensor<Self>, prob: f64) -> FloatTensor<Self> {
         let keep = 1.0 - prob;
-        let mask = Self::float_random(shape, Distribution::Bernoulli(keep), device, dtype);
+        let device = like.device();
+        let mask = Self::float_random(
+            like.shape(),
+            Distribution::Bernoulli(keep),
+            &device,
+            like.dtype().into(),
+        );
         Self::float_mul_scalar(mask, Scalar::from(1.0 / keep))
     }
 }
 
-/// `dropout.forward(x)`: the identity unless the backend records gradients (training) and the
-/// probability is positive, else `x` times a [`FastOps::fast_dropout_mask`], one
-/// multiplication forward and one backward (burn's `Dropout` multiplies twice: by the
-/// Bernoulli tensor, then by `1 / (1 - prob)`). A probability of 1 or more zeroes `x`.
-pub fn dropout<B: FastOps, const D: usize>(x: Tensor<B, D>, dropout: &Dropout) -> Tensor<B, D> {
+/// Whether `device` is burn's CPU backend (flex), with or without autodiff: where [`FastOps`]
+/// has its kernels. Everywhere else the layers' own `forward` runs.
+fn on_flex(device: &Device) -> bool {
+    matches!(device.clone().inner().as_dispatch(), DispatchDevice::Flex(_))
+}
+
+/// `dropout.forward(x)`: the identity unless the layer is in training mode and the device
+/// records gradients (burn's own rule) and the probability is positive, else `x` times a
+/// [`FastOps::fast_dropout_mask`], one multiplication forward and one backward (burn's
+/// `Dropout` multiplies twice: by the Bernoulli tensor, then by `1 / (1 - prob)`). A
+/// probability of 1 or more zeroes `x`. Off the CPU backend: `dropout.forward(x)`.
+pub fn dropout<const D: usize>(x: Tensor<D>, dropout: &Dropout) -> Tensor<D> {
     let device = x.device();
-    if !B::ad_enabled(&device) || dropout.prob <= 0.0 {
+    if !on_flex(&device) {
+        return dropout.forward(x);
+    }
+    if !dropout.training.is_enabled() || !device.is_autodiff() || dropout.prob <= 0.0 {
         return x;
     }
     if dropout.prob >= 1.0 {
         return x.zeros_like();
     }
-    let mask = B::fast_dropout_mask(x.shape(), dropout.prob, &device, x.dtype().into());
-    x * Tensor::from_primitive(TensorPrimitive::Float(mask))
+    let mask = Dispatch::fast_dropout_mask(x.clone().into_dispatch(), dropout.prob);
+    x * Tensor::from_dispatch(mask)
 }
 
-/// `conv.forward(x)`, through [`FastOps::fast_conv2d`] where the layer's configuration allows
-/// (one group, symmetric padding), else through the layer itself.
-pub fn conv2d<B: FastOps>(x: Tensor<B, 4>, conv: &Conv2d<B>) -> Tensor<B, 4> {
-    let padding = match conv.padding {
+/// The symmetric padding `[height, width]` of a padding configuration, `None` when it is not
+/// symmetric (or `Same`, whose amount depends on the input).
+fn symmetric(padding: &PaddingConfig2d) -> Option<[usize; 2]> {
+    match *padding {
         PaddingConfig2d::Valid => Some([0, 0]),
         PaddingConfig2d::Explicit(top, left, bottom, right) if top == bottom && left == right => {
             Some([top, left])
         }
         _ => None,
-    };
-    let Some(padding) = padding.filter(|_| conv.groups == 1) else {
+    }
+}
+
+/// `conv.forward(x)`, through [`FastOps::fast_conv2d`] on the CPU backend where the layer's
+/// configuration allows (one group, symmetric padding), else through the layer itself.
+pub fn conv2d(x: Tensor<4>, conv: &Conv2d) -> Tensor<4> {
+    let padding = symmetric(&conv.padding).filter(|_| conv.groups == 1);
+    let Some(padding) = padding.filter(|_| on_flex(&x.device())) else {
         return conv.forward(x);
     };
     let options = ConvOptions::new(conv.stride, padding, conv.dilation, 1);
-    let out = B::fast_conv2d(
-        x.into_primitive().tensor(),
-        conv.weight.val().into_primitive().tensor(),
-        conv.bias
-            .as_ref()
-            .map(|b| b.val().into_primitive().tensor()),
-        options,
-    );
-    Tensor::from_primitive(TensorPrimitive::Float(out))
+    let (x, weight) = (x.into_dispatch(), conv.weight.val().into_dispatch());
+    Tensor::from_dispatch(match &conv.bias {
+        None => Dispatch::fast_conv2d(x, weight, options),
+        Some(bias) => Dispatch::fast_conv2d_with_bias(x, weight, bias.val().into_dispatch(), options),
+    })
 }
 
-/// `pool.forward(x)`, through [`FastOps::fast_max_pool2d_with_indices`] where the layer's
-/// configuration allows (symmetric padding, no `ceil_mode`), else through the layer itself.
-pub fn max_pool2d<B: FastOps>(x: Tensor<B, 4>, pool: &MaxPool2d) -> Tensor<B, 4> {
-    let padding = match pool.padding {
-        PaddingConfig2d::Valid => Some([0, 0]),
-        PaddingConfig2d::Explicit(top, left, bottom, right) if top == bottom && left == right => {
-            Some([top, left])
-        }
-        _ => None,
-    };
-    let Some(padding) = padding.filter(|_| !pool.ceil_mode) else {
+/// `pool.forward(x)`, through [`FastOps::fast_max_pool2d_with_indices`] on the CPU backend
+/// where the layer's configuration allows (symmetric padding, no `ceil_mode`), else through
+/// the layer itself.
+pub fn max_pool2d(x: Tensor<4>, pool: &MaxPool2d) -> Tensor<4> {
+    let padding = symmetric(&pool.padding).filter(|_| !pool.ceil_mode);
+    let Some(padding) = padding.filter(|_| on_flex(&x.device())) else {
         return pool.forward(x);
     };
-    let out = B::fast_max_pool2d_with_indices(
-        x.into_primitive().tensor(),
+    let (out, _indices) = Dispatch::fast_max_pool2d_with_indices(
+        x.into_dispatch(),
         pool.kernel_size,
         pool.stride,
         padding,
         pool.dilation,
     );
-    Tensor::from_primitive(TensorPrimitive::Float(out.output))
+    Tensor::from_dispatch(out)
 }
 
 /// Backward step of [`FastOps::fast_conv2d`] with a bias on `Autodiff`: parents input, weight
@@ -323,28 +355,36 @@ impl<B: FastOps, C: CheckpointStrategy> FastOps for Autodiff<B, C> {
     fn fast_conv2d(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
-        let Some(bias) = bias else {
-            return match FastConv2dNoBiasBackward
-                .prepare::<C>([x.node.clone(), weight.node.clone()])
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(mut prep) => {
-                    let x_state = prep.checkpoint(&x);
-                    let weight_state = prep.checkpoint(&weight);
-                    let out = B::fast_conv2d(x.primitive, weight.primitive, None, options.clone());
-                    prep.finish((x_state, weight_state, options), out)
-                }
-                OpsKind::UnTracked(prep) => {
-                    prep.finish(B::fast_conv2d(x.primitive, weight.primitive, None, options))
-                }
-            };
-        };
+        match FastConv2dNoBiasBackward
+            .prepare::<C>([x.node(), weight.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let x_state = prep.checkpoint(&x);
+                let weight_state = prep.checkpoint(&weight);
+                let out =
+                    B::fast_conv2d(x.into_primitive(), weight.into_primitive(), options.clone());
+                prep.finish((x_state, weight_state, options), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::fast_conv2d(
+                x.into_primitive(),
+                weight.into_primitive(),
+                options,
+            )),
+        }
+    }
+
+    fn fast_conv2d_with_bias(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
         match FastConv2dBackward
-            .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
+            .prepare::<C>([x.node(), weight.node(), bias.node()])
             .compute_bound()
             .stateful()
         {
@@ -352,18 +392,18 @@ impl<B: FastOps, C: CheckpointStrategy> FastOps for Autodiff<B, C> {
                 let x_state = prep.checkpoint(&x);
                 let weight_state = prep.checkpoint(&weight);
                 let bias_state = prep.checkpoint(&bias);
-                let out = B::fast_conv2d(
-                    x.primitive,
-                    weight.primitive,
-                    Some(bias.primitive),
+                let out = B::fast_conv2d_with_bias(
+                    x.into_primitive(),
+                    weight.into_primitive(),
+                    bias.into_primitive(),
                     options.clone(),
                 );
                 prep.finish((x_state, weight_state, bias_state, options), out)
             }
-            OpsKind::UnTracked(prep) => prep.finish(B::fast_conv2d(
-                x.primitive,
-                weight.primitive,
-                Some(bias.primitive),
+            OpsKind::UnTracked(prep) => prep.finish(B::fast_conv2d_with_bias(
+                x.into_primitive(),
+                weight.into_primitive(),
+                bias.into_primitive(),
                 options,
             )),
         }
@@ -375,16 +415,16 @@ impl<B: FastOps, C: CheckpointStrategy> FastOps for Autodiff<B, C> {
         stride: [usize; 2],
         padding: [usize; 2],
         dilation: [usize; 2],
-    ) -> MaxPool2dWithIndices<Self> {
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
         match FastMaxPool2dBackward
-            .prepare::<C>([x.node.clone()])
+            .prepare::<C>([x.node()])
             .compute_bound()
             .stateful()
         {
             OpsKind::Tracked(mut prep) => {
                 let x_state = prep.checkpoint(&x);
-                let out = B::fast_max_pool2d_with_indices(
-                    x.primitive,
+                let (output, indices) = B::fast_max_pool2d_with_indices(
+                    x.into_primitive(),
                     kernel_size,
                     stride,
                     padding,
@@ -392,38 +432,29 @@ impl<B: FastOps, C: CheckpointStrategy> FastOps for Autodiff<B, C> {
                 );
                 let state = (
                     x_state,
-                    out.indices.clone(),
+                    indices.clone(),
                     kernel_size,
                     stride,
                     padding,
                     dilation,
                 );
-                MaxPool2dWithIndices::new(prep.finish(state, out.output), out.indices)
+                (prep.finish(state, output), indices)
             }
             OpsKind::UnTracked(prep) => {
-                let out = B::fast_max_pool2d_with_indices(
-                    x.primitive,
+                let (output, indices) = B::fast_max_pool2d_with_indices(
+                    x.into_primitive(),
                     kernel_size,
                     stride,
                     padding,
                     dilation,
                 );
-                MaxPool2dWithIndices::new(prep.finish(out.output), out.indices)
+                (prep.finish(output), indices)
             }
         }
     }
 
     /// The inner backend's mask, as a constant (no gradient flows into a mask).
-    fn fast_dropout_mask(
-        shape: Shape,
-        prob: f64,
-        device: &Device<Self>,
-        dtype: FloatDType,
-    ) -> FloatTensor<Self> {
-        <Self as AutodiffBackend>::from_inner(B::fast_dropout_mask(shape, prob, device, dtype))
+    fn fast_dropout_mask(like: FloatTensor<Self>, prob: f64) -> FloatTensor<Self> {
+        <Self as AutodiffBackend>::from_inner(B::fast_dropout_mask(like.into_primitive(), prob))
     }
 }
-
-/// burn-cuda keeps burn's own kernels.
-#[cfg(feature = "cuda")]
-impl FastOps for burn::backend::Cuda {}

@@ -16,7 +16,6 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -69,7 +68,7 @@ impl ParamSpec {
 /// shapes, ids, element types and whether each requires a gradient. Integer and boolean
 /// parameters are not listed. This is the one module-path walker of the workspace: the `ddp`
 /// crate builds its parameter list from it.
-pub fn param_specs<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamSpec> {
+pub fn param_specs<M: Module>(module: &M) -> Vec<ParamSpec> {
     let mut walker = Walker::new(false);
     module.visit(&mut walker);
     walker.specs
@@ -102,7 +101,7 @@ pub enum ExportError {
 /// Encodes every float parameter of `module` as a safetensors file image: PyTorch names,
 /// PyTorch layouts (`Linear` weights transposed), `F32` little-endian whatever burn's float
 /// type is, and [`SAFETENSORS_METADATA`] in the header.
-pub fn safetensors_bytes<B: Backend, M: Module<B>>(module: &M) -> Result<Vec<u8>, ExportError> {
+pub fn safetensors_bytes<M: Module>(module: &M) -> Result<Vec<u8>, ExportError> {
     let mut walker = Walker::new(true);
     module.visit(&mut walker);
     let tensors = walker.specs.iter().zip(walker.values);
@@ -136,7 +135,7 @@ pub fn safetensors_bytes<B: Backend, M: Module<B>>(module: &M) -> Result<Vec<u8>
 /// Writes [`safetensors_bytes`] of `module` to `path` atomically: into a temporary file in the
 /// same directory, synced to disk, then renamed over `path`, so a reader never sees a partial
 /// file and a crash leaves the previous file intact.
-pub fn export_safetensors<B: Backend, M: Module<B>>(
+pub fn export_safetensors<M: Module>(
     module: &M,
     path: &Path,
 ) -> Result<(), ExportError> {
@@ -202,7 +201,7 @@ impl Walker {
     }
 }
 
-impl<B: Backend> ModuleVisitor<B> for Walker {
+impl ModuleVisitor for Walker {
     fn enter_module(&mut self, name: &str, container_type: &str) {
         self.path
             .push((name.to_string(), container_type.to_string()));
@@ -212,7 +211,7 @@ impl<B: Backend> ModuleVisitor<B> for Walker {
         self.path.pop();
     }
 
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         let value = param.val();
         let name = self
             .path
@@ -235,7 +234,7 @@ impl<B: Backend> ModuleVisitor<B> for Walker {
         if self.read_values {
             let data = value.into_data().convert::<f32>();
             self.values
-                .push(data.into_vec::<f32>().map_err(|e| format!("{e:?}")));
+                .push(data.try_into_vec::<f32>().map_err(|e| format!("{e:?}")));
         }
     }
 }

@@ -17,7 +17,7 @@ use burn::module::Module;
 use burn::nn::loss::BinaryCrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::relu;
-use burn::tensor::backend::Backend;
+use burn::tensor::Device;
 use burn::tensor::{Int, Tensor};
 
 use crate::{count_true, materialize, Classifier};
@@ -36,16 +36,16 @@ pub struct PimaMlpConfig {
 /// The Pima MLP. Input `[batch, 8]` (normalised features), output one logit per row
 /// `[batch, 1]`: `sigmoid(logit)` is the predicted probability of diabetes.
 #[derive(Module, Debug)]
-pub struct PimaMlp<B: Backend> {
+pub struct PimaMlp {
     /// The hidden layers, each followed by a ReLU.
-    pub hidden: Vec<Linear<B>>,
+    pub hidden: Vec<Linear>,
     /// Last hidden width (or the input width without hidden layers) → 1 logit.
-    pub output: Linear<B>,
+    pub output: Linear,
 }
 
 impl PimaMlpConfig {
     /// Builds the model on `device`, drawing every parameter now, in visiting order.
-    pub fn init<B: Backend>(&self, device: &B::Device) -> PimaMlp<B> {
+    pub fn init(&self, device: &Device) -> PimaMlp {
         let mut width = self.input;
         let mut hidden = Vec::with_capacity(self.hidden.len());
         for &next in &self.hidden {
@@ -60,9 +60,9 @@ impl PimaMlpConfig {
     }
 }
 
-impl<B: Backend> PimaMlp<B> {
+impl PimaMlp {
     /// One logit per row, `[batch, 1]`, for rows `[batch, input]`.
-    pub fn forward(&self, rows: Tensor<B, 2>) -> Tensor<B, 2> {
+    pub fn forward(&self, rows: Tensor<2>) -> Tensor<2> {
         let x = self
             .hidden
             .iter()
@@ -74,9 +74,9 @@ impl<B: Backend> PimaMlp<B> {
     /// `[batch, 1]`. `targets` are `0` or `1`, one per row.
     pub fn loss(
         &self,
-        rows: Tensor<B, 2>,
-        targets: Tensor<B, 1, Int>,
-    ) -> (Tensor<B, 1>, Tensor<B, 2>) {
+        rows: Tensor<2>,
+        targets: Tensor<1, Int>,
+    ) -> (Tensor<1>, Tensor<2>) {
         let logits = self.forward(rows);
         let bce = BinaryCrossEntropyLossConfig::new()
             .with_logits(true)
@@ -86,21 +86,21 @@ impl<B: Backend> PimaMlp<B> {
     }
 }
 
-impl<B: Backend> Classifier<B, 2> for PimaMlp<B> {
-    fn forward(&self, input: Tensor<B, 2>) -> Tensor<B, 2> {
+impl Classifier<2> for PimaMlp {
+    fn forward(&self, input: Tensor<2>) -> Tensor<2> {
         PimaMlp::forward(self, input)
     }
 
     fn loss(
         &self,
-        input: Tensor<B, 2>,
-        targets: Tensor<B, 1, Int>,
-    ) -> (Tensor<B, 1>, Tensor<B, 2>) {
+        input: Tensor<2>,
+        targets: Tensor<1, Int>,
+    ) -> (Tensor<1>, Tensor<2>) {
         PimaMlp::loss(self, input, targets)
     }
 
     /// A row is predicted positive when its logit is above 0 (probability above 0.5).
-    fn correct(&self, output: &Tensor<B, 2>, targets: &Tensor<B, 1, Int>) -> usize {
+    fn correct(&self, output: &Tensor<2>, targets: &Tensor<1, Int>) -> usize {
         let predicted = output.clone().squeeze_dim::<1>(1).greater_elem(0.0).int();
         count_true(predicted.equal(targets.clone()))
     }

@@ -1,5 +1,5 @@
-//! `ddp_models::ops::dropout` on `Autodiff<Flex>` (the CPU backend's counter-based mask) and on
-//! the inner backend: kept values scaled by exactly `1 / (1 - p)`, the kept fraction within a
+//! `ddp_models::ops::dropout` on an autodiff flex device (the CPU backend's counter-based mask)
+//! and on a plain one: kept values scaled by exactly `1 / (1 - p)`, the kept fraction within a
 //! few standard deviations of `1 - p` (on both halves of each 64-bit draw), the gradient equal
 //! to the mask, the same mask for the same seed at any thread count, another mask for another
 //! seed, and the identity where burn's `Dropout` is the identity.
@@ -9,13 +9,10 @@
 
 use std::sync::Mutex;
 
-use burn::backend::{Autodiff, Flex};
+use burn::module::Param;
 use burn::nn::{Dropout, DropoutConfig};
-use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
 use ddp_models::ops;
-
-type B = Autodiff<Flex>;
 
 /// Serialises seeding and drawing from flex's global generator.
 static RNG: Mutex<()> = Mutex::new(());
@@ -36,14 +33,14 @@ fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
 fn run(prob: f64, seed: u64, threads: usize) -> (Vec<f32>, Vec<f32>) {
     let _guard = RNG.lock().unwrap_or_else(|e| e.into_inner());
     in_pool(threads, || {
-        let device = Default::default();
-        B::seed(&device, seed);
-        let x = Tensor::<B, 1>::from_data(TensorData::new(vec![1.0f32; LEN], [LEN]), &device)
+        let device = Device::flex().autodiff();
+        device.seed(seed);
+        let x = Tensor::<1>::from_data(TensorData::new(vec![1.0f32; LEN], [LEN]), &device)
             .require_grad();
         let y = ops::dropout(x.clone(), &DropoutConfig::new(prob).init());
         let grads = y.clone().sum().backward();
-        let grad = x.grad(&grads).unwrap().into_data().to_vec::<f32>().unwrap();
-        (y.into_data().to_vec::<f32>().unwrap(), grad)
+        let grad = x.grad(&grads).unwrap().into_data().try_to_vec::<f32>().unwrap();
+        (y.into_data().try_to_vec::<f32>().unwrap(), grad)
     })
 }
 
@@ -104,9 +101,9 @@ fn same_seed_same_mask_at_any_thread_count_other_seed_other_mask() {
     assert_ne!(one, other, "another seed gave the same mask");
     // Successive masks after one seeding differ too.
     let _guard = RNG.lock().unwrap_or_else(|e| e.into_inner());
-    let device = Default::default();
-    B::seed(&device, 11);
-    let x = Tensor::<B, 1>::ones([LEN], &device);
+    let device = Device::flex().autodiff();
+    device.seed(11);
+    let x = Tensor::<1>::ones([LEN], &device);
     let d: Dropout = DropoutConfig::new(0.25).init();
     let first = ops::dropout(x.clone(), &d).into_data();
     let second = ops::dropout(x, &d).into_data();
@@ -115,19 +112,31 @@ fn same_seed_same_mask_at_any_thread_count_other_seed_other_mask() {
 
 #[test]
 fn identity_without_autodiff_or_probability_and_zero_at_one() {
-    let device = Default::default();
+    let device = Device::flex().autodiff();
     let values: Vec<f32> = (0..101).map(|i| i as f32 - 50.0).collect();
-    let inner = Tensor::<Flex, 1>::from_data(TensorData::new(values.clone(), [101]), &device);
+    let inner = Tensor::<1>::from_data(TensorData::new(values.clone(), [101]), &Device::flex());
     let out = ops::dropout(inner, &DropoutConfig::new(0.5).init());
-    assert_eq!(out.into_data().to_vec::<f32>().unwrap(), values);
-    let x = Tensor::<B, 1>::from_data(TensorData::new(values.clone(), [101]), &device);
+    assert_eq!(out.into_data().try_to_vec::<f32>().unwrap(), values);
+    let x = Tensor::<1>::from_data(TensorData::new(values.clone(), [101]), &device);
     let out = ops::dropout(x.clone(), &DropoutConfig::new(0.0).init());
-    assert_eq!(out.into_data().to_vec::<f32>().unwrap(), values);
-    let out = ops::dropout(x, &DropoutConfig::new(1.0).init());
+    assert_eq!(out.into_data().try_to_vec::<f32>().unwrap(), values);
+    // burn 0.22's DropoutConfig refuses 1.0; a layer built by hand can still hold it.
+    let all = Dropout {
+        prob: 1.0,
+        training: Param::from_bool(true),
+    };
+    let out = ops::dropout(x.clone(), &all);
     assert!(out
         .into_data()
-        .to_vec::<f32>()
+        .try_to_vec::<f32>()
         .unwrap()
         .iter()
         .all(|v| *v == 0.0));
+    // A layer out of training mode (burn 0.22's flag, set by `valid()`) is the identity.
+    let off = Dropout {
+        prob: 0.5,
+        training: Param::from_bool(false),
+    };
+    let out = ops::dropout(x, &off);
+    assert_eq!(out.into_data().try_to_vec::<f32>().unwrap(), values);
 }

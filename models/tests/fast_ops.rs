@@ -3,16 +3,19 @@
 //! dilation, at 1 and 3 threads; bit-identical reruns; and the whole CNN against the same
 //! network built from burn's layer `forward`s.
 
-use burn::backend::{Autodiff, Flex};
 use burn::module::Param;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::PaddingConfig2d;
 use burn::tensor::activation::{log_softmax, relu};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use ddp_models::{nll_loss, ops, MnistCnn, MnistCnnConfig};
 
-type B = Autodiff<Flex>;
+/// The device of these tests: burn's CPU backend, recording gradients.
+fn device() -> Device {
+    Device::flex().autodiff()
+}
+
 
 /// Deterministic values in `[-1, 1)` from a 64-bit LCG, so tests do not touch burn's global
 /// RNG (which parallel tests would interleave).
@@ -30,17 +33,17 @@ fn lcg(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn tensor<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<B, D> {
+fn tensor<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<D> {
     let n = shape.iter().product();
-    Tensor::from_data(TensorData::new(lcg(n, seed), shape), &Default::default())
+    Tensor::from_data(TensorData::new(lcg(n, seed), shape), &device())
 }
 
-fn values<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data().to_vec::<f32>().unwrap()
+fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data().try_to_vec::<f32>().unwrap()
 }
 
-fn inner_values<const D: usize>(t: Tensor<Flex, D>) -> Vec<f32> {
-    t.into_data().to_vec::<f32>().unwrap()
+fn inner_values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data().try_to_vec::<f32>().unwrap()
 }
 
 /// `‖a − b‖ / ‖b‖ ≤ 1e-5` (and equal lengths): the float sums of the two implementations run
@@ -141,8 +144,8 @@ const CONV_CASES: &[ConvCase] = &[
     },
 ];
 
-fn conv_layer(case: &ConvCase, seed: u64) -> Conv2d<B> {
-    let conv: Conv2d<B> = Conv2dConfig::new(case.channels, case.kernel)
+fn conv_layer(case: &ConvCase, seed: u64) -> Conv2d {
+    let conv: Conv2d = Conv2dConfig::new(case.channels, case.kernel)
         .with_stride(case.stride)
         .with_padding(PaddingConfig2d::Explicit(
             case.padding[0],
@@ -152,7 +155,7 @@ fn conv_layer(case: &ConvCase, seed: u64) -> Conv2d<B> {
         ))
         .with_dilation(case.dilation)
         .with_bias(case.bias)
-        .init(&Default::default());
+        .init(&device());
     let [ci, co] = case.channels;
     let fan_in = (ci * case.kernel[0] * case.kernel[1]) as f32;
     let scale = 1.0 / fan_in.sqrt();
@@ -170,8 +173,8 @@ fn conv_layer(case: &ConvCase, seed: u64) -> Conv2d<B> {
 /// `Σ y ⊙ r` for a fixed random `r`.
 fn conv_results(
     case: &ConvCase,
-    conv: &Conv2d<B>,
-    forward: impl Fn(Tensor<B, 4>, &Conv2d<B>) -> Tensor<B, 4>,
+    conv: &Conv2d,
+    forward: impl Fn(Tensor<4>, &Conv2d) -> Tensor<4>,
 ) -> Vec<Vec<f32>> {
     let x = tensor(
         [case.batch, case.channels[0], case.size[0], case.size[1]],
@@ -248,7 +251,7 @@ const POOL_CASES: &[PoolCase] = &[
 fn pool_results(
     case: &PoolCase,
     relu_first: bool,
-    forward: impl Fn(Tensor<B, 4>, &MaxPool2d) -> Tensor<B, 4>,
+    forward: impl Fn(Tensor<4>, &MaxPool2d) -> Tensor<4>,
 ) -> Vec<Vec<f32>> {
     let (shape, kernel, stride, padding, dilation) = *case;
     let pool = MaxPool2dConfig::new(kernel)
@@ -291,7 +294,7 @@ fn max_pool2d_matches_burn_forward_and_gradient() {
 
 /// The CNN's forward with burn's layers only (what `MnistCnn::forward` was before the fast
 /// path), dropout off.
-fn reference_cnn(model: &MnistCnn<B>, images: Tensor<B, 4>) -> Tensor<B, 2> {
+fn reference_cnn(model: &MnistCnn, images: Tensor<4>) -> Tensor<2> {
     let x = relu(model.conv1.forward(images));
     let x = relu(model.conv2.forward(x));
     let x = model.pool.forward(x);
@@ -302,13 +305,13 @@ fn reference_cnn(model: &MnistCnn<B>, images: Tensor<B, 4>) -> Tensor<B, 2> {
 
 #[test]
 fn cnn_matches_burn_layers_in_loss_and_every_gradient() {
-    let device = Default::default();
+    let device = device();
     let model = MnistCnnConfig::new()
         .with_dropout1(0.0)
         .with_dropout2(0.0)
-        .init::<B>(&device);
+        .init(&device);
     let images = tensor([5, 1, 28, 28], 31);
-    let targets = Tensor::<B, 1, Int>::from_ints([3, 1, 4, 1, 5], &device);
+    let targets = Tensor::<1, Int>::from_ints([3, 1, 4, 1, 5], &device);
     let fast = model.forward(images.clone());
     let reference = reference_cnn(&model, images);
     assert_close(
@@ -318,7 +321,7 @@ fn cnn_matches_burn_layers_in_loss_and_every_gradient() {
     );
     let g_fast = nll_loss(fast, targets.clone()).backward();
     let g_ref = nll_loss(reference, targets).backward();
-    let params: Vec<(&str, Tensor<B, 4>)> = vec![
+    let params: Vec<(&str, Tensor<4>)> = vec![
         ("conv1.weight", model.conv1.weight.val()),
         ("conv2.weight", model.conv2.weight.val()),
     ];

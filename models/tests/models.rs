@@ -1,20 +1,17 @@
 //! Shapes, parameter lists, seeded initialisation, the safetensors export and a few training
 //! steps of each model, on burn's CPU backend.
 
-use burn::backend::{Autodiff, Flex};
-use burn::module::{AutodiffModule, Module};
-use burn::optim::{AdamConfig, GradientsParams, Optimizer, SgdConfig};
-use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::module::Module;
+use burn::optim::{AdamConfig, GradientsParams, SgdConfig};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use ddp_models::{
     export_safetensors, param_specs, safetensors_bytes, Classifier, MnistCnn, MnistCnnConfig,
     MnistMlpConfig, PimaMlpConfig,
 };
 use safetensors::SafeTensors;
 
-type B = Autodiff<Flex>;
 
-/// burn's Flex RNG is one process-wide stream (`B::seed` replaces it, every random op draws
+/// burn's Flex RNG is one process-wide stream (`Device::seed` replaces it, every random op draws
 /// from it), and the test harness runs tests on parallel threads: tests that seed or draw
 /// random numbers (every model init does) hold this lock so they do not interleave.
 fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
@@ -22,12 +19,13 @@ fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn device() -> burn::tensor::Device<B> {
-    Default::default()
+/// The device of these tests: burn's CPU backend, recording gradients.
+fn device() -> Device {
+    Device::flex().autodiff()
 }
 
 /// A deterministic batch of `n` MNIST-shaped images whose pixel pattern depends on the label.
-fn image_batch<Bk: Backend>(n: usize, device: &Bk::Device) -> (Tensor<Bk, 4>, Tensor<Bk, 1, Int>) {
+fn image_batch(n: usize, device: &Device) -> (Tensor<4>, Tensor<1, Int>) {
     let labels: Vec<i64> = (0..n).map(|i| (i * 7 % 10) as i64).collect();
     let mut pixels = Vec::with_capacity(n * 784);
     for &label in &labels {
@@ -42,7 +40,7 @@ fn image_batch<Bk: Backend>(n: usize, device: &Bk::Device) -> (Tensor<Bk, 4>, Te
     (images, targets)
 }
 
-fn flat_params<Bk: Backend, M: Module<Bk>>(module: &M) -> Vec<Vec<f32>> {
+fn flat_params<M: Module>(module: &M) -> Vec<Vec<f32>> {
     let bytes = safetensors_bytes(module).unwrap();
     let file = SafeTensors::deserialize(&bytes).unwrap();
     param_specs(module)
@@ -62,16 +60,16 @@ fn to_f32(bytes: &[u8]) -> Vec<f32> {
 fn output_shapes() {
     let _rng = rng_lock();
     let device = device();
-    let (images, _) = image_batch::<B>(3, &device);
+    let (images, _) = image_batch(3, &device);
 
-    let cnn = MnistCnnConfig::new().init::<B>(&device);
+    let cnn = MnistCnnConfig::new().init(&device);
     assert_eq!(cnn.forward(images.clone()).dims(), [3, 10]);
 
-    let mlp = MnistMlpConfig::new().init::<B>(&device);
+    let mlp = MnistMlpConfig::new().init(&device);
     assert_eq!(mlp.forward(images.clone()).dims(), [3, 10]);
     assert_eq!(mlp.forward(images.reshape([3, 784])).dims(), [3, 10]);
 
-    let pima = PimaMlpConfig::new().init::<B>(&device);
+    let pima = PimaMlpConfig::new().init(&device);
     assert_eq!(pima.forward(Tensor::zeros([5, 8], &device)).dims(), [5, 1]);
 }
 
@@ -79,14 +77,14 @@ fn output_shapes() {
 fn cnn_log_probs_are_normalised() {
     let _rng = rng_lock();
     let device = device();
-    let cnn = MnistCnnConfig::new().init::<B>(&device).valid();
+    let cnn = MnistCnnConfig::new().init(&device).valid();
     let (images, _) = image_batch(4, &device);
     let sums = cnn
         .forward(images)
         .exp()
         .sum_dim(1)
         .into_data()
-        .to_vec::<f32>()
+        .try_to_vec::<f32>()
         .unwrap();
     for s in sums {
         assert!((s - 1.0).abs() < 1e-5, "row sums to {s}");
@@ -97,7 +95,7 @@ fn cnn_log_probs_are_normalised() {
 fn parameter_names_shapes_and_counts() {
     let _rng = rng_lock();
     let device = device();
-    let cnn = MnistCnnConfig::new().init::<B>(&device);
+    let cnn = MnistCnnConfig::new().init(&device);
     let specs = param_specs(&cnn);
     let listed: Vec<(&str, Vec<usize>, Vec<usize>)> = specs
         .iter()
@@ -122,12 +120,12 @@ fn parameter_names_shapes_and_counts() {
     assert_eq!(ids[0], cnn.conv1.weight.id);
     assert_eq!(ids[4], cnn.fc1.weight.id);
 
-    let mlp = MnistMlpConfig::new().init::<B>(&device);
+    let mlp = MnistMlpConfig::new().init(&device);
     let names: Vec<String> = param_specs(&mlp).into_iter().map(|s| s.name).collect();
     assert_eq!(names, ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]);
     assert_eq!(mlp.num_params(), 784 * 256 + 256 + 256 * 10 + 10);
 
-    let pima = PimaMlpConfig::new().init::<B>(&device);
+    let pima = PimaMlpConfig::new().init(&device);
     let listed: Vec<(String, Vec<usize>)> = param_specs(&pima)
         .into_iter()
         .map(|s| (s.name.clone(), s.pytorch_shape()))
@@ -152,7 +150,7 @@ fn parameter_names_shapes_and_counts() {
 fn safetensors_round_trip_in_pytorch_layout() {
     let _rng = rng_lock();
     let device = device();
-    let cnn = MnistCnnConfig::new().init::<B>(&device);
+    let cnn = MnistCnnConfig::new().init(&device);
     let dir = std::env::temp_dir().join(format!("ddp-models-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("cnn.safetensors");
@@ -195,7 +193,7 @@ fn safetensors_round_trip_in_pytorch_layout() {
     }
 
     // fc2: burn [in=128, out=10] → file [out=10, in=128], element (o, i) == burn (i, o).
-    let burn_fc2 = cnn.fc2.weight.val().into_data().to_vec::<f32>().unwrap();
+    let burn_fc2 = cnn.fc2.weight.val().into_data().try_to_vec::<f32>().unwrap();
     let file_fc2 = to_f32(file.tensor("fc2.weight").unwrap().data());
     for i in 0..128 {
         for o in 0..10 {
@@ -203,7 +201,7 @@ fn safetensors_round_trip_in_pytorch_layout() {
         }
     }
     // Conv weights and biases are written as burn holds them.
-    let burn_conv2 = cnn.conv2.weight.val().into_data().to_vec::<f32>().unwrap();
+    let burn_conv2 = cnn.conv2.weight.val().into_data().try_to_vec::<f32>().unwrap();
     assert!(
         to_f32(file.tensor("conv2.weight").unwrap().data()) == burn_conv2,
         "parameter values not as expected"
@@ -215,7 +213,7 @@ fn safetensors_round_trip_in_pytorch_layout() {
         .unwrap()
         .val()
         .into_data()
-        .to_vec::<f32>()
+        .try_to_vec::<f32>()
         .unwrap();
     assert!(
         to_f32(file.tensor("fc1.bias").unwrap().data()) == burn_bias,
@@ -230,12 +228,12 @@ fn safetensors_round_trip_in_pytorch_layout() {
         .collect();
     let burn_y = cnn
         .fc2
-        .forward(Tensor::<B, 2>::from_data(
+        .forward(Tensor::<2>::from_data(
             TensorData::new(x, [1, 128]),
             &device,
         ))
         .into_data()
-        .to_vec::<f32>()
+        .try_to_vec::<f32>()
         .unwrap();
     for (t, u) in torch_y.iter().zip(&burn_y) {
         assert!((t - u).abs() < 1e-4, "{t} vs {u}");
@@ -250,7 +248,7 @@ fn export_replaces_an_existing_file_and_leaves_no_temporary() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("pima.safetensors");
     std::fs::write(&path, b"old contents").unwrap();
-    let pima = PimaMlpConfig::new().init::<B>(&device);
+    let pima = PimaMlpConfig::new().init(&device);
     export_safetensors(&pima, &path).unwrap();
     let entries: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
@@ -270,12 +268,12 @@ fn export_replaces_an_existing_file_and_leaves_no_temporary() {
 fn seeded_init_is_deterministic() {
     let _rng = rng_lock();
     let device = device();
-    B::seed(&device, 7);
-    let a = MnistCnnConfig::new().init::<B>(&device);
-    B::seed(&device, 7);
-    let b = MnistCnnConfig::new().init::<B>(&device);
-    B::seed(&device, 8);
-    let c = MnistCnnConfig::new().init::<B>(&device);
+    device.seed(7);
+    let a = MnistCnnConfig::new().init(&device);
+    device.seed(7);
+    let b = MnistCnnConfig::new().init(&device);
+    device.seed(8);
+    let c = MnistCnnConfig::new().init(&device);
     assert!(
         flat_params(&a) == flat_params(&b),
         "parameter values not as expected"
@@ -289,16 +287,16 @@ fn seeded_init_is_deterministic() {
 
     // Eager: a clone taken right after init holds the same values (burn's lazy parameters
     // would draw new ones for the clone).
-    let clone: MnistCnn<B> = a.clone();
+    let clone: MnistCnn = a.clone();
     assert!(
         flat_params(&a) == flat_params(&clone),
         "parameter values not as expected"
     );
 
-    B::seed(&device, 7);
-    let p = PimaMlpConfig::new().init::<B>(&device);
-    B::seed(&device, 7);
-    let q = PimaMlpConfig::new().init::<B>(&device);
+    device.seed(7);
+    let p = PimaMlpConfig::new().init(&device);
+    device.seed(7);
+    let q = PimaMlpConfig::new().init(&device);
     assert!(
         flat_params(&p) == flat_params(&q),
         "parameter values not as expected"
@@ -313,8 +311,8 @@ fn init_bounds_match_pytorch_defaults() {
     // bound is used, not a smaller one") only for tensors of 64 values or more: the largest of
     // n uniform draws stays under 0.8 of the bound with probability 0.8^n (11 % for fc2's 10
     // biases, 6e-7 at 64).
-    B::seed(&device(), 11);
-    let cnn = MnistCnnConfig::new().init::<B>(&device());
+    device().seed(11);
+    let cnn = MnistCnnConfig::new().init(&device());
     let fan_ins = [9.0f32, 288.0, 288.0 * 32.0, 128.0];
     let specs = param_specs(&cnn);
     for (k, values) in flat_params(&cnn).iter().enumerate() {
@@ -332,21 +330,21 @@ fn init_bounds_match_pytorch_defaults() {
 /// Runs `steps` optimizer steps on one fixed batch and returns the losses.
 fn train_losses<M, const D: usize>(
     mut model: M,
-    input: Tensor<B, D>,
-    targets: Tensor<B, 1, Int>,
+    input: Tensor<D>,
+    targets: Tensor<1, Int>,
     steps: usize,
     lr: f64,
     adam: bool,
 ) -> Vec<f32>
 where
-    M: AutodiffModule<B> + Classifier<B, D>,
+    M: Module + Classifier<D>,
 {
-    let mut adam_opt = AdamConfig::new().init::<B, M>();
-    let mut sgd_opt = SgdConfig::new().init::<B, M>();
+    let mut adam_opt = AdamConfig::new().init();
+    let mut sgd_opt = SgdConfig::new().init();
     let mut losses = Vec::new();
     for _ in 0..steps {
         let (loss, _) = model.loss(input.clone(), targets.clone());
-        losses.push(loss.clone().into_scalar());
+        losses.push(loss.clone().into_scalar::<f32>());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = if adam {
             adam_opt.step(lr, model, grads)
@@ -361,11 +359,11 @@ where
 fn cnn_loss_decreases() {
     let _rng = rng_lock();
     let device = device();
-    B::seed(&device, 1);
+    device.seed(1);
     let cnn = MnistCnnConfig::new()
         .with_dropout1(0.0)
         .with_dropout2(0.0)
-        .init::<B>(&device);
+        .init(&device);
     let (images, targets) = image_batch(16, &device);
     let losses = train_losses(cnn, images, targets, 4, 1e-3, true);
     assert!(losses[3] < losses[0] * 0.9, "{losses:?}");
@@ -375,8 +373,8 @@ fn cnn_loss_decreases() {
 fn mlp_learns_the_batch() {
     let _rng = rng_lock();
     let device = device();
-    B::seed(&device, 2);
-    let mlp = MnistMlpConfig::new().init::<B>(&device);
+    device.seed(2);
+    let mlp = MnistMlpConfig::new().init(&device);
     let (images, targets) = image_batch(20, &device);
     let losses = train_losses(mlp.clone(), images.clone(), targets.clone(), 10, 1e-3, true);
     assert!(losses[9] < losses[0] * 0.5, "{losses:?}");
@@ -388,24 +386,24 @@ fn mlp_learns_the_batch() {
 fn pima_loss_decreases_and_counts_correct() {
     let _rng = rng_lock();
     let device = device();
-    B::seed(&device, 3);
-    let pima = PimaMlpConfig::new().init::<B>(&device);
+    device.seed(3);
+    let pima = PimaMlpConfig::new().init(&device);
     // Label = whether the first feature is positive.
     let rows: Vec<f32> = (0..32 * 8)
         .map(|i| ((i * 37 % 17) as f32 - 8.0) / 8.0)
         .collect();
     let labels: Vec<i64> = rows.chunks(8).map(|r| i64::from(r[0] > 0.0)).collect();
-    let input = Tensor::<B, 2>::from_data(TensorData::new(rows, [32, 8]), &device);
-    let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(labels, [32]), &device);
+    let input = Tensor::<2>::from_data(TensorData::new(rows, [32, 8]), &device);
+    let targets = Tensor::<1, Int>::from_data(TensorData::new(labels, [32]), &device);
     let losses = train_losses(pima.clone(), input, targets, 20, 0.05, false);
     assert!(losses[19] < losses[0], "{losses:?}");
 
-    let logits = Tensor::<B, 2>::from_data(
+    let logits = Tensor::<2>::from_data(
         TensorData::new(vec![2.0f32, -1.0, 0.5, -3.0], [4, 1]),
         &device,
     );
     let targets =
-        Tensor::<B, 1, Int>::from_data(TensorData::new(vec![1i64, 0, 0, 1], [4]), &device);
+        Tensor::<1, Int>::from_data(TensorData::new(vec![1i64, 0, 0, 1], [4]), &device);
     assert_eq!(pima.correct(&logits, &targets), 2);
 }
 
@@ -413,26 +411,26 @@ fn pima_loss_decreases_and_counts_correct() {
 fn bce_matches_the_formula() {
     let _rng = rng_lock();
     let device = device();
-    let pima = PimaMlpConfig::new().with_hidden(vec![]).init::<B>(&device);
-    let rows = Tensor::<B, 2>::from_data(TensorData::new(vec![0.3f32; 16], [2, 8]), &device);
-    let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(vec![1i64, 0], [2]), &device);
+    let pima = PimaMlpConfig::new().with_hidden(vec![]).init(&device);
+    let rows = Tensor::<2>::from_data(TensorData::new(vec![0.3f32; 16], [2, 8]), &device);
+    let targets = Tensor::<1, Int>::from_data(TensorData::new(vec![1i64, 0], [2]), &device);
     let (loss, logits) = pima.loss(rows, targets);
-    let z = logits.into_data().to_vec::<f32>().unwrap();
+    let z = logits.into_data().try_to_vec::<f32>().unwrap();
     let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
     let expected = -(sigmoid(z[0]).ln() + (1.0 - sigmoid(z[1])).ln()) / 2.0;
-    assert!((loss.into_scalar() - expected).abs() < 1e-5);
+    assert!((loss.into_scalar::<f32>() - expected).abs() < 1e-5);
 }
 
 #[test]
 fn nll_and_accuracy_helpers() {
     let _rng = rng_lock();
     let device = device();
-    let log_probs = Tensor::<B, 2>::from_data(
+    let log_probs = Tensor::<2>::from_data(
         TensorData::new(vec![-0.1f32, -2.0, -3.0, -1.5, -0.3, -2.5], [2, 3]),
         &device,
     );
-    let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(vec![0i64, 2], [2]), &device);
-    let loss = ddp_models::nll_loss(log_probs.clone(), targets.clone()).into_scalar();
+    let targets = Tensor::<1, Int>::from_data(TensorData::new(vec![0i64, 2], [2]), &device);
+    let loss = ddp_models::nll_loss(log_probs.clone(), targets.clone()).into_scalar::<f32>();
     assert!((loss - (0.1 + 2.5) / 2.0).abs() < 1e-6);
     assert_eq!(ddp_models::correct_argmax(&log_probs, &targets), 1);
 }
@@ -442,6 +440,6 @@ fn nll_and_accuracy_helpers() {
 fn cnn_rejects_wrong_image_size() {
     let _rng = rng_lock();
     let device = device();
-    let cnn = MnistCnnConfig::new().init::<B>(&device);
+    let cnn = MnistCnnConfig::new().init(&device);
     let _ = cnn.forward(Tensor::zeros([1, 1, 32, 32], &device));
 }
