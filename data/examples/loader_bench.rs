@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use burn::backend::Flex;
+use burn::tensor::Device;
 use ddp_data::{
     DataLoader, Dataset, DistributedSampler, LoaderConfig, Mnist, MnistLoader, MnistSplit,
 };
@@ -45,7 +45,7 @@ fn main() -> Result<(), ddp_data::DataError> {
             num_workers: workers,
             ..Default::default()
         };
-        let loader: MnistLoader<Flex> = DataLoader::new(train.clone(), config, Default::default())?;
+        let loader: MnistLoader = DataLoader::new(train.clone(), config, Device::flex())?;
         // Warm up once (page faults, allocator), then measure one epoch.
         sampler.set_epoch(0);
         epoch(&loader, &sampler, None)?;
@@ -65,7 +65,7 @@ fn main() -> Result<(), ddp_data::DataError> {
 
 /// Runs one epoch, optionally sleeping `step` per batch; returns (batches, seconds).
 fn epoch(
-    loader: &MnistLoader<Flex>,
+    loader: &MnistLoader,
     sampler: &DistributedSampler,
     step: Option<Duration>,
 ) -> Result<(usize, f64), ddp_data::DataError> {

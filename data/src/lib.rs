@@ -17,7 +17,7 @@
 //!
 //! ```no_run
 //! use std::sync::Arc;
-//! use burn::backend::Flex;
+//! use burn::tensor::Device;
 //! use ddp_data::{ensure_mnist, DataLoader, Dataset, DistributedSampler, LoaderConfig, Mnist, MnistSplit};
 //!
 //! # fn main() -> Result<(), ddp_data::DataError> {
@@ -26,7 +26,7 @@
 //! let (rank, world) = (0, 1);
 //! let mut sampler = DistributedSampler::new(train.len(), world, rank)?.with_seed(42);
 //! let config = LoaderConfig { batch_size: 64, num_workers: 2, ..Default::default() };
-//! let loader = DataLoader::<Flex, _, 4>::new(train, config, Default::default())?;
+//! let loader = DataLoader::<_, 4>::new(train, config, Device::flex())?;
 //! for epoch in 0..2 {
 //!     sampler.set_epoch(epoch);
 //!     for batch in loader.iter(sampler.indices())? {

@@ -13,8 +13,7 @@
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use crossbeam_channel::{bounded, Receiver};
 
 use crate::{BatchSource, DataError, Mnist, Pima};
@@ -74,7 +73,7 @@ impl<const D: usize> CpuBatch<D> {
     }
 
     /// Moves the batch into tensors on `device`.
-    pub fn into_tensors<B: Backend>(self, device: &B::Device) -> Batch<B, D> {
+    pub fn into_tensors(self, device: &Device) -> Batch<D> {
         let n = self.targets.len();
         Batch {
             inputs: Tensor::from_data(TensorData::new(self.inputs, self.shape), device),
@@ -85,23 +84,23 @@ impl<const D: usize> CpuBatch<D> {
 
 /// A batch of tensors: `inputs` of rank `D`, batch first, and `targets` of shape `[batch]`.
 #[derive(Debug, Clone)]
-pub struct Batch<B: Backend, const D: usize> {
+pub struct Batch<const D: usize> {
     /// The features (MNIST `[B, 1, 28, 28]`, Pima `[B, 8]`), `f32`, normalised.
-    pub inputs: Tensor<B, D>,
+    pub inputs: Tensor<D>,
     /// The class labels, `[B]`.
-    pub targets: Tensor<B, 1, Int>,
+    pub targets: Tensor<1, Int>,
 }
 
 /// Batches of a dataset on a device. Build one, then call [`iter`](Self::iter) once per epoch
 /// with that epoch's indices.
-pub struct DataLoader<B: Backend, S, const D: usize> {
+pub struct DataLoader<S, const D: usize> {
     dataset: Arc<S>,
     config: LoaderConfig,
-    device: B::Device,
+    device: Device,
 }
 
 // By hand, so that neither needs `S: Clone` or `S: Debug`.
-impl<B: Backend, S, const D: usize> Clone for DataLoader<B, S, D> {
+impl<S, const D: usize> Clone for DataLoader<S, D> {
     fn clone(&self) -> Self {
         DataLoader {
             dataset: self.dataset.clone(),
@@ -111,7 +110,7 @@ impl<B: Backend, S, const D: usize> Clone for DataLoader<B, S, D> {
     }
 }
 
-impl<B: Backend, S, const D: usize> std::fmt::Debug for DataLoader<B, S, D> {
+impl<S, const D: usize> std::fmt::Debug for DataLoader<S, D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DataLoader")
             .field("config", &self.config)
@@ -121,13 +120,12 @@ impl<B: Backend, S, const D: usize> std::fmt::Debug for DataLoader<B, S, D> {
 }
 
 /// A loader of MNIST images `[B, 1, 28, 28]`.
-pub type MnistLoader<B> = DataLoader<B, Mnist, 4>;
+pub type MnistLoader = DataLoader<Mnist, 4>;
 /// A loader of Pima features `[B, 8]`.
-pub type PimaLoader<B> = DataLoader<B, Pima, 2>;
+pub type PimaLoader = DataLoader<Pima, 2>;
 
-impl<B, S, const D: usize> DataLoader<B, S, D>
+impl<S, const D: usize> DataLoader<S, D>
 where
-    B: Backend,
     S: BatchSource<D> + 'static,
 {
     /// A loader over `dataset` producing tensors on `device`. Errors when the batch size or the
@@ -135,8 +133,8 @@ where
     pub fn new(
         dataset: Arc<S>,
         config: LoaderConfig,
-        device: B::Device,
-    ) -> Result<DataLoader<B, S, D>, DataError> {
+        device: Device,
+    ) -> Result<DataLoader<S, D>, DataError> {
         if config.batch_size == 0 {
             return Err(DataError::InvalidArgument(
                 "batch_size must be at least 1".into(),
@@ -175,7 +173,7 @@ where
 
     /// The batches of the samples at `indices`, in that order (typically
     /// `sampler.indices()`). Errors when an index is beyond the dataset.
-    pub fn iter(&self, indices: Vec<usize>) -> Result<BatchIter<B, S, D>, DataError> {
+    pub fn iter(&self, indices: Vec<usize>) -> Result<BatchIter<S, D>, DataError> {
         let len = self.dataset.len();
         if let Some((pos, &i)) = indices.iter().enumerate().find(|(_, &i)| i >= len) {
             return Err(DataError::InvalidArgument(format!(
@@ -223,7 +221,7 @@ where
 }
 
 /// The batches of one pass, from [`DataLoader::iter`].
-pub struct BatchIter<B: Backend, S, const D: usize> {
+pub struct BatchIter<S, const D: usize> {
     dataset: Arc<S>,
     indices: Arc<Vec<usize>>,
     batch_size: usize,
@@ -231,12 +229,11 @@ pub struct BatchIter<B: Backend, S, const D: usize> {
     num_batches: usize,
     receivers: Vec<Receiver<CpuBatch<D>>>,
     workers: Vec<JoinHandle<()>>,
-    device: B::Device,
+    device: Device,
 }
 
-impl<B, S, const D: usize> BatchIter<B, S, D>
+impl<S, const D: usize> BatchIter<S, D>
 where
-    B: Backend,
     S: BatchSource<D>,
 {
     /// The next batch as CPU data, without making tensors.
@@ -269,14 +266,13 @@ where
     }
 }
 
-impl<B, S, const D: usize> Iterator for BatchIter<B, S, D>
+impl<S, const D: usize> Iterator for BatchIter<S, D>
 where
-    B: Backend,
     S: BatchSource<D>,
 {
-    type Item = Batch<B, D>;
+    type Item = Batch<D>;
 
-    fn next(&mut self) -> Option<Batch<B, D>> {
+    fn next(&mut self) -> Option<Batch<D>> {
         let batch = self.next_cpu()?;
         Some(batch.into_tensors(&self.device))
     }
@@ -287,14 +283,13 @@ where
     }
 }
 
-impl<B, S, const D: usize> ExactSizeIterator for BatchIter<B, S, D>
+impl<S, const D: usize> ExactSizeIterator for BatchIter<S, D>
 where
-    B: Backend,
     S: BatchSource<D>,
 {
 }
 
-impl<B: Backend, S, const D: usize> Drop for BatchIter<B, S, D> {
+impl<S, const D: usize> Drop for BatchIter<S, D> {
     fn drop(&mut self) {
         // Closing the channels makes blocked workers' sends fail, so they return.
         self.receivers.clear();

@@ -4,14 +4,13 @@ mod common;
 
 use std::sync::Arc;
 
-use burn::backend::Flex;
+use burn::tensor::Device;
 use burn::tensor::Int;
 use ddp_data::{
     BatchSource, CpuBatch, DataError, DataLoader, Dataset, DistributedSampler, LoaderConfig, Mnist,
     MnistLoader, MnistSplit, PimaLoader, PimaTable,
 };
 
-type B = Flex;
 
 /// How many times each index appears across all ranks' indices for one epoch.
 fn coverage(
@@ -211,7 +210,7 @@ fn run<S: BatchSource<D> + 'static, const D: usize>(
     indices: &[usize],
     config: LoaderConfig,
 ) -> Vec<(Vec<f32>, Vec<usize>, Vec<i64>)> {
-    let loader = DataLoader::<B, S, D>::new(dataset, config, Default::default()).unwrap();
+    let loader = DataLoader::<S, D>::new(dataset, config, Device::flex()).unwrap();
     let iter = loader.iter(indices.to_vec()).unwrap();
     assert_eq!(iter.len(), loader.num_batches(indices.len()));
     iter.map(|b| {
@@ -220,10 +219,10 @@ fn run<S: BatchSource<D> + 'static, const D: usize>(
             .targets
             .into_data()
             .convert::<i64>()
-            .to_vec::<i64>()
+            .try_to_vec::<i64>()
             .unwrap();
         (
-            b.inputs.into_data().to_vec::<f32>().unwrap(),
+            b.inputs.into_data().try_to_vec::<f32>().unwrap(),
             shape,
             targets,
         )
@@ -304,17 +303,17 @@ fn mnist_batches_do_not_depend_on_the_worker_count() {
 #[test]
 fn loader_type_aliases_and_tensor_kinds() {
     let split = PimaTable::load(None).unwrap().split(0.2, 0).unwrap();
-    let loader: PimaLoader<B> = DataLoader::new(
+    let loader: PimaLoader = DataLoader::new(
         Arc::new(split.test),
         LoaderConfig::default(),
         Default::default(),
     )
     .unwrap();
     let batch = loader.iter((0..100).collect()).unwrap().next().unwrap();
-    let targets: burn::tensor::Tensor<B, 1, Int> = batch.targets;
+    let targets: burn::tensor::Tensor<1, Int> = batch.targets;
     assert_eq!(batch.inputs.dims(), [64, 8]);
     assert_eq!(targets.dims(), [64]);
-    let _: Option<MnistLoader<B>> = None;
+    let _: Option<MnistLoader> = None;
 }
 
 #[test]
@@ -322,7 +321,7 @@ fn loader_rejects_bad_arguments() {
     let split = PimaTable::load(None).unwrap().split(0.2, 0).unwrap();
     let data = Arc::new(split.test);
     let bad = |config| {
-        DataLoader::<B, _, 2>::new(data.clone(), config, Default::default())
+        DataLoader::<_, 2>::new(data.clone(), config, Device::flex())
             .unwrap_err()
             .to_string()
     };
@@ -341,7 +340,7 @@ fn loader_rejects_bad_arguments() {
         "invalid argument: prefetch must be at least 1"
     );
     let loader =
-        DataLoader::<B, _, 2>::new(data, LoaderConfig::default(), Default::default()).unwrap();
+        DataLoader::<_, 2>::new(data, LoaderConfig::default(), Device::flex()).unwrap();
     let err = loader.iter(vec![0, 1, 154]).err().unwrap();
     assert_eq!(
         err.to_string(),
@@ -353,7 +352,7 @@ fn loader_rejects_bad_arguments() {
 #[test]
 fn dropping_an_iterator_early_stops_its_workers() {
     let split = PimaTable::load(None).unwrap().split(0.2, 0).unwrap();
-    let loader = DataLoader::<B, _, 2>::new(
+    let loader = DataLoader::<_, 2>::new(
         Arc::new(split.train),
         LoaderConfig {
             batch_size: 1,
@@ -397,7 +396,7 @@ impl BatchSource<2> for Faulty {
 
 #[test]
 fn a_worker_panic_reaches_the_consumer() {
-    let loader = DataLoader::<B, _, 2>::new(
+    let loader = DataLoader::<_, 2>::new(
         Arc::new(Faulty),
         LoaderConfig {
             batch_size: 2,

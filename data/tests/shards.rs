@@ -666,7 +666,7 @@ fn mnist_batches_equal_the_in_memory_loaders() {
         ..ShardLoaderConfig::default()
     };
     let shards = ShardLoader::<4>::exact(set, 1, 0, config).unwrap();
-    let memory = DataLoader::<burn::backend::Flex, _, 4>::new(
+    let memory = DataLoader::<_, 4>::new(
         test,
         LoaderConfig {
             batch_size: 64,
