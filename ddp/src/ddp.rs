@@ -27,7 +27,7 @@
 //! ranks. Divide the loss by the number of micro-steps to get the gradient of the mean over all
 //! their samples.
 //!
-//! burn 0.21's autodiff offers no public hook that fires when one parameter's gradient is ready
+//! burn 0.22's autodiff offers no public hook that fires when one parameter's gradient is ready
 //! during backward (see docs/burn-notes.md), so communication starts after backward returns and
 //! overlaps packing and unpacking, not backward itself.
 //!
@@ -38,10 +38,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use burn::module::AutodiffModule;
+use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor};
 use ddp_comm::{ProcessGroup, ReduceOp, Work};
 use half::{bf16, f16};
 
@@ -180,7 +179,7 @@ enum InFlight {
     F16(Work<Vec<f16>>),
 }
 
-/// Data parallelism for any burn [`AutodiffModule`]: construction makes every replica equal to
+/// Data parallelism for any burn [`Module`]: construction makes every replica equal to
 /// rank 0's, and [`sync`](Self::sync) averages gradients across ranks before the optimizer step.
 ///
 /// ```text
@@ -192,7 +191,7 @@ enum InFlight {
 ///     model = optim.step(lr, model, grads);
 /// }
 /// ```
-pub struct DistributedDataParallel<B: AutodiffBackend> {
+pub struct DistributedDataParallel {
     pg: Arc<ProcessGroup>,
     params: Vec<ParamInfo>,
     /// Whether some float tensor is a buffer (requires no gradient).
@@ -203,17 +202,17 @@ pub struct DistributedDataParallel<B: AutodiffBackend> {
     /// Micro-steps accumulated into `buffers` since the last sync.
     micro_steps: usize,
     syncs: u64,
-    device: B::Device,
+    device: Device,
     config: DdpConfig,
     stats: SyncStats,
     /// `Some` while [`record_spans`](Self::record_spans) is on: the spans since the last take.
     spans: Option<Vec<SyncSpan>>,
     /// Set when gradients are all-reduced on the GPU through NCCL.
     #[cfg(feature = "cuda")]
-    device_path: Option<cuda::DevicePath<B>>,
+    device_path: Option<cuda::DevicePath>,
 }
 
-impl<B: AutodiffBackend> DistributedDataParallel<B> {
+impl DistributedDataParallel {
     /// Checks that every rank has the same parameter list (names, shapes, dtypes, which are
     /// buffers), then broadcasts rank 0's parameter and buffer values so that all replicas start
     /// identical, and returns the (possibly overwritten) module with the wrapper.
@@ -223,7 +222,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     ///
     /// Every rank of `pg` must call this at the same point. A mismatch fails on every rank,
     /// naming the first rank that differs from rank 0 and the first differing parameter.
-    pub fn new<M: AutodiffModule<B>>(
+    pub fn new<M: Module>(
         model: M,
         pg: Arc<ProcessGroup>,
         config: DdpConfig,
@@ -239,7 +238,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
                 "check_replicas_every must be at least 1".into(),
             ));
         }
-        let params = param_infos::<B, M>(&model);
+        let params = param_infos(&model);
         check_ranks(&params)?;
         verify_same_params(&pg, &params)?;
 
@@ -247,16 +246,17 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         if pg.world_size() > 1 {
             // Merge any pending RunningState update into its value before reading it.
             drop(model.valid());
-            let flat = pg.broadcast(flatten_params::<B, M>(&model)?, 0)?;
+            let flat = pg.broadcast(flatten_params(&model)?, 0)?;
             if pg.rank() != 0 {
-                model = load_flat_params::<B, M>(model, &flat)?;
+                model = load_flat_params(model, &flat)?;
             }
         }
 
         let has_buffers = params.iter().any(|p| !p.trainable);
         let buckets = plan_buckets(&params, &config);
         let buffers = buckets.iter().map(|b| vec![0.0; b.len()]).collect();
-        let device = model.devices().into_iter().next().unwrap_or_default();
+        // Gradients live on the device without autodiff.
+        let device = model.devices().into_iter().next().unwrap_or_default().inner();
         #[cfg(feature = "cuda")]
         let device_path = cuda::DevicePath::detect(&pg, buckets.len())?;
         let ddp = Self {
@@ -351,10 +351,10 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     }
 
     /// Runs `loss.backward()`, collects the gradients of `model` and [`sync`](Self::sync)s them.
-    pub fn backward<M: AutodiffModule<B>>(
+    pub fn backward<M: Module>(
         &mut self,
         model: &M,
-        loss: Tensor<B, 1>,
+        loss: Tensor<1>,
     ) -> Result<GradientsParams, DdpError> {
         let grads = GradientsParams::from_grads(loss.backward(), model);
         self.sync(model, grads)
@@ -397,7 +397,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     /// replica continues with rank 0's. Buffers are overwritten in place through `&M`, which
     /// works for burn's `RunningState` (its value is shared between clones of the module); a
     /// `Param` without gradient that differs from rank 0's is [`DdpError::BufferNotShared`].
-    pub fn sync<M: AutodiffModule<B>>(
+    pub fn sync<M: Module>(
         &mut self,
         model: &M,
         mut grads: GradientsParams,
@@ -484,8 +484,8 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     /// Buffers (`BatchNorm` running statistics) are not compared: each rank updates them from
     /// its own batch during the forward pass, and [`sync`](Self::sync) makes them equal by
     /// broadcasting rank 0's.
-    pub fn check_replicas<M: AutodiffModule<B>>(&self, model: &M) -> Result<(), DdpError> {
-        let flat = flatten_where::<B, M>(model, |trainable| trainable)?;
+    pub fn check_replicas<M: Module>(&self, model: &M) -> Result<(), DdpError> {
+        let flat = flatten_where(model, |trainable| trainable)?;
         let hash = fnv1a(bytemuck::cast_slice(&flat)) as i64;
         let all = self.pg.all_gather(vec![hash])?;
         match diverged_ranks(&all) {
@@ -501,8 +501,8 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
 
     /// Fails when `model`'s float tensors are not (by burn id) the ones the wrapper was created
     /// with, naming the first that changed.
-    fn check_same_params<M: AutodiffModule<B>>(&self, model: &M) -> Result<(), DdpError> {
-        let ids = param_ids::<B, M>(model);
+    fn check_same_params<M: Module>(&self, model: &M) -> Result<(), DdpError> {
+        let ids = param_ids(model);
         if let Some(i) = (0..self.params.len()).find(|&i| ids.get(i) != Some(&self.params[i].id)) {
             return Err(DdpError::ParamsChanged {
                 name: self.params[i].name.clone(),
@@ -547,7 +547,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
 
     /// Overwrites the module's buffers with rank 0's (PyTorch's `broadcast_buffers=True`).
     /// A collective: every rank calls it from `sync`.
-    fn broadcast_buffers<M: AutodiffModule<B>>(&self, model: &M) -> Result<(), DdpError> {
+    fn broadcast_buffers<M: Module>(&self, model: &M) -> Result<(), DdpError> {
         if self.pg.world_size() == 1 || !self.has_buffers {
             return Ok(());
         }
@@ -556,14 +556,14 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         // place: the state is shared between clones).
         drop(model.valid());
         let buffers = |trainable: bool| !trainable;
-        let local = flatten_where::<B, M>(model, buffers)?;
+        let local = flatten_where(model, buffers)?;
         let shared = self.pg.broadcast(local.clone(), 0)?;
         if self.pg.rank() == 0 || same_bits(&local, &shared) {
             return Ok(());
         }
         // Mapping a clone writes through to `model`'s RunningStates (their value is shared).
-        drop(load_where::<B, M>(model.clone(), &shared, buffers)?);
-        let now = flatten_where::<B, M>(model, buffers)?;
+        drop(load_where(model.clone(), &shared, buffers)?);
+        let now = flatten_where(model, buffers)?;
         if same_bits(&now, &shared) {
             return Ok(());
         }
@@ -592,7 +592,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         }
         for (slot, (&p, &off)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
             let info = &self.params[p];
-            if let Some(g) = take_grad::<B>(grads, info)? {
+            if let Some(g) = take_grad(grads, info)? {
                 // take_grad checked that `g` holds exactly `info.numel()` values.
                 let dst = &mut buf[off..off + g.len()];
                 if fresh {
@@ -667,7 +667,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
                 .iter()
                 .map(|x| x / denom)
                 .collect();
-            put_grad::<B>(grads, info, avg, &self.device);
+            put_grad(grads, info, avg, &self.device);
         }
     }
 }

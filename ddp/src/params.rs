@@ -7,7 +7,7 @@
 //! which covers every layer burn ships).
 //!
 //! **Buffers.** burn has no separate notion of a buffer: `BatchNorm`'s `running_mean` and
-//! `running_var` are `RunningState<Tensor>`s, which burn 0.21 hands to `ModuleVisitor` and
+//! `running_var` are `RunningState<Tensor>`s, which burn 0.22 hands to `ModuleVisitor` and
 //! `ModuleMapper` as float `Param`s (`Param::initialized(id, value)`, burn-core
 //! `module/param/running.rs`) whose tensor does not require a gradient. The list therefore
 //! marks every float tensor that does not require a gradient as not [`ParamInfo::trainable`]:
@@ -16,8 +16,7 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::DdpError;
 
@@ -54,8 +53,8 @@ impl ParamInfo {
 /// Lists the float tensors of `module` in burn's visiting order (the same on every rank for
 /// the same module type), with their PyTorch-style names, through the workspace's one
 /// module-path walker, [`ddp_models::param_specs`].
-pub fn param_infos<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamInfo> {
-    ddp_models::param_specs::<B, M>(module)
+pub fn param_infos<M: Module>(module: &M) -> Vec<ParamInfo> {
+    ddp_models::param_specs(module)
         .into_iter()
         .map(|spec| ParamInfo {
             name: spec.name,
@@ -68,10 +67,10 @@ pub fn param_infos<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamInfo> {
 }
 
 /// The ids of `module`'s float tensors in visiting order, without reading any value.
-pub(crate) fn param_ids<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamId> {
+pub(crate) fn param_ids<M: Module>(module: &M) -> Vec<ParamId> {
     struct Ids(Vec<ParamId>);
-    impl<B: Backend> ModuleVisitor<B> for Ids {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+    impl ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             self.0.push(param.id);
         }
     }
@@ -130,12 +129,12 @@ pub(crate) fn check_ranks(infos: &[ParamInfo]) -> Result<(), DdpError> {
 /// Takes the gradient of `info` out of `grads` as flat `f32`, or `None` when the parameter got
 /// no gradient this step. A gradient that cannot be read as `f32` values of the parameter's
 /// size is an error naming the parameter, never an empty or zero gradient.
-pub(crate) fn take_grad<B: AutodiffBackend>(
+pub(crate) fn take_grad(
     grads: &mut GradientsParams,
     info: &ParamInfo,
 ) -> Result<Option<Vec<f32>>, DdpError> {
     let data: Option<TensorData> = with_rank!(info.shape.len(), D => {
-        grads.remove::<B::InnerBackend, D>(info.id).map(|t| t.into_data())
+        grads.remove::<D>(info.id).map(|t| t.into_data())
     }, None);
     data.map(|d| to_f32(d, &info.name, "gradient", info.numel()))
         .transpose()
@@ -150,7 +149,7 @@ pub(crate) fn to_f32(
 ) -> Result<Vec<f32>, DdpError> {
     let values = data
         .convert::<f32>()
-        .into_vec::<f32>()
+        .try_into_vec::<f32>()
         .map_err(|e| DdpError::Conversion {
             name: name.to_string(),
             what,
@@ -166,54 +165,55 @@ pub(crate) fn to_f32(
     Ok(values)
 }
 
-/// Puts a flat `f32` gradient back for `info`, on `device`.
-pub(crate) fn put_grad<B: AutodiffBackend>(
+/// Puts a flat `f32` gradient back for `info`, on `device` (the device without autodiff, where
+/// burn keeps gradients).
+pub(crate) fn put_grad(
     grads: &mut GradientsParams,
     info: &ParamInfo,
     values: Vec<f32>,
-    device: &B::Device,
+    device: &Device,
 ) {
     let data = TensorData::new(values, info.shape.clone());
     with_rank!(info.shape.len(), D => {
-        grads.register::<B::InnerBackend, D>(info.id, Tensor::from_data(data, device))
+        grads.register::<D>(info.id, Tensor::from_data(data, device))
     }, ())
 }
 
 /// Takes the gradient of `info` out of `grads` as a flat tensor on its device (no copy to the
 /// host), or `None` when the parameter got no gradient this step.
 #[cfg(feature = "cuda")]
-pub(crate) fn take_grad_tensor<B: AutodiffBackend>(
+pub(crate) fn take_grad_tensor(
     grads: &mut GradientsParams,
     info: &ParamInfo,
-) -> Option<Tensor<B::InnerBackend, 1>> {
+) -> Option<Tensor<1>> {
     with_rank!(info.shape.len(), D => {
-        grads.remove::<B::InnerBackend, D>(info.id).map(|t| t.reshape([info.numel()]))
+        grads.remove::<D>(info.id).map(|t| t.reshape([info.numel()]))
     }, None)
 }
 
 /// Puts a flat gradient tensor back for `info`, in the parameter's shape.
 #[cfg(feature = "cuda")]
-pub(crate) fn put_grad_tensor<B: AutodiffBackend>(
+pub(crate) fn put_grad_tensor(
     grads: &mut GradientsParams,
     info: &ParamInfo,
-    flat: Tensor<B::InnerBackend, 1>,
+    flat: Tensor<1>,
 ) {
     let shape = burn::tensor::Shape::from(info.shape.clone());
     with_rank!(info.shape.len(), D => {
-        grads.register::<B::InnerBackend, D>(info.id, flat.reshape(shape))
+        grads.register::<D>(info.id, flat.reshape(shape))
     }, ())
 }
 
 /// Reads every float tensor of `module` into one flat `f32` vector, in visiting order
 /// (trainable parameters and buffers alike). A tensor that cannot be read as `f32` is an error
 /// naming it.
-pub fn flatten_params<B: Backend, M: Module<B>>(module: &M) -> Result<Vec<f32>, DdpError> {
-    flatten_where::<B, M>(module, |_| true)
+pub fn flatten_params<M: Module>(module: &M) -> Result<Vec<f32>, DdpError> {
+    flatten_where(module, |_| true)
 }
 
 /// Reads the float tensors of `module` for which `keep(requires_grad)` holds into one flat
 /// `f32` vector, in visiting order.
-pub(crate) fn flatten_where<B: Backend, M: Module<B>>(
+pub(crate) fn flatten_where<M: Module>(
     module: &M,
     keep: fn(bool) -> bool,
 ) -> Result<Vec<f32>, DdpError> {
@@ -223,8 +223,8 @@ pub(crate) fn flatten_where<B: Backend, M: Module<B>>(
         index: usize,
         error: Option<(usize, String)>,
     }
-    impl<B: Backend> ModuleVisitor<B> for Reader {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+    impl ModuleVisitor for Reader {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let index = self.index;
             self.index += 1;
             if self.error.is_some() {
@@ -250,7 +250,7 @@ pub(crate) fn flatten_where<B: Backend, M: Module<B>>(
     match reader.error {
         None => Ok(reader.out),
         Some((index, reason)) => Err(DdpError::Conversion {
-            name: param_infos::<B, M>(module)
+            name: param_infos(module)
                 .get(index)
                 .map_or_else(|| format!("#{index}"), |p| p.name.clone()),
             what: "values",
@@ -263,17 +263,17 @@ pub(crate) fn flatten_where<B: Backend, M: Module<B>>(
 /// [`flatten_params`] lays it out, keeping parameter ids and whether each requires a gradient.
 /// `flat` must hold exactly the module's number of float elements; otherwise the module is
 /// returned unchanged with an error.
-pub fn load_flat_params<B: Backend, M: Module<B>>(module: M, flat: &[f32]) -> Result<M, DdpError> {
-    load_where::<B, M>(module, flat, |_| true)
+pub fn load_flat_params<M: Module>(module: M, flat: &[f32]) -> Result<M, DdpError> {
+    load_where(module, flat, |_| true)
 }
 
 /// Overwrites the float tensors of `module` for which `keep(requires_grad)` holds from `flat`.
-pub(crate) fn load_where<B: Backend, M: Module<B>>(
+pub(crate) fn load_where<M: Module>(
     module: M,
     flat: &[f32],
     keep: fn(bool) -> bool,
 ) -> Result<M, DdpError> {
-    let expected: usize = param_infos::<B, M>(&module)
+    let expected: usize = param_infos(&module)
         .iter()
         .filter(|p| keep(p.trainable))
         .map(ParamInfo::numel)
@@ -289,8 +289,8 @@ pub(crate) fn load_where<B: Backend, M: Module<B>>(
         flat: &'a [f32],
         offset: usize,
     }
-    impl<B: Backend> ModuleMapper<B> for Writer<'_> {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+    impl ModuleMapper for Writer<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let (id, tensor, mapper) = param.consume();
             let require_grad = tensor.is_require_grad();
             if !(self.keep)(require_grad) {
@@ -305,7 +305,7 @@ pub(crate) fn load_where<B: Backend, M: Module<B>>(
             };
             let values = values.to_vec();
             self.offset += n;
-            let fresh = Tensor::<B, D>::from_data(TensorData::new(values, shape), &tensor.device())
+            let fresh = Tensor::<D>::from_data(TensorData::new(values, shape), &tensor.device())
                 .set_require_grad(require_grad);
             Param::from_mapped_value(id, fresh, mapper)
         }

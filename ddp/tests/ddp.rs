@@ -20,13 +20,11 @@ use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
-use burn::backend::{Autodiff, Flex};
-use burn::module::{AutodiffModule, Module};
+use burn::module::Module;
 use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
-use burn::optim::{AdamConfig, GradientsParams, Optimizer, SgdConfig};
+use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::activation::relu;
-use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use ddp::{
     flatten_params, load_flat_params, param_infos, Compression, DdpConfig, DdpError,
     DistributedDataParallel,
@@ -35,8 +33,11 @@ use ddp_comm::ProcessGroup;
 use ddp_data::sampler::splitmix64;
 use ddp_models::{Classifier, MnistCnnConfig, MnistMlpConfig};
 
-type B = Autodiff<Flex>;
-type Inner = Flex;
+/// The device of these tests: burn's CPU backend, recording gradients.
+fn device() -> Device {
+    Device::flex().autodiff()
+}
+
 
 /// A uniform value in [-0.5, 0.5) for `(stream, i)`, from the seeded mixer.
 fn uniform(stream: u64, i: u64) -> f32 {
@@ -47,9 +48,9 @@ fn uniform(stream: u64, i: u64) -> f32 {
 /// Deterministic initial values for every float tensor of `module`: weights uniform in
 /// ±1/sqrt(fan_in) (burn's and PyTorch's scale), vectors small; drawn from stream `seed`.
 /// Buffers get their own values too, so that a test sees whether they are overwritten.
-fn seeded_values<M: Module<B>>(module: &M, seed: u64) -> Vec<f32> {
+fn seeded_values<M: Module>(module: &M, seed: u64) -> Vec<f32> {
     let mut out = Vec::new();
-    for info in param_infos::<B, M>(module) {
+    for info in param_infos(module) {
         let fan_in: usize = match info.shape.len() {
             2 => info.shape[0],
             4 => info.shape[1..].iter().product(),
@@ -110,8 +111,8 @@ fn samples(start: usize, n: usize) -> (Vec<f32>, Vec<i64>) {
     (x, y)
 }
 
-fn batch(start: usize, n: usize) -> (Tensor<B, 4>, Tensor<B, 1, Int>) {
-    let device = Default::default();
+fn batch(start: usize, n: usize) -> (Tensor<4>, Tensor<1, Int>) {
+    let device = device();
     let (x, y) = samples(start, n);
     (
         Tensor::from_data(TensorData::new(x, [n, 1, 28, 28]), &device),
@@ -163,21 +164,21 @@ impl Run {
 /// The initial parameters every run starts from (rank 0's; other ranks start elsewhere and
 /// must be overwritten by the broadcast).
 fn initial(net: Net) -> Vec<f32> {
-    let device = Default::default();
+    let device = device();
     match net {
         Net::Cnn => seeded_values(&cnn(), 1),
-        Net::Mlp => seeded_values(&MnistMlpConfig::new().init::<B>(&device), 1),
+        Net::Mlp => seeded_values(&MnistMlpConfig::new().init(&device), 1),
     }
 }
 
 /// The CNN without dropout (whose masks would come from the global RNG). Its initial values
 /// are overwritten from [`initial`] before use.
-fn cnn() -> ddp_models::MnistCnn<B> {
-    let device = Default::default();
+fn cnn() -> ddp_models::MnistCnn {
+    let device = device();
     MnistCnnConfig::new()
         .with_dropout1(0.0)
         .with_dropout2(0.0)
-        .init::<B>(&device)
+        .init(&device)
 }
 
 /// Trains on every rank; returns each rank's final parameters and, per step, whether all
@@ -186,15 +187,15 @@ fn train(run: Run, init: &[f32]) -> Vec<Vec<f32>> {
     run_ranks(run.world, |pg| match run.net {
         Net::Cnn => train_rank(run, init, pg, cnn()),
         Net::Mlp => {
-            let device = Default::default();
-            train_rank(run, init, pg, MnistMlpConfig::new().init::<B>(&device))
+            let device = device();
+            train_rank(run, init, pg, MnistMlpConfig::new().init(&device))
         }
     })
 }
 
 fn train_rank<M>(run: Run, init: &[f32], pg: Arc<ProcessGroup>, model: M) -> Vec<f32>
 where
-    M: AutodiffModule<B> + Classifier<B, 4>,
+    M: Module + Classifier<4>,
 {
     let rank = pg.rank();
     let start: Vec<f32> = if rank == 0 {
@@ -202,7 +203,7 @@ where
     } else {
         init.iter().map(|v| v + 1.0).collect()
     };
-    let model = load_flat_params::<B, M>(model, &start).unwrap();
+    let model = load_flat_params(model, &start).unwrap();
     let config = DdpConfig {
         bucket_cap_mb: run.bucket_cap_mb,
         first_bucket_mb: run.bucket_cap_mb.min(1.0),
@@ -211,35 +212,34 @@ where
     };
     let (mut model, mut ddp) = DistributedDataParallel::new(model, pg, config).unwrap();
     assert_eq!(
-        flatten_params::<B, M>(&model).unwrap(),
+        flatten_params(&model).unwrap(),
         init,
         "rank {rank}: broadcast"
     );
     match run.opt {
         Opt::Sgd => {
-            let optim = SgdConfig::new().init::<B, M>();
+            let optim = SgdConfig::new().init();
             steps(run, rank, &mut model, &mut ddp, optim, 0.02)
         }
         Opt::Adam => {
-            let optim = AdamConfig::new().with_epsilon(1e-8).init::<B, M>();
+            let optim = AdamConfig::new().with_epsilon(1e-8).init();
             steps(run, rank, &mut model, &mut ddp, optim, 1e-3)
         }
     }
     // The replica check runs before each sync; check once more after the last step.
     ddp.check_replicas(&model).unwrap();
-    flatten_params::<B, M>(&model).unwrap()
+    flatten_params(&model).unwrap()
 }
 
-fn steps<M, O>(
+fn steps<M>(
     run: Run,
     rank: usize,
     model: &mut M,
-    ddp: &mut DistributedDataParallel<B>,
-    mut optim: O,
+    ddp: &mut DistributedDataParallel,
+    mut optim: ModuleOptimizer,
     lr: f64,
 ) where
-    M: AutodiffModule<B> + Classifier<B, 4>,
-    O: Optimizer<M, B>,
+    M: Module + Classifier<4>,
 {
     let micro_batch = run.batch / run.micro;
     for step in 0..run.steps {
@@ -383,17 +383,17 @@ fn bf16_compression_stays_close_and_replicas_identical() {
 #[test]
 fn different_models_fail_at_construction_naming_rank_and_parameter() {
     let errors = run_ranks(2, |pg| {
-        let device = Default::default();
+        let device = device();
         let result = if pg.rank() == 0 {
             DistributedDataParallel::new(
-                MnistMlpConfig::new().init::<B>(&device),
+                MnistMlpConfig::new().init(&device),
                 pg,
                 DdpConfig::default(),
             )
             .map(|_| ())
         } else {
             DistributedDataParallel::new(
-                MnistMlpConfig::new().with_hidden(128).init::<B>(&device),
+                MnistMlpConfig::new().with_hidden(128).init(&device),
                 pg,
                 DdpConfig::default(),
             )
@@ -411,21 +411,21 @@ fn different_models_fail_at_construction_naming_rank_and_parameter() {
 /// rank's error text.
 fn replica_check_errors(world: usize, bad: usize) -> Vec<String> {
     run_ranks(world, |pg| {
-        let device = Default::default();
-        let model = MnistMlpConfig::new().init::<B>(&device);
+        let device = device();
+        let model = MnistMlpConfig::new().init(&device);
         let values = seeded_values(&model, 3);
-        let model = load_flat_params::<B, _>(model, &values).unwrap();
+        let model = load_flat_params(model, &values).unwrap();
         let (model, ddp) =
             DistributedDataParallel::new(model, pg.clone(), DdpConfig::default()).unwrap();
         ddp.check_replicas(&model).unwrap();
         // Rank `bad` silently changes its weights.
         let model = if pg.rank() == bad {
-            let flat: Vec<f32> = flatten_params::<B, _>(&model)
+            let flat: Vec<f32> = flatten_params(&model)
                 .unwrap()
                 .iter()
                 .map(|v| v * 1.5)
                 .collect();
-            load_flat_params::<B, _>(model, &flat).unwrap()
+            load_flat_params(model, &flat).unwrap()
         } else {
             model
         };
@@ -468,30 +468,30 @@ fn diverged_replicas_at_world_2_blame_neither_rank() {
 }
 
 /// Every trainable parameter's gradient in `grads` as one flat vector, in visiting order.
-fn grads_flat<M: AutodiffModule<B>>(model: &M, grads: &GradientsParams) -> Vec<f32> {
+fn grads_flat<M: Module>(model: &M, grads: &GradientsParams) -> Vec<f32> {
     let mut out = Vec::new();
-    for info in param_infos::<B, M>(model)
+    for info in param_infos(model)
         .into_iter()
         .filter(|p| p.trainable)
     {
         let data = match info.shape.len() {
-            1 => grads.get::<Inner, 1>(info.id).map(|t| t.into_data()),
-            2 => grads.get::<Inner, 2>(info.id).map(|t| t.into_data()),
-            4 => grads.get::<Inner, 4>(info.id).map(|t| t.into_data()),
+            1 => grads.get::<1>(info.id).map(|t| t.into_data()),
+            2 => grads.get::<2>(info.id).map(|t| t.into_data()),
+            4 => grads.get::<4>(info.id).map(|t| t.into_data()),
             d => panic!("rank {d} parameter"),
         };
         let data = data.unwrap_or_else(|| panic!("no gradient for {}", info.name));
-        out.extend(data.to_vec::<f32>().unwrap());
+        out.extend(data.try_to_vec::<f32>().unwrap());
     }
     out
 }
 
 /// The inverse of [`grads_flat`]: gradients registered under `model`'s parameter ids.
-fn grads_from_flat<M: AutodiffModule<B>>(model: &M, flat: &[f32]) -> GradientsParams {
-    let device = Default::default();
+fn grads_from_flat<M: Module>(model: &M, flat: &[f32]) -> GradientsParams {
+    let device = device();
     let mut grads = GradientsParams::new();
     let mut offset = 0;
-    for info in param_infos::<B, M>(model)
+    for info in param_infos(model)
         .into_iter()
         .filter(|p| p.trainable)
     {
@@ -499,9 +499,9 @@ fn grads_from_flat<M: AutodiffModule<B>>(model: &M, flat: &[f32]) -> GradientsPa
         offset += info.numel();
         let data = TensorData::new(values, info.shape.clone());
         match info.shape.len() {
-            1 => grads.register::<Inner, 1>(info.id, Tensor::from_data(data, &device)),
-            2 => grads.register::<Inner, 2>(info.id, Tensor::from_data(data, &device)),
-            4 => grads.register::<Inner, 4>(info.id, Tensor::from_data(data, &device)),
+            1 => grads.register::<1>(info.id, Tensor::from_data(data, &device)),
+            2 => grads.register::<2>(info.id, Tensor::from_data(data, &device)),
+            4 => grads.register::<4>(info.id, Tensor::from_data(data, &device)),
             d => panic!("rank {d} parameter"),
         }
     }
@@ -511,8 +511,8 @@ fn grads_from_flat<M: AutodiffModule<B>>(model: &M, flat: &[f32]) -> GradientsPa
 #[test]
 fn accumulate_sums_micro_steps_and_sync_averages_over_ranks_like_pytorch() {
     let (world, micro, mb) = (2, 3, 4);
-    let device = Default::default();
-    let init = seeded_values(&MnistMlpConfig::new().init::<B>(&device), 5);
+    let device = device();
+    let init = seeded_values(&MnistMlpConfig::new().init(&device), 5);
     let start = |rank: usize, m: usize| 1000 + (rank * micro + m) * mb;
 
     // Reference, PyTorch's semantics computed with plain burn in this thread: each micro-batch's
@@ -521,7 +521,7 @@ fn accumulate_sums_micro_steps_and_sync_averages_over_ranks_like_pytorch() {
     for rank in 0..world {
         for m in 0..micro {
             let model =
-                load_flat_params::<B, _>(MnistMlpConfig::new().init::<B>(&device), &init).unwrap();
+                load_flat_params(MnistMlpConfig::new().init(&device), &init).unwrap();
             let (x, y) = batch(start(rank, m), mb);
             let (loss, _) = model.loss(x, y);
             let g = grads_flat(
@@ -538,8 +538,8 @@ fn accumulate_sums_micro_steps_and_sync_averages_over_ranks_like_pytorch() {
 
     let synced = run_ranks(world, |pg| {
         let rank = pg.rank();
-        let model = MnistMlpConfig::new().init::<B>(&device);
-        let model = load_flat_params::<B, _>(model, &init).unwrap();
+        let model = MnistMlpConfig::new().init(&device);
+        let model = load_flat_params(model, &init).unwrap();
         let (model, mut ddp) =
             DistributedDataParallel::new(model, pg, DdpConfig::default()).expect("wrapper");
         for m in 0..micro {
@@ -568,12 +568,12 @@ fn accumulate_sums_micro_steps_and_sync_averages_over_ranks_like_pytorch() {
 #[test]
 fn parameters_replaced_after_wrapping_are_an_error_saying_what_to_do() {
     let errors = run_ranks(1, |pg| {
-        let device = Default::default();
-        let model = MnistMlpConfig::new().init::<B>(&device);
+        let device = device();
+        let model = MnistMlpConfig::new().init(&device);
         let (model, mut ddp) =
             DistributedDataParallel::new(model, pg, DdpConfig::default()).unwrap();
         // load_record after wrapping: every parameter takes the record's (different) id.
-        let other = MnistMlpConfig::new().init::<B>(&device);
+        let other = MnistMlpConfig::new().init(&device);
         let model = model.load_record(other.into_record());
         let (x, y) = batch(0, 4);
         let (loss, _) = model.loss(x.clone(), y.clone());
@@ -605,19 +605,19 @@ fn parameters_replaced_after_wrapping_are_an_error_saying_what_to_do() {
 #[test]
 fn an_unreadable_gradient_is_an_error_naming_the_parameter() {
     let errors = run_ranks(2, |pg| {
-        let device = Default::default();
-        let model = MnistMlpConfig::new().init::<B>(&device);
+        let device = device();
+        let model = MnistMlpConfig::new().init(&device);
         let (model, mut ddp) =
             DistributedDataParallel::new(model, pg, DdpConfig::default()).unwrap();
         let (x, y) = batch(0, 4);
         let (loss, _) = model.loss(x, y);
         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
         // fc2.bias's gradient replaced by one of the wrong size.
-        let bias = param_infos::<B, _>(&model)
+        let bias = param_infos(&model)
             .into_iter()
             .find(|p| p.name == "fc2.bias")
             .unwrap();
-        grads.register::<Inner, 1>(bias.id, Tensor::zeros([3], &device));
+        grads.register::<1>(bias.id, Tensor::zeros([3], &device));
         ddp.sync(&model, grads).unwrap_err().to_string()
     });
     for e in &errors {
@@ -628,15 +628,15 @@ fn an_unreadable_gradient_is_an_error_naming_the_parameter() {
 
 /// A small network with a BatchNorm layer: 16 → 8 → BatchNorm → relu → 3.
 #[derive(Module, Debug)]
-struct BnNet<B: Backend> {
-    fc1: Linear<B>,
-    bn: BatchNorm<B>,
-    fc2: Linear<B>,
+struct BnNet {
+    fc1: Linear,
+    bn: BatchNorm,
+    fc2: Linear,
 }
 
-impl BnNet<B> {
+impl BnNet {
     fn new() -> Self {
-        let device = Default::default();
+        let device = device();
         BnNet {
             fc1: LinearConfig::new(16, 8).init(&device),
             bn: BatchNormConfig::new(8).init(&device),
@@ -644,7 +644,7 @@ impl BnNet<B> {
         }
     }
 
-    fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+    fn loss(&self, x: Tensor<2>, y: Tensor<1, Int>) -> Tensor<1> {
         let h = relu(self.bn.forward(self.fc1.forward(x)));
         ddp_models::cross_entropy(self.fc2.forward(h), y)
     }
@@ -652,8 +652,8 @@ impl BnNet<B> {
 
 /// Rank `rank`'s batch of step `step` for [`BnNet`]: 6 rows of 16 features, with a per-rank
 /// offset so that the ranks' batch statistics differ.
-fn bn_batch(rank: usize, step: usize) -> (Tensor<B, 2>, Tensor<B, 1, Int>) {
-    let device = Default::default();
+fn bn_batch(rank: usize, step: usize) -> (Tensor<2>, Tensor<1, Int>) {
+    let device = device();
     let stream = 100 + (step * 10 + rank) as u64;
     let x: Vec<f32> = (0..6 * 16)
         .map(|i| uniform(stream, i) + rank as f32)
@@ -666,20 +666,20 @@ fn bn_batch(rank: usize, step: usize) -> (Tensor<B, 2>, Tensor<B, 1, Int>) {
 }
 
 /// Running mean and variance of `net`'s BatchNorm, concatenated.
-fn running_stats(net: &BnNet<B>) -> Vec<f32> {
+fn running_stats(net: &BnNet) -> Vec<f32> {
     let mut v = net
         .bn
         .running_mean
         .value()
         .into_data()
-        .to_vec::<f32>()
+        .try_to_vec::<f32>()
         .unwrap();
     v.extend(
         net.bn
             .running_var
             .value()
             .into_data()
-            .to_vec::<f32>()
+            .try_to_vec::<f32>()
             .unwrap(),
     );
     v
@@ -689,7 +689,7 @@ fn running_stats(net: &BnNet<B>) -> Vec<f32> {
 fn batchnorm_running_stats_are_broadcast_from_rank_0_not_averaged() {
     let (world, steps, lr) = (2, 3, 0.1);
     let init = seeded_values(&BnNet::new(), 9);
-    let infos = param_infos::<B, _>(&BnNet::new());
+    let infos = param_infos(&BnNet::new());
     let buffers: Vec<&str> = infos
         .iter()
         .filter(|p| !p.trainable)
@@ -700,8 +700,8 @@ fn batchnorm_running_stats_are_broadcast_from_rank_0_not_averaged() {
     // Reference, computed without DDP: the gradient is the mean of both ranks' gradients, and
     // the running statistics evolve with rank 0's batches only (PyTorch's broadcast_buffers:
     // rank 0's buffers are everyone's).
-    let mut model = load_flat_params::<B, _>(BnNet::new(), &init).unwrap();
-    let mut optim = SgdConfig::new().init::<B, BnNet<B>>();
+    let mut model = load_flat_params(BnNet::new(), &init).unwrap();
+    let mut optim = SgdConfig::new().init();
     for step in 0..steps {
         let mut sum: Vec<f32> = Vec::new();
         for rank in 0..world {
@@ -710,8 +710,8 @@ fn batchnorm_running_stats_are_broadcast_from_rank_0_not_averaged() {
             let net = if rank == 0 {
                 model.clone()
             } else {
-                let flat = flatten_params::<B, _>(&model).unwrap();
-                load_flat_params::<B, _>(BnNet::new(), &flat).unwrap()
+                let flat = flatten_params(&model).unwrap();
+                load_flat_params(BnNet::new(), &flat).unwrap()
             };
             let (x, y) = bn_batch(rank, step);
             let loss = net.loss(x, y);
@@ -727,27 +727,27 @@ fn batchnorm_running_stats_are_broadcast_from_rank_0_not_averaged() {
         model = optim.step(lr, model, grads);
     }
     drop(model.valid()); // merge the last pending running-state update
-    let reference_params = flatten_params::<B, _>(&model).unwrap();
+    let reference_params = flatten_params(&model).unwrap();
     let reference_stats = running_stats(&model);
 
     let ranks = run_ranks(world, |pg| {
         let rank = pg.rank();
         // Every rank but 0 starts elsewhere, buffers included.
         let start: Vec<f32> = init.iter().map(|v| v + rank as f32).collect();
-        let model = load_flat_params::<B, _>(BnNet::new(), &start).unwrap();
+        let model = load_flat_params(BnNet::new(), &start).unwrap();
         let config = DdpConfig {
             check_replicas_every: Some(1),
             ..DdpConfig::default()
         };
         let (mut model, mut ddp) = DistributedDataParallel::new(model, pg, config).unwrap();
-        let mut optim = SgdConfig::new().init::<B, BnNet<B>>();
+        let mut optim = SgdConfig::new().init();
         for step in 0..steps {
             let (x, y) = bn_batch(rank, step);
             let loss = model.loss(x, y);
             let grads = ddp.backward(&model, loss).expect("sync");
             for info in ddp.params().iter().filter(|p| !p.trainable) {
                 assert!(
-                    grads.get::<Inner, 1>(info.id).is_none(),
+                    grads.get::<1>(info.id).is_none(),
                     "{} travelled as a gradient",
                     info.name
                 );
@@ -756,7 +756,7 @@ fn batchnorm_running_stats_are_broadcast_from_rank_0_not_averaged() {
         }
         ddp.check_replicas(&model).unwrap();
         (
-            flatten_params::<B, _>(&model).unwrap(),
+            flatten_params(&model).unwrap(),
             running_stats(&model),
         )
     });
@@ -776,7 +776,7 @@ fn batchnorm_running_stats_are_broadcast_from_rank_0_not_averaged() {
     let d = norm_rel_diff(&reference_params, params0);
     assert!(d < 1e-5, "parameters differ from the reference by {d}");
     // The statistics really moved (from the initial values) during training.
-    let initial_stats = running_stats(&load_flat_params::<B, _>(BnNet::new(), &init).unwrap());
+    let initial_stats = running_stats(&load_flat_params(BnNet::new(), &init).unwrap());
     assert!(norm_rel_diff(&initial_stats, stats0) > 1e-3);
 }
 
@@ -784,7 +784,7 @@ fn batchnorm_running_stats_are_broadcast_from_rank_0_not_averaged() {
 fn recorded_spans_cover_every_bucket_in_order() {
     use ddp::{SyncPhase, SyncSpan};
     let spans: Vec<(usize, Vec<SyncSpan>)> = run_ranks(2, |pg| {
-        let model = MnistMlpConfig::new().init::<B>(&Default::default());
+        let model = MnistMlpConfig::new().init(&device());
         let config = DdpConfig {
             // A bucket per parameter: four.
             bucket_cap_mb: 0.001,
