@@ -8,14 +8,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use burn::module::AutodiffModule;
+use burn::module::Module;
 use burn::optim::momentum::MomentumConfig;
-use burn::optim::GradientsParams;
-use burn::optim::{AdamConfig, Optimizer, SgdConfig};
-use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::backend::Backend;
-use burn::tensor::ElementConversion;
+use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
+use burn::store::ModuleRecord;
+use burn::tensor::{Bytes, Device};
 use ddp::{Compression, DdpConfig, DistributedDataParallel, SyncPhase, SyncSpan, SyncStats};
 use ddp_comm::{CollectiveRecord, ProcessGroup, ReduceOp};
 use ddp_data::{
@@ -30,8 +27,6 @@ use crate::checkpoint::{self, CheckpointMeta};
 use crate::metrics::{EpochMetrics, MetricsWriter};
 use crate::options::{CompressionKind, OptimizerKind, TrainConfig};
 use crate::trace::{Tracer, Track};
-
-type Bytes = BinBytesRecorder<FullPrecisionSettings>;
 
 /// What a finished run reports (rank 0 prints it; every rank returns it).
 #[derive(Debug, Clone, Serialize)]
@@ -103,26 +98,26 @@ impl<S> From<Arc<S>> for Data<S> {
 }
 
 /// One rank's batches of a split, epoch after epoch, from memory or from shards.
-enum Feed<B: Backend, S, const D: usize> {
+enum Feed<S, const D: usize> {
     Memory {
-        loader: DataLoader<B, S, D>,
+        loader: DataLoader<S, D>,
         sampler: DistributedSampler,
         batch_size: usize,
     },
     Shards {
         loader: ShardLoader<D>,
-        device: B::Device,
+        device: Device,
     },
 }
 
-impl<B: Backend, S: BatchSource<D> + 'static, const D: usize> Feed<B, S, D> {
+impl<S: BatchSource<D> + 'static, const D: usize> Feed<S, D> {
     /// The training feed (`eval` false: shuffled, padded) or the evaluation feed (`eval` true:
     /// every sample once across ranks) of `data`, cut to `limit` samples.
     fn new(
         data: Data<S>,
         cfg: &TrainConfig,
         (world, rank): (usize, usize),
-        device: B::Device,
+        device: Device,
         eval: bool,
         limit: Option<usize>,
     ) -> Result<Self> {
@@ -200,7 +195,7 @@ impl<B: Backend, S: BatchSource<D> + 'static, const D: usize> Feed<B, S, D> {
     }
 
     /// The batches of the current epoch.
-    fn batches(&self) -> Result<Box<dyn Iterator<Item = Result<Batch<B, D>>> + '_>> {
+    fn batches(&self) -> Result<Box<dyn Iterator<Item = Result<Batch<D>>> + '_>> {
         self.batches_from(0)
     }
 
@@ -208,10 +203,7 @@ impl<B: Backend, S: BatchSource<D> + 'static, const D: usize> Feed<B, S, D> {
     /// mid-epoch checkpoint continues). In memory the skipped samples are never built; from
     /// shards they are read (the shard order fixes which samples come next) but not turned into
     /// tensors.
-    fn batches_from(
-        &self,
-        skip: usize,
-    ) -> Result<Box<dyn Iterator<Item = Result<Batch<B, D>>> + '_>> {
+    fn batches_from(&self, skip: usize) -> Result<Box<dyn Iterator<Item = Result<Batch<D>>> + '_>> {
         Ok(match self {
             Feed::Memory {
                 loader,
@@ -233,27 +225,25 @@ impl<B: Backend, S: BatchSource<D> + 'static, const D: usize> Feed<B, S, D> {
 }
 
 /// Trains `task` with the settings in `cfg` on every rank of `pg`.
-pub fn train<B, M, S, const D: usize>(
+pub fn train<M, S, const D: usize>(
     cfg: &TrainConfig,
     pg: Arc<ProcessGroup>,
-    device: B::Device,
+    device: Device,
     task: Task<M, S>,
 ) -> Result<RunSummary>
 where
-    B: AutodiffBackend,
-    M: AutodiffModule<B> + Classifier<B, D>,
-    M::InnerModule: Classifier<B::InnerBackend, D>,
+    M: Module + Classifier<D>,
     S: BatchSource<D> + 'static,
 {
     match cfg.optimizer {
         OptimizerKind::Adam => {
-            let optim = AdamConfig::new().with_epsilon(1e-8).init::<B, M>();
+            let optim = AdamConfig::new().with_epsilon(1e-8).init();
             run(cfg, pg, device, task, optim)
         }
         OptimizerKind::Sgd => {
             let momentum =
                 (cfg.momentum > 0.0).then(|| MomentumConfig::new().with_momentum(cfg.momentum));
-            let optim = SgdConfig::new().with_momentum(momentum).init::<B, M>();
+            let optim = SgdConfig::new().with_momentum(momentum).init();
             run(cfg, pg, device, task, optim)
         }
     }
@@ -272,19 +262,16 @@ impl Say {
     }
 }
 
-fn run<B, M, S, O, const D: usize>(
+fn run<M, S, const D: usize>(
     cfg: &TrainConfig,
     pg: Arc<ProcessGroup>,
-    device: B::Device,
+    device: Device,
     task: Task<M, S>,
-    mut optim: O,
+    mut optim: ModuleOptimizer,
 ) -> Result<RunSummary>
 where
-    B: AutodiffBackend,
-    M: AutodiffModule<B> + Classifier<B, D>,
-    M::InnerModule: Classifier<B::InnerBackend, D>,
+    M: Module + Classifier<D>,
     S: BatchSource<D> + 'static,
-    O: Optimizer<M, B>,
 {
     let started = Instant::now();
     let (rank, world) = (pg.rank(), pg.world_size());
@@ -323,12 +310,14 @@ where
         }
         if let Some(ck) = fetch_checkpoint(&pg, &path)? {
             check_resumable(&ck.meta, &path, &name, (world, cfg), &say)?;
-            let record = Recorder::<B>::load(&Bytes::default(), ck.model, &device)
+            let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(ck.model))
                 .with_context(|| format!("{}: model record", path.display()))?;
-            model = model.load_record(record);
-            let record = Recorder::<B>::load(&Bytes::default(), ck.optim, &device)
+            model = model
+                .try_load_record(record)
+                .with_context(|| format!("{}: model record", path.display()))?;
+            optim = optim
+                .from_bytes(Bytes::from_bytes_vec(ck.optim))
                 .with_context(|| format!("{}: optimizer record", path.display()))?;
-            optim = optim.load_record(record);
             start_epoch = ck.meta.epoch;
             start_batch = usize::try_from(ck.meta.batch_in_epoch).unwrap_or(usize::MAX);
             start_loss_sum = ck.meta.epoch_loss_sums.get(rank).copied().unwrap_or(0.0);
@@ -371,12 +360,13 @@ where
 
     let ranks = (world, rank);
     let mut train_feed =
-        Feed::<B, S, D>::new(train, cfg, ranks, device.clone(), false, cfg.train_samples)?;
-    let test_feed = Feed::<B::InnerBackend, S, D>::new(
+        Feed::<S, D>::new(train, cfg, ranks, device.clone(), false, cfg.train_samples)?;
+    // Evaluation runs without autodiff (`model.valid()`), on the same hardware.
+    let test_feed = Feed::<S, D>::new(
         test,
         cfg,
         ranks,
-        device.clone(),
+        device.clone().inner(),
         true,
         cfg.test_samples,
     )?;
@@ -462,12 +452,14 @@ where
             let n = batch.targets.dims()[0];
             // Dropout masks depend on (seed, epoch, rank, batch) only, so that a run resumed in
             // the middle of an epoch draws the masks an uninterrupted run draws.
-            B::seed(
-                &device,
-                step_seed(cfg.seed, epoch as u64, rank as u64, batches as u64),
-            );
+            device.seed(step_seed(
+                cfg.seed,
+                epoch as u64,
+                rank as u64,
+                batches as u64,
+            ));
             let (loss, _) = model.loss(batch.inputs, batch.targets);
-            let loss_value: f64 = loss.clone().into_scalar().elem();
+            let loss_value = f64::from(loss.clone().into_scalar::<f32>());
             let t_backward = Instant::now();
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             let t_sync = Instant::now();
@@ -516,8 +508,7 @@ where
             let mid_epoch = batches < steps_per_epoch && !at_limit(step);
             if mid_epoch && cfg.checkpoint_every.is_some_and(|k| step.is_multiple_of(k)) {
                 let position = (epoch, batches, loss_sum);
-                let saved =
-                    save_checkpoint::<B, M, O>(cfg, &pg, &name, position, step, &model, &optim)?;
+                let saved = save_checkpoint(cfg, &pg, &name, position, step, &model, &optim)?;
                 if let Some(path) = saved {
                     tracing::info!("step {step}: checkpoint {}", path.display());
                     summary.checkpoint = Some(path);
@@ -545,7 +536,7 @@ where
         summary.wait_seconds += comm.wait.as_secs_f64();
         summary.unpack_seconds += comm.unpack.as_secs_f64();
 
-        let (correct, total, test_loss) = evaluate::<B, M, S, D>(&model, &test_feed, &pg)?;
+        let (correct, total, test_loss) = evaluate(&model, &test_feed, &pg)?;
         let accuracy = correct as f64 / total.max(1) as f64;
         let train_loss = loss_sum / batches.max(1) as f64;
         let samples_per_sec = (epoch_samples * world as u64) as f64 / elapsed.as_secs_f64();
@@ -584,9 +575,7 @@ where
         } else {
             (epoch + 1, 0, 0.0)
         };
-        if let Some(path) =
-            save_checkpoint::<B, M, O>(cfg, &pg, &name, position, step, &model, &optim)?
-        {
+        if let Some(path) = save_checkpoint(cfg, &pg, &name, position, step, &model, &optim)? {
             summary.checkpoint = Some(path);
         }
     }
@@ -605,10 +594,10 @@ where
     } else {
         (samples_done * world as u64) as f64 / train_time.as_secs_f64()
     };
-    let flat = ddp::flatten_params::<B, M>(&model)?;
+    let flat = ddp::flatten_params(&model)?;
     summary.params_hash = format!("{:016x}", fnv1a_f32(&flat));
     if let (Some(path), 0) = (&cfg.export, rank) {
-        ddp_models::export_safetensors::<B, M>(&model, path)
+        ddp_models::export_safetensors(&model, path)
             .with_context(|| format!("exporting weights to {}", path.display()))?;
         summary.export = Some(path.clone());
     }
@@ -761,15 +750,13 @@ fn trace_step(
 
 /// Correct predictions, samples and mean loss over the whole test set: each rank evaluates its
 /// exact (unpadded) share, and the counts are summed across ranks.
-fn evaluate<B, M, S, const D: usize>(
+fn evaluate<M, S, const D: usize>(
     model: &M,
-    feed: &Feed<B::InnerBackend, S, D>,
+    feed: &Feed<S, D>,
     pg: &ProcessGroup,
 ) -> Result<(u64, u64, f64)>
 where
-    B: AutodiffBackend,
-    M: AutodiffModule<B>,
-    M::InnerModule: Classifier<B::InnerBackend, D>,
+    M: Module + Classifier<D>,
     S: BatchSource<D> + 'static,
 {
     let eval = model.valid();
@@ -778,7 +765,7 @@ where
         let batch = batch?;
         let n = batch.targets.dims()[0] as f64;
         let (loss, output) = eval.loss(batch.inputs, batch.targets.clone());
-        let loss: f64 = loss.into_scalar().elem();
+        let loss = f64::from(loss.into_scalar::<f32>());
         correct += eval.correct(&output, &batch.targets) as f64;
         total += n;
         loss_sum += loss * n;
@@ -958,20 +945,15 @@ fn check_resumable(
 /// done, this rank's loss sum over them) after global step `step`, when the run has a
 /// checkpoint directory: every rank takes part (a mid-epoch position gathers each rank's loss
 /// sum), rank 0 writes the file atomically and returns its path.
-fn save_checkpoint<B, M, O>(
+fn save_checkpoint<M: Module>(
     cfg: &TrainConfig,
     pg: &ProcessGroup,
     name: &str,
     (epoch, batch_in_epoch, loss_sum): (usize, usize, f64),
     step: u64,
     model: &M,
-    optim: &O,
-) -> Result<Option<PathBuf>>
-where
-    B: AutodiffBackend,
-    M: AutodiffModule<B>,
-    O: Optimizer<M, B>,
-{
+    optim: &ModuleOptimizer,
+) -> Result<Option<PathBuf>> {
     let Some(dir) = &cfg.checkpoint_dir else {
         return Ok(None);
     };
@@ -995,8 +977,8 @@ where
         optim_len: 0,
         sha256: String::new(),
     };
-    let model_bytes = Recorder::<B>::record(&Bytes::default(), model.clone().into_record(), ())?;
-    let optim_bytes = Recorder::<B>::record(&Bytes::default(), optim.to_record(), ())?;
+    let model_bytes = model.clone().into_record().into_bytes()?;
+    let optim_bytes = optim.into_bytes()?;
     Ok(Some(checkpoint::save(
         dir,
         meta,
@@ -1012,15 +994,15 @@ fn fnv1a_f32(values: &[f32]) -> u64 {
     })
 }
 
-/// What [`start`] hands a trainer: its settings and its process group (and its GPU).
+/// What [`start`] hands a trainer: its settings, its process group and its device.
 pub struct Started {
     /// The resolved settings.
     pub cfg: TrainConfig,
     /// The process group of this rank.
     pub pg: Arc<ProcessGroup>,
-    /// This rank's GPU when `--backend cuda`.
-    #[cfg(feature = "cuda")]
-    pub cuda_device: Option<burn::backend::cuda::CudaDevice>,
+    /// Where this rank trains, recording gradients: burn's CPU backend (`Device::flex()`), or
+    /// with `--backend cuda` the GPU of `LOCAL_RANK`.
+    pub device: Device,
 }
 
 /// What every trainer does first: logging, settings (flags over `--config` over `defaults`),
@@ -1043,18 +1025,14 @@ pub fn start(
         pg.world_size(),
         pg.local_rank()
     );
-    #[cfg(feature = "cuda")]
-    let cuda_device = match cfg.backend {
-        crate::options::BackendKind::Cuda => Some(crate::gpu::cuda_device(&pg)?),
-        crate::options::BackendKind::Cpu => None,
-    };
-    set_compute_threads(threads_per_rank(cfg.threads, pg.local_world_size()))?;
-    Ok(Started {
-        cfg,
-        pg,
+    let device = match cfg.backend {
         #[cfg(feature = "cuda")]
-        cuda_device,
-    })
+        crate::options::BackendKind::Cuda => crate::gpu::cuda_device(&pg)?,
+        _ => Device::flex(),
+    }
+    .autodiff();
+    set_compute_threads(threads_per_rank(cfg.threads, pg.local_world_size()))?;
+    Ok(Started { cfg, pg, device })
 }
 
 /// Compute threads for this rank: `threads` when given, else the cores divided among the

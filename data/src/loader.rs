@@ -283,11 +283,7 @@ where
     }
 }
 
-impl<S, const D: usize> ExactSizeIterator for BatchIter<S, D>
-where
-    S: BatchSource<D>,
-{
-}
+impl<S, const D: usize> ExactSizeIterator for BatchIter<S, D> where S: BatchSource<D> {}
 
 impl<S, const D: usize> Drop for BatchIter<S, D> {
     fn drop(&mut self) {

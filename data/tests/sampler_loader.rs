@@ -11,7 +11,6 @@ use ddp_data::{
     MnistLoader, MnistSplit, PimaLoader, PimaTable,
 };
 
-
 /// How many times each index appears across all ranks' indices for one epoch.
 fn coverage(
     len: usize,
@@ -339,8 +338,7 @@ fn loader_rejects_bad_arguments() {
         }),
         "invalid argument: prefetch must be at least 1"
     );
-    let loader =
-        DataLoader::<_, 2>::new(data, LoaderConfig::default(), Device::flex()).unwrap();
+    let loader = DataLoader::<_, 2>::new(data, LoaderConfig::default(), Device::flex()).unwrap();
     let err = loader.iter(vec![0, 1, 154]).err().unwrap();
     assert_eq!(
         err.to_string(),

@@ -256,7 +256,12 @@ impl DistributedDataParallel {
         let buckets = plan_buckets(&params, &config);
         let buffers = buckets.iter().map(|b| vec![0.0; b.len()]).collect();
         // Gradients live on the device without autodiff.
-        let device = model.devices().into_iter().next().unwrap_or_default().inner();
+        let device = model
+            .devices()
+            .into_iter()
+            .next()
+            .unwrap_or_default()
+            .inner();
         #[cfg(feature = "cuda")]
         let device_path = cuda::DevicePath::detect(&pg, buckets.len())?;
         let ddp = Self {

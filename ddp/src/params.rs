@@ -182,10 +182,7 @@ pub(crate) fn put_grad(
 /// Takes the gradient of `info` out of `grads` as a flat tensor on its device (no copy to the
 /// host), or `None` when the parameter got no gradient this step.
 #[cfg(feature = "cuda")]
-pub(crate) fn take_grad_tensor(
-    grads: &mut GradientsParams,
-    info: &ParamInfo,
-) -> Option<Tensor<1>> {
+pub(crate) fn take_grad_tensor(grads: &mut GradientsParams, info: &ParamInfo) -> Option<Tensor<1>> {
     with_rank!(info.shape.len(), D => {
         grads.remove::<D>(info.id).map(|t| t.reshape([info.numel()]))
     }, None)
@@ -193,11 +190,7 @@ pub(crate) fn take_grad_tensor(
 
 /// Puts a flat gradient tensor back for `info`, in the parameter's shape.
 #[cfg(feature = "cuda")]
-pub(crate) fn put_grad_tensor(
-    grads: &mut GradientsParams,
-    info: &ParamInfo,
-    flat: Tensor<1>,
-) {
+pub(crate) fn put_grad_tensor(grads: &mut GradientsParams, info: &ParamInfo, flat: Tensor<1>) {
     let shape = burn::tensor::Shape::from(info.shape.clone());
     with_rank!(info.shape.len(), D => {
         grads.register::<D>(info.id, flat.reshape(shape))

@@ -38,7 +38,6 @@ fn device() -> Device {
     Device::flex().autodiff()
 }
 
-
 /// A uniform value in [-0.5, 0.5) for `(stream, i)`, from the seeded mixer.
 fn uniform(stream: u64, i: u64) -> f32 {
     let h = splitmix64(stream.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ splitmix64(i));
@@ -470,10 +469,7 @@ fn diverged_replicas_at_world_2_blame_neither_rank() {
 /// Every trainable parameter's gradient in `grads` as one flat vector, in visiting order.
 fn grads_flat<M: Module>(model: &M, grads: &GradientsParams) -> Vec<f32> {
     let mut out = Vec::new();
-    for info in param_infos(model)
-        .into_iter()
-        .filter(|p| p.trainable)
-    {
+    for info in param_infos(model).into_iter().filter(|p| p.trainable) {
         let data = match info.shape.len() {
             1 => grads.get::<1>(info.id).map(|t| t.into_data()),
             2 => grads.get::<2>(info.id).map(|t| t.into_data()),
@@ -491,10 +487,7 @@ fn grads_from_flat<M: Module>(model: &M, flat: &[f32]) -> GradientsParams {
     let device = device();
     let mut grads = GradientsParams::new();
     let mut offset = 0;
-    for info in param_infos(model)
-        .into_iter()
-        .filter(|p| p.trainable)
-    {
+    for info in param_infos(model).into_iter().filter(|p| p.trainable) {
         let values = flat[offset..offset + info.numel()].to_vec();
         offset += info.numel();
         let data = TensorData::new(values, info.shape.clone());
@@ -520,8 +513,7 @@ fn accumulate_sums_micro_steps_and_sync_averages_over_ranks_like_pytorch() {
     let mut reference: Vec<f32> = Vec::new();
     for rank in 0..world {
         for m in 0..micro {
-            let model =
-                load_flat_params(MnistMlpConfig::new().init(&device), &init).unwrap();
+            let model = load_flat_params(MnistMlpConfig::new().init(&device), &init).unwrap();
             let (x, y) = batch(start(rank, m), mb);
             let (loss, _) = model.loss(x, y);
             let g = grads_flat(
@@ -755,10 +747,7 @@ fn batchnorm_running_stats_are_broadcast_from_rank_0_not_averaged() {
             model = optim.step(lr, model, grads);
         }
         ddp.check_replicas(&model).unwrap();
-        (
-            flatten_params(&model).unwrap(),
-            running_stats(&model),
-        )
+        (flatten_params(&model).unwrap(), running_stats(&model))
     });
     let (params0, stats0) = &ranks[0];
     for (rank, (params, stats)) in ranks.iter().enumerate() {

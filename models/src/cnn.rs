@@ -102,11 +102,7 @@ impl MnistCnn {
     }
 
     /// Mean negative log-likelihood over the batch (shape `[1]`) and the log-probabilities.
-    pub fn loss(
-        &self,
-        images: Tensor<4>,
-        targets: Tensor<1, Int>,
-    ) -> (Tensor<1>, Tensor<2>) {
+    pub fn loss(&self, images: Tensor<4>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<2>) {
         let log_probs = self.forward(images);
         (nll_loss(log_probs.clone(), targets), log_probs)
     }
@@ -117,11 +113,7 @@ impl Classifier<4> for MnistCnn {
         MnistCnn::forward(self, input)
     }
 
-    fn loss(
-        &self,
-        input: Tensor<4>,
-        targets: Tensor<1, Int>,
-    ) -> (Tensor<1>, Tensor<2>) {
+    fn loss(&self, input: Tensor<4>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<2>) {
         MnistCnn::loss(self, input, targets)
     }
 

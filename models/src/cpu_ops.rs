@@ -641,12 +641,7 @@ impl FastOps for Flex {
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
         if !plain(&options) || !f32_4d(&[&x, &weight, &output_grad]) {
-            return <Flex as ModuleOps<Flex>>::conv2d_x_backward(
-                x,
-                weight,
-                output_grad,
-                options,
-            );
+            return <Flex as ModuleOps<Flex>>::conv2d_x_backward(x, weight, output_grad, options);
         }
         let (xs, ws) = (x.shape().to_vec(), weight.shape().to_vec());
         let g = ConvGeom::new(&xs, &ws, &options);
@@ -682,11 +677,7 @@ impl FastOps for Flex {
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         if !f32_4d(&[&x, &output_grad]) || bias.dtype() != DType::F32 {
-            return <Flex as ModuleOps<Flex>>::conv2d_bias_backward(
-                x,
-                bias,
-                output_grad,
-            );
+            return <Flex as ModuleOps<Flex>>::conv2d_bias_backward(x, bias, output_grad);
         }
         let ds = output_grad.shape().to_vec();
         let dy = contiguous(output_grad);

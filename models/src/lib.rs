@@ -62,8 +62,7 @@ pub trait Classifier<const D: usize> {
     fn forward(&self, input: Tensor<D>) -> Tensor<2>;
 
     /// The mean loss over the batch (shape `[1]`) and the model's output for the batch.
-    fn loss(&self, input: Tensor<D>, targets: Tensor<1, Int>)
-        -> (Tensor<1>, Tensor<2>);
+    fn loss(&self, input: Tensor<D>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<2>);
 
     /// How many samples of the batch `output` predicts correctly.
     fn correct(&self, output: &Tensor<2>, targets: &Tensor<1, Int>) -> usize;

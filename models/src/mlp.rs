@@ -87,11 +87,7 @@ impl Classifier<4> for MnistMlp {
         MnistMlp::forward(self, input)
     }
 
-    fn loss(
-        &self,
-        input: Tensor<4>,
-        targets: Tensor<1, Int>,
-    ) -> (Tensor<1>, Tensor<2>) {
+    fn loss(&self, input: Tensor<4>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<2>) {
         MnistMlp::loss(self, input, targets)
     }
 

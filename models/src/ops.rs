@@ -27,8 +27,7 @@ use burn::backend::autodiff::NodeId;
 use burn::backend::ops::ConvOptions;
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{
-    backend_extension, Autodiff, AutodiffBackend, Backend, Dispatch, DispatchDevice,
-    TensorMetadata,
+    backend_extension, Autodiff, AutodiffBackend, Backend, Dispatch, DispatchDevice, TensorMetadata,
 };
 use burn::nn::conv::Conv2d;
 use burn::nn::pool::MaxPool2d;
@@ -155,7 +154,10 @@ pub trait FastOps: Backend {
 /// Whether `device` is burn's CPU backend (flex), with or without autodiff: where [`FastOps`]
 /// has its kernels. Everywhere else the layers' own `forward` runs.
 fn on_flex(device: &Device) -> bool {
-    matches!(device.clone().inner().as_dispatch(), DispatchDevice::Flex(_))
+    matches!(
+        device.clone().inner().as_dispatch(),
+        DispatchDevice::Flex(_)
+    )
 }
 
 /// `dropout.forward(x)`: the identity unless the layer is in training mode and the device
@@ -201,7 +203,9 @@ pub fn conv2d(x: Tensor<4>, conv: &Conv2d) -> Tensor<4> {
     let (x, weight) = (x.into_dispatch(), conv.weight.val().into_dispatch());
     Tensor::from_dispatch(match &conv.bias {
         None => Dispatch::fast_conv2d(x, weight, options),
-        Some(bias) => Dispatch::fast_conv2d_with_bias(x, weight, bias.val().into_dispatch(), options),
+        Some(bias) => {
+            Dispatch::fast_conv2d_with_bias(x, weight, bias.val().into_dispatch(), options)
+        }
     })
 }
 

@@ -135,10 +135,7 @@ pub fn safetensors_bytes<M: Module>(module: &M) -> Result<Vec<u8>, ExportError> 
 /// Writes [`safetensors_bytes`] of `module` to `path` atomically: into a temporary file in the
 /// same directory, synced to disk, then renamed over `path`, so a reader never sees a partial
 /// file and a crash leaves the previous file intact.
-pub fn export_safetensors<M: Module>(
-    module: &M,
-    path: &Path,
-) -> Result<(), ExportError> {
+pub fn export_safetensors<M: Module>(module: &M, path: &Path) -> Result<(), ExportError> {
     let bytes = safetensors_bytes(module)?;
     write_atomically(path, &bytes)
 }

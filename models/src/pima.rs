@@ -72,11 +72,7 @@ impl PimaMlp {
 
     /// Mean binary cross-entropy with logits over the batch (shape `[1]`) and the logits
     /// `[batch, 1]`. `targets` are `0` or `1`, one per row.
-    pub fn loss(
-        &self,
-        rows: Tensor<2>,
-        targets: Tensor<1, Int>,
-    ) -> (Tensor<1>, Tensor<2>) {
+    pub fn loss(&self, rows: Tensor<2>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<2>) {
         let logits = self.forward(rows);
         let bce = BinaryCrossEntropyLossConfig::new()
             .with_logits(true)
@@ -91,11 +87,7 @@ impl Classifier<2> for PimaMlp {
         PimaMlp::forward(self, input)
     }
 
-    fn loss(
-        &self,
-        input: Tensor<2>,
-        targets: Tensor<1, Int>,
-    ) -> (Tensor<1>, Tensor<2>) {
+    fn loss(&self, input: Tensor<2>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<2>) {
         PimaMlp::loss(self, input, targets)
     }
 

@@ -57,8 +57,12 @@ fn take_grads<M: Module>(model: &M, grads: &mut GradientsParams) -> Vec<Option<V
     impl ModuleVisitor for Taker<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let grad: Option<Tensor<D>> = self.grads.remove::<D>(param.id);
-            self.out
-                .push(grad.map(|g| g.into_data().convert::<f32>().try_into_vec::<f32>().unwrap()));
+            self.out.push(grad.map(|g| {
+                g.into_data()
+                    .convert::<f32>()
+                    .try_into_vec::<f32>()
+                    .unwrap()
+            }));
         }
     }
     let mut taker = Taker {
@@ -157,10 +161,7 @@ fn params_without_gradient_are_absent_and_left_alone() {
 
     // Adam with gradients only for `used`: `unused` keeps its values (and gets no state).
     let before = read_flat(&model);
-    let loss = model
-        .used
-        .forward(Tensor::<2>::ones([2, 4], &device))
-        .sum();
+    let loss = model.used.forward(Tensor::<2>::ones([2, 4], &device)).sum();
     let grads = GradientsParams::from_grads(loss.backward(), &model);
     let mut adam = AdamConfig::new().init();
     let after = read_flat(&adam.step(0.1, model.clone(), grads));
@@ -174,10 +175,7 @@ fn params_without_gradient_are_absent_and_left_alone() {
     // Adam's momentum moves `used` on a zero gradient, while an absent gradient leaves it.
     let second_step = |zero_grads: bool| {
         let mut adam = AdamConfig::new().init();
-        let loss = model
-            .used
-            .forward(Tensor::<2>::ones([2, 4], &device))
-            .sum();
+        let loss = model.used.forward(Tensor::<2>::ones([2, 4], &device)).sum();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let stepped = adam.step(0.1, model.clone(), grads);
         let before = read_flat(&stepped);
@@ -343,8 +341,12 @@ fn dropout_draws_from_the_global_seeded_rng_and_is_off_in_valid() {
         .with_dropout2(0.5)
         .init(&device);
     let (x, _) = batch(2);
-    let out =
-        |m: &ddp_models::MnistCnn| m.forward(x.clone()).into_data().try_to_vec::<f32>().unwrap();
+    let out = |m: &ddp_models::MnistCnn| {
+        m.forward(x.clone())
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap()
+    };
 
     device.seed(100);
     let first = out(&model);
@@ -360,7 +362,11 @@ fn dropout_draws_from_the_global_seeded_rng_and_is_off_in_valid() {
         .into_data()
         .try_to_vec::<f32>()
         .unwrap();
-    let e2 = eval.forward(x_inner).into_data().try_to_vec::<f32>().unwrap();
+    let e2 = eval
+        .forward(x_inner)
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap();
     assert!(e1 == e2, "no dropout on the inner backend");
 }
 

@@ -39,7 +39,12 @@ fn run(prob: f64, seed: u64, threads: usize) -> (Vec<f32>, Vec<f32>) {
             .require_grad();
         let y = ops::dropout(x.clone(), &DropoutConfig::new(prob).init());
         let grads = y.clone().sum().backward();
-        let grad = x.grad(&grads).unwrap().into_data().try_to_vec::<f32>().unwrap();
+        let grad = x
+            .grad(&grads)
+            .unwrap()
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
         (y.into_data().try_to_vec::<f32>().unwrap(), grad)
     })
 }

@@ -16,7 +16,6 @@ fn device() -> Device {
     Device::flex().autodiff()
 }
 
-
 /// Deterministic values in `[-1, 1)` from a 64-bit LCG, so tests do not touch burn's global
 /// RNG (which parallel tests would interleave).
 fn lcg(n: usize, seed: u64) -> Vec<f32> {

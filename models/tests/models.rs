@@ -10,7 +10,6 @@ use ddp_models::{
 };
 use safetensors::SafeTensors;
 
-
 /// burn's Flex RNG is one process-wide stream (`Device::seed` replaces it, every random op draws
 /// from it), and the test harness runs tests on parallel threads: tests that seed or draw
 /// random numbers (every model init does) hold this lock so they do not interleave.
@@ -193,7 +192,13 @@ fn safetensors_round_trip_in_pytorch_layout() {
     }
 
     // fc2: burn [in=128, out=10] → file [out=10, in=128], element (o, i) == burn (i, o).
-    let burn_fc2 = cnn.fc2.weight.val().into_data().try_to_vec::<f32>().unwrap();
+    let burn_fc2 = cnn
+        .fc2
+        .weight
+        .val()
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap();
     let file_fc2 = to_f32(file.tensor("fc2.weight").unwrap().data());
     for i in 0..128 {
         for o in 0..10 {
@@ -201,7 +206,13 @@ fn safetensors_round_trip_in_pytorch_layout() {
         }
     }
     // Conv weights and biases are written as burn holds them.
-    let burn_conv2 = cnn.conv2.weight.val().into_data().try_to_vec::<f32>().unwrap();
+    let burn_conv2 = cnn
+        .conv2
+        .weight
+        .val()
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap();
     assert!(
         to_f32(file.tensor("conv2.weight").unwrap().data()) == burn_conv2,
         "parameter values not as expected"
@@ -402,8 +413,7 @@ fn pima_loss_decreases_and_counts_correct() {
         TensorData::new(vec![2.0f32, -1.0, 0.5, -3.0], [4, 1]),
         &device,
     );
-    let targets =
-        Tensor::<1, Int>::from_data(TensorData::new(vec![1i64, 0, 0, 1], [4]), &device);
+    let targets = Tensor::<1, Int>::from_data(TensorData::new(vec![1i64, 0, 0, 1], [4]), &device);
     assert_eq!(pima.correct(&logits, &targets), 2);
 }
 

@@ -374,8 +374,7 @@ fn measure(
                 num_workers: 1,
                 ..LoaderConfig::default()
             };
-            let loader =
-                DataLoader::<burn::backend::Flex, _, 4>::new(set, config, Default::default())?;
+            let loader = DataLoader::<_, 4>::new(set, config, burn::tensor::Device::flex())?;
             started = Instant::now();
             for epoch in 0..epochs {
                 sampler.set_epoch(epoch);

@@ -8,14 +8,13 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::sync::Arc;
 
 use anyhow::Result;
-use burn::backend::{Autodiff, Flex};
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Device;
 use clap::{Parser, ValueEnum};
 use ddp_apps::options::{DataFormat, TrainArgs, TrainConfig};
 use ddp_apps::train::{self, Data, Task};
 use ddp_comm::ProcessGroup;
 use ddp_data::{ensure_mnist, Mnist, MnistSplit, ShardSet};
-use ddp_models::{FastOps, MnistCnnConfig, MnistMlpConfig};
+use ddp_models::{MnistCnnConfig, MnistMlpConfig};
 
 /// Which network.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -62,12 +61,7 @@ fn try_main() -> Result<()> {
         println!("{}", ensure_mnist(cli.args.data_dir.as_deref())?.display());
         return Ok(());
     }
-    let train::Started {
-        cfg,
-        pg,
-        #[cfg(feature = "cuda")]
-        cuda_device,
-    } = train::start(&cli.args, &defaults())?;
+    let train::Started { cfg, pg, device } = train::start(&cli.args, &defaults())?;
 
     let (train_set, test_set) = match (cfg.data_format, &cfg.data_dir) {
         // Streamed: each rank opens the indexes now (errors surface before training) and
@@ -91,45 +85,37 @@ fn try_main() -> Result<()> {
         }
     };
 
-    #[cfg(feature = "cuda")]
-    if let Some(device) = cuda_device {
-        type B = Autodiff<ddp_apps::gpu::Cuda>;
-        return run::<B>(cli.model, &cfg, pg, device, train_set, test_set);
-    }
-    run::<Autodiff<Flex>>(cli.model, &cfg, pg, Default::default(), train_set, test_set)
+    run(cli.model, &cfg, pg, device, train_set, test_set)
 }
 
-/// Trains the chosen network on backend `B` (the same loop on the CPU and on GPUs).
-fn run<B: AutodiffBackend + FastOps>(
+/// Trains the chosen network on `device` (the same loop on the CPU and on GPUs).
+fn run(
     model: ModelKind,
     cfg: &TrainConfig,
     pg: Arc<ProcessGroup>,
-    device: B::Device,
+    device: Device,
     train_set: Data<Mnist>,
     test_set: Data<Mnist>,
-) -> Result<()>
-where
-    B::InnerBackend: FastOps,
-{
-    B::seed(&device, cfg.seed);
+) -> Result<()> {
+    device.seed(cfg.seed);
     match model {
         ModelKind::Cnn => {
             let task = Task {
                 name: "cnn".into(),
-                model: MnistCnnConfig::new().init::<B>(&device),
+                model: MnistCnnConfig::new().init(&device),
                 train: train_set,
                 test: test_set,
             };
-            train::train::<B, _, _, 4>(cfg, pg, device, task)?;
+            train::train::<_, _, 4>(cfg, pg, device, task)?;
         }
         ModelKind::Mlp => {
             let task = Task {
                 name: "mlp".into(),
-                model: MnistMlpConfig::new().init::<B>(&device),
+                model: MnistMlpConfig::new().init(&device),
                 train: train_set,
                 test: test_set,
             };
-            train::train::<B, _, _, 4>(cfg, pg, device, task)?;
+            train::train::<_, _, 4>(cfg, pg, device, task)?;
         }
     }
     Ok(())

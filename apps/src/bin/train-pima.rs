@@ -9,8 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Result;
-use burn::backend::{Autodiff, Flex};
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Device;
 use clap::Parser;
 use ddp_apps::options::{TrainArgs, TrainConfig};
 use ddp_apps::train::{self, Task};
@@ -48,12 +47,7 @@ fn main() -> std::process::ExitCode {
 
 fn try_main() -> Result<()> {
     let cli = Cli::parse();
-    let train::Started {
-        cfg,
-        pg,
-        #[cfg(feature = "cuda")]
-        cuda_device,
-    } = train::start(&cli.args, &defaults())?;
+    let train::Started { cfg, pg, device } = train::start(&cli.args, &defaults())?;
 
     if cfg.data_format != ddp_apps::options::DataFormat::Memory {
         anyhow::bail!("train-pima reads its CSV into memory: --data-format shards is for MNIST");
@@ -61,27 +55,18 @@ fn try_main() -> Result<()> {
     let table = PimaTable::load(cli.csv.as_deref())?;
     let split = table.split(cli.test_fraction, cfg.seed)?;
 
-    #[cfg(feature = "cuda")]
-    if let Some(device) = cuda_device {
-        return run::<Autodiff<ddp_apps::gpu::Cuda>>(&cfg, pg, device, split);
-    }
-    run::<Autodiff<Flex>>(&cfg, pg, Default::default(), split)
+    run(&cfg, pg, device, split)
 }
 
-/// Trains the MLP on backend `B` (the same loop on the CPU and on GPUs).
-fn run<B: AutodiffBackend>(
-    cfg: &TrainConfig,
-    pg: Arc<ProcessGroup>,
-    device: B::Device,
-    split: PimaSplit,
-) -> Result<()> {
-    B::seed(&device, cfg.seed);
+/// Trains the MLP on `device` (the same loop on the CPU and on GPUs).
+fn run(cfg: &TrainConfig, pg: Arc<ProcessGroup>, device: Device, split: PimaSplit) -> Result<()> {
+    device.seed(cfg.seed);
     let task = Task {
         name: "pima-mlp".into(),
-        model: PimaMlpConfig::new().init::<B>(&device),
+        model: PimaMlpConfig::new().init(&device),
         train: Arc::new(split.train).into(),
         test: Arc::new(split.test).into(),
     };
-    train::train::<B, _, _, 2>(cfg, pg, device, task)?;
+    train::train::<_, _, 2>(cfg, pg, device, task)?;
     Ok(())
 }

@@ -1,6 +1,8 @@
 //! The real MNIST for the trainers' tests, found or fetched the product's way (kept apart from
 //! `common`, which the launcher's tests include and which must not need ddp-data).
 
+#![allow(dead_code)] // each test binary uses a subset
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
