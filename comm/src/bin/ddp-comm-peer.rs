@@ -12,8 +12,9 @@
 //! `PEER_OP` (`all_reduce` (default), `barrier`, or `digest`: an all-reduce (sum) of
 //! `PEER_ELEMS` values of [`peer_value`] (`PEER_VALUES=float`, the default for `digest`, or
 //! `int`: small integers, whose sums are exact in any order), printing `rank R step N digest H`
-//! with H the FNV-1a hash of the result's bytes, in hex), `PEER_LISTEN_FD` (rank 0 only: an inherited,
-//! already bound listening socket to host the store on, so that a test needs no free-port guess).
+//! with H the FNV-1a hash of the result's bytes, in hex). Rank 0 hosts the store on
+//! the listening socket its launcher (or test) hands it through `DDP_STORE_FD`, when it has one
+//! (`ddp_comm::elastic::STORE_FD_ENV`), so that a test needs no free-port guess.
 //!
 //! The error line names the rank the error blames (`CommError::peer`): `rank R error (blames
 //! rank K): <message>`, or `(blames nobody)`.
@@ -50,17 +51,7 @@ fn main() {
     let elems = var("PEER_ELEMS", 100_000) as usize;
     let sleep = Duration::from_millis(var("PEER_SLEEP_MS", 0));
     let op = std::env::var("PEER_OP").unwrap_or_else(|_| "all_reduce".into());
-    let mut builder = ProcessGroup::builder();
-    if let Some(fd) = std::env::var("PEER_LISTEN_FD")
-        .ok()
-        .and_then(|v| v.parse::<i32>().ok())
-    {
-        use std::os::fd::FromRawFd;
-        // SAFETY: the parent passed this descriptor (a bound, listening TCP socket) for this
-        // process to own; nothing else in this process uses it.
-        builder = builder.master_listener(unsafe { std::net::TcpListener::from_raw_fd(fd) });
-    }
-    let pg = match builder.build() {
+    let pg = match ProcessGroup::from_env() {
         Ok(pg) => pg,
         Err(e) => {
             println!("error: {e}");
@@ -82,7 +73,7 @@ fn main() {
             let ints = std::env::var("PEER_VALUES").is_ok_and(|v| v == "int");
             let buf: Vec<f32> = (0..elems).map(|i| peer_value(rank, i, ints)).collect();
             pg.all_reduce(buf, ReduceOp::Sum).map(|out| {
-                let hash = ddp_comm::bytes::fnv1a(bytemuck::cast_slice(&out));
+                let hash = ddp_comm::hash::fnv1a(bytemuck::cast_slice(&out));
                 println!("rank {rank} step {step} digest {hash:016x}");
             })
         } else {
