@@ -106,7 +106,7 @@ impl Store {
         })
     }
 
-    /// Connects (retrying until `deadline`) to a [`StoreHost`] at `host:port` as client `index`
+    /// Connects (retrying until `deadline`) to a [`StoreHost`](crate::StoreHost) at `host:port` as client `index`
     /// of `clients`, of job `job`; every call then has the deadline `timeout`.
     pub fn connect_host(
         host: &str,

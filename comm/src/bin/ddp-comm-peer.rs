@@ -16,6 +16,11 @@
 //! the listening socket its launcher (or test) hands it through `DDP_STORE_FD`, when it has one
 //! (`ddp_comm::elastic::STORE_FD_ENV`), so that a test needs no free-port guess.
 //!
+//! `PEER_EXIT_RANK=R` with `PEER_EXIT_STEP=N`: rank R exits with code 7 after step N (on the
+//! first attempt only, unless `PEER_EXIT_ALWAYS=1`). `PEER_STOP_RANK=R` with `PEER_STOP_STEP=N`:
+//! rank R stops itself with SIGSTOP after step N (a frozen rank: its sockets stay open, it sends
+//! nothing).
+//!
 //! The error line names the rank the error blames (`CommError::peer`): `rank R error (blames
 //! rank K): <message>`, or `(blames nobody)`.
 
@@ -65,6 +70,8 @@ fn main() {
     let exit_at = (std::env::var("PEER_EXIT_RANK").ok() == Some(rank.to_string())
         && (attempt == 0 || std::env::var("PEER_EXIT_ALWAYS").is_ok_and(|v| v == "1")))
     .then(|| var("PEER_EXIT_STEP", 0));
+    let stop_at = (std::env::var("PEER_STOP_RANK").ok() == Some(rank.to_string()))
+        .then(|| var("PEER_STOP_STEP", 0));
     let mut step = 0u64;
     while steps == 0 || step < steps {
         let result = if op == "barrier" {
@@ -106,6 +113,12 @@ fn main() {
             println!("rank {rank} exits with code 7 at step {step} (PEER_EXIT_RANK)");
             let _ = std::io::stdout().flush();
             std::process::exit(7);
+        }
+        if stop_at == Some(step) {
+            println!("rank {rank} stops itself (SIGSTOP) at step {step} (PEER_STOP_RANK)");
+            let _ = std::io::stdout().flush();
+            // SAFETY: kill(2) of this very process; it only sends a signal.
+            unsafe { libc::kill(std::process::id() as libc::pid_t, libc::SIGSTOP) };
         }
         step += 1;
         if std::env::var("PEER_SLEEP_RANK").map_or(true, |r| r == rank.to_string()) {

@@ -1,5 +1,5 @@
 //! The NCCL backend (feature `nccl`): collectives on CUDA device buffers through NVIDIA's NCCL,
-//! for one process per GPU, next to the TCP [`ProcessGroup`] that the ranks already form.
+//! for one process per GPU, next to the TCP [`ProcessGroup`](crate::ProcessGroup) that the ranks already form.
 //!
 //! ```no_run
 //! use ddp_comm::nccl::NcclGroup;
@@ -19,7 +19,7 @@
 //! - **Loading.** Nothing of CUDA is linked: cudarc opens `libcuda` and `libnccl` when first
 //!   used (its `dynamic-loading` feature), so this builds on machines without a CUDA toolkit.
 //!   cudarc panics when a library is missing; [`NcclGroup::new`] checks for both first
-//!   ([`driver_present`], [`nccl_present`]) and turns absence into a [`CommError`] that says what
+//!   ([`driver_present`], [`nccl_present`]) and turns absence into a [`CommError`](crate::CommError) that says what
 //!   is missing.
 //! - **Device.** Rank `LOCAL_RANK` uses GPU `LOCAL_RANK` (its primary context, the one burn's
 //!   CUDA backend also uses, so device pointers are shared). Fewer visible GPUs than local
@@ -32,7 +32,7 @@
 //!   from this process group); the others read it, and all call `ncclCommInitRank`.
 //! - **Operations.** Every collective is enqueued on the group's own CUDA stream and returns at
 //!   once with an [`NcclWork`]; [`NcclWork::wait`] blocks the host until the stream has passed
-//!   the collective. Buffers are cudarc [`CudaSlice`]s: cudarc's event tracking makes our stream
+//!   the collective. Buffers are cudarc [`CudaSlice`](cudarc::driver::CudaSlice)s: cudarc's event tracking makes our stream
 //!   wait for earlier work on a buffer made on another stream, and later users of the buffer wait
 //!   for the collective. For buffers owned by someone else (burn's tensors) there is
 //!   [`NcclGroup::submit_all_reduce_ptr`], where the caller keeps those promises itself.
