@@ -50,14 +50,14 @@ pub(crate) struct Outcome {
 
 /// What the other nodes' launchers say, asked once per look: `Some(Ok(()))` a restart was
 /// decided elsewhere, `Some(Err(why))` the job cannot go on, `None` nothing new.
-pub(crate) type AgentsSay<'a> = &'a dyn Fn() -> Option<Result<(), String>>;
+pub(crate) type OtherNodes<'a> = &'a dyn Fn() -> Option<Result<(), String>>;
 
 /// Starts the local ranks of `attempt` once, watches them until all have ended and reports how.
 pub(crate) fn run_attempt(
     config: &LaunchConfig,
     mut attempt: Attempt<'_>,
     mut signals: Option<&mut SignalForwarding>,
-    agents: AgentsSay,
+    other_nodes: OtherNodes,
 ) -> Outcome {
     let (done_tx, done_rx) = mpsc::channel::<()>();
     let ranks = match start_ranks(config, &mut attempt, &done_tx) {
@@ -72,7 +72,7 @@ pub(crate) fn run_attempt(
     drop(done_tx);
     let mut watch = Watch::new(config, ranks, &attempt);
     loop {
-        watch.look_at_agents(agents);
+        watch.look_at_other_nodes(other_nodes);
         watch.look_at_signals(signals.as_deref_mut());
         watch.look_at_ranks();
         if watch.all_ended() {
@@ -112,7 +112,7 @@ struct Watch<'a> {
     /// Whether a `SIGINT`/`SIGTERM` reached the launcher.
     signalled: bool,
     /// Several nodes: a restart decided by another node's launcher (Ok) or a node lost (Err).
-    stopped_by_agents: Option<Result<(), String>>,
+    stopped_by_other_nodes: Option<Result<(), String>>,
 }
 
 impl<'a> Watch<'a> {
@@ -126,7 +126,7 @@ impl<'a> Watch<'a> {
             kill_at: None,
             wait_error: None,
             signalled: false,
-            stopped_by_agents: None,
+            stopped_by_other_nodes: None,
         }
     }
 
@@ -134,7 +134,7 @@ impl<'a> Watch<'a> {
     fn stopping(&self) -> bool {
         self.first_failure.is_some()
             || self.interrupted.is_some()
-            || self.stopped_by_agents.is_some()
+            || self.stopped_by_other_nodes.is_some()
     }
 
     /// Stops the running ranks with `SIGTERM` (or a forwarded `signal`), `SIGKILL` after the
@@ -149,17 +149,17 @@ impl<'a> Watch<'a> {
     }
 
     /// Another node's launcher decided a restart, or lost a node: stop this node's ranks.
-    fn look_at_agents(&mut self, agents: AgentsSay) {
+    fn look_at_other_nodes(&mut self, other_nodes: OtherNodes) {
         if self.stopping() {
             return;
         }
-        if let Some(stop) = agents() {
+        if let Some(stop) = other_nodes() {
             notice(&match &stop {
                 Ok(()) => "a rank of another node failed; stopping this node's ranks".into(),
                 Err(why) => format!("{why}; stopping this node's ranks"),
             });
             self.stop(libc::SIGTERM);
-            self.stopped_by_agents = Some(stop);
+            self.stopped_by_other_nodes = Some(stop);
         }
     }
 
@@ -252,10 +252,10 @@ impl<'a> Watch<'a> {
         let (config, attempt) = (self.config, self.attempt);
         let ending = if let Some(error) = self.wait_error {
             Ending::Error(error)
-        } else if let (Some(_), Some(signal)) = (&self.stopped_by_agents, self.interrupted) {
+        } else if let (Some(_), Some(signal)) = (&self.stopped_by_other_nodes, self.interrupted) {
             // A user's stop wins over a restart decided elsewhere.
             Ending::Error(LaunchError::Interrupted { signal })
-        } else if let Some(stop) = self.stopped_by_agents {
+        } else if let Some(stop) = self.stopped_by_other_nodes {
             match stop {
                 Ok(()) => Ending::RestartRequested,
                 Err(message) => Ending::Error(LaunchError::Agents { message }),

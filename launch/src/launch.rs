@@ -107,14 +107,14 @@ impl<'a> Job<'a> {
         };
         let round = self.restarts as u64;
         let agents = self.agents.as_ref();
-        let agents_say = || -> Option<Result<(), String>> {
+        let other_nodes = || -> Option<Result<(), String>> {
             let a = agents?;
             if let Some(why) = a.lost() {
                 return Some(Err(why));
             }
             (a.round() > round).then_some(Ok(()))
         };
-        run_attempt(self.config, attempt, self.signals.as_mut(), &agents_say)
+        run_attempt(self.config, attempt, self.signals.as_mut(), &other_nodes)
     }
 
     /// Step 6: after an attempt, the job's report (`Ok(Some)`), its error, or `Ok(None)`: a
