@@ -1,4 +1,6 @@
-//! The collective algorithms, each one function over the transport's `send` and `recv`.
+//! The collective algorithms over TCP, each one function over the mesh's `send` and `recv`
+//! (`transport.rs`). Which transport carries a collective (these, shared memory, or both in the
+//! hierarchical form) is decided in `collectives.rs`.
 //!
 //! # Ring all-reduce (large buffers)
 //!
@@ -48,22 +50,6 @@
 //! on every rank. The same direct pattern serves small reduce-scatters (each rank gets only its
 //! chunk from everyone), all-gathers, broadcasts (the root sends to everyone) and the barrier.
 //!
-//! # Hierarchical all-reduce (ranks on several hosts)
-//!
-//! When some ranks share a host and the group spans several hosts (`shm.rs` finds out which),
-//! an all-reduce runs in three phases: (1) the ranks of each host all-reduce over shared memory
-//! (rank order inside the host), (2) the host's leader (its lowest rank) all-reduces the host's
-//! sum with the other leaders over TCP, with the algorithms of this file over the leaders alone
-//! (direct or ring by size; `Avg` divides by the whole group's size once, at the leaders),
-//! (3) each leader broadcasts the result to its host over shared memory. Only one rank per host
-//! sends over the network, and each host's bytes cross it once instead of once per rank. Every
-//! rank ends with the bytes its leader computed, and the leaders with the same bytes (the TCP
-//! algorithms are bit-identical across ranks), so results are bit-identical across ranks and runs
-//! of the same topology; the order of the sum is: each host's ranks in rank order, then the
-//! hosts as the TCP algorithm combines them (with exactly representable values, e.g. integers,
-//! every topology gives the same bits). Broadcast and barrier take the same three steps;
-//! all-gather and reduce-scatter go over TCP among all ranks.
-//!
 //! # Other collectives
 //!
 //! * Reduce-scatter (large): the reduce-scatter half of the ring, shifted by one chunk so that
@@ -78,10 +64,10 @@
 
 use std::ops::Range;
 
+use crate::buffers::PooledBuf;
 use crate::element::{Element, ReduceOp};
 use crate::error::CommError;
-use crate::shm::{self, ShmGroup};
-use crate::transport::{Buf, Mesh};
+use crate::transport::Mesh;
 use crate::wire::OpDesc;
 
 /// The balanced split of `len` elements into `world` chunks: chunk `index` of
@@ -105,15 +91,13 @@ pub fn chunk_range(len: usize, world: usize, index: usize) -> Range<usize> {
 
 /// Everything an algorithm needs: the mesh, the fingerprint of the running collective, tuning,
 /// and who takes part: `members` (global ranks; every rank of the group, or the hosts' leaders in
-/// a hierarchical all-reduce). The algorithms speak of ranks as indices into `members`:
-/// `rank()` is ours, `world()` their number, and `send`/`recv` map an index to the global rank.
+/// a hierarchical collective). The algorithms speak of ranks as indices into `members`:
+/// `index()` is ours, `size()` their number, and `send`/`recv` map an index to the global rank.
 pub(crate) struct Ctx<'a> {
     pub mesh: &'a Mesh,
     pub desc: OpDesc,
     pub segment_bytes: usize,
     pub small_bytes: usize,
-    /// Shared memory between the ranks of this host, when some ranks share it.
-    pub shm: Option<&'a ShmGroup>,
     /// The global ranks taking part, in ring order.
     pub members: &'a [usize],
     /// Our index in `members`.
@@ -121,17 +105,19 @@ pub(crate) struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn rank(&self) -> usize {
+    /// Our index among the members.
+    fn index(&self) -> usize {
         self.me
     }
-    fn world(&self) -> usize {
+    /// The number of members.
+    fn size(&self) -> usize {
         self.members.len()
     }
     fn right(&self) -> usize {
-        (self.rank() + 1) % self.world()
+        (self.index() + 1) % self.size()
     }
     fn left(&self) -> usize {
-        (self.rank() + self.world() - 1) % self.world()
+        (self.index() + self.size() - 1) % self.size()
     }
     fn seg_elems<T>(&self) -> usize {
         (self.segment_bytes / std::mem::size_of::<T>()).max(1)
@@ -153,7 +139,7 @@ impl Ctx<'_> {
                 .send_lent(self.members[peer], &self.desc, bytemuck::cast_slice(data))
         }
     }
-    fn recv<T: Element>(&self, peer: usize, elems: usize) -> Result<Buf, CommError> {
+    fn recv<T: Element>(&self, peer: usize, elems: usize) -> Result<PooledBuf, CommError> {
         self.mesh.recv(
             self.members[peer],
             &self.desc,
@@ -190,16 +176,15 @@ impl Ctx<'_> {
         }
     }
     fn peers(&self) -> impl Iterator<Item = usize> + '_ {
-        (0..self.world()).filter(move |&p| p != self.rank())
+        (0..self.size()).filter(move |&p| p != self.index())
     }
     /// The same collective over TCP among `members` (we are `members[me]`), e.g. the leaders.
-    fn over<'b>(&'b self, members: &'b [usize], me: usize) -> Ctx<'b> {
+    pub(crate) fn over<'b>(&'b self, members: &'b [usize], me: usize) -> Ctx<'b> {
         Ctx {
             mesh: self.mesh,
             desc: self.desc,
             segment_bytes: self.segment_bytes,
             small_bytes: self.small_bytes,
-            shm: None,
             members,
             me,
         }
@@ -219,15 +204,6 @@ fn segments(range: Range<usize>, seg: usize) -> impl Iterator<Item = Range<usize
 
 fn bytes_of<T>(len: usize) -> usize {
     len.saturating_mul(std::mem::size_of::<T>())
-}
-
-/// Sum for `Avg` (divided at the end), the op itself otherwise.
-fn accumulate_op(op: ReduceOp) -> ReduceOp {
-    if op == ReduceOp::Avg {
-        ReduceOp::Sum
-    } else {
-        op
-    }
 }
 
 /// `mine = incoming op mine`: the ring's order of operands (the partial result that arrived
@@ -286,44 +262,22 @@ impl<T> View<T> {
 // ---------------------------------------------------------------------------------------------
 // all_reduce
 
+/// Reduces `buf` across the members with `op`, in place: the direct exchange up to the
+/// small-buffer threshold, the ring above it.
 pub(crate) fn all_reduce<T: Element>(
     cx: &Ctx,
     buf: &mut [T],
     op: ReduceOp,
 ) -> Result<(), CommError> {
-    match cx.shm {
-        Some(s) if s.is_flat() => return shm::all_reduce(s, cx.mesh, &cx.desc, buf, op),
-        Some(s) => return hierarchical_all_reduce(cx, s, buf, op),
-        None => {}
-    }
     if bytes_of::<T>(buf.len()) <= cx.small_bytes {
         return cx.lending(|| direct_all_reduce(cx, buf, op));
     }
-    let (len, n) = (buf.len(), cx.world());
+    let (len, n) = (buf.len(), cx.size());
     let view = View::new(buf);
     cx.lending(|| {
         ring_reduce_scatter(cx, view, op, 0, true)?;
-        ring_all_gather(cx, view, |c| chunk_range(len, n, c), cx.rank() + 1, true)
+        ring_all_gather(cx, view, |c| chunk_range(len, n, c), cx.index() + 1, true)
     })
-}
-
-/// The hierarchical all-reduce of ranks on several hosts (see the module documentation).
-fn hierarchical_all_reduce<T: Element>(
-    cx: &Ctx,
-    s: &ShmGroup,
-    buf: &mut [T],
-    op: ReduceOp,
-) -> Result<(), CommError> {
-    let acc_op = accumulate_op(op);
-    shm::all_reduce(s, cx.mesh, &cx.desc, buf, acc_op)?;
-    if s.is_leader() {
-        let host = s.host_of(cx.mesh.rank);
-        all_reduce(&cx.over(s.leaders(), host), buf, acc_op)?;
-        if op == ReduceOp::Avg {
-            T::divide(buf, cx.mesh.world);
-        }
-    }
-    shm::broadcast(s, cx.mesh, &cx.desc, buf, 0)
 }
 
 /// Sends copies (`buf` becomes the accumulator at once) and receives rank 0's contribution
@@ -337,21 +291,21 @@ fn direct_all_reduce<T: Element>(cx: &Ctx, buf: &mut [T], op: ReduceOp) -> Resul
         }
     }
     // buf becomes the accumulator, starting with rank 0's contribution.
-    let own = if cx.rank() != 0 {
+    let own = if cx.index() != 0 {
         buf.to_vec()
     } else {
         Vec::new()
     };
-    if cx.rank() != 0 {
+    if cx.index() != 0 {
         for s in segments(all.clone(), seg) {
             // SAFETY: `buf` outlives the `lending` this runs under, and is not touched again
             // after an error.
             unsafe { cx.recv_into(0, &mut buf[s])? };
         }
     }
-    let acc_op = accumulate_op(op);
-    for p in 1..cx.world() {
-        if p == cx.rank() {
+    let acc_op = op.accumulator();
+    for p in 1..cx.size() {
+        if p == cx.index() {
             T::reduce_into(acc_op, buf, &own);
         } else {
             for s in segments(all.clone(), seg) {
@@ -361,7 +315,7 @@ fn direct_all_reduce<T: Element>(cx: &Ctx, buf: &mut [T], op: ReduceOp) -> Resul
         }
     }
     if op == ReduceOp::Avg {
-        T::divide(buf, cx.world());
+        T::divide(buf, cx.size());
     }
     Ok(())
 }
@@ -384,13 +338,13 @@ fn ring_reduce_scatter<T: Element>(
     shift: usize,
     send_final: bool,
 ) -> Result<(), CommError> {
-    let n = cx.world();
-    let r = cx.rank();
+    let n = cx.size();
+    let r = cx.index();
     let len = buf.len;
     let seg = cx.seg_elems::<T>();
     let (left, right) = (cx.left(), cx.right());
     let chunk = |c: usize| chunk_range(len, n, c % n);
-    let acc_op = accumulate_op(op);
+    let acc_op = op.accumulator();
 
     for s in segments(chunk(r + shift), seg) {
         // SAFETY: see the function's documentation.
@@ -431,7 +385,7 @@ fn ring_all_gather<T: Element>(
     own: usize,
     own_sent: bool,
 ) -> Result<(), CommError> {
-    let n = cx.world();
+    let n = cx.size();
     let seg = cx.seg_elems::<T>();
     let (left, right) = (cx.left(), cx.right());
     if !own_sent {
@@ -465,11 +419,8 @@ pub(crate) fn reduce_scatter<T: Element>(
     buf: &mut [T],
     op: ReduceOp,
 ) -> Result<Vec<T>, CommError> {
-    if let Some(s) = cx.shm.filter(|s| s.is_flat()) {
-        return shm::reduce_scatter(s, cx.mesh, &cx.desc, buf, op);
-    }
-    let n = cx.world();
-    let r = cx.rank();
+    let n = cx.size();
+    let r = cx.index();
     let len = buf.len();
     let mine = chunk_range(len, n, r);
     if bytes_of::<T>(len) > cx.small_bytes {
@@ -497,7 +448,7 @@ pub(crate) fn reduce_scatter<T: Element>(
                 unsafe { cx.recv_into(0, &mut acc[local(&s)])? };
             }
         }
-        let acc_op = accumulate_op(op);
+        let acc_op = op.accumulator();
         for p in 1..n {
             if p == r {
                 T::reduce_into(acc_op, &mut acc, own);
@@ -519,19 +470,13 @@ pub(crate) fn reduce_scatter<T: Element>(
 // ---------------------------------------------------------------------------------------------
 // all_gather
 
-/// Concatenates every rank's `input` (equal lengths) in rank order.
+/// Concatenates every member's `input` (equal lengths) in member order; the caller checked
+/// that the total length fits in a `usize`.
 pub(crate) fn all_gather<T: Element>(cx: &Ctx, input: &[T]) -> Result<Vec<T>, CommError> {
-    let n = cx.world();
-    let r = cx.rank();
+    let n = cx.size();
+    let r = cx.index();
     let l = input.len();
-    let total = l.checked_mul(n).ok_or_else(|| CommError::InvalidArgument {
-        rank: r,
-        op: cx.desc.to_string(),
-        message: format!("{l} elements times {n} ranks overflows"),
-    })?;
-    if let Some(s) = cx.shm.filter(|s| s.is_flat()) {
-        return shm::all_gather(s, cx.mesh, &cx.desc, input);
-    }
+    let total = l * n;
     let mut out = vec![T::zeroed(); total];
     out[r * l..(r + 1) * l].copy_from_slice(input);
     let block = |b: usize| b * l..(b + 1) * l;
@@ -562,30 +507,10 @@ pub(crate) fn all_gather<T: Element>(cx: &Ctx, input: &[T]) -> Result<Vec<T>, Co
 // ---------------------------------------------------------------------------------------------
 // broadcast
 
-/// Overwrites `buf` on every rank with `root`'s `buf`.
+/// Overwrites `buf` on every member with member `root`'s `buf`.
 pub(crate) fn broadcast<T: Element>(cx: &Ctx, buf: &mut [T], root: usize) -> Result<(), CommError> {
-    match cx.shm {
-        Some(s) if s.is_flat() => return shm::broadcast(s, cx.mesh, &cx.desc, buf, root),
-        Some(s) => {
-            // Inside the root's host, from the leaders' root (the root's leader) to the other
-            // leaders over TCP, then inside every other host from its leader.
-            let (root, me) = (cx.members[root], cx.mesh.rank);
-            let (root_host, host) = (s.host_of(root), s.host_of(me));
-            if let Some(local_root) = s.local_index(root) {
-                shm::broadcast(s, cx.mesh, &cx.desc, buf, local_root)?;
-            }
-            if s.is_leader() {
-                broadcast(&cx.over(s.leaders(), host), buf, root_host)?;
-            }
-            if host != root_host {
-                shm::broadcast(s, cx.mesh, &cx.desc, buf, 0)?;
-            }
-            return Ok(());
-        }
-        None => {}
-    }
-    let n = cx.world();
-    let r = cx.rank();
+    let n = cx.size();
+    let r = cx.index();
     let seg = cx.seg_elems::<T>();
     let all = 0..buf.len();
     let small = bytes_of::<T>(buf.len()) <= cx.small_bytes;
@@ -629,20 +554,8 @@ pub(crate) fn broadcast<T: Element>(cx: &Ctx, buf: &mut [T], root: usize) -> Res
 // ---------------------------------------------------------------------------------------------
 // barrier
 
-/// Returns once every rank has entered the barrier: an empty frame to and from every peer.
+/// Returns once every member has entered the barrier: an empty frame to and from every peer.
 pub(crate) fn barrier(cx: &Ctx) -> Result<(), CommError> {
-    match cx.shm {
-        Some(s) if s.is_flat() => return shm::barrier(s, cx.mesh, &cx.desc),
-        Some(s) => {
-            // Everyone of every host in, as seen by the leaders, then everyone out.
-            shm::barrier(s, cx.mesh, &cx.desc)?;
-            if s.is_leader() {
-                barrier(&cx.over(s.leaders(), s.host_of(cx.mesh.rank)))?;
-            }
-            return shm::barrier(s, cx.mesh, &cx.desc);
-        }
-        None => {}
-    }
     for p in cx.peers() {
         cx.send::<u8>(p, &[])?;
     }

@@ -32,6 +32,16 @@ impl ReduceOp {
         }
     }
 
+    /// The operation that accumulates contributions: `Sum` for `Avg` (every algorithm sums,
+    /// then divides once by the number of contributions, at the one place that finishes the
+    /// result), the operation itself otherwise.
+    pub(crate) fn accumulator(self) -> ReduceOp {
+        match self {
+            ReduceOp::Avg => ReduceOp::Sum,
+            op => op,
+        }
+    }
+
     pub(crate) fn to_wire(self) -> u32 {
         match self {
             ReduceOp::Sum => 1,

@@ -1,5 +1,6 @@
 //! [`CommError`]: every failure of the crate, with messages that name the rank, the peer, the
-//! collective, the variable or the address involved.
+//! collective, the variable or the address involved; and `StoreCallError`, why one call of a
+//! store client failed, before the client names it with its address.
 
 use std::time::Duration;
 
@@ -297,6 +298,46 @@ impl CommError {
         CommError::Config {
             var: var.into(),
             message: message.into(),
+        }
+    }
+}
+
+/// Why one store call failed, before it is named with the store's address and rank.
+#[derive(Debug)]
+pub(crate) enum StoreCallError {
+    /// The connection failed (closed, reset, no answer in time): it may be out of step now and
+    /// is never used again.
+    Io(std::io::Error),
+    /// The server's bytes made no sense; the connection is dropped too.
+    Protocol(String),
+    /// Keys not set before the deadline (the missing ones, or empty if the server does not
+    /// say); the connection stays usable.
+    Timeout(String),
+    /// The server (or this client) refused the request; the connection stays usable.
+    Refused(String),
+}
+
+impl From<std::io::Error> for StoreCallError {
+    fn from(e: std::io::Error) -> StoreCallError {
+        StoreCallError::Io(e)
+    }
+}
+
+impl std::fmt::Display for StoreCallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreCallError::Io(e) => match e.kind() {
+                std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset => {
+                    write!(f, "lost the connection (did the store's host exit?)")
+                }
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                    write!(f, "no response in time")
+                }
+                _ => write!(f, "{e}"),
+            },
+            StoreCallError::Protocol(m) => write!(f, "unexpected answer: {m}"),
+            StoreCallError::Timeout(keys) => write!(f, "timed out waiting for {keys}"),
+            StoreCallError::Refused(m) => write!(f, "{m}"),
         }
     }
 }

@@ -14,14 +14,15 @@
 //!
 //! `ddprun` sets `DDP_TRACE_DIR` for its ranks, forwards its own `SIGUSR1` to them, and merges
 //! the files into one hang report with [`hang_report`]. Files are written whole (a temporary
-//! file renamed into place), so a reader never sees half a record.
+//! file synced and renamed into place, `ddp_fsio::atomic_write`), so a reader never sees half a
+//! record.
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
@@ -103,13 +104,8 @@ pub struct FlightDump {
     pub records: Vec<CollectiveRecord>,
 }
 
-/// Microseconds since the UNIX epoch, now.
-pub fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_micros() as u64)
-        .unwrap_or(0)
-}
+/// Microseconds since the UNIX epoch, now (the stamps of the records).
+pub use crate::clock::now_us;
 
 /// A group's recorder (shared by the submitting threads and the communication thread).
 pub(crate) struct FlightRecorder {
@@ -263,14 +259,8 @@ impl FlightRecorder {
 fn write_dump(dir: &Path, dump: &FlightDump) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     let path = dir.join(format!("flight-rank{}.json", dump.rank));
-    let tmp = dir.join(format!(
-        ".flight-rank{}.json.{}",
-        dump.rank,
-        std::process::id()
-    ));
     let text = serde_json::to_vec_pretty(dump).map_err(std::io::Error::other)?;
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, &path)
+    ddp_fsio::atomic_write(&path, |file| file.write_all(&text))
 }
 
 /// Reads every `flight-rank<R>.json` in `dir`. A file that cannot be read or parsed is reported

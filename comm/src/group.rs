@@ -1,32 +1,32 @@
-//! [`ProcessGroup`]: joining a group (rendezvous), the communication thread that runs the
-//! collectives in submission order, and [`Work`] handles.
+//! [`ProcessGroup`]: a group of ranks that run collectives together, its communication thread
+//! that runs them in submission order, and the submit and blocking forms of every collective.
+//! Joining is `join.rs`; the handles are `work.rs`; the choice of transport per collective is
+//! `collectives.rs`.
 
-use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
 use std::net::TcpListener;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::thread::JoinHandle;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
-
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::thread::JoinHandle;
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::Sender;
 
-use crate::algorithms::{self, Ctx};
-use crate::config::{GroupBuilder, GroupConfig};
-use crate::connect::{connect_mesh, Identity};
+use crate::algorithms::Ctx;
+use crate::collectives::{self, Transports};
+use crate::config::GroupConfig;
+use crate::elastic::inherited_store_listener;
 use crate::element::{DType, Element, ReduceOp};
+use crate::env::process_env;
 use crate::error::CommError;
 use crate::flight::{CollectiveRecord, FlightRecorder};
+use crate::health::GroupHealth;
+use crate::join::join;
 use crate::shm::ShmGroup;
-use crate::store::{Store, StoreServer};
-use crate::transport::{remaining, Mesh, Shared, STALL_MARGIN};
-use crate::wire::{self, OpDesc, OpKind};
-
-const JOB_ID_KEY: &str = "ddp/job_id";
-const TUNING_KEY: &str = "ddp/tuning";
+use crate::store::Store;
+use crate::store_server::StoreServer;
+use crate::transport::Mesh;
+use crate::wire::{OpDesc, OpKind};
+use crate::work::Work;
 
 /// A group of processes that run collectives together (like `torch.distributed`'s default
 /// process group).
@@ -44,8 +44,8 @@ pub struct ProcessGroup {
     thread: Option<JoinHandle<()>>,
     store: Option<Store>,
     _server: Option<StoreServer>,
-    /// The mesh's shared state (failure, progress), for [`Work`] handles.
-    shared: Option<Arc<Shared>>,
+    /// The mesh's health (failure, progress), for [`Work`] handles.
+    health: Option<Arc<GroupHealth>>,
     /// The last collectives (`None` at world size 1).
     flight: Option<Arc<FlightRecorder>>,
 }
@@ -59,10 +59,12 @@ impl std::fmt::Debug for ProcessGroup {
     }
 }
 
-type Job = Box<dyn FnOnce(&mut Engine) + Send>;
+/// A collective queued for the communication thread.
+type Job = Box<dyn FnOnce(&mut CollectiveRunner) + Send>;
 
-/// The state of the communication thread.
-struct Engine {
+/// The communication thread's state: it numbers the group's collectives and runs them, one at a
+/// time, over the group's transports.
+struct CollectiveRunner {
     mesh: Mesh,
     seq: u64,
     segment_bytes: usize,
@@ -77,11 +79,11 @@ struct Engine {
     members: Vec<usize>,
 }
 
-impl Engine {
+impl CollectiveRunner {
     /// The start-up barrier (not numbered; its frames carry [`OpKind::Join`]).
     fn join(&mut self) -> Result<(), CommError> {
         let seq = self.seq;
-        let result = self.run(OpKind::Join, DType::U8, 0, 0, algorithms::barrier);
+        let result = self.run(OpKind::Join, DType::U8, 0, 0, collectives::barrier);
         self.seq = seq;
         result
     }
@@ -94,7 +96,7 @@ impl Engine {
         dtype: DType,
         count: usize,
         arg: u32,
-        f: impl FnOnce(&Ctx) -> Result<R, CommError>,
+        f: impl FnOnce(&Transports) -> Result<R, CommError>,
     ) -> Result<R, CommError> {
         let desc = OpDesc {
             op,
@@ -119,30 +121,32 @@ impl Engine {
         result
     }
 
-    /// [`Engine::run`] once the collective is numbered.
+    /// [`CollectiveRunner::run`] once the collective is numbered.
     fn run_desc<R>(
         &mut self,
         desc: OpDesc,
-        f: impl FnOnce(&Ctx) -> Result<R, CommError>,
+        f: impl FnOnce(&Transports) -> Result<R, CommError>,
     ) -> Result<R, CommError> {
         let rank = self.mesh.rank;
-        if let Some(cause) = self.mesh.shared().error() {
+        if let Some(cause) = self.mesh.health().error() {
             return Err(CommError::GroupFailed {
                 rank,
                 op: desc.to_string(),
                 cause: Box::new(cause),
             });
         }
-        let cx = Ctx {
-            mesh: &self.mesh,
-            desc,
-            segment_bytes: self.segment_bytes,
-            small_bytes: self.small_bytes,
+        let transports = Transports {
+            tcp: Ctx {
+                mesh: &self.mesh,
+                desc,
+                segment_bytes: self.segment_bytes,
+                small_bytes: self.small_bytes,
+                members: &self.members,
+                me: rank,
+            },
             shm: self.shm.as_ref(),
-            members: &self.members,
-            me: rank,
         };
-        let result = match catch_unwind(AssertUnwindSafe(|| f(&cx))) {
+        let result = match catch_unwind(AssertUnwindSafe(|| f(&transports))) {
             Ok(r) => r,
             Err(panic) => {
                 let what = panic
@@ -160,9 +164,9 @@ impl Engine {
             // The first failure of the group is its root cause (a lost link may have been
             // explained by a peer's ABORT naming an earlier one); report that, and make sure the
             // peers have been told before the caller (who may exit at once) sees the error.
-            let shared = self.mesh.shared();
-            shared.fail(cause.clone());
-            let root = shared.error().unwrap_or(cause);
+            let health = self.mesh.health();
+            health.fail(cause.clone());
+            let root = health.error().unwrap_or(cause);
             self.mesh.flush_aborts();
             CommError::Collective {
                 rank,
@@ -173,145 +177,15 @@ impl Engine {
     }
 }
 
-/// The handle of a submitted collective; [`Work::wait`] gives back the result.
-///
-/// Dropping a `Work` without waiting is fine: the collective still runs.
-pub struct Work<T> {
-    rx: Receiver<Result<T, CommError>>,
-    rank: usize,
-    /// What was submitted, e.g. `all_reduce of 4096 f32`, for a timeout's message.
-    what: String,
-    /// The group's progress counter and deadline (`None` for a result known at submission).
-    progress: Option<(Arc<Shared>, Duration)>,
-    /// The group's flight recorder, dumped when a wait gives up.
-    flight: Option<Arc<FlightRecorder>>,
-}
-
-impl<T> std::fmt::Debug for Work<T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Work")
-            .field("rank", &self.rank)
-            .field("completed", &self.is_completed())
-            .finish()
-    }
-}
-
-impl<T> Work<T> {
-    fn ready(rank: usize, result: Result<T, CommError>) -> Work<T> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        let _ = tx.send(result);
-        Work {
-            rx,
-            rank,
-            what: String::new(),
-            progress: None,
-            flight: None,
-        }
-    }
-
-    /// The flight recorder's dump for a wait that gave up.
-    fn timed_out(&self, op: String, waited: Duration) -> CommError {
-        if let Some(f) = &self.flight {
-            f.dump("timeout");
-        }
-        CommError::WaitTimeout {
-            rank: self.rank,
-            op,
-            waited,
-        }
-    }
-
-    /// Blocks until the collective has finished and returns its result: the buffer, or the
-    /// error.
-    ///
-    /// Its deadline is progress, not total time: a long collective (or one queued behind
-    /// others) that keeps moving bytes is waited for, but if the group receives nothing and
-    /// finishes nothing for longer than the group's deadline (plus the few seconds a failure
-    /// takes to be attributed), this returns [`CommError::WaitTimeout`]. The collective's own
-    /// per-peer deadline normally fires first, with the better message; this one guarantees
-    /// that no `wait` blocks forever, whatever happens.
-    pub fn wait(self) -> Result<T, CommError> {
-        let Some((shared, timeout)) = self.progress.clone() else {
-            return self.finish(self.rx.recv().ok());
-        };
-        let stall_limit = timeout + STALL_MARGIN;
-        let start = Instant::now();
-        let mut seen = shared.progress.load(Ordering::Relaxed);
-        let mut last_move = Instant::now();
-        loop {
-            match self
-                .rx
-                .recv_timeout(Duration::from_millis(250).min(stall_limit))
-            {
-                Ok(r) => return r,
-                Err(RecvTimeoutError::Disconnected) => return self.finish(None),
-                Err(RecvTimeoutError::Timeout) => {}
-            }
-            let now = shared.progress.load(Ordering::Relaxed);
-            if now != seen {
-                seen = now;
-                last_move = Instant::now();
-            } else if last_move.elapsed() >= stall_limit {
-                let op = format!(
-                    "{} (no progress in the group for {:?})",
-                    self.what,
-                    last_move.elapsed()
-                );
-                return Err(self.timed_out(op, start.elapsed()));
-            }
-        }
-    }
-
-    /// Like [`Work::wait`], with a deadline of the caller's: past `timeout` it returns
-    /// [`CommError::WaitTimeout`]. The collective is not cancelled (every rank must still run
-    /// it) and its result is dropped when it completes.
-    pub fn wait_timeout(self, timeout: Duration) -> Result<T, CommError> {
-        match self.rx.recv_timeout(timeout) {
-            Ok(r) => r,
-            Err(RecvTimeoutError::Disconnected) => self.finish(None),
-            Err(RecvTimeoutError::Timeout) => Err(self.timed_out(self.what.clone(), timeout)),
-        }
-    }
-
-    fn finish(&self, r: Option<Result<T, CommError>>) -> Result<T, CommError> {
-        r.unwrap_or(Err(CommError::ShutDown { rank: self.rank }))
-    }
-
-    /// Whether the collective has finished (so that [`Work::wait`] returns at once).
-    pub fn is_completed(&self) -> bool {
-        !self.rx.is_empty()
-    }
-}
-
-fn new_job_id() -> [u8; 16] {
-    // RandomState is seeded from the operating system's randomness; mix in time and pid so that
-    // two ids never collide even if that seeding were weak.
-    let mut id = [0u8; 16];
-    for (i, half) in id.chunks_mut(8).enumerate() {
-        let mut h = RandomState::new().build_hasher();
-        h.write_usize(i);
-        h.write_u32(std::process::id());
-        h.write_u128(
-            SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0),
-        );
-        half.copy_from_slice(&h.finish().to_le_bytes());
-    }
-    id
-}
-
 impl ProcessGroup {
     /// Joins the group described by the environment (see [`GroupConfig::from_env`]). With no
-    /// variables set this is a group of one process that needs no sockets.
+    /// variables set this is a group of one process that needs no sockets. Rank 0 hosts the
+    /// store on the listening socket its launcher handed it, if any
+    /// ([`crate::elastic::STORE_FD_ENV`]).
     pub fn from_env() -> Result<ProcessGroup, CommError> {
-        ProcessGroup::init(GroupConfig::from_env()?, None)
-    }
-
-    /// A builder for explicit values; anything not given comes from the environment.
-    pub fn builder() -> GroupBuilder {
-        GroupBuilder::default()
+        let config = GroupConfig::from_env()?;
+        let listener = inherited_store_listener(&config, &process_env)?;
+        ProcessGroup::init(config, listener)
     }
 
     /// Joins the group described by `config`.
@@ -319,6 +193,8 @@ impl ProcessGroup {
         ProcessGroup::init(config, None)
     }
 
+    /// Joins the group described by `config` (`join.rs`), then runs the start-up barrier and
+    /// starts the communication thread; rank 0 hosts the store on `listener` when given.
     pub(crate) fn init(
         config: GroupConfig,
         listener: Option<TcpListener>,
@@ -339,7 +215,7 @@ impl ProcessGroup {
                 thread: None,
                 store: None,
                 _server: None,
-                shared: None,
+                health: None,
                 flight: None,
             });
         }
@@ -350,158 +226,32 @@ impl ProcessGroup {
             ));
         }
         let rank = config.rank;
-        let deadline = Instant::now() + config.connect_timeout;
+        let joined = join(&config, listener)?;
 
-        // 1. Rank 0 hosts the store; every rank (rank 0 too) connects to it. With a launcher's job
-        // name, the store handshake carries its hash, so processes of other jobs are refused.
-        // Under torchrun's agent store nobody hosts one: every rank connects to the agent's
-        // PyTorch TCPStore, which has no handshake of ours, so the job id is agreed through the
-        // store alone (step 2) and first checked by the peers' handshakes (step 3).
-        let named_job = config.job_id.as_deref().map(wire::job_id_from_name);
-        let server = if rank == 0 && config.torch_agent_store.is_none() {
-            Some(StoreServer::start(
-                listener,
-                &config.master_addr,
-                config.master_port,
-                config.world_size,
-                config.token.clone(),
-                named_job.unwrap_or([0; 16]),
-            )?)
-        } else {
-            None
-        };
-        let mut me = Identity {
-            rank,
-            world: config.world_size,
-            job_id: named_job.unwrap_or([0; 16]),
-            token: config.token.clone(),
-        };
-        let store = match config.torch_agent_store {
-            None => Store::connect(
-                &me,
-                &config.master_addr,
-                config.master_port,
-                deadline,
-                config.timeout,
-            )?,
-            Some(restart) => Store::connect_torch(
-                rank,
-                &config.master_addr,
-                config.master_port,
-                crate::torch_store::agent_key_prefix(restart),
-                deadline,
-                config.timeout,
-            )?,
-        };
-
-        // 2. Rank 0 publishes the job id and the tuning; the others adopt them.
-        let (segment_bytes, small_bytes) = if rank == 0 {
-            me.job_id = named_job.unwrap_or_else(new_job_id);
-            store.set(
-                TUNING_KEY,
-                format!("{} {}", config.segment_bytes, config.small_allreduce_bytes).as_bytes(),
-            )?;
-            store.set(JOB_ID_KEY, wire::job_id_hex(&me.job_id).as_bytes())?;
-            (config.segment_bytes, config.small_allreduce_bytes)
-        } else {
-            let raw = store.get_timeout(JOB_ID_KEY, remaining(deadline))?;
-            let text = String::from_utf8_lossy(&raw).into_owned();
-            me.job_id = wire::parse_job_id(&text).ok_or_else(|| CommError::Store {
-                rank,
-                addr: store.address().to_string(),
-                message: format!("invalid job id {text:?} in the store"),
-            })?;
-            let raw = store.get_timeout(TUNING_KEY, remaining(deadline))?;
-            let text = String::from_utf8_lossy(&raw).into_owned();
-            let mut parts = text.split_whitespace().map(|p| p.parse::<usize>());
-            match (parts.next(), parts.next()) {
-                (Some(Ok(seg)), Some(Ok(small)))
-                    if seg > 0 && seg <= crate::config::MAX_SEGMENT_BYTES =>
-                {
-                    if (seg, small) != (config.segment_bytes, config.small_allreduce_bytes) {
-                        tracing::debug!(
-                            "rank {rank}: using rank 0's segment size {seg} and small-buffer threshold {small}"
-                        );
-                    }
-                    (seg, small)
-                }
-                _ => {
-                    return Err(CommError::Store {
-                        rank,
-                        addr: store.address().to_string(),
-                        message: format!("invalid tuning {text:?} in the store"),
-                    })
-                }
-            }
-        };
-        let joined = store.add(&format!("ddp/joined/{rank}"), 1)?;
-        if joined != 1 {
-            return Err(CommError::config(
-                "RANK",
-                format!(
-                    "two processes claim rank {rank} in the job at {}",
-                    store.address()
-                ),
-            ));
-        }
-
-        // 3. The full mesh of peer connections, then its threads.
-        let local_ip = store.local_addr().ip();
-        let streams = connect_mesh(&me, &store, local_ip, &config.master_addr, deadline)?;
-        let max_frame = segment_bytes.max(8);
-        let flight = FlightRecorder::new(rank, config.world_size, config.trace_dir.clone());
-        let mesh = Mesh::start(
-            rank,
-            streams,
-            config.timeout,
-            config.peer_timeout,
-            max_frame,
-            flight.clone(),
-        )?;
-        tracing::debug!(
-            "rank {rank}: joined a group of {} (job {})",
-            config.world_size,
-            wire::job_id_hex(&me.job_id)
-        );
-
-        // 4. Shared memory between the ranks that share a host (all of them: it carries every
-        // collective; some: hierarchical, with TCP between hosts; none: TCP alone). Every rank
-        // reaches the same verdict through the store.
-        let shm = ShmGroup::setup(
-            &store,
-            rank,
-            config.world_size,
-            &me.job_id,
-            config.transport,
-            config.host_id.as_deref(),
-            config.timeout,
-            deadline,
-        )?;
-
-        // 5. A barrier over the mesh: nobody returns before everyone is connected, so rank 0 may
+        // A barrier over the mesh: nobody returns before everyone is connected, so rank 0 may
         // drop the group (and the store) at once without stranding a rank still starting up.
-        let mut engine = Engine {
-            mesh,
+        let mut runner = CollectiveRunner {
+            mesh: joined.mesh,
             seq: 0,
-            segment_bytes,
-            small_bytes,
-            flight: flight.clone(),
+            segment_bytes: joined.segment_bytes,
+            small_bytes: joined.small_bytes,
+            flight: joined.flight.clone(),
             record: None,
-            shm,
+            shm: joined.shm,
             members: (0..config.world_size).collect(),
         };
-        engine.join()?;
+        runner.join()?;
 
-        // 6. The communication thread.
-        let shared = engine.mesh.shared().clone();
+        // The communication thread.
+        let health = runner.mesh.health().clone();
         let (jobs, rx) = crossbeam_channel::unbounded::<Job>();
         let thread = std::thread::Builder::new()
             .name(format!("ddp-comm-{rank}"))
             .spawn(move || {
                 for job in rx.iter() {
-                    job(&mut engine);
+                    job(&mut runner);
                 }
-                // Dropping the engine closes the mesh (GOODBYE to every peer).
+                // Dropping the runner closes the mesh (GOODBYE to every peer).
             })
             .map_err(|e| CommError::Internal {
                 rank,
@@ -511,10 +261,10 @@ impl ProcessGroup {
             config,
             jobs: Some(jobs),
             thread: Some(thread),
-            store: Some(store),
-            _server: server,
-            shared: Some(shared),
-            flight: Some(flight),
+            store: Some(joined.store),
+            _server: joined.server,
+            health: Some(health),
+            flight: Some(joined.flight),
         })
     }
 
@@ -565,7 +315,7 @@ impl ProcessGroup {
         &self,
         what: String,
         (op, dtype, count): (OpKind, DType, usize),
-        f: impl FnOnce(&mut Engine) -> Result<R, CommError> + Send + 'static,
+        f: impl FnOnce(&mut CollectiveRunner) -> Result<R, CommError> + Send + 'static,
     ) -> Work<R> {
         let rank = self.rank();
         let (tx, rx) = crossbeam_channel::bounded(1);
@@ -573,23 +323,24 @@ impl ProcessGroup {
             .flight
             .as_ref()
             .map(|fl| fl.queue(op.name(), dtype.name(), count));
-        let job: Job = Box::new(move |engine| {
-            engine.record = record;
-            let _ = tx.send(f(engine));
-            engine
+        let job: Job = Box::new(move |runner| {
+            runner.record = record;
+            let _ = tx.send(f(runner));
+            runner
                 .mesh
-                .shared()
+                .health()
                 .progress
                 .fetch_add(1, Ordering::Relaxed);
         });
-        match (&self.jobs, &self.shared) {
-            (Some(jobs), Some(shared)) if jobs.send(job).is_ok() => Work {
-                rx,
+        match (&self.jobs, &self.health) {
+            (Some(jobs), Some(health)) if jobs.send(job).is_ok() => Work::pending(
                 rank,
                 what,
-                progress: Some((shared.clone(), self.config.timeout)),
-                flight: self.flight.clone(),
-            },
+                rx,
+                health.clone(),
+                self.config.timeout,
+                self.flight.clone(),
+            ),
             _ => Work::ready(rank, Err(CommError::ShutDown { rank })),
         }
     }
@@ -602,8 +353,8 @@ impl ProcessGroup {
         let what = format!("all_reduce of {} {}", buf.len(), T::DTYPE);
         let rec = (OpKind::AllReduce, T::DTYPE, buf.len());
         self.submit(what, rec, move |e| {
-            e.run(OpKind::AllReduce, T::DTYPE, buf.len(), op.to_wire(), |cx| {
-                algorithms::all_reduce(cx, &mut buf, op)
+            e.run(OpKind::AllReduce, T::DTYPE, buf.len(), op.to_wire(), |t| {
+                collectives::all_reduce(t, &mut buf, op)
             })?;
             Ok(buf)
         })
@@ -631,8 +382,8 @@ impl ProcessGroup {
         }
         let rec = (OpKind::Broadcast, T::DTYPE, buf.len());
         self.submit(what, rec, move |e| {
-            e.run(OpKind::Broadcast, T::DTYPE, buf.len(), root as u32, |cx| {
-                algorithms::broadcast(cx, &mut buf, root)
+            e.run(OpKind::Broadcast, T::DTYPE, buf.len(), root as u32, |t| {
+                collectives::broadcast(t, &mut buf, root)
             })?;
             Ok(buf)
         })
@@ -647,8 +398,8 @@ impl ProcessGroup {
         let what = format!("all_gather of {} {}", buf.len(), T::DTYPE);
         let rec = (OpKind::AllGather, T::DTYPE, buf.len());
         self.submit(what, rec, move |e| {
-            e.run(OpKind::AllGather, T::DTYPE, buf.len(), 0, |cx| {
-                algorithms::all_gather(cx, &buf)
+            e.run(OpKind::AllGather, T::DTYPE, buf.len(), 0, |t| {
+                collectives::all_gather(t, &buf)
             })
         })
     }
@@ -667,7 +418,7 @@ impl ProcessGroup {
                 T::DTYPE,
                 buf.len(),
                 op.to_wire(),
-                |cx| algorithms::reduce_scatter(cx, &mut buf, op),
+                |t| collectives::reduce_scatter(t, &mut buf, op),
             )
         })
     }
@@ -679,7 +430,7 @@ impl ProcessGroup {
         }
         let rec = (OpKind::Barrier, DType::U8, 0);
         self.submit("barrier".into(), rec, move |e| {
-            e.run(OpKind::Barrier, DType::U8, 0, 0, algorithms::barrier)
+            e.run(OpKind::Barrier, DType::U8, 0, 0, collectives::barrier)
         })
     }
 

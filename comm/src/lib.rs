@@ -15,59 +15,99 @@
 //! # Ok::<(), ddp_comm::CommError>(())
 //! ```
 //!
-//! Where things are:
-//! - `config.rs`: [`GroupConfig`] (torchrun / Slurm variables) and [`GroupBuilder`];
-//! - `store.rs`: the rendezvous store and its client [`Store`];
-//! - `torch_store.rs`: the client side of PyTorch's `TCPStore` protocol, for torchrun's agent
-//!   store (`TORCHELASTIC_USE_AGENT_STORE=True`);
-//! - `wire.rs`: the wire format (handshake, frame header, store protocol);
-//! - `shm.rs`: the shared-memory transport of the ranks that share a host, and the topology
-//!   (hosts, leaders) behind the hierarchical all-reduce ([`Transport`]);
-//! - `connect.rs`: connecting with retries, handshakes, the full mesh of peer connections;
-//! - `transport.rs`: the running mesh: reader/writer threads, flow control (credits), liveness,
-//!   failure propagation;
-//! - `algorithms.rs`: the ring all-reduce, the hierarchical all-reduce and the other collectives;
-//! - `group.rs`: [`ProcessGroup`], its communication thread and [`Work`];
+//! Where things are (each file opens with how its part works and why):
+//!
+//! - the group: `group.rs` ([`ProcessGroup`] and its communication thread), `work.rs`
+//!   ([`Work`]), `join.rs` (the steps of joining a group);
+//! - configuration: `config.rs` ([`GroupConfig`], [`Transport`], the defaults), `env.rs`
+//!   (torchrun's, Slurm's and the `DDP_*` variables, in order of precedence), `slurm.rs` (Slurm's
+//!   node lists and task counts), `builder.rs` ([`GroupBuilder`]);
+//! - rendezvous: `store_server.rs` (the store rank 0 hosts, [`StoreHost`]), `store.rs` (its
+//!   client [`Store`]), `torch_store.rs` (the client side of PyTorch's `TCPStore` protocol, for
+//!   torchrun's agent store), `handshake.rs` (connecting with retries, the handshake of every
+//!   connection), `connect.rs` (the full mesh of peer connections);
+//! - the wire format: `wire.rs` (handshake, frame header, store protocol);
+//! - the TCP transport: `transport.rs` (the running mesh of connections to every peer),
+//!   `link.rs` (what a link's threads share: messages, credits, lent memory), `reader.rs` and
+//!   `writer.rs` (a link's threads), `liveness.rs` (heartbeats), `health.rs` (a group's
+//!   failure and who failed first), `buffers.rs` (recycled segment buffers);
+//! - shared memory: `topology.rs` (which ranks share a host), `shm.rs` (the shared-memory
+//!   transport);
+//! - the algorithms: `algorithms.rs` (ring, direct exchange and chain over TCP),
+//!   `shm_algorithms.rs` (the same collectives over shared memory), `collectives.rs` (which
+//!   transport carries each collective, and the hierarchical forms across hosts);
+//! - `element.rs`: [`Element`], [`DType`], [`ReduceOp`] and the reduction kernels;
+//! - `error.rs`: [`CommError`];
 //! - `flight.rs`: the flight recorder (the last collectives, dumped on failure, timeout or
 //!   SIGUSR1) and the hang report merged from the ranks' dumps;
-//! - `element.rs`: [`Element`], [`DType`], [`ReduceOp`] and the reduction kernels;
 //! - `elastic.rs`: what a rank shares with its launcher (ddprun in `ddp-launch`, or torchrun):
-//!   the error file, the restart variables;
-//! - `nccl.rs` (feature `nccl`): `nccl::NcclGroup`, collectives on CUDA buffers through NCCL.
+//!   the error file, the restart variables, the store socket ddprun hands rank 0;
+//! - `clock.rs`: deadlines and wall-clock stamps; `hash.rs`: FNV-1a; `size.rs`: byte sizes as
+//!   people write them;
+//! - `nccl/` (feature `nccl`): `nccl::NcclGroup`, collectives on CUDA buffers through NCCL.
 #![warn(missing_docs)]
 
 mod algorithms;
-pub mod bytes;
+mod buffers;
+mod builder;
+mod clock;
+mod collectives;
 mod config;
 mod connect;
 pub mod elastic;
 mod element;
+mod env;
 mod error;
 pub mod flight;
 mod group;
+mod handshake;
+pub mod hash;
+mod health;
+mod join;
+mod link;
+mod liveness;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod reader;
 mod shm;
+mod shm_algorithms;
+pub mod size;
+mod slurm;
 mod store;
+mod store_server;
+mod topology;
 mod torch_store;
 mod transport;
 mod wire;
 #[cfg(test)]
 mod wire_fuzz;
+mod work;
+mod writer;
 
 pub use algorithms::chunk_range;
+pub use builder::GroupBuilder;
 pub use config::{
-    default_small_allreduce_bytes, first_host, GroupBuilder, GroupConfig, DEFAULT_CONNECT_TIMEOUT,
+    default_small_allreduce_bytes, GroupConfig, Transport, DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_MASTER_PORT, DEFAULT_PEER_TIMEOUT, DEFAULT_SEGMENT_BYTES,
     DEFAULT_SMALL_ALLREDUCE_BYTES, DEFAULT_TIMEOUT, MAX_SEGMENT_BYTES,
 };
 pub use element::{DType, Element, ReduceOp};
 pub use error::CommError;
 pub use flight::{CollectiveRecord, RecordState, FLIGHT_RECORDS};
-pub use group::{ProcessGroup, Work};
-pub use shm::Transport;
-pub use store::{Store, StoreHost};
+pub use group::ProcessGroup;
+pub use slurm::first_host;
+pub use store::Store;
+pub use store_server::StoreHost;
 pub use wire::MAX_TOKEN_BYTES;
+pub use work::Work;
+
+/// The former home of [`hash`]'s FNV-1a and [`size`]'s byte sizes, kept so that code written
+/// against it still builds; use [`hash`] and [`size`].
+#[doc(hidden)]
+pub mod bytes {
+    pub use crate::hash::{fnv1a, fnv1a_from, FNV1A_OFFSET};
+    pub use crate::size::{human_size, parse_size};
+}
 
 /// The README's code blocks, compiled (and run) as doctests.
 #[cfg(doctest)]

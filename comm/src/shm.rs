@@ -1,22 +1,23 @@
-//! The shared-memory transport: the collectives of ranks that share one host, through memory
-//! every rank maps, instead of TCP through the kernel; and the topology it finds (which ranks
-//! share a host), which also drives the hierarchical all-reduce across hosts (`algorithms.rs`).
+//! The shared-memory transport of the ranks that share one host: collectives through memory
+//! every rank maps, instead of TCP through the kernel. It knows nothing of algorithms: they
+//! (`shm_algorithms.rs`) see a slot per rank to write, the peers' slots to read, and a wait per
+//! piece ([`ShmGroup::publish`], [`ShmGroup::wait_peers`]).
 //!
 //! # Setting up (`ShmGroup::setup`, while the group forms)
 //!
 //! Every rank creates one anonymous segment (`memfd_create`: it has no name, so a killed job
 //! leaves nothing behind; it is gone when the last process holding it exits) and publishes in the
 //! store its host identity (host name plus the kernel's boot id, or `GroupBuilder::host_id`), its
-//! pid and the descriptor's number. The ranks with the same identity form a *host*; hosts are
-//! ordered by their lowest rank, which is the host's *leader*. A rank maps the segment of every
-//! other rank of its host through `/proc/<pid>/fd/<n>` and checks the segment's header (magic,
-//! job id, rank): sharing a host is *confirmed by mapping*, never guessed from
-//! `LOCAL_WORLD_SIZE`. Every rank then publishes whether it mapped all of its host's ranks, and
-//! the group uses shared memory only if every rank did (every rank reads every verdict, so all
-//! reach the same answer). One host: shared memory carries every collective. Several hosts, some
-//! with two or more ranks: shared memory inside each host, TCP between the leaders
-//! (hierarchical). One rank per host: TCP alone. `DDP_TRANSPORT=tcp` turns shared memory off,
-//! `shm` makes a failure to set it up an error, `auto` (the default) falls back to TCP.
+//! pid and the descriptor's number. The identities make the [`Topology`] (`topology.rs`: hosts
+//! and their leaders). A rank maps the segment of every other rank of its host through
+//! `/proc/<pid>/fd/<n>` and checks the segment's header (magic, job id, rank): sharing a host is
+//! *confirmed by mapping*, never guessed from `LOCAL_WORLD_SIZE`. Every rank then publishes
+//! whether it mapped all of its host's ranks, and the group uses shared memory only if every
+//! rank did (every rank reads every verdict, so all reach the same answer). One host: shared
+//! memory carries every collective. Several hosts, some with two or more ranks: shared memory
+//! inside each host, TCP between the leaders (hierarchical, `collectives.rs`). One rank per host:
+//! TCP alone. `DDP_TRANSPORT=tcp` turns shared memory off, `shm` makes a failure to set it up an
+//! error, `auto` (the default) falls back to TCP.
 //!
 //! # The segment
 //!
@@ -37,22 +38,7 @@
 //! Why no closing barrier is needed: a rank writes slot b again only for piece e + 2, after it
 //! has seen every peer's `copied = e + 1`; a peer sets that only after it finished reading piece
 //! e (program order). So the two slots alternate safely with a single wait per piece (two for
-//! a large all-reduce, below).
-//!
-//! * All-reduce, large pieces (DeepSpeed's CPU shared-memory all-reduce has this shape): rank r
-//!   copies into its slot only the parts of the piece that the *other* ranks reduce, then reduces
-//!   its own chunk r of the piece ([`chunk_range`]), reading every rank's contribution in rank
-//!   order 0, 1, ..., N-1 (its own straight from the caller's buffer), block by block so that
-//!   the accumulator stays in L1; it writes the result into the caller's buffer and into its
-//!   slot and stores `reduced = e`; after every peer's `reduced` reaches e, it copies the peers'
-//!   finished chunks. Each rank reads N/N of the piece and writes 1/N: the work is split N ways.
-//! * All-reduce, small pieces (up to 64 KiB): one shot: every rank reduces the whole piece from
-//!   every slot, in the same rank order: one wait instead of two.
-//! * Both give every element the sum ((x_0 + x_1) + x_2) + ... in rank order, whoever computes
-//!   it, so results are bit-identical across runs, ranks and piece sizes. `Avg` divides once.
-//! * Broadcast: the root writes, the others copy. All-gather: everyone writes its block, everyone
-//!   copies all blocks. Reduce-scatter: everyone writes, rank r reduces its chunk. Barrier: one
-//!   empty piece.
+//! a large all-reduce, which also waits on the `reduced` counters).
 //!
 //! Waiting spins briefly (when the host's ranks do not outnumber its cores; else it yields its
 //! core for up to 2 ms, to the rank whose work it waits for), then parks on the counter with a
@@ -65,14 +51,14 @@
 //! peer it waits for.
 
 use std::ffi::CString;
-use std::ops::Range;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::algorithms::chunk_range;
-use crate::element::{Element, ReduceOp};
+use crate::clock::remaining;
+use crate::config::Transport;
 use crate::error::CommError;
 use crate::store::Store;
+use crate::topology::{host_identity, Topology};
 use crate::transport::Mesh;
 use crate::wire::{Header, OpDesc, HEADER_BYTES};
 
@@ -87,42 +73,8 @@ const DATA_OFFSET: usize = 4096;
 /// accumulator stay in a core's L2 (1 MiB here): on the development machine 512 KiB to 1 MiB
 /// pieces all-reduce 16 MiB at 2 ranks about 2.5x faster than 4 MiB pieces.
 pub(crate) const DEFAULT_SLOT_BYTES: usize = 1 << 20;
-/// Pieces up to this size are all-reduced in one shot.
-const ONE_SHOT_BYTES: usize = 64 << 10;
-/// The reduction's block: the accumulator of one block stays in L1.
-const REDUCE_BLOCK_BYTES: usize = 16 << 10;
 /// How long a parked waiter sleeps at most before it checks the group's state again.
 const PARK_STEP: Duration = Duration::from_millis(5);
-
-/// Which transport carries a group's collectives (`DDP_TRANSPORT`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Transport {
-    /// Shared memory between the ranks of each host (confirmed by mapping), TCP between hosts
-    /// (hierarchical when there are several), TCP alone when no two ranks share a host.
-    Auto,
-    /// Always TCP.
-    Tcp,
-    /// As `Auto`, but a failure to set up shared memory is an error instead of a fall-back.
-    Shm,
-}
-
-impl Transport {
-    /// Parses a value of `DDP_TRANSPORT` (`auto` when unset or empty).
-    pub(crate) fn parse(value: Option<&str>) -> Result<Transport, CommError> {
-        match value {
-            None => Ok(Transport::Auto),
-            Some(v) => match v.trim().to_ascii_lowercase().as_str() {
-                "" | "auto" => Ok(Transport::Auto),
-                "tcp" => Ok(Transport::Tcp),
-                "shm" => Ok(Transport::Shm),
-                _ => Err(CommError::config(
-                    "DDP_TRANSPORT",
-                    format!("DDP_TRANSPORT={v:?}: expected auto, tcp or shm"),
-                )),
-            },
-        }
-    }
-}
 
 /// One mapped segment (unmapped on drop).
 struct Mapping {
@@ -148,10 +100,7 @@ pub(crate) struct ShmGroup {
     me: usize,
     /// The global ranks of this host, ascending; `maps[i]` is `members[i]`'s segment.
     members: Vec<usize>,
-    /// The leader (lowest global rank) of every host, hosts in the order of their leaders.
-    leaders: Vec<usize>,
-    /// For every global rank, the index of its host in `leaders`.
-    host_of: Vec<usize>,
+    topology: Topology,
     slot_bytes: usize,
     maps: Vec<Mapping>,
     /// Our segment's descriptor, kept open while peers may still be mapping it.
@@ -168,225 +117,78 @@ pub(crate) struct ShmGroup {
 // thread at a time (the communication thread), and cross-rank access follows the protocol above.
 unsafe impl Send for ShmGroup {}
 
-fn sys_err(rank: usize, what: &str) -> CommError {
-    CommError::Internal {
-        rank,
-        message: format!("shared memory: {what}: {}", std::io::Error::last_os_error()),
-    }
-}
-
-/// This host's identity: its name and the kernel's boot id (two containers may share a name).
-fn host_identity() -> String {
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let mut name = [0u8; 256];
-    // SAFETY: gethostname writes at most name.len() bytes.
-    let ok = unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) } == 0;
-    let end = name.iter().position(|&c| c == 0).unwrap_or(name.len());
-    let host = if ok {
-        String::from_utf8_lossy(&name[..end]).into_owned()
-    } else {
-        String::new()
-    };
-    format!("{host}/{}", boot.trim())
-}
-
-fn map_fd(fd: libc::c_int, len: usize, rank: usize) -> Result<Mapping, CommError> {
-    // SAFETY: a shared read-write mapping of a descriptor of at least `len` bytes.
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd,
-            0,
-        )
-    };
-    if ptr == libc::MAP_FAILED {
-        return Err(sys_err(rank, "mmap"));
-    }
-    Ok(Mapping {
-        ptr: ptr.cast(),
-        len,
-    })
-}
-
-/// The 32 bits of a counter that a futex watches: the low half (the counter only grows, by
-/// less than 2^32 between two looks).
-fn futex_word(counter: &AtomicU64) -> *const u32 {
-    let low = if cfg!(target_endian = "big") { 1 } else { 0 };
-    // SAFETY: an AtomicU64 is 8 bytes; its halves are 4-byte aligned.
-    unsafe { (counter as *const AtomicU64 as *const u32).add(low) }
-}
-
-/// Sleeps until `counter` no longer holds `seen` (a wake) or `timeout` passes. Spurious returns
-/// are fine: the caller looks again.
-fn futex_wait(counter: &AtomicU64, seen: u64, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
-    };
-    // SAFETY: FUTEX_WAIT on a 4-byte aligned word of a shared mapping (not private: the
-    // sleepers are in other processes), with a relative timeout.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            futex_word(counter),
-            libc::FUTEX_WAIT,
-            seen as u32,
-            &ts as *const libc::timespec,
-            std::ptr::null::<u32>(),
-            0u32,
-        );
-    }
-}
-
-/// Wakes every process asleep on `counter`.
-fn futex_wake(counter: &AtomicU64) {
-    // SAFETY: FUTEX_WAKE on a 4-byte aligned word of a shared mapping.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            futex_word(counter),
-            libc::FUTEX_WAKE,
-            i32::MAX,
-            std::ptr::null::<libc::timespec>(),
-            std::ptr::null::<u32>(),
-            0u32,
-        );
-    }
+/// Who sets up shared memory, and how (the arguments of [`ShmGroup::setup`]).
+pub(crate) struct ShmSetup<'a> {
+    pub rank: usize,
+    pub world: usize,
+    pub job_id: &'a [u8; 16],
+    pub transport: Transport,
+    /// `DDP_HOST_ID`, else [`host_identity`].
+    pub host_id: Option<&'a str>,
+    /// The group's deadline of every wait (here: on a peer's counter).
+    pub timeout: Duration,
+    /// The group's start-up deadline (here: the store exchanges).
+    pub deadline: Instant,
 }
 
 impl ShmGroup {
-    /// Sets up shared memory for the group, as the module documentation says: `Ok(None)` when
-    /// the group uses TCP alone (`DDP_TRANSPORT=tcp`, one rank per host, a segment that could
-    /// not be mapped with `auto`). Every rank reaches the same answer through the store.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn setup(
-        store: &Store,
-        rank: usize,
-        world: usize,
-        job_id: &[u8; 16],
-        transport: Transport,
-        host_id: Option<&str>,
-        timeout: Duration,
-        deadline: Instant,
-    ) -> Result<Option<ShmGroup>, CommError> {
-        if transport == Transport::Tcp || world < 2 {
+    /// Sets up shared memory for the group, as the module documentation says, in four steps:
+    /// our segment, everyone's entry (the hosts), our host's segments mapped, and the verdict
+    /// every rank agrees on. `Ok(None)` when the group uses TCP alone (`DDP_TRANSPORT=tcp`, one
+    /// rank per host, a segment that could not be mapped with `auto`).
+    pub(crate) fn setup(store: &Store, s: &ShmSetup) -> Result<Option<ShmGroup>, CommError> {
+        let (rank, world) = (s.rank, s.world);
+        if s.transport == Transport::Tcp || world < 2 {
             return Ok(None);
         }
         let slot_bytes = DEFAULT_SLOT_BYTES;
         let len = DATA_OFFSET + 2 * slot_bytes;
-        let remaining = || deadline.saturating_duration_since(Instant::now());
-        let host = host_id.map_or_else(host_identity, str::to_string);
+        let host = s.host_id.map_or_else(host_identity, str::to_string);
 
-        // Our segment.
-        let name = CString::new("ddp-shm").expect("no NUL");
-        // SAFETY: memfd_create with a valid name; the descriptor is owned by the File below.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(sys_err(rank, "memfd_create"));
-        }
-        // SAFETY: fd is a fresh descriptor we own.
-        let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-        file.set_len(len as u64).map_err(|e| CommError::Internal {
-            rank,
-            message: format!("shared memory: sizing a segment of {len} bytes: {e}"),
-        })?;
-        let own = map_fd(fd, len, rank)?;
-        // SAFETY: the header lies within our fresh mapping.
-        unsafe {
-            let h = std::slice::from_raw_parts_mut(own.ptr, 40);
-            h[..8].copy_from_slice(&MAGIC);
-            h[8..24].copy_from_slice(job_id);
-            h[24..32].copy_from_slice(&(rank as u64).to_le_bytes());
-            h[32..40].copy_from_slice(&(world as u64).to_le_bytes());
-        }
+        let (file, own) = create_segment(rank, world, s.job_id, len)?;
         // "pid fd len host" (the host last: it may contain spaces).
-        let me = format!("{} {fd} {len} {host}", std::process::id());
-        store.set(&format!("ddp/shm/{rank}"), me.as_bytes())?;
-
-        // Every rank's entry: the hosts, then our host's segments mapped and checked.
-        let mut entries: Vec<Option<String>> = vec![None; world];
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+        let entry = format!("{} {fd} {len} {host}", std::process::id());
+        store.set(&format!("ddp/shm/{rank}"), entry.as_bytes())?;
+        let mut entries: Vec<String> = vec![entry; world];
         for peer in (0..world).filter(|&p| p != rank) {
-            let raw = store.get_timeout(&format!("ddp/shm/{peer}"), remaining())?;
-            entries[peer] = Some(String::from_utf8_lossy(&raw).into_owned());
+            let raw = store.get_timeout(&format!("ddp/shm/{peer}"), remaining(s.deadline))?;
+            entries[peer] = String::from_utf8_lossy(&raw).into_owned();
         }
-        let host_name = |r: usize| -> String {
-            match &entries[r] {
-                None => host.clone(),
-                Some(text) => text.splitn(4, ' ').nth(3).unwrap_or("").to_string(),
-            }
-        };
-        let names: Vec<String> = (0..world).map(host_name).collect();
-        let mut leaders: Vec<usize> = Vec::new();
-        let mut host_of = vec![0usize; world];
-        for r in 0..world {
-            match leaders.iter().position(|&l| names[l] == names[r]) {
-                Some(h) => host_of[r] = h,
-                None => {
-                    host_of[r] = leaders.len();
-                    leaders.push(r);
-                }
-            }
-        }
-        let members: Vec<usize> = (0..world)
-            .filter(|&r| host_of[r] == host_of[rank])
+        let hosts: Vec<String> = entries
+            .iter()
+            .map(|e| e.splitn(4, ' ').nth(3).unwrap_or("").to_string())
             .collect();
-        let mut maps: Vec<Option<Mapping>> = (0..members.len()).map(|_| None).collect();
+        let topology = Topology::from_hosts(&hosts);
+        let members = topology.host_ranks(rank);
+
+        // Our host's segments, ours included; the first reason one cannot be used.
+        let mut maps: Vec<Mapping> = Vec::with_capacity(members.len());
+        let mut own = Some(own);
         let mut why_not: Option<String> = None;
-        for (i, &peer) in members.iter().enumerate() {
+        for &peer in &members {
             if peer == rank {
+                maps.extend(own.take());
                 continue;
             }
-            let text = entries[peer].as_deref().unwrap_or("");
-            match map_peer(text, peer, job_id, len, rank) {
-                Ok(m) => maps[i] = Some(m),
+            match map_peer(&entries[peer], peer, s.job_id, len, rank) {
+                Ok(m) => maps.push(m),
                 Err(reason) => {
                     why_not.get_or_insert(format!("rank {peer}: {reason}"));
                 }
             }
         }
-        let me_index = members
-            .iter()
-            .position(|&r| r == rank)
-            .expect("we are a member");
-        maps[me_index] = Some(own);
-        store.set(
-            &format!("ddp/shm/ok/{rank}"),
-            why_not.as_deref().unwrap_or("ok").as_bytes(),
-        )?;
-        for peer in (0..world).filter(|&p| p != rank) {
-            let raw = store.get_timeout(&format!("ddp/shm/ok/{peer}"), remaining())?;
-            if raw != b"ok" && why_not.is_none() {
-                why_not = Some(format!(
-                    "rank {peer} could not map its host's segments: {}",
-                    String::from_utf8_lossy(&raw)
-                ));
-            }
-        }
-        if let Some(reason) = why_not {
-            if transport == Transport::Shm {
-                return Err(CommError::config(
-                    "DDP_TRANSPORT",
-                    format!(
-                        "DDP_TRANSPORT=shm, but rank {rank} cannot use shared memory: {reason}"
-                    ),
-                ));
-            }
+        if let Some(reason) = agree(store, s, &topology, why_not)? {
             tracing::debug!("rank {rank}: TCP carries the collectives ({reason})");
             return Ok(None);
         }
-        if leaders.len() == world {
-            tracing::debug!("rank {rank}: one rank per host: TCP carries the collectives");
-            return Ok(None);
-        }
-        if leaders.len() == 1 {
+        if topology.is_flat() {
             tracing::debug!("rank {rank}: shared memory carries the collectives");
         } else {
             tracing::debug!(
-                "rank {rank}: {} hosts: shared memory inside each (ours: ranks {members:?}), TCP between the leaders {leaders:?}",
-                leaders.len()
+                "rank {rank}: {} hosts: shared memory inside each (ours: ranks {members:?}), TCP between the leaders {:?}",
+                topology.leaders().len(),
+                topology.leaders()
             );
         }
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -397,35 +199,28 @@ impl ShmGroup {
         } else {
             (Duration::from_micros(2), Duration::from_millis(2))
         };
+        let me = members
+            .iter()
+            .position(|&r| r == rank)
+            .expect("we are a member");
         Ok(Some(ShmGroup {
             rank,
-            me: me_index,
+            me,
             members,
-            leaders,
-            host_of,
+            topology,
             slot_bytes,
-            maps: maps.into_iter().map(|m| m.expect("mapped")).collect(),
+            maps,
             _fd: file,
             epoch: std::cell::Cell::new(0),
-            timeout,
+            timeout: s.timeout,
             spin,
             yield_for,
         }))
     }
 
-    /// Whether every rank of the group shares this host.
-    pub(crate) fn is_flat(&self) -> bool {
-        self.leaders.len() == 1
-    }
-
-    /// The hosts' leaders (lowest global rank of each host), in host order.
-    pub(crate) fn leaders(&self) -> &[usize] {
-        &self.leaders
-    }
-
-    /// The index of `rank`'s host in [`ShmGroup::leaders`].
-    pub(crate) fn host_of(&self, rank: usize) -> usize {
-        self.host_of[rank]
+    /// The group's topology (hosts and their leaders).
+    pub(crate) fn topology(&self) -> &Topology {
+        &self.topology
     }
 
     /// The index of global `rank` among this host's ranks (`None`: another host).
@@ -433,13 +228,19 @@ impl ShmGroup {
         self.members.iter().position(|&r| r == rank)
     }
 
+    /// Our index among this host's ranks (0: we lead the host).
+    pub(crate) fn me(&self) -> usize {
+        self.me
+    }
+
+    /// The number of ranks on this host.
+    pub(crate) fn local_world(&self) -> usize {
+        self.members.len()
+    }
+
     /// Whether this rank leads its host.
     pub(crate) fn is_leader(&self) -> bool {
         self.me == 0
-    }
-
-    fn local_world(&self) -> usize {
-        self.members.len()
     }
 
     /// Local peer `i`'s `copied` (or `reduced`) counter of `slot`, and its sleeper count.
@@ -469,7 +270,7 @@ impl ShmGroup {
     /// # Safety
     /// `(start + len) * size_of::<T>() <= slot_bytes`, and the protocol must guarantee that
     /// nobody writes the range while the slice lives.
-    unsafe fn slot<T>(&self, i: usize, slot: usize, start: usize, len: usize) -> &[T] {
+    pub(crate) unsafe fn slot<T>(&self, i: usize, slot: usize, start: usize, len: usize) -> &[T] {
         std::slice::from_raw_parts(self.slot_ptr::<T>(i, slot).add(start), len)
     }
 
@@ -480,7 +281,7 @@ impl ShmGroup {
     /// the mapping's, shared with other processes, not data owned through `&self`: hence a
     /// mutable slice from a shared reference.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn own_slot<T>(&self, slot: usize, start: usize, len: usize) -> &mut [T] {
+    pub(crate) unsafe fn own_slot<T>(&self, slot: usize, start: usize, len: usize) -> &mut [T] {
         std::slice::from_raw_parts_mut(self.slot_ptr::<T>(self.me, slot).add(start), len)
     }
 
@@ -495,14 +296,14 @@ impl ShmGroup {
     }
 
     /// Starts the next piece: its epoch and slot.
-    fn next_piece(&self) -> (u64, usize) {
+    pub(crate) fn next_piece(&self) -> (u64, usize) {
         let epoch = self.epoch.get() + 1;
         self.epoch.set(epoch);
         (epoch, (epoch % 2) as usize)
     }
 
     /// Stores our `copied` (or `reduced`) counter of `slot` and wakes its sleepers, if any.
-    fn signal(&self, slot: usize, epoch: u64, reduced: bool) {
+    pub(crate) fn signal(&self, slot: usize, epoch: u64, reduced: bool) {
         let (counter, sleepers) = self.counter(self.me, slot, reduced);
         // SeqCst on both sides (here and in `wait_one`): either the sleeper sees the new value
         // before it sleeps, or we see its sleeper count and wake it.
@@ -513,7 +314,7 @@ impl ShmGroup {
     }
 
     /// Publishes that our slot holds piece `epoch` of collective `desc`.
-    fn publish(&self, slot: usize, epoch: u64, desc: &OpDesc) {
+    pub(crate) fn publish(&self, slot: usize, epoch: u64, desc: &OpDesc) {
         let head = Header::data(desc, 0).encode();
         // SAFETY: the fingerprint area is ours and nobody reads it before `copied` says so.
         unsafe {
@@ -528,7 +329,7 @@ impl ShmGroup {
 
     /// Waits until every peer's `copied` (or `reduced`) counter of `slot` reaches `epoch`,
     /// checking their fingerprints against `desc` after `copied`.
-    fn wait_peers(
+    pub(crate) fn wait_peers(
         &self,
         mesh: &Mesh,
         slot: usize,
@@ -605,8 +406,8 @@ impl ShmGroup {
                 }
                 sleepers.fetch_sub(1, Ordering::SeqCst);
             }
-            if mesh.shared().is_failed() {
-                if let Some(e) = mesh.shared().error() {
+            if mesh.health().is_failed() {
+                if let Some(e) = mesh.health().error() {
                     return Err(e);
                 }
             }
@@ -629,8 +430,154 @@ impl ShmGroup {
         }
     }
 
-    fn piece_elems<T>(&self) -> usize {
+    /// The elements of `T` that fit in one slot: the size of a piece.
+    pub(crate) fn piece_elems<T>(&self) -> usize {
         (self.slot_bytes / std::mem::size_of::<T>()).max(1)
+    }
+}
+
+/// Creates this rank's segment (an anonymous memfd of `len` bytes), maps it and writes its
+/// header (magic, job id, rank, world).
+fn create_segment(
+    rank: usize,
+    world: usize,
+    job_id: &[u8; 16],
+    len: usize,
+) -> Result<(std::fs::File, Mapping), CommError> {
+    let name = CString::new("ddp-shm").expect("no NUL");
+    // SAFETY: memfd_create with a valid name; the descriptor is owned by the File below.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(sys_err(rank, "memfd_create"));
+    }
+    // SAFETY: fd is a fresh descriptor we own.
+    let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    file.set_len(len as u64).map_err(|e| CommError::Internal {
+        rank,
+        message: format!("shared memory: sizing a segment of {len} bytes: {e}"),
+    })?;
+    let own = map_fd(fd, len, rank)?;
+    // SAFETY: the header lies within our fresh mapping.
+    unsafe {
+        let h = std::slice::from_raw_parts_mut(own.ptr, 40);
+        h[..8].copy_from_slice(&MAGIC);
+        h[8..24].copy_from_slice(job_id);
+        h[24..32].copy_from_slice(&(rank as u64).to_le_bytes());
+        h[32..40].copy_from_slice(&(world as u64).to_le_bytes());
+    }
+    Ok((file, own))
+}
+
+/// The verdict every rank reaches alike: publishes whether this rank could map its host's
+/// segments (`why_not`: the first reason it could not) and reads every rank's. `Ok(None)`:
+/// shared memory for all; `Ok(Some(reason))`: TCP alone for all (a rank could not map, or no
+/// two ranks share a host); an error when some rank could not map and `DDP_TRANSPORT=shm`.
+fn agree(
+    store: &Store,
+    s: &ShmSetup,
+    topology: &Topology,
+    mut why_not: Option<String>,
+) -> Result<Option<String>, CommError> {
+    let rank = s.rank;
+    store.set(
+        &format!("ddp/shm/ok/{rank}"),
+        why_not.as_deref().unwrap_or("ok").as_bytes(),
+    )?;
+    for peer in (0..s.world).filter(|&p| p != rank) {
+        let raw = store.get_timeout(&format!("ddp/shm/ok/{peer}"), remaining(s.deadline))?;
+        if raw != b"ok" && why_not.is_none() {
+            why_not = Some(format!(
+                "rank {peer} could not map its host's segments: {}",
+                String::from_utf8_lossy(&raw)
+            ));
+        }
+    }
+    if let Some(reason) = why_not {
+        if s.transport == Transport::Shm {
+            return Err(CommError::config(
+                "DDP_TRANSPORT",
+                format!("DDP_TRANSPORT=shm, but rank {rank} cannot use shared memory: {reason}"),
+            ));
+        }
+        return Ok(Some(reason));
+    }
+    if topology.one_rank_per_host() {
+        return Ok(Some("one rank per host".into()));
+    }
+    Ok(None)
+}
+
+fn sys_err(rank: usize, what: &str) -> CommError {
+    CommError::Internal {
+        rank,
+        message: format!("shared memory: {what}: {}", std::io::Error::last_os_error()),
+    }
+}
+
+fn map_fd(fd: libc::c_int, len: usize, rank: usize) -> Result<Mapping, CommError> {
+    // SAFETY: a shared read-write mapping of a descriptor of at least `len` bytes.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(sys_err(rank, "mmap"));
+    }
+    Ok(Mapping {
+        ptr: ptr.cast(),
+        len,
+    })
+}
+
+/// The 32 bits of a counter that a futex watches: the low half (the counter only grows, by
+/// less than 2^32 between two looks).
+fn futex_word(counter: &AtomicU64) -> *const u32 {
+    let low = if cfg!(target_endian = "big") { 1 } else { 0 };
+    // SAFETY: an AtomicU64 is 8 bytes; its halves are 4-byte aligned.
+    unsafe { (counter as *const AtomicU64 as *const u32).add(low) }
+}
+
+/// Sleeps until `counter` no longer holds `seen` (a wake) or `timeout` passes. Spurious returns
+/// are fine: the caller looks again.
+fn futex_wait(counter: &AtomicU64, seen: u64, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: FUTEX_WAIT on a 4-byte aligned word of a shared mapping (not private: the
+    // sleepers are in other processes), with a relative timeout.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            futex_word(counter),
+            libc::FUTEX_WAIT,
+            seen as u32,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Wakes every process asleep on `counter`.
+fn futex_wake(counter: &AtomicU64) {
+    // SAFETY: FUTEX_WAKE on a 4-byte aligned word of a shared mapping.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            futex_word(counter),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        );
     }
 }
 
@@ -675,201 +622,4 @@ fn map_peer(
         return Err(format!("{path} is not rank {peer}'s segment of this job"));
     }
     Ok(map)
-}
-
-/// The pieces of `0..len` elements, each at most `piece` long; at least one (possibly empty),
-/// so that every collective synchronises and checks fingerprints at least once.
-fn pieces(len: usize, piece: usize) -> impl Iterator<Item = Range<usize>> {
-    let n = len.div_ceil(piece).max(1);
-    (0..n).map(move |i| i * piece..((i + 1) * piece).min(len))
-}
-
-/// All-reduce over the shared memory of this host (see the module documentation: two-phase for
-/// large pieces, one shot for small ones; local rank order for every element either way).
-pub(crate) fn all_reduce<T: Element>(
-    shm: &ShmGroup,
-    mesh: &Mesh,
-    desc: &OpDesc,
-    buf: &mut [T],
-    op: ReduceOp,
-) -> Result<(), CommError> {
-    let acc_op = if op == ReduceOp::Avg {
-        ReduceOp::Sum
-    } else {
-        op
-    };
-    let (me, world) = (shm.me, shm.local_world());
-    let block = (REDUCE_BLOCK_BYTES / std::mem::size_of::<T>()).max(1);
-    let mut scratch: Vec<T> = Vec::new();
-    for piece in pieces(buf.len(), shm.piece_elems::<T>()) {
-        let (epoch, slot) = shm.next_piece();
-        let n = piece.len();
-        let data = &mut buf[piece];
-        let one_shot = n * std::mem::size_of::<T>() <= ONE_SHOT_BYTES;
-        // Ours to reduce: the whole piece in one shot, else chunk `me`. The peers read the rest
-        // out of our slot, so only the rest is copied in.
-        let mine = if one_shot {
-            0..n
-        } else {
-            chunk_range(n, world, me)
-        };
-        // SAFETY: our slot; peers read it only after `copied` = epoch below.
-        unsafe {
-            if one_shot {
-                shm.own_slot::<T>(slot, 0, n).copy_from_slice(data);
-            } else {
-                shm.own_slot::<T>(slot, 0, mine.start)
-                    .copy_from_slice(&data[..mine.start]);
-                shm.own_slot::<T>(slot, mine.end, n - mine.end)
-                    .copy_from_slice(&data[mine.end..]);
-            }
-        }
-        shm.publish(slot, epoch, desc);
-        shm.wait_peers(mesh, slot, epoch, false, desc)?;
-
-        // Reduce `mine`, block by block, every rank's contribution in rank order (ours from
-        // `data`), into `data` (and, in two phases, our slot for the peers to copy).
-        scratch.resize(block.min(mine.len()), T::zeroed());
-        let mut at = mine.start;
-        while at < mine.end {
-            let b = at..(at + block).min(mine.end);
-            let acc = &mut scratch[..b.len()];
-            for r in 0..world {
-                let src: &[T] = if r == me {
-                    &data[b.clone()]
-                } else {
-                    // SAFETY: every rank's slot holds piece `epoch` outside the chunk its owner
-                    // reduces, and nobody writes it until every rank has published epoch + 1.
-                    unsafe { shm.slot::<T>(r, slot, b.start, b.len()) }
-                };
-                if r == 0 {
-                    acc.copy_from_slice(src);
-                } else {
-                    T::reduce_into(acc_op, acc, src);
-                }
-            }
-            if op == ReduceOp::Avg {
-                T::divide(acc, world);
-            }
-            data[b.clone()].copy_from_slice(acc);
-            if !one_shot {
-                // SAFETY: our own chunk; peers read it only after `reduced` = epoch.
-                unsafe { shm.own_slot::<T>(slot, b.start, b.len()) }.copy_from_slice(acc);
-            }
-            at = b.end;
-        }
-        if one_shot {
-            continue;
-        }
-        shm.signal(slot, epoch, true);
-        shm.wait_peers(mesh, slot, epoch, true, desc)?;
-        for r in (0..world).filter(|&r| r != me) {
-            let c = chunk_range(n, world, r);
-            // SAFETY: rank r finished chunk c of its slot before its release store.
-            data[c.clone()].copy_from_slice(unsafe { shm.slot::<T>(r, slot, c.start, c.len()) });
-        }
-    }
-    Ok(())
-}
-
-/// Broadcast from this host's rank with local index `root` over shared memory: per piece the
-/// root writes, everyone else copies.
-pub(crate) fn broadcast<T: Element>(
-    shm: &ShmGroup,
-    mesh: &Mesh,
-    desc: &OpDesc,
-    buf: &mut [T],
-    root: usize,
-) -> Result<(), CommError> {
-    let me = shm.me;
-    for piece in pieces(buf.len(), shm.piece_elems::<T>()) {
-        let (epoch, slot) = shm.next_piece();
-        let data = &mut buf[piece];
-        if me == root {
-            // SAFETY: our slot, as in all_reduce.
-            unsafe { shm.own_slot::<T>(slot, 0, data.len()) }.copy_from_slice(data);
-        }
-        shm.publish(slot, epoch, desc);
-        shm.wait_peers(mesh, slot, epoch, false, desc)?;
-        if me != root {
-            // SAFETY: the root's slot holds the piece until everyone publishes epoch + 1.
-            data.copy_from_slice(unsafe { shm.slot::<T>(root, slot, 0, data.len()) });
-        }
-    }
-    Ok(())
-}
-
-/// All-gather over shared memory (one host): per piece of the input, everyone writes its block
-/// and copies everyone's. Returns the N inputs, rank by rank.
-pub(crate) fn all_gather<T: Element>(
-    shm: &ShmGroup,
-    mesh: &Mesh,
-    desc: &OpDesc,
-    input: &[T],
-) -> Result<Vec<T>, CommError> {
-    let (world, len) = (shm.local_world(), input.len());
-    let mut out = vec![T::zeroed(); len * world];
-    for piece in pieces(len, shm.piece_elems::<T>()) {
-        let (epoch, slot) = shm.next_piece();
-        let n = piece.len();
-        // SAFETY: our slot, as in all_reduce.
-        unsafe { shm.own_slot::<T>(slot, 0, n) }.copy_from_slice(&input[piece.clone()]);
-        shm.publish(slot, epoch, desc);
-        shm.wait_peers(mesh, slot, epoch, false, desc)?;
-        for r in 0..world {
-            let dst = r * len + piece.start;
-            // SAFETY: rank r's slot holds its piece until everyone publishes epoch + 1.
-            out[dst..dst + n].copy_from_slice(unsafe { shm.slot::<T>(r, slot, 0, n) });
-        }
-    }
-    Ok(out)
-}
-
-/// Reduce-scatter over shared memory (one host): per piece everyone writes the piece; rank r
-/// reduces, in rank order, the part of the piece that falls in its chunk. Returns chunk `rank`.
-pub(crate) fn reduce_scatter<T: Element>(
-    shm: &ShmGroup,
-    mesh: &Mesh,
-    desc: &OpDesc,
-    input: &[T],
-    op: ReduceOp,
-) -> Result<Vec<T>, CommError> {
-    let acc_op = if op == ReduceOp::Avg {
-        ReduceOp::Sum
-    } else {
-        op
-    };
-    let (me, world) = (shm.me, shm.local_world());
-    let mine = chunk_range(input.len(), world, me);
-    let mut out = input[mine.clone()].to_vec();
-    for piece in pieces(input.len(), shm.piece_elems::<T>()) {
-        let (epoch, slot) = shm.next_piece();
-        // SAFETY: our slot, as in all_reduce.
-        unsafe { shm.own_slot::<T>(slot, 0, piece.len()) }.copy_from_slice(&input[piece.clone()]);
-        shm.publish(slot, epoch, desc);
-        shm.wait_peers(mesh, slot, epoch, false, desc)?;
-        let lo = mine.start.max(piece.start);
-        let hi = mine.end.min(piece.end);
-        if lo >= hi {
-            continue;
-        }
-        let at = lo - piece.start;
-        let dst = &mut out[lo - mine.start..hi - mine.start];
-        // SAFETY: every slot holds piece `epoch` until everyone publishes epoch + 1.
-        dst.copy_from_slice(unsafe { shm.slot::<T>(0, slot, at, hi - lo) });
-        for r in 1..world {
-            T::reduce_into(acc_op, dst, unsafe { shm.slot::<T>(r, slot, at, hi - lo) });
-        }
-        if op == ReduceOp::Avg {
-            T::divide(dst, world);
-        }
-    }
-    Ok(out)
-}
-
-/// A barrier of this host's ranks over shared memory: one empty piece.
-pub(crate) fn barrier(shm: &ShmGroup, mesh: &Mesh, desc: &OpDesc) -> Result<(), CommError> {
-    let (epoch, slot) = shm.next_piece();
-    shm.publish(slot, epoch, desc);
-    shm.wait_peers(mesh, slot, epoch, false, desc)
 }

@@ -1,372 +1,26 @@
-//! The rendezvous store: a small TCP key-value server hosted by rank 0 (like PyTorch's
-//! `TCPStore`), and [`Store`], its client.
-//!
-//! The ranks use it while the group forms: rank 0 publishes the job id and its tuning, every rank
-//! publishes the address it listens on, and each rank waits for the addresses it needs. It stays
-//! available to users through [`crate::ProcessGroup::store`] for small coordination (keys of your
-//! own should use a prefix other than `ddp/`).
-//!
-//! The server runs one thread per client connection; waits happen on the server (a condition
-//! variable and a deadline), so a client never polls. Every client call has a deadline; a lost
+//! [`Store`], the client of the rendezvous store (like PyTorch's `TCPStore`): `set`, `get`,
+//! `wait`, `add`, `check`, each with a deadline. Every client call has a deadline; a lost
 //! connection is an error naming the store's address.
 //!
-//! Under torchrun with `TORCHELASTIC_USE_AGENT_STORE=True`, torchrun's agent already hosts a
-//! PyTorch `TCPStore` on `MASTER_ADDR:MASTER_PORT`: no rank hosts this server, and [`Store`]
-//! speaks torch's protocol instead (`torch_store.rs`), with the same calls.
+//! It talks to ddp-comm's own server (`store_server.rs`, hosted by rank 0) or, under torchrun
+//! with `TORCHELASTIC_USE_AGENT_STORE=True`, to the PyTorch `TCPStore` that torchrun's agent
+//! already hosts on `MASTER_ADDR:MASTER_PORT`, speaking torch's protocol (`torch_store.rs`)
+//! with the same calls. It stays available to users through [`crate::ProcessGroup::store`] for
+//! small coordination (keys of your own should use a prefix other than `ddp/`).
 
-use std::collections::HashMap;
-use std::io;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::connect::{connect_retry, handshake_accept, handshake_connect, Identity};
-use crate::error::CommError;
+use crate::error::{CommError, StoreCallError};
+use crate::handshake::{connect_retry, handshake_connect, Identity};
 use crate::torch_store::TorchConn;
-use crate::transport::remaining;
 use crate::wire::{
-    HelloKind, StoreCmd, StoreRequest, StoreResponse, StoreStatus, MAX_STORE_VALUE_BYTES,
+    self, HelloKind, StoreCmd, StoreRequest, StoreResponse, StoreStatus, MAX_STORE_VALUE_BYTES,
 };
 
 /// Extra time a client waits for a response beyond the request's own deadline.
 const RESPONSE_MARGIN: Duration = Duration::from_secs(10);
-
-// ---------------------------------------------------------------------------------------------
-// Server
-
-struct ServerState {
-    map: Mutex<HashMap<String, Vec<u8>>>,
-    changed: Condvar,
-    stop: AtomicBool,
-    /// Clones of the open client connections (to shut them down when the server stops).
-    conns: Mutex<HashMap<u64, TcpStream>>,
-    me: Identity,
-}
-
-/// The store server (rank 0). Dropping it stops it and closes its client connections.
-pub(crate) struct StoreServer {
-    state: Arc<ServerState>,
-    /// A second handle of the accepting thread's listening socket, to stop its `accept`.
-    listening: TcpListener,
-    acceptor: Option<JoinHandle<()>>,
-}
-
-impl StoreServer {
-    /// Listens on all interfaces at `port` (or uses `listener`) and serves clients of a job of
-    /// `world` ranks presenting `token`.
-    pub fn start(
-        listener: Option<TcpListener>,
-        master_addr: &str,
-        port: u16,
-        world: usize,
-        token: Option<String>,
-        job_id: [u8; 16],
-    ) -> Result<StoreServer, CommError> {
-        let listener = match listener {
-            Some(l) => l,
-            None => {
-                // Listen on every interface, as PyTorch does, in the address family of MASTER_ADDR.
-                let v6 = master_addr
-                    .parse::<std::net::IpAddr>()
-                    .map(|ip| ip.is_ipv6())
-                    .unwrap_or(false);
-                let bind: SocketAddr = if v6 {
-                    (std::net::Ipv6Addr::UNSPECIFIED, port).into()
-                } else {
-                    (std::net::Ipv4Addr::UNSPECIFIED, port).into()
-                };
-                TcpListener::bind(bind).map_err(|e| {
-                    if e.kind() == io::ErrorKind::AddrInUse {
-                        CommError::AddrInUse {
-                            addr: bind.to_string(),
-                            port,
-                        }
-                    } else {
-                        CommError::Listen {
-                            rank: 0,
-                            what: "the rendezvous store".into(),
-                            addr: bind.to_string(),
-                            message: e.to_string(),
-                        }
-                    }
-                })?
-            }
-        };
-        let listening = listener.try_clone().map_err(|e| CommError::Listen {
-            rank: 0,
-            what: "the rendezvous store".into(),
-            addr: format!("port {port}"),
-            message: e.to_string(),
-        })?;
-        let state = Arc::new(ServerState {
-            map: Mutex::new(HashMap::new()),
-            changed: Condvar::new(),
-            stop: AtomicBool::new(false),
-            conns: Mutex::new(HashMap::new()),
-            me: Identity {
-                rank: 0,
-                world,
-                job_id,
-                token,
-            },
-        });
-        let st = state.clone();
-        let acceptor = std::thread::Builder::new()
-            .name("ddp-store".into())
-            .spawn(move || accept_loop(listener, st))
-            .map_err(|e| CommError::Internal {
-                rank: 0,
-                message: format!("cannot start the store thread: {e}"),
-            })?;
-        Ok(StoreServer {
-            state,
-            listening,
-            acceptor: Some(acceptor),
-        })
-    }
-}
-
-/// A rendezvous store hosted outside any process group, for launchers: with `ddprun
-/// --nnodes N --max-restarts K`, node 0's launcher hosts one and every node's launcher
-/// coordinates restarts through it (`ddp-launch`). Clients reach it with
-/// [`Store::connect_host`]; dropping it stops it and closes their connections.
-pub struct StoreHost {
-    _server: StoreServer,
-}
-
-impl StoreHost {
-    /// Listens on every interface at `port` for the `clients` clients of job `job` (a name that
-    /// every client gives too; `DDP_TOKEN`, when set, must match as well).
-    pub fn start(port: u16, clients: usize, job: &str) -> Result<StoreHost, CommError> {
-        let token = std::env::var("DDP_TOKEN").ok().filter(|t| !t.is_empty());
-        let job_id = crate::wire::job_id_from_name(job);
-        Ok(StoreHost {
-            _server: StoreServer::start(None, "0.0.0.0", port, clients, token, job_id)?,
-        })
-    }
-}
-
-impl Drop for StoreServer {
-    fn drop(&mut self) {
-        self.state.stop.store(true, Ordering::Release);
-        self.state.changed.notify_all();
-        // Stop the blocking accept: on Linux, shutting a listening socket down wakes every
-        // thread blocked in accept() on it with EINVAL, and the loop sees `stop`. (Not a
-        // connection of our own to wake it: a firewall or a lossy loopback can drop that
-        // connection, and then accept, and this drop, would wait forever.)
-        // SAFETY: shutdown on a descriptor we own; it changes the socket's state only.
-        unsafe {
-            libc::shutdown(self.listening.as_raw_fd(), libc::SHUT_RDWR);
-        }
-        for c in self
-            .state
-            .conns
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-        {
-            let _ = c.shutdown(Shutdown::Both);
-        }
-        if let Some(a) = self.acceptor.take() {
-            let _ = a.join();
-        }
-    }
-}
-
-fn accept_loop(listener: TcpListener, state: Arc<ServerState>) {
-    for (id, conn) in listener.incoming().enumerate() {
-        if state.stop.load(Ordering::Acquire) {
-            break;
-        }
-        let Ok(stream) = conn else { continue };
-        let id = id as u64;
-        if let Ok(clone) = stream.try_clone() {
-            state
-                .conns
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(id, clone);
-        }
-        let st = state.clone();
-        let _ = std::thread::Builder::new()
-            .name("ddp-store-conn".into())
-            .spawn(move || {
-                serve_client(&stream, &st);
-                let _ = stream.shutdown(Shutdown::Both);
-                st.conns
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .remove(&id);
-            });
-    }
-}
-
-fn serve_client(mut stream: &TcpStream, state: &ServerState) {
-    let me = &state.me;
-    let reply = me.hello(HelloKind::Accept);
-    let check = |h: &crate::wire::Hello| {
-        if h.kind != HelloKind::Store {
-            return Err(format!("expected a store handshake, got {:?}", h.kind));
-        }
-        me.check(h, true)
-    };
-    let timeout = crate::connect::HANDSHAKE_TIMEOUT;
-    if handshake_accept(stream, timeout, "the rendezvous store", &reply, check).is_err() {
-        return;
-    }
-    let _ = stream.set_nodelay(true);
-    loop {
-        let req = match StoreRequest::read(&mut stream) {
-            Ok(r) => r,
-            Err(e) => {
-                if e.kind() == io::ErrorKind::InvalidData && !state.stop.load(Ordering::Acquire) {
-                    tracing::warn!("rendezvous store: bad request, closing the connection: {e}");
-                }
-                return;
-            }
-        };
-        let resp = handle(state, req);
-        if resp.write(&mut stream).is_err() {
-            return;
-        }
-    }
-}
-
-fn ok(num: i64, data: Vec<u8>) -> StoreResponse {
-    StoreResponse {
-        status: StoreStatus::Ok,
-        num,
-        data,
-    }
-}
-
-fn handle(state: &ServerState, req: StoreRequest) -> StoreResponse {
-    let mut map = state.map.lock().unwrap_or_else(|p| p.into_inner());
-    match req.cmd {
-        StoreCmd::Set => {
-            let Some(key) = req.keys.first() else {
-                return error("SET needs a key");
-            };
-            map.insert(key.clone(), req.value);
-            state.changed.notify_all();
-            ok(0, Vec::new())
-        }
-        StoreCmd::Add => {
-            let Some(key) = req.keys.first() else {
-                return error("ADD needs a key");
-            };
-            let current = match map.get(key) {
-                None => 0,
-                Some(v) => match std::str::from_utf8(v)
-                    .ok()
-                    .and_then(|s| s.parse::<i64>().ok())
-                {
-                    Some(n) => n,
-                    None => {
-                        return error(&format!("ADD on key {key:?}, whose value is not a number"))
-                    }
-                },
-            };
-            let new = current.wrapping_add(req.num);
-            map.insert(key.clone(), new.to_string().into_bytes());
-            state.changed.notify_all();
-            ok(new, Vec::new())
-        }
-        StoreCmd::Check => {
-            let all = req.keys.iter().all(|k| map.contains_key(k));
-            ok(all as i64, Vec::new())
-        }
-        StoreCmd::Get | StoreCmd::Wait => {
-            let deadline = Instant::now() + Duration::from_millis(req.timeout_ms as u64);
-            loop {
-                let missing: Vec<&String> =
-                    req.keys.iter().filter(|k| !map.contains_key(*k)).collect();
-                if missing.is_empty() {
-                    break;
-                }
-                let left = remaining(deadline);
-                if left.is_zero() || state.stop.load(Ordering::Acquire) {
-                    let names: Vec<String> = missing.iter().map(|k| format!("{k:?}")).collect();
-                    return StoreResponse {
-                        status: StoreStatus::Timeout,
-                        num: 0,
-                        data: names.join(", ").into_bytes(),
-                    };
-                }
-                map = state
-                    .changed
-                    .wait_timeout(map, left)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
-            }
-            if req.cmd == StoreCmd::Get {
-                let value = req
-                    .keys
-                    .first()
-                    .and_then(|k| map.get(k))
-                    .cloned()
-                    .unwrap_or_default();
-                ok(0, value)
-            } else {
-                ok(0, Vec::new())
-            }
-        }
-    }
-}
-
-fn error(msg: &str) -> StoreResponse {
-    StoreResponse {
-        status: StoreStatus::Error,
-        num: 0,
-        data: msg.as_bytes().to_vec(),
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Client
-
-/// Why one store call failed, before it is named with the store's address and rank.
-#[derive(Debug)]
-pub(crate) enum CallError {
-    /// The connection failed (closed, reset, no answer in time): it may be out of step now and
-    /// is never used again.
-    Io(io::Error),
-    /// The server's bytes made no sense; the connection is dropped too.
-    Protocol(String),
-    /// Keys not set before the deadline (the missing ones, or empty if the server does not
-    /// say); the connection stays usable.
-    Timeout(String),
-    /// The server (or this client) refused the request; the connection stays usable.
-    Refused(String),
-}
-
-impl From<io::Error> for CallError {
-    fn from(e: io::Error) -> CallError {
-        CallError::Io(e)
-    }
-}
-
-impl std::fmt::Display for CallError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            CallError::Io(e) => match e.kind() {
-                io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => {
-                    write!(f, "lost the connection (did the store's host exit?)")
-                }
-                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-                    write!(f, "no response in time")
-                }
-                _ => write!(f, "{e}"),
-            },
-            CallError::Protocol(m) => write!(f, "unexpected answer: {m}"),
-            CallError::Timeout(keys) => write!(f, "timed out waiting for {keys}"),
-            CallError::Refused(m) => write!(f, "{m}"),
-        }
-    }
-}
 
 /// The connection under a [`Store`]: to ddp-comm's own server, or to a PyTorch `TCPStore`.
 enum Conn {
@@ -452,7 +106,7 @@ impl Store {
         })
     }
 
-    /// Connects (retrying until `deadline`) to a [`StoreHost`] at `host:port` as client `index`
+    /// Connects (retrying until `deadline`) to a [`StoreHost`](crate::StoreHost) at `host:port` as client `index`
     /// of `clients`, of job `job`; every call then has the deadline `timeout`.
     pub fn connect_host(
         host: &str,
@@ -466,7 +120,7 @@ impl Store {
         let me = Identity {
             rank: index,
             world: clients,
-            job_id: crate::wire::job_id_from_name(job),
+            job_id: wire::job_id_from_name(job),
             token: std::env::var("DDP_TOKEN").ok().filter(|t| !t.is_empty()),
         };
         Store::connect(&me, host, port, deadline, timeout)
@@ -544,7 +198,7 @@ impl Store {
         &self,
         keys: &[&str],
         timeout: Duration,
-        f: impl FnOnce(&mut Conn) -> Result<R, CallError>,
+        f: impl FnOnce(&mut Conn) -> Result<R, StoreCallError>,
     ) -> Result<R, CommError> {
         let mut guard = self.conn.lock().unwrap_or_else(|p| p.into_inner());
         let Some(conn) = guard.as_mut() else {
@@ -552,7 +206,7 @@ impl Store {
         };
         match f(conn) {
             Ok(r) => Ok(r),
-            Err(CallError::Timeout(missing)) => Err(CommError::StoreTimeout {
+            Err(StoreCallError::Timeout(missing)) => Err(CommError::StoreTimeout {
                 rank: self.rank,
                 addr: self.addr.clone(),
                 keys: if missing.is_empty() {
@@ -563,7 +217,7 @@ impl Store {
                 },
                 timeout,
             }),
-            Err(e @ CallError::Refused(_)) => Err(self.err(e.to_string())),
+            Err(e @ StoreCallError::Refused(_)) => Err(self.err(e.to_string())),
             Err(e) => {
                 *guard = None;
                 Err(self.err(e.to_string()))
@@ -572,22 +226,22 @@ impl Store {
     }
 
     /// Sends one request to ddp-comm's own server and reads its response (waiting up to `wait`
-    /// plus a margin); a status other than OK becomes the matching [`CallError`].
+    /// plus a margin); a status other than OK becomes the matching [`StoreCallError`].
     fn ddp_request(
         stream: &mut TcpStream,
         req: StoreRequest,
         wait: Duration,
-    ) -> Result<StoreResponse, CallError> {
+    ) -> Result<StoreResponse, StoreCallError> {
         stream.set_read_timeout(Some(wait + RESPONSE_MARGIN))?;
         stream.set_write_timeout(Some(wait + RESPONSE_MARGIN))?;
         req.write(stream)?;
         let resp = StoreResponse::read(stream)?;
         match resp.status {
             StoreStatus::Ok => Ok(resp),
-            StoreStatus::Timeout => Err(CallError::Timeout(
+            StoreStatus::Timeout => Err(StoreCallError::Timeout(
                 String::from_utf8_lossy(&resp.data).into_owned(),
             )),
-            StoreStatus::Error => Err(CallError::Refused(
+            StoreStatus::Error => Err(StoreCallError::Refused(
                 String::from_utf8_lossy(&resp.data).into_owned(),
             )),
         }
@@ -724,6 +378,8 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store_server::StoreServer;
+    use std::net::TcpListener;
 
     fn id(rank: usize, token: Option<&str>) -> Identity {
         Identity {

@@ -47,8 +47,8 @@ use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use crate::store::CallError;
-use crate::transport::remaining;
+use crate::clock::remaining;
+use crate::error::StoreCallError;
 use crate::wire::MAX_STORE_VALUE_BYTES;
 
 /// The `u32` that `VALIDATE` carries (`validationMagicNumber` in torch).
@@ -150,7 +150,7 @@ impl TorchConn {
         nonce: u32,
         io_timeout: Duration,
         deadline: Instant,
-    ) -> Result<TorchConn, CallError> {
+    ) -> Result<TorchConn, StoreCallError> {
         let _ = stream.set_nodelay(true);
         let mut conn = TorchConn { stream, io_timeout };
         let mut hello = Request::new(Query::Validate).u32(VALIDATION_MAGIC).0;
@@ -160,7 +160,7 @@ impl TorchConn {
         conn.read_full(&mut echo, deadline)?;
         let echo = u32::from_le_bytes(echo);
         if echo != nonce {
-            return Err(CallError::Protocol(format!(
+            return Err(StoreCallError::Protocol(format!(
                 "PING {nonce} was answered with {echo}: not a PyTorch TCPStore?"
             )));
         }
@@ -172,7 +172,7 @@ impl TorchConn {
     }
 
     /// Writes all of `bytes` before `deadline`.
-    fn send(&mut self, bytes: &[u8], deadline: Instant) -> Result<(), CallError> {
+    fn send(&mut self, bytes: &[u8], deadline: Instant) -> Result<(), StoreCallError> {
         self.stream
             .set_write_timeout(Some(remaining(deadline).max(Duration::from_millis(1))))?;
         self.stream.write_all(bytes)?;
@@ -181,7 +181,7 @@ impl TorchConn {
 
     /// Fills `buf` before `deadline` (re-arming the socket's timeout before every read, so a
     /// trickle of bytes cannot stretch the deadline).
-    fn read_full(&mut self, buf: &mut [u8], deadline: Instant) -> Result<(), CallError> {
+    fn read_full(&mut self, buf: &mut [u8], deadline: Instant) -> Result<(), StoreCallError> {
         let mut got = 0;
         while got < buf.len() {
             let left = remaining(deadline);
@@ -200,7 +200,7 @@ impl TorchConn {
     }
 
     /// One byte, or `None` if none came before `deadline` (the connection stays in step).
-    fn read_byte_until(&mut self, deadline: Instant) -> Result<Option<u8>, CallError> {
+    fn read_byte_until(&mut self, deadline: Instant) -> Result<Option<u8>, StoreCallError> {
         let mut b = [0u8; 1];
         loop {
             let left = remaining(deadline);
@@ -220,7 +220,7 @@ impl TorchConn {
         }
     }
 
-    fn read_u64(&mut self, deadline: Instant) -> Result<u64, CallError> {
+    fn read_u64(&mut self, deadline: Instant) -> Result<u64, StoreCallError> {
         let mut b = [0u8; 8];
         self.read_full(&mut b, deadline)?;
         Ok(u64::from_le_bytes(b))
@@ -228,10 +228,10 @@ impl TorchConn {
 
     /// A `u64`-length-prefixed vector, refusing a length above [`MAX_STORE_VALUE_BYTES`] before
     /// allocating.
-    fn read_vec(&mut self, deadline: Instant) -> Result<Vec<u8>, CallError> {
+    fn read_vec(&mut self, deadline: Instant) -> Result<Vec<u8>, StoreCallError> {
         let len = self.read_u64(deadline)?;
         if len > MAX_STORE_VALUE_BYTES as u64 {
-            return Err(CallError::Protocol(format!(
+            return Err(StoreCallError::Protocol(format!(
                 "the server announced a value of {len} bytes (at most {MAX_STORE_VALUE_BYTES})"
             )));
         }
@@ -241,13 +241,13 @@ impl TorchConn {
     }
 
     /// SET: no answer.
-    pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), CallError> {
+    pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreCallError> {
         let req = Request::new(Query::Set).bytes(key.as_bytes()).bytes(value);
         self.send(&req.0, self.io_deadline())
     }
 
     /// ADD: the new value.
-    pub fn add(&mut self, key: &str, delta: i64) -> Result<i64, CallError> {
+    pub fn add(&mut self, key: &str, delta: i64) -> Result<i64, StoreCallError> {
         let deadline = self.io_deadline();
         let req = Request::new(Query::Add).bytes(key.as_bytes()).i64(delta);
         self.send(&req.0, deadline)?;
@@ -255,7 +255,7 @@ impl TorchConn {
     }
 
     /// CHECK: whether every key is set.
-    pub fn check(&mut self, keys: &[&str]) -> Result<bool, CallError> {
+    pub fn check(&mut self, keys: &[&str]) -> Result<bool, StoreCallError> {
         let deadline = self.io_deadline();
         self.send(&Request::new(Query::Check).keys(keys).0, deadline)?;
         let mut b = [0u8; 1];
@@ -263,7 +263,7 @@ impl TorchConn {
         match b[0] {
             CHECK_READY => Ok(true),
             CHECK_NOT_READY => Ok(false),
-            other => Err(CallError::Protocol(format!(
+            other => Err(StoreCallError::Protocol(format!(
                 "CHECK was answered with {other} (expected 0 or 1)"
             ))),
         }
@@ -275,12 +275,12 @@ impl TorchConn {
     /// the wait is cancelled (CANCEL_WAIT) so that the connection stays in step: the server
     /// answers WAIT_CANCELED, or STOP_WAITING then WAIT_CANCELED if the keys arrived while the
     /// cancel was on its way (then the wait succeeded after all). Only a clean cancel is a
-    /// [`CallError::Timeout`]; anything else leaves the connection unusable.
-    pub fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<(), CallError> {
+    /// [`StoreCallError::Timeout`]; anything else leaves the connection unusable.
+    pub fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<(), StoreCallError> {
         let deadline = Instant::now() + timeout;
         self.send(&Request::new(Query::Wait).keys(keys).0, self.io_deadline())?;
         let unexpected = |what: &str, b: u8| {
-            CallError::Protocol(format!("{what} was answered with {b} (expected 0 or 1)"))
+            StoreCallError::Protocol(format!("{what} was answered with {b} (expected 0 or 1)"))
         };
         match self.read_byte_until(deadline)? {
             Some(STOP_WAITING) => return Ok(()),
@@ -292,7 +292,7 @@ impl TorchConn {
         let mut b = [0u8; 1];
         self.read_full(&mut b, cancel_deadline)?;
         match b[0] {
-            WAIT_CANCELED => Err(CallError::Timeout(String::new())),
+            WAIT_CANCELED => Err(StoreCallError::Timeout(String::new())),
             STOP_WAITING => {
                 self.read_full(&mut b, cancel_deadline)?;
                 if b[0] == WAIT_CANCELED {
@@ -306,7 +306,7 @@ impl TorchConn {
     }
 
     /// GET, after waiting up to `timeout` for the key (a torch server does not wait itself).
-    pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>, CallError> {
+    pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreCallError> {
         self.wait(&[key], timeout)?;
         let deadline = self.io_deadline();
         self.send(&Request::new(Query::Get).bytes(key.as_bytes()).0, deadline)?;
@@ -321,7 +321,7 @@ impl TorchConn {
         key: &str,
         expected: &[u8],
         desired: &[u8],
-    ) -> Result<Vec<u8>, CallError> {
+    ) -> Result<Vec<u8>, StoreCallError> {
         let deadline = self.io_deadline();
         let req = Request::new(Query::CompareSet)
             .bytes(key.as_bytes())
@@ -333,9 +333,9 @@ impl TorchConn {
 
     /// MULTI_SET: no answer.
     #[cfg_attr(not(test), allow(dead_code))]
-    pub fn multi_set(&mut self, keys: &[&str], values: &[&[u8]]) -> Result<(), CallError> {
+    pub fn multi_set(&mut self, keys: &[&str], values: &[&[u8]]) -> Result<(), StoreCallError> {
         if keys.len() != values.len() {
-            return Err(CallError::Refused(format!(
+            return Err(StoreCallError::Refused(format!(
                 "MULTI_SET of {} keys with {} values",
                 keys.len(),
                 values.len()
@@ -355,7 +355,7 @@ impl TorchConn {
         &mut self,
         keys: &[&str],
         timeout: Duration,
-    ) -> Result<Vec<Vec<u8>>, CallError> {
+    ) -> Result<Vec<Vec<u8>>, StoreCallError> {
         self.wait(keys, timeout)?;
         let deadline = self.io_deadline();
         self.send(&Request::new(Query::MultiGet).keys(keys).0, deadline)?;
@@ -487,7 +487,7 @@ mod tests {
                 continue;
             }
             let c = c.as_mut().expect("connect comes first");
-            let r: Result<(), CallError> = (|| {
+            let r: Result<(), StoreCallError> = (|| {
                 match step.as_str() {
                     "set key0 value0" => c.set(&k("key0"), b"value0")?,
                     "get key0" => assert_eq!(c.get(&k("key0"), io)?, b"value0"),
@@ -513,12 +513,12 @@ mod tests {
                     "wait never 300ms timeout" => {
                         let t = Instant::now();
                         let e = c.wait(&[&k("never")], short);
-                        assert!(matches!(e, Err(CallError::Timeout(_))), "{e:?}");
+                        assert!(matches!(e, Err(StoreCallError::Timeout(_))), "{e:?}");
                         assert!(t.elapsed() >= short);
                     }
                     "get never 300ms timeout" => {
                         let e = c.get(&k("never"), short);
-                        assert!(matches!(e, Err(CallError::Timeout(_))), "{e:?}");
+                        assert!(matches!(e, Err(StoreCallError::Timeout(_))), "{e:?}");
                     }
                     "set after 01ff" => c.set(&k("after"), &[0, 1, 255])?,
                     "get after" => assert_eq!(c.get(&k("after"), io)?, [0, 1, 255]),
@@ -569,7 +569,7 @@ mod tests {
         port
     }
 
-    fn conn(port: u16) -> Result<TorchConn, CallError> {
+    fn conn(port: u16) -> Result<TorchConn, StoreCallError> {
         let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
         let d = Instant::now() + Duration::from_secs(5);
         TorchConn::start(s, 42, Duration::from_millis(500), d)
@@ -583,7 +583,7 @@ mod tests {
         let mut c = conn(scripted(huge, true)).unwrap();
         let e = c.get("/k", Duration::from_secs(1)).unwrap_err();
         assert!(
-            matches!(&e, CallError::Protocol(m) if m.contains("bytes")),
+            matches!(&e, StoreCallError::Protocol(m) if m.contains("bytes")),
             "{e:?}"
         );
 
@@ -591,14 +591,14 @@ mod tests {
         let mut c = conn(scripted(vec![7], true)).unwrap();
         let e = c.check(&["/k"]).unwrap_err();
         assert!(
-            matches!(&e, CallError::Protocol(m) if m.contains("CHECK")),
+            matches!(&e, StoreCallError::Protocol(m) if m.contains("CHECK")),
             "{e:?}"
         );
 
         // A wrong PING echo: not a torch store.
         let e = conn(scripted(vec![], false)).err().unwrap();
         assert!(
-            matches!(&e, CallError::Protocol(m) if m.contains("PING")),
+            matches!(&e, StoreCallError::Protocol(m) if m.contains("PING")),
             "{e:?}"
         );
 
@@ -606,7 +606,7 @@ mod tests {
         let mut c = conn(scripted(vec![], true)).unwrap();
         let t = Instant::now();
         let e = c.add("/n", 1).unwrap_err();
-        assert!(matches!(&e, CallError::Io(_)), "{e:?}");
+        assert!(matches!(&e, StoreCallError::Io(_)), "{e:?}");
         assert!(t.elapsed() < Duration::from_secs(3));
     }
 

@@ -516,7 +516,7 @@ pub(crate) fn send_frame(
 /// A job id derived from a launcher's job name (`DDP_JOB_ID`): the same on every rank, never
 /// all zero (all zero means "no job id" in a HELLO to the store).
 pub(crate) fn job_id_from_name(name: &str) -> [u8; 16] {
-    use crate::bytes::{fnv1a, fnv1a_from};
+    use crate::hash::{fnv1a, fnv1a_from};
     let mut id = [0u8; 16];
     id[..8].copy_from_slice(&fnv1a(name.as_bytes()).to_le_bytes());
     id[8..].copy_from_slice(&fnv1a_from(0x6c62_272e_07bb_0142, name.as_bytes()).to_le_bytes());

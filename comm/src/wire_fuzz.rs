@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::connect::{connect_mesh, Identity};
+use crate::connect::connect_mesh;
+use crate::handshake::Identity;
 use crate::wire::{self, FrameKind, Header, OpDesc, OpKind, HEADER_BYTES};
 use crate::{CommError, DType, ProcessGroup, ReduceOp};
 

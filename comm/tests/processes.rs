@@ -92,7 +92,7 @@ fn spawn_peer(spec: &Spec, rank: usize, listen_fd: Option<i32>, netns: Option<&s
         "DDP_SMALL_ALLREDUCE_BYTES",
         "DDP_PEER_TIMEOUT",
         "DDP_TRACE_DIR",
-        "PEER_LISTEN_FD",
+        "DDP_STORE_FD",
         "PEER_SLEEP_RANK",
         "DDP_TRANSPORT",
     ] {
@@ -117,7 +117,7 @@ fn spawn_peer(spec: &Spec, rank: usize, listen_fd: Option<i32>, netns: Option<&s
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
     if let Some(fd) = listen_fd {
-        cmd.env("PEER_LISTEN_FD", "3");
+        cmd.env("DDP_STORE_FD", "3");
         // SAFETY: dup2 and fcntl are async-signal-safe; they give the child the listener as
         // descriptor 3 without close-on-exec (dup2 onto itself keeps the flag, hence the
         // fcntl).
@@ -357,6 +357,43 @@ fn sigstop_of_one_rank_of_three_is_named_within_15_s() {
     // Drop sends SIGKILL, which ends a stopped process too.
 }
 
+/// Rank 0 handed a `DDP_STORE_FD` that is no listening socket (its stdin, `/dev/null`), or one
+/// that listens on another port than `MASTER_PORT`, fails at once with an error that names the
+/// variable and says what is wrong, instead of binding the port or waiting for peers.
+#[test]
+fn a_bad_inherited_store_socket_is_refused_naming_the_variable() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let elsewhere = TcpListener::bind("127.0.0.1:0").unwrap();
+    let cases = [
+        (None, "0", "descriptor 0 is not a listening socket"),
+        (Some(elsewhere.as_raw_fd()), "3", "MASTER_PORT is"),
+    ];
+    for (fd, value, why) in cases {
+        let env = [("DDP_STORE_FD", value), ("DDP_CONNECT_TIMEOUT", "30")];
+        let spec = Spec {
+            world: 2,
+            op: "barrier",
+            elems: 1,
+            sleep_ms: 0,
+            master: ("127.0.0.1", port),
+            env: &env,
+        };
+        let mut peer = spawn_peer(&spec, 0, fd, None);
+        let started = Instant::now();
+        let line = peer
+            .lines
+            .recv_timeout(Duration::from_secs(10))
+            .expect("rank 0 reports the bad socket at once");
+        assert!(
+            line.starts_with("error: ") && line.contains("DDP_STORE_FD=") && line.contains(why),
+            "{line}"
+        );
+        let status = peer.exit_status_by(started + Duration::from_secs(10), 0);
+        assert_eq!(status.code(), Some(3), "{line}");
+    }
+}
+
 /// Liveness is not progress: a rank in a step three times longer than DDP_PEER_TIMEOUT keeps
 /// its heartbeats going, and nobody is declared dead while the others wait for it.
 #[test]
@@ -591,7 +628,7 @@ fn digests(hosts: &TwoHosts, split: bool, transport: &str, values: &str) -> Vec<
 #[ignore = "needs root, iproute2 (`ip netns`) and nftables (`nft`): network namespaces; CI runs it with --ignored"]
 fn two_hosts_of_two_ranks_reduce_hierarchically_with_the_flat_rings_bits() {
     let hosts = TwoHosts::new("hier");
-    let hash = |v: &[f32]| format!("{:016x}", ddp_comm::bytes::fnv1a(bytemuck::cast_slice(v)));
+    let hash = |v: &[f32]| format!("{:016x}", ddp_comm::hash::fnv1a(bytemuck::cast_slice(v)));
     let expect = |ints: bool| -> Vec<f32> {
         (0..300_001)
             .map(|i| {
@@ -676,10 +713,7 @@ fn a_lossy_link_slows_all_reduces_but_never_breaks_them() {
     let sum: Vec<f32> = (0..ELEMS)
         .map(|i| peer_value(0, i, true) + peer_value(1, i, true))
         .collect();
-    let want = format!(
-        "{:016x}",
-        ddp_comm::bytes::fnv1a(bytemuck::cast_slice(&sum))
-    );
+    let want = format!("{:016x}", ddp_comm::hash::fnv1a(bytemuck::cast_slice(&sum)));
     let deadline = started + Duration::from_secs(90);
     for (rank, p) in peers.iter_mut().enumerate() {
         let mut seen = 0;

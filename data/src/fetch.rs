@@ -13,10 +13,11 @@
 //!    file at a time.
 //! 3. Every file fetched is checked against its SHA-256 (of the decompressed bytes, the sums in
 //!    [`MNIST_SHA256`]) and its length while it streams into a temporary file in the same
-//!    directory; only a file that matches is synced and renamed to its final name, and the
-//!    directory synced. An interrupted or corrupt download leaves at most a hidden `.*.part`
-//!    temporary file, never a file under a final name. Concurrent callers (several ranks on one
-//!    host) are safe: each writes its own temporary file, and renames are atomic.
+//!    directory (`ddp_fsio::atomic_write`); only a file that matches is synced and renamed to
+//!    its final name, and the directory synced. An interrupted or corrupt download leaves at
+//!    most a hidden `.<name>.*.tmp` temporary file (after a crash), never a file under a final
+//!    name. Concurrent callers (several ranks on one host) are safe: each writes its own
+//!    temporary file, and renames are atomic.
 //! 4. When no source gives all four files, the error lists every source tried and why it failed.
 
 use std::ffi::OsString;
@@ -339,80 +340,67 @@ fn from_url(dir: &Path, agent: &ureq::Agent, url: &str, file: &Expected) -> Resu
     write_verified(dir, file, GzDecoder::new(response.into_reader())).map_err(UrlError::File)
 }
 
-/// Streams `reader` into a temporary file in `dir` while hashing it; if length and SHA-256 match
-/// `file`, syncs it and renames it to `dir/<name>`, then syncs `dir`. Otherwise the temporary
-/// file is removed and nothing appears under the final name.
+/// Streams `reader` into `dir/<name>` through `ddp_fsio::atomic_write` (a temporary file in
+/// `dir`, synced, renamed, `dir` synced) while hashing it; only when length and SHA-256 match
+/// `file` does the rename happen. Otherwise the temporary file is removed and nothing appears
+/// under the final name.
 fn write_verified(dir: &Path, file: &Expected, reader: impl Read) -> Result<(), String> {
     let name = &file.name;
-    let prefix = format!(".{name}.");
-    let mut builder = tempfile::Builder::new();
-    builder.prefix(&prefix).suffix(".part");
-    #[cfg(unix)]
-    {
-        // Readable by all, like a file written normally (tempfile's default is 0600).
-        use std::os::unix::fs::PermissionsExt;
-        builder.permissions(std::fs::Permissions::from_mode(0o644));
-    }
-    let mut tmp = builder.tempfile_in(dir).map_err(|e| {
-        format!(
-            "{name}: cannot create a temporary file in {}: {e}",
-            dir.display()
-        )
-    })?;
-    let mut hasher = Sha256::new();
-    let mut limited = reader.take(file.len + 1);
-    let mut buf = vec![0u8; 1 << 16];
-    let mut total = 0u64;
-    loop {
-        let n = match limited.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(format!("{name}: reading after {total} bytes: {e}")),
-        };
-        hasher.update(&buf[..n]);
-        tmp.write_all(&buf[..n])
-            .map_err(|e| format!("{name}: writing {}: {e}", tmp.path().display()))?;
-        total += n as u64;
-    }
-    if total > file.len {
-        return Err(format!(
-            "{name}: longer than the expected {} bytes",
-            file.len
-        ));
-    }
-    if total < file.len {
-        return Err(format!(
-            "{name}: got only {total} bytes, expected {}",
-            file.len
-        ));
-    }
-    let digest = hex(&hasher.finalize());
-    if digest != file.sha256 {
-        return Err(format!(
-            "{name}: SHA-256 mismatch: got {digest}, expected {}",
-            file.sha256
-        ));
-    }
-    tmp.as_file()
-        .sync_all()
-        .map_err(|e| format!("{name}: syncing: {e}"))?;
     let target = dir.join(name);
-    tmp.persist(&target)
-        .map_err(|e| format!("{name}: renaming into {}: {}", target.display(), e.error))?;
-    sync_dir(dir).map_err(|e| format!("syncing {}: {e}", dir.display()))?;
-    tracing::info!("wrote {} (SHA-256 verified)", target.display());
-    Ok(())
+    // Why the writer failed, when it was not the file system: the error to report as it is.
+    let mut rejected: Option<String> = None;
+    let written = ddp_fsio::atomic_write(&target, |tmp| {
+        let mut hasher = Sha256::new();
+        let mut limited = reader.take(file.len + 1);
+        let mut buf = vec![0u8; 1 << 16];
+        let mut total = 0u64;
+        loop {
+            let n = match limited.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    let why = format!("{name}: reading after {total} bytes: {e}");
+                    return Err(reject(&mut rejected, why));
+                }
+            };
+            hasher.update(&buf[..n]);
+            tmp.write_all(&buf[..n])?;
+            total += n as u64;
+        }
+        if total != file.len {
+            let why = if total > file.len {
+                format!("{name}: longer than the expected {} bytes", file.len)
+            } else {
+                format!("{name}: got only {total} bytes, expected {}", file.len)
+            };
+            return Err(reject(&mut rejected, why));
+        }
+        let digest = hex(&hasher.finalize());
+        if digest != file.sha256 {
+            let why = format!(
+                "{name}: SHA-256 mismatch: got {digest}, expected {}",
+                file.sha256
+            );
+            return Err(reject(&mut rejected, why));
+        }
+        Ok(())
+    });
+    match (written, rejected) {
+        (Ok(()), _) => {
+            tracing::info!("wrote {} (SHA-256 verified)", target.display());
+            Ok(())
+        }
+        (Err(_), Some(why)) => Err(why),
+        (Err(e), None) => Err(format!("{name}: writing {}: {e}", target.display())),
+    }
 }
 
-#[cfg(unix)]
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    File::open(dir)?.sync_all()
-}
-
-#[cfg(not(unix))]
-fn sync_dir(_dir: &Path) -> std::io::Result<()> {
-    Ok(())
+/// Keeps `why` as the reason a download was refused, and gives the writer an error to stop on.
+fn reject(slot: &mut Option<String>, why: String) -> std::io::Error {
+    let e = std::io::Error::new(std::io::ErrorKind::InvalidData, why.clone());
+    *slot = Some(why);
+    e
 }
 
 pub(crate) fn hex(bytes: &[u8]) -> String {

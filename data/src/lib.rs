@@ -39,6 +39,7 @@
 
 #![warn(missing_docs)]
 
+mod dataset;
 pub mod error;
 pub mod fetch;
 pub mod loader;
@@ -47,6 +48,7 @@ pub mod pima;
 pub mod sampler;
 pub mod shards;
 
+pub use dataset::{BatchSource, Dataset};
 pub use error::{DataError, FetchAttempt};
 pub use fetch::ensure_mnist;
 pub use loader::{Batch, BatchIter, CpuBatch, DataLoader, LoaderConfig, MnistLoader, PimaLoader};
@@ -57,40 +59,6 @@ pub use shards::{
     write_shards, Shard, ShardBatches, ShardIndex, ShardLoader, ShardLoaderConfig, ShardSet,
     ShardWriter,
 };
-
-/// A finite, indexable collection of samples.
-pub trait Dataset {
-    /// One sample.
-    type Item;
-
-    /// Number of samples.
-    fn len(&self) -> usize;
-
-    /// The sample at `index`, or `None` when `index >= len()`.
-    fn get(&self, index: usize) -> Option<Self::Item>;
-
-    /// Whether the dataset holds no sample.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-/// A dataset that writes its samples straight into a batch: features as normalised `f32`, the
-/// label as `i64`. `D` is the rank of the batch's input tensor (4 for MNIST images
-/// `[B, 1, 28, 28]`, 2 for Pima `[B, 8]`).
-///
-/// Implementations are shared between loader threads, hence `Send + Sync`.
-pub trait BatchSource<const D: usize>: Dataset + Send + Sync {
-    /// The shape of a batch of `batch` samples, batch dimension first.
-    fn batch_shape(&self, batch: usize) -> [usize; D];
-
-    /// Writes the features of sample `index` into `out` (whose length is the product of
-    /// `batch_shape(1)`) and returns its label.
-    ///
-    /// # Panics
-    /// When `index >= len()` or `out` has the wrong length; the loader checks indices first.
-    fn write_sample(&self, index: usize, out: &mut [f32]) -> i64;
-}
 
 /// The examples of `README.md`, compiled and run as doctests.
 #[cfg(doctest)]

@@ -18,10 +18,13 @@
 //! * `done/<r>`: launchers whose ranks all succeeded in round r. A launcher whose ranks are done
 //!   waits until every node's are (the job succeeded) or the round moves on (a rank elsewhere
 //!   failed after ours finished: ours must start again, since the new round needs them).
-//! * `beat/<node>`: each launcher adds 1 every [`BEAT`] from a thread of its own. A node whose
-//!   counter stops moving for [`SILENCE`] has lost its launcher (killed, its host down): every
-//!   other launcher stops its ranks and fails, naming that node. A launcher that loses its
-//!   connection to node 0's store fails naming node 0.
+//! * `beat/<node>`: each launcher adds 1 every [`BEAT`] from a thread of its own, over a store
+//!   connection of its own (a call of the launcher's loop, such as reading another node's
+//!   failure, may block for up to [`CALL`]; sharing one connection, whose calls are serialised,
+//!   would silence the beats meanwhile and get this node declared lost). A node whose counter
+//!   stops moving for [`SILENCE`] has lost its launcher (killed, its host down): every other
+//!   launcher stops its ranks and fails, naming that node. A launcher that loses its connection
+//!   to node 0's store fails naming node 0.
 //! * `left`: launchers that saw the job end; node 0 keeps the store up until all have (or for at
 //!   most [`LINGER`]), so that none is left asking a store that is gone.
 //!
@@ -36,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use ddp_comm::{Store, StoreHost};
 
-use crate::LaunchError;
+use crate::error::LaunchError;
 
 /// How often a launcher beats and looks at the store.
 const BEAT: Duration = Duration::from_millis(500);
@@ -49,6 +52,29 @@ const CALL: Duration = Duration::from_secs(30);
 /// Longest node 0 keeps the store up after the job ended, for the other launchers to see it.
 const LINGER: Duration = Duration::from_secs(10);
 
+/// The agents' clock: [`BEAT`], [`SILENCE`], [`CONNECT`], [`CALL`] and [`LINGER`] by default
+/// (tests shorten them).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timing {
+    pub beat: Duration,
+    pub silence: Duration,
+    pub connect: Duration,
+    pub call: Duration,
+    pub linger: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Timing {
+        Timing {
+            beat: BEAT,
+            silence: SILENCE,
+            connect: CONNECT,
+            call: CALL,
+            linger: LINGER,
+        }
+    }
+}
+
 /// What the watcher thread saw last.
 struct Seen {
     round: AtomicU64,
@@ -59,10 +85,12 @@ struct Seen {
 
 /// This node's launcher in the group of launchers.
 pub(crate) struct Agents {
-    store: Arc<Store>,
+    /// The launcher loop's connection (the watcher thread has one of its own).
+    store: Store,
     node: usize,
     nnodes: usize,
     seen: Arc<Seen>,
+    timing: Timing,
     watcher: Option<JoinHandle<()>>,
     /// Node 0's store (dropped last).
     host: Option<StoreHost>,
@@ -75,13 +103,26 @@ fn store_error(what: &str, e: ddp_comm::CommError) -> LaunchError {
 }
 
 impl Agents {
-    /// Joins the launchers of the job: node 0 hosts their store on `port`, everyone connects.
+    /// Joins the launchers of the job: node 0 hosts their store on `port`, everyone connects
+    /// (twice: once for the launcher's calls, once for the watcher's beats).
     pub fn join(
         node: usize,
         nnodes: usize,
         master_addr: &str,
         port: u16,
         job: &str,
+    ) -> Result<Agents, LaunchError> {
+        Agents::join_with(node, nnodes, master_addr, port, job, Timing::default())
+    }
+
+    /// [`Agents::join`] with the given clock.
+    pub fn join_with(
+        node: usize,
+        nnodes: usize,
+        master_addr: &str,
+        port: u16,
+        job: &str,
+        timing: Timing,
     ) -> Result<Agents, LaunchError> {
         let host = if node == 0 {
             Some(
@@ -91,27 +132,30 @@ impl Agents {
         } else {
             None
         };
-        let store = Store::connect_host(
-            master_addr,
-            port,
-            node,
-            nnodes,
-            job,
-            Instant::now() + CONNECT,
-            CALL,
-        )
-        .map_err(|e| store_error("reaching the launchers' store of node 0", e))?;
-        let store = Arc::new(store);
+        let connect = || {
+            Store::connect_host(
+                master_addr,
+                port,
+                node,
+                nnodes,
+                job,
+                Instant::now() + timing.connect,
+                timing.call,
+            )
+            .map_err(|e| store_error("reaching the launchers' store of node 0", e))
+        };
+        let store = connect()?;
+        let beats = connect()?;
         let seen = Arc::new(Seen {
             round: AtomicU64::new(0),
             lost: Mutex::new(None),
             stop: AtomicBool::new(false),
         });
         let watcher = {
-            let (store, seen) = (store.clone(), seen.clone());
+            let seen = seen.clone();
             std::thread::Builder::new()
                 .name("ddprun-agents".into())
-                .spawn(move || watch(&store, &seen, node, nnodes))
+                .spawn(move || watch(&beats, &seen, node, nnodes, timing))
                 .map_err(|e| LaunchError::Agents {
                     message: format!("cannot start the launchers' watcher thread: {e}"),
                 })?
@@ -121,6 +165,7 @@ impl Agents {
             node,
             nnodes,
             seen,
+            timing,
             watcher: Some(watcher),
             host,
         })
@@ -163,7 +208,7 @@ impl Agents {
     /// The first failure of round `round`, as its node described it.
     pub fn failure_of(&self, round: u64) -> Result<String, LaunchError> {
         self.store
-            .get_timeout(&format!("failure/{round}"), CALL)
+            .get_timeout(&format!("failure/{round}"), self.timing.call)
             .map(|v| String::from_utf8_lossy(&v).into_owned())
             .map_err(|e| store_error("reading another node's failure", e))
     }
@@ -209,7 +254,7 @@ impl Drop for Agents {
     fn drop(&mut self) {
         let _ = self.store.add("left", 1);
         if self.host.is_some() {
-            let until = Instant::now() + LINGER;
+            let until = Instant::now() + self.timing.linger;
             while Instant::now() < until
                 && self.lost().is_none()
                 && self
@@ -227,8 +272,9 @@ impl Drop for Agents {
     }
 }
 
-/// The watcher thread: beats, reads the round, and looks for nodes whose launcher went silent.
-fn watch(store: &Store, seen: &Seen, node: usize, nnodes: usize) {
+/// The watcher thread, on a store connection of its own: beats, reads the round, and looks for
+/// nodes whose launcher went silent.
+fn watch(store: &Store, seen: &Seen, node: usize, nnodes: usize, timing: Timing) {
     let lose = |why: String| {
         seen.lost
             .lock()
@@ -249,7 +295,11 @@ fn watch(store: &Store, seen: &Seen, node: usize, nnodes: usize) {
                     *beat = (count, Some(Instant::now()));
                 }
                 let since = beat.1.unwrap_or(started);
-                let limit = if beat.1.is_some() { SILENCE } else { CONNECT };
+                let limit = if beat.1.is_some() {
+                    timing.silence
+                } else {
+                    timing.connect
+                };
                 if since.elapsed() > limit {
                     lose(format!(
                         "the launcher (ddprun) of node {other} has not been heard from for {:.0?}: \
@@ -270,6 +320,47 @@ fn watch(store: &Store, seen: &Seen, node: usize, nnodes: usize) {
                 ));
             }
         }
-        std::thread::sleep(BEAT);
+        std::thread::sleep(timing.beat);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A launcher blocked in a long store call (reading a failure that never comes) keeps
+    /// beating: its own connection is not the watcher's, so the other node does not take it
+    /// for lost, even though the call lasts four times the silence that would.
+    #[test]
+    fn a_blocking_store_call_does_not_silence_the_beats() {
+        let timing = Timing {
+            beat: Duration::from_millis(50),
+            silence: Duration::from_millis(500),
+            connect: Duration::from_secs(10),
+            call: Duration::from_secs(2),
+            linger: Duration::from_secs(2),
+        };
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
+        let job = "agents-test";
+        let node0 = Agents::join_with(0, 2, "127.0.0.1", port, job, timing).unwrap();
+        let node1 = Agents::join_with(1, 2, "127.0.0.1", port, job, timing).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let started = Instant::now();
+        let blocked = node1.failure_of(0);
+        assert!(blocked.is_err(), "no failure was announced: {blocked:?}");
+        assert!(started.elapsed() >= timing.call, "{:?}", started.elapsed());
+        assert_eq!(node0.lost(), None, "node 1 was taken for lost");
+        assert_eq!(node1.lost(), None);
+        // A node that really stops beating is still named.
+        drop(node1);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while node0.lost().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let lost = node0.lost().expect("node 1's silence is noticed");
+        assert!(lost.contains("node 1"), "{lost}");
     }
 }

@@ -430,15 +430,24 @@ fn output_lines_are_prefixed_and_never_torn() {
     }
 }
 
+/// Two jobs at once get different ports, and each port is held from the moment ddprun chose it:
+/// ddprun binds it and hands the listening socket to local rank 0 (`DDP_STORE_FD`), so while
+/// the job runs nobody else can bind it (ddprun used to probe a free port, close it, and leave
+/// rank 0 to bind it again, a window in which another job could take it).
 #[test]
-fn two_jobs_at_once_get_different_free_ports() {
-    // Each job's rank 0 prints its MASTER_PORT and then keeps running, so both jobs are alive
-    // while the ports are checked.
-    let script = r#"echo "port $MASTER_PORT"; sleep 2"#;
+fn two_jobs_at_once_get_different_ports_that_rank_0_holds() {
+    // Each job's rank 0 prints its MASTER_PORT and what its DDP_STORE_FD descriptor is, then
+    // keeps running, so both jobs are alive while the ports are checked. Rank 1 must not have
+    // the variable.
+    let script = r#"if [ "$RANK" = 0 ]; then
+                        echo "port $MASTER_PORT fd $(readlink /proc/$$/fd/$DDP_STORE_FD)"
+                    else
+                        echo "rank 1 fd ${DDP_STORE_FD:-none}"
+                    fi; sleep 2"#;
     let jobs: Vec<Guarded> = (0..2)
         .map(|_| {
             Guarded::spawn(
-                ddprun(1, script)
+                ddprun(2, script)
                     .stdin(Stdio::null())
                     .stdout(Stdio::piped())
                     .stderr(Stdio::null()),
@@ -448,26 +457,35 @@ fn two_jobs_at_once_get_different_free_ports() {
         .collect();
     let mut ports = Vec::new();
     for mut job in jobs {
-        let mut line = String::new();
-        BufReader::new(job.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let port: u16 = line
-            .trim()
-            .strip_prefix("[rank 0] port ")
-            .unwrap_or_else(|| panic!("unexpected line {line:?}"))
-            .parse()
-            .unwrap();
-        ports.push((port, job));
+        let mut out = BufReader::new(job.stdout.take().unwrap());
+        let (mut port, mut rank_1) = (None, None);
+        while port.is_none() || rank_1.is_none() {
+            let mut line = String::new();
+            assert!(out.read_line(&mut line).unwrap() > 0, "the job ended early");
+            if let Some(rest) = line.trim().strip_prefix("[rank 0] port ") {
+                let (p, fd) = rest.split_once(" fd ").unwrap();
+                assert!(fd.starts_with("socket:"), "rank 0's DDP_STORE_FD is {fd:?}");
+                port = Some(p.parse::<u16>().unwrap());
+            } else if let Some(rest) = line.trim().strip_prefix("[rank 1] ") {
+                rank_1 = Some(rest.to_string());
+            }
+        }
+        assert_eq!(rank_1.as_deref(), Some("rank 1 fd none"));
+        ports.push((port.unwrap(), job));
     }
     assert_ne!(
         ports[0].0, ports[1].0,
         "two concurrent jobs got the same port"
     );
-    // ddprun let go of the port it probed: the rendezvous store can bind it.
+    // The ports are taken while the jobs run: rank 0 holds the socket ddprun bound.
     for (port, _) in &ports {
-        TcpListener::bind(("0.0.0.0", *port))
-            .unwrap_or_else(|e| panic!("MASTER_PORT {port} is not free while the job runs: {e}"));
+        let err = TcpListener::bind(("0.0.0.0", *port))
+            .expect_err("MASTER_PORT is free while the job runs: nothing holds it");
+        assert_eq!(
+            err.kind(),
+            std::io::ErrorKind::AddrInUse,
+            "port {port}: {err}"
+        );
     }
     for (_, job) in ports {
         job.wait();
@@ -684,6 +702,92 @@ fn a_restart_that_succeeds_gives_zero() {
         "{}",
         done.stdout
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Real ranks: comm's `ddp-comm-peer` (all-reduces in a loop, an error file on failure that names
+// the rank its process group blames).
+
+/// ddprun of `nproc` ranks of `ddp-comm-peer` all-reducing forever, with `env` (NAME=VALUE).
+fn peers(nproc: usize, env: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    command.args([
+        "--grace-period",
+        "0.5",
+        "--nproc-per-node",
+        &nproc.to_string(),
+        "--",
+        "env",
+    ]);
+    command.args(["PEER_STEPS=0", "PEER_ELEMS=1000", "PEER_SLEEP_MS=20"]);
+    command.args(env);
+    command.arg(common::workspace_bin("ddp-comm-peer"));
+    common::clear_launcher_env(&mut command);
+    command
+}
+
+/// Rank 1 of 3 freezes (SIGSTOP after step 3). Ranks 0 and 2 time out naming it
+/// (DDP_PEER_TIMEOUT) and exit first; rank 1 ends only when ddprun kills it. The root cause
+/// names rank 1, the rank the failure is about, not the first rank to exit; the box's second
+/// line quotes that first exit, and ddprun exits with its code (rank 1's SIGKILL was ddprun's).
+#[test]
+fn a_frozen_rank_is_the_root_cause_not_the_first_rank_to_exit() {
+    let done = run(peers(
+        3,
+        &["DDP_PEER_TIMEOUT=3", "PEER_STOP_RANK=1", "PEER_STOP_STEP=3"],
+    ));
+    assert!(
+        done.stdout
+            .contains("rank 1 stops itself (SIGSTOP) at step 3"),
+        "{}",
+        done.stdout
+    );
+    let last = root_cause(&done.stderr);
+    let lines: Vec<&str> = last.lines().collect();
+    assert!(
+        lines[1].starts_with("  rank 1 (local rank 1) is the rank at fault: the error of rank ")
+            && lines[1].contains(
+                "rank 1 was still running when the launcher stopped the ranks: killed by SIGKILL"
+            ),
+        "the headline names the frozen rank:\n{last}"
+    );
+    let first = lines[2]
+        .strip_prefix("  first to fail: rank ")
+        .unwrap_or_else(|| panic!("the second line quotes the first exit:\n{last}"));
+    assert!(
+        first == "0 (local rank 0) exited with code 3"
+            || first == "2 (local rank 2) exited with code 3",
+        "{last}"
+    );
+    assert!(
+        last.contains("rank 1 is unresponsive"),
+        "the first rank's error says why:\n{last}"
+    );
+    assert_eq!(done.status.code(), Some(3), "stderr:\n{}", done.stderr);
+}
+
+/// Rank 1 of 3 exits with an error (code 7 after step 3); the others lose it. The root cause is
+/// rank 1 with its code and its own words, with no second line (the first rank to fail is the
+/// rank at fault), and ddprun exits with rank 1's code.
+#[test]
+fn a_rank_that_exits_with_an_error_is_the_root_cause() {
+    let done = run(peers(3, &["PEER_EXIT_RANK=1", "PEER_EXIT_STEP=3"]));
+    assert_eq!(done.status.code(), Some(7), "stderr:\n{}", done.stderr);
+    let last = root_cause(&done.stderr);
+    let lines: Vec<&str> = last.lines().collect();
+    assert_eq!(
+        lines[1],
+        "  rank 1 (local rank 1) exited with code 7; it was the first rank to fail, and the \
+         other ranks were stopped",
+        "{last}"
+    );
+    assert!(!last.contains("first to fail:"), "{last}");
+    assert_eq!(lines[2], "  its error:", "{last}");
+    assert!(
+        last.contains("\n    rank 1 exits with code 7 at step 3 (PEER_EXIT_RANK)\n"),
+        "{last}"
+    );
+    assert!(done.elapsed < STOPPED_EARLY, "{:?}", done.elapsed);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use ddp_launch::{launch, LaunchConfig, LaunchError};
+use ddp_launch::{launch, root_cause_box, LaunchConfig, LaunchError};
 
 /// The launcher's root cause quotes the failed rank's own error (from the error file it wrote)
 /// and says where every rank was: rank 2 is in a long step (alive: heartbeats flow) and never
@@ -28,9 +28,17 @@ fn the_launcher_quotes_the_error_and_reports_who_never_entered() {
     config.grace_period = Duration::from_secs(1);
     config.forward_signals = false; // tests share the process: no signal handlers
     let started = Instant::now();
-    let failure = match launch(&config) {
-        Err(LaunchError::RankFailed(f)) => f,
-        other => panic!("expected a failed rank, got {other:?}"),
+    let error = launch(&config).expect_err("a rank fails");
+    let the_box = root_cause_box(&error).expect("a failed rank has a root-cause box");
+    assert!(
+        the_box
+            .lines()
+            .nth(2)
+            .is_some_and(|l| l.starts_with("  rank 2 (local rank 2) is the rank at fault")),
+        "{the_box}"
+    );
+    let LaunchError::RankFailed(failure) = error else {
+        panic!("expected a failed rank, got {error:?}");
     };
     assert!(
         started.elapsed() < Duration::from_secs(25),
@@ -41,6 +49,15 @@ fn the_launcher_quotes_the_error_and_reports_who_never_entered() {
         let _ = std::fs::remove_dir_all(dir);
     }
     assert!(failure.rank < 2, "{failure:?}");
+    // The failure is about rank 2, which the first rank's error blames (it was still running, in
+    // its long step, when the launcher stopped the ranks).
+    let blamed = failure.blamed.clone().expect("the error names rank 2");
+    assert_eq!(
+        (blamed.rank, blamed.local_rank, blamed.stopped),
+        (2, Some(2), true),
+        "{failure:?}"
+    );
+    assert_eq!(failure.culprit(), 2);
     let message = failure.message.clone().unwrap_or_default();
     assert!(
         message.contains("all_reduce #1") && message.contains("rank 2"),

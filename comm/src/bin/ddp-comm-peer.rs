@@ -12,8 +12,14 @@
 //! `PEER_OP` (`all_reduce` (default), `barrier`, or `digest`: an all-reduce (sum) of
 //! `PEER_ELEMS` values of [`peer_value`] (`PEER_VALUES=float`, the default for `digest`, or
 //! `int`: small integers, whose sums are exact in any order), printing `rank R step N digest H`
-//! with H the FNV-1a hash of the result's bytes, in hex), `PEER_LISTEN_FD` (rank 0 only: an inherited,
-//! already bound listening socket to host the store on, so that a test needs no free-port guess).
+//! with H the FNV-1a hash of the result's bytes, in hex). Rank 0 hosts the store on
+//! the listening socket its launcher (or test) hands it through `DDP_STORE_FD`, when it has one
+//! (`ddp_comm::elastic::STORE_FD_ENV`), so that a test needs no free-port guess.
+//!
+//! `PEER_EXIT_RANK=R` with `PEER_EXIT_STEP=N`: rank R exits with code 7 after step N (on the
+//! first attempt only, unless `PEER_EXIT_ALWAYS=1`). `PEER_STOP_RANK=R` with `PEER_STOP_STEP=N`:
+//! rank R stops itself with SIGSTOP after step N (a frozen rank: its sockets stay open, it sends
+//! nothing).
 //!
 //! The error line names the rank the error blames (`CommError::peer`): `rank R error (blames
 //! rank K): <message>`, or `(blames nobody)`.
@@ -50,17 +56,7 @@ fn main() {
     let elems = var("PEER_ELEMS", 100_000) as usize;
     let sleep = Duration::from_millis(var("PEER_SLEEP_MS", 0));
     let op = std::env::var("PEER_OP").unwrap_or_else(|_| "all_reduce".into());
-    let mut builder = ProcessGroup::builder();
-    if let Some(fd) = std::env::var("PEER_LISTEN_FD")
-        .ok()
-        .and_then(|v| v.parse::<i32>().ok())
-    {
-        use std::os::fd::FromRawFd;
-        // SAFETY: the parent passed this descriptor (a bound, listening TCP socket) for this
-        // process to own; nothing else in this process uses it.
-        builder = builder.master_listener(unsafe { std::net::TcpListener::from_raw_fd(fd) });
-    }
-    let pg = match builder.build() {
+    let pg = match ProcessGroup::from_env() {
         Ok(pg) => pg,
         Err(e) => {
             println!("error: {e}");
@@ -74,6 +70,8 @@ fn main() {
     let exit_at = (std::env::var("PEER_EXIT_RANK").ok() == Some(rank.to_string())
         && (attempt == 0 || std::env::var("PEER_EXIT_ALWAYS").is_ok_and(|v| v == "1")))
     .then(|| var("PEER_EXIT_STEP", 0));
+    let stop_at = (std::env::var("PEER_STOP_RANK").ok() == Some(rank.to_string()))
+        .then(|| var("PEER_STOP_STEP", 0));
     let mut step = 0u64;
     while steps == 0 || step < steps {
         let result = if op == "barrier" {
@@ -82,7 +80,7 @@ fn main() {
             let ints = std::env::var("PEER_VALUES").is_ok_and(|v| v == "int");
             let buf: Vec<f32> = (0..elems).map(|i| peer_value(rank, i, ints)).collect();
             pg.all_reduce(buf, ReduceOp::Sum).map(|out| {
-                let hash = ddp_comm::bytes::fnv1a(bytemuck::cast_slice(&out));
+                let hash = ddp_comm::hash::fnv1a(bytemuck::cast_slice(&out));
                 println!("rank {rank} step {step} digest {hash:016x}");
             })
         } else {
@@ -115,6 +113,12 @@ fn main() {
             println!("rank {rank} exits with code 7 at step {step} (PEER_EXIT_RANK)");
             let _ = std::io::stdout().flush();
             std::process::exit(7);
+        }
+        if stop_at == Some(step) {
+            println!("rank {rank} stops itself (SIGSTOP) at step {step} (PEER_STOP_RANK)");
+            let _ = std::io::stdout().flush();
+            // SAFETY: kill(2) of this very process; it only sends a signal.
+            unsafe { libc::kill(std::process::id() as libc::pid_t, libc::SIGSTOP) };
         }
         step += 1;
         if std::env::var("PEER_SLEEP_RANK").map_or(true, |r| r == rank.to_string()) {

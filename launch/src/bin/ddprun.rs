@@ -7,8 +7,9 @@
 //!
 //! Each rank gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
 //! `MASTER_PORT` (and `DDP_JOB_ID`); its output lines come out prefixed with `[rank R]`. When a
-//! rank fails, the others are stopped and ddprun exits non-zero, naming the first failure last,
-//! with its error message and where every rank was (flight records). `kill -USR1` of ddprun
+//! rank fails, the others are stopped and ddprun exits non-zero, naming the root cause last (the
+//! rank the first failure's error blames, else the first rank to fail), with its error message
+//! and where every rank was (flight records). `kill -USR1` of ddprun
 //! prints where every rank is without stopping the job. With `--max-restarts N`, a failure
 //! restarts all local ranks (up to N times) instead of ending the job; trainers given a
 //! `--checkpoint-dir` then resume from their last checkpoint.
@@ -101,38 +102,13 @@ fn main() -> ExitCode {
     }
 }
 
-/// Prints the error as the last thing on stderr, framed so that it stands out after the ranks'
-/// output when a rank failed: which rank failed and how, its error in its own words (the error
-/// file it wrote, else its last error-like output lines), and where every local rank was (the
-/// hang report from the flight records).
+/// Prints the error as the last thing on stderr: for a failed rank, the root-cause box
+/// ([`launch::root_cause_box`]: the rank at fault, the first rank to fail when that is another,
+/// its error in its own words, where every local rank was), framed so that it stands out after
+/// the ranks' output.
 fn report(error: &LaunchError) {
-    let LaunchError::RankFailed(failure) = error else {
-        eprintln!("ddprun: error: {error}");
-        return;
-    };
-    let rule = "=".repeat(78);
-    let mut text = format!("{rule}\nddprun: job failed. Root cause:\n  {error}\n");
-    match failure.restarts {
-        0 => {}
-        1 => text += "  (in the attempt after 1 restart, the last one allowed)\n",
-        n => text += &format!("  (in the attempt after {n} restarts, the last one allowed)\n"),
+    match launch::root_cause_box(error) {
+        Some(the_box) => eprintln!("{the_box}"),
+        None => eprintln!("ddprun: error: {error}"),
     }
-    let indent = |block: &str| {
-        block
-            .lines()
-            .map(|l| format!("    {l}\n"))
-            .collect::<String>()
-    };
-    if let Some(message) = &failure.message {
-        text += &format!("  its error:\n{}", indent(message));
-    }
-    if let Some(report) = &failure.hang_report {
-        let dir = failure
-            .trace_dir
-            .as_ref()
-            .map(|d| format!(" (flight records in {})", d.display()))
-            .unwrap_or_default();
-        text += &format!("  where the ranks were{dir}:\n{}", indent(report));
-    }
-    eprintln!("{text}{rule}");
 }

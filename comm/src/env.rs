@@ -1,0 +1,717 @@
+//! Where a [`GroupConfig`]'s values come from: explicit values (the builder's), torchrun's
+//! variables, Slurm's, the `DDP_*` variables, the defaults.
+//!
+//! Precedence, per value: an explicit value, then torchrun's variables (`RANK`, `WORLD_SIZE`,
+//! `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), then Slurm's (`SLURM_PROCID`,
+//! `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_TASKS_PER_NODE`/`SLURM_NODEID`, the first host of
+//! `SLURM_JOB_NODELIST`, a port derived from `SLURM_JOB_ID`), then the defaults of a single
+//! process (rank 0 of 1). Slurm's variables are used only when neither `RANK` nor `WORLD_SIZE`
+//! is set, and only the variables of the launcher in use are read (so only those are
+//! validated). The variables `DDP_TIMEOUT`, `DDP_CONNECT_TIMEOUT`, `DDP_PEER_TIMEOUT` (seconds),
+//! `DDP_TRACE_DIR`, `DDP_TOKEN`, `DDP_JOB_ID`, `DDP_SEGMENT_BYTES`, `DDP_SMALL_ALLREDUCE_BYTES`,
+//! `DDP_TRANSPORT` and `DDP_HOST_ID` apply in every case.
+//!
+//! torchrun's elastic agent hosts a PyTorch `TCPStore` on `MASTER_ADDR:MASTER_PORT` itself and
+//! says so with `TORCHELASTIC_USE_AGENT_STORE=True`: then no rank hosts a store, every rank
+//! connects to the agent's (see [`GroupConfig::torch_agent_store`]), and the keys go under
+//! torch's worker prefix for `TORCHELASTIC_RESTART_COUNT`.
+//!
+//! [`resolve`] reads the values in named steps (who the ranks are, where rank 0 is, the
+//! deadlines, the tuning, the rest); every invalid value is a [`CommError::Config`] naming the
+//! variable, or the builder setting, it came from.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::config::{
+    default_small_allreduce_bytes, GroupConfig, Transport, DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_MASTER_PORT, DEFAULT_PEER_TIMEOUT, DEFAULT_SEGMENT_BYTES, DEFAULT_TIMEOUT,
+    MAX_SEGMENT_BYTES,
+};
+use crate::error::CommError;
+use crate::slurm::{first_host, parse_tasks_per_node};
+
+/// How variables are read: the process environment ([`process_env`]) or a caller's map.
+pub(crate) type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+/// Values given explicitly (through `GroupBuilder`); each one wins over every variable, and the
+/// variable it overrides is not even read.
+#[derive(Debug, Default)]
+pub(crate) struct Explicit {
+    pub rank: Option<usize>,
+    pub world_size: Option<usize>,
+    pub local_rank: Option<usize>,
+    pub local_world_size: Option<usize>,
+    pub master_addr: Option<String>,
+    pub master_port: Option<u16>,
+    pub timeout: Option<Duration>,
+    pub connect_timeout: Option<Duration>,
+    pub peer_timeout: Option<Duration>,
+    pub trace_dir: Option<PathBuf>,
+    pub token: Option<String>,
+    pub job_id: Option<String>,
+    pub segment_bytes: Option<usize>,
+    pub small_allreduce_bytes: Option<usize>,
+    pub torch_agent_store: Option<u32>,
+    pub transport: Option<Transport>,
+    pub host_id: Option<String>,
+}
+
+impl GroupConfig {
+    /// Reads the configuration from the process environment: torchrun's variables, then Slurm's,
+    /// then a single process (world size 1) when neither is present.
+    ///
+    /// Invalid values (a rank not below the world size, a port that is not a number, ...) are
+    /// [`CommError::Config`] errors naming the variable.
+    pub fn from_env() -> Result<GroupConfig, CommError> {
+        GroupConfig::from_vars(process_env)
+    }
+
+    /// Like [`GroupConfig::from_env`], but reads variables through `lookup` (for tests and
+    /// launchers that compute an environment without setting it).
+    pub fn from_vars(lookup: impl Fn(&str) -> Option<String>) -> Result<GroupConfig, CommError> {
+        resolve(&Explicit::default(), &lookup)
+    }
+}
+
+/// A variable of the process environment (lossily decoded).
+pub(crate) fn process_env(name: &str) -> Option<String> {
+    std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
+}
+
+/// The launcher whose variables say who the ranks are.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Launcher {
+    /// `RANK` or `WORLD_SIZE` is set (torchrun, ddprun, anything that mimics them).
+    Torchrun,
+    /// Neither is, but `SLURM_PROCID` and `SLURM_NTASKS` are (`srun`).
+    Slurm,
+    /// Neither: a single process, unless explicit values say otherwise.
+    None,
+}
+
+impl Launcher {
+    fn detect(env: Lookup) -> Launcher {
+        if env("RANK").is_some() || env("WORLD_SIZE").is_some() {
+            Launcher::Torchrun
+        } else if env("SLURM_PROCID").is_some() && env("SLURM_NTASKS").is_some() {
+            Launcher::Slurm
+        } else {
+            Launcher::None
+        }
+    }
+}
+
+/// Resolves every value of a [`GroupConfig`] (see the module documentation for the order).
+pub(crate) fn resolve(given: &Explicit, env: Lookup) -> Result<GroupConfig, CommError> {
+    let launcher = Launcher::detect(env);
+    let ranks = ranks(given, env, launcher)?;
+    let master_addr = master_addr(given, env, launcher)?;
+    let master_port = master_port(given, env, launcher)?;
+    let (timeout, connect_timeout, peer_timeout) = deadlines(given, env)?;
+    let trace_dir = match &given.trace_dir {
+        Some(d) => Some(d.clone()),
+        None => env(crate::flight::TRACE_DIR_ENV)
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from),
+    };
+    let (token, job_id) = identity(given, env)?;
+    let (segment_bytes, small_allreduce_bytes) = tuning(given, env, ranks.world)?;
+    let torch_agent_store = match given.torch_agent_store {
+        Some(n) => Some(n),
+        None => agent_store_from_env(env)?,
+    };
+    let transport = match given.transport {
+        Some(t) => t,
+        None => Transport::parse(env("DDP_TRANSPORT").as_deref())?,
+    };
+    let host_id = given
+        .host_id
+        .clone()
+        .or_else(|| env("DDP_HOST_ID"))
+        .filter(|h| !h.trim().is_empty());
+    Ok(GroupConfig {
+        rank: ranks.rank,
+        world_size: ranks.world,
+        local_rank: ranks.local_rank,
+        local_world_size: ranks.local_world,
+        master_addr,
+        master_port,
+        timeout,
+        connect_timeout,
+        peer_timeout,
+        trace_dir,
+        token,
+        job_id,
+        segment_bytes,
+        small_allreduce_bytes,
+        torch_agent_store,
+        transport,
+        host_id,
+    })
+}
+
+/// A value and the variable (or builder setting) it came from, for error messages.
+struct FromVar<T> {
+    value: T,
+    var: String,
+}
+
+impl<T> FromVar<T> {
+    fn new(value: T, var: &str) -> FromVar<T> {
+        FromVar {
+            value,
+            var: var.to_string(),
+        }
+    }
+}
+
+/// The explicit value (named `setting`), else the first candidate that has one.
+fn first_given<T>(
+    explicit: Option<T>,
+    setting: &str,
+    candidates: Vec<(Option<T>, &str)>,
+) -> Option<FromVar<T>> {
+    if let Some(value) = explicit {
+        return Some(FromVar::new(value, setting));
+    }
+    candidates
+        .into_iter()
+        .find_map(|(value, var)| value.map(|v| FromVar::new(v, var)))
+}
+
+/// Who this rank is among whom.
+struct Ranks {
+    rank: usize,
+    world: usize,
+    local_rank: usize,
+    local_world: usize,
+}
+
+/// The rank, world size, local rank and local world size, from the launcher in use, checked
+/// against each other.
+fn ranks(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Ranks, CommError> {
+    let (torch, slurm) = (launcher == Launcher::Torchrun, launcher == Launcher::Slurm);
+    // Only the variables of the launcher in use, and only those not given explicitly.
+    let read = |explicit: bool, var: &str, active: bool| -> Result<Option<usize>, CommError> {
+        if explicit || !active {
+            Ok(None)
+        } else {
+            parse_var::<usize>(env, var, "a non-negative integer")
+        }
+    };
+    let world = first_given(
+        given.world_size,
+        "world_size",
+        vec![
+            (
+                read(given.world_size.is_some(), "WORLD_SIZE", torch)?,
+                "WORLD_SIZE",
+            ),
+            (
+                read(given.world_size.is_some(), "SLURM_NTASKS", slurm)?,
+                "SLURM_NTASKS",
+            ),
+        ],
+    )
+    .unwrap_or(FromVar::new(1, "WORLD_SIZE"));
+    if world.value == 0 {
+        return Err(CommError::config(
+            &world.var,
+            format!("{}=0: the world size must be at least 1", world.var),
+        ));
+    }
+    let rank = first_given(
+        given.rank,
+        "rank",
+        vec![
+            (read(given.rank.is_some(), "RANK", torch)?, "RANK"),
+            (
+                read(given.rank.is_some(), "SLURM_PROCID", slurm)?,
+                "SLURM_PROCID",
+            ),
+        ],
+    );
+    let rank = match rank {
+        Some(r) => r,
+        None if world.value == 1 => FromVar::new(0, "RANK"),
+        None => {
+            return Err(CommError::config(
+                "RANK",
+                format!(
+                    "RANK is not set (and no rank was given), but the world size is {} (from {})",
+                    world.value, world.var
+                ),
+            ))
+        }
+    };
+    if rank.value >= world.value {
+        return Err(CommError::config(
+            &rank.var,
+            format!(
+                "{}={} must be less than the world size {}={}",
+                rank.var, rank.value, world.var, world.value
+            ),
+        ));
+    }
+
+    let slurm_local_world = if slurm && given.local_world_size.is_none() {
+        slurm_tasks_on_this_node(env)?
+    } else {
+        None
+    };
+    let local_world = first_given(
+        given.local_world_size,
+        "local_world_size",
+        vec![
+            (
+                read(given.local_world_size.is_some(), "LOCAL_WORLD_SIZE", torch)?,
+                "LOCAL_WORLD_SIZE",
+            ),
+            (slurm_local_world, "SLURM_TASKS_PER_NODE"),
+        ],
+    )
+    .unwrap_or(FromVar::new(world.value, "LOCAL_WORLD_SIZE"));
+    let local_rank = first_given(
+        given.local_rank,
+        "local_rank",
+        vec![
+            (
+                read(given.local_rank.is_some(), "LOCAL_RANK", torch)?,
+                "LOCAL_RANK",
+            ),
+            (
+                read(given.local_rank.is_some(), "SLURM_LOCALID", slurm)?,
+                "SLURM_LOCALID",
+            ),
+        ],
+    )
+    .unwrap_or(FromVar::new(
+        rank.value % local_world.value.max(1),
+        "LOCAL_RANK",
+    ));
+    if local_world.value == 0 {
+        return Err(CommError::config(
+            &local_world.var,
+            format!("{}=0: must be at least 1", local_world.var),
+        ));
+    }
+    if local_rank.value >= local_world.value {
+        return Err(CommError::config(
+            &local_rank.var,
+            format!(
+                "{}={} must be less than the local world size {}={}",
+                local_rank.var, local_rank.value, local_world.var, local_world.value
+            ),
+        ));
+    }
+    Ok(Ranks {
+        rank: rank.value,
+        world: world.value,
+        local_rank: local_rank.value,
+        local_world: local_world.value,
+    })
+}
+
+/// Where rank 0 is: `MASTER_ADDR`, else under Slurm the first host of the node list, else
+/// this host.
+fn master_addr(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<String, CommError> {
+    let addr = match &given.master_addr {
+        Some(a) => a.clone(),
+        None => match env("MASTER_ADDR").filter(|s| !s.trim().is_empty()) {
+            Some(a) => a.trim().to_string(),
+            None if launcher == Launcher::Slurm => {
+                let (var, list) = match env("SLURM_JOB_NODELIST") {
+                    Some(l) => ("SLURM_JOB_NODELIST", l),
+                    None => ("SLURM_NODELIST", env("SLURM_NODELIST").unwrap_or_default()),
+                };
+                first_host(&list).ok_or_else(|| {
+                    CommError::config(
+                        var,
+                        format!("{var}={list:?}: cannot find a first host name (and MASTER_ADDR is not set)"),
+                    )
+                })?
+            }
+            None => "127.0.0.1".to_string(),
+        },
+    };
+    if addr.is_empty() {
+        return Err(CommError::config(
+            "master_addr",
+            "the master address is empty",
+        ));
+    }
+    Ok(addr)
+}
+
+/// The store's port: `MASTER_PORT`, else under Slurm one derived from the job id (so that jobs
+/// sharing a node differ), else torchrun's default.
+fn master_port(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<u16, CommError> {
+    if let Some(p) = given.master_port {
+        return Ok(p);
+    }
+    Ok(
+        match parse_var::<u16>(env, "MASTER_PORT", "a port number (1-65535)")? {
+            Some(0) => {
+                return Err(CommError::config(
+                    "MASTER_PORT",
+                    "MASTER_PORT=\"0\" is not a usable port (1-65535)",
+                ))
+            }
+            Some(p) => p,
+            None if launcher == Launcher::Slurm => {
+                match parse_var::<u64>(env, "SLURM_JOB_ID", "a job number")? {
+                    Some(id) => 20000 + (id % 10000) as u16,
+                    None => DEFAULT_MASTER_PORT,
+                }
+            }
+            None => DEFAULT_MASTER_PORT,
+        },
+    )
+}
+
+/// The collective deadline, the connect deadline and the liveness deadline.
+fn deadlines(given: &Explicit, env: Lookup) -> Result<(Duration, Duration, Duration), CommError> {
+    let timeout = match given.timeout {
+        Some(t) => t,
+        None => parse_seconds(env, "DDP_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT),
+    };
+    let connect_timeout = match given.connect_timeout {
+        Some(t) => t,
+        None => parse_seconds(env, "DDP_CONNECT_TIMEOUT")?.unwrap_or(DEFAULT_CONNECT_TIMEOUT),
+    };
+    let peer_timeout = match given.peer_timeout {
+        Some(t) => t,
+        None => parse_seconds(env, "DDP_PEER_TIMEOUT")?.unwrap_or(DEFAULT_PEER_TIMEOUT),
+    };
+    if timeout.is_zero() {
+        return Err(CommError::config("timeout", "the timeout must be positive"));
+    }
+    if peer_timeout < Duration::from_millis(100) {
+        return Err(CommError::config(
+            "DDP_PEER_TIMEOUT",
+            format!("{peer_timeout:?} is too short: at least 0.1 s (heartbeats are sent every 1/5 of it)"),
+        ));
+    }
+    if connect_timeout.is_zero() {
+        return Err(CommError::config(
+            "connect_timeout",
+            "the connect timeout must be positive",
+        ));
+    }
+    Ok((timeout, connect_timeout, peer_timeout))
+}
+
+/// The shared secret (`DDP_TOKEN`, checked against the handshake's limit) and the launcher's
+/// job name (`DDP_JOB_ID`).
+fn identity(given: &Explicit, env: Lookup) -> Result<(Option<String>, Option<String>), CommError> {
+    let token = match &given.token {
+        Some(t) => Some(t.clone()),
+        None => env("DDP_TOKEN").filter(|t| !t.is_empty()),
+    };
+    if let Some(t) = &token {
+        if t.len() > crate::wire::MAX_TOKEN_BYTES {
+            return Err(CommError::config(
+                "DDP_TOKEN",
+                format!(
+                    "the token is {} bytes long; at most {} are allowed",
+                    t.len(),
+                    crate::wire::MAX_TOKEN_BYTES
+                ),
+            ));
+        }
+    }
+    let job_id = match &given.job_id {
+        Some(j) => Some(j.clone()),
+        None => env("DDP_JOB_ID").filter(|j| !j.trim().is_empty()),
+    };
+    Ok((token, job_id))
+}
+
+/// The segment size and the small-buffer threshold (its default depends on the world size).
+fn tuning(given: &Explicit, env: Lookup, world: usize) -> Result<(usize, usize), CommError> {
+    let segment_bytes = match given.segment_bytes {
+        Some(s) => s,
+        None => parse_var::<usize>(env, "DDP_SEGMENT_BYTES", "a number of bytes")?
+            .unwrap_or(DEFAULT_SEGMENT_BYTES),
+    };
+    if segment_bytes == 0 || segment_bytes > MAX_SEGMENT_BYTES {
+        let var = if given.segment_bytes.is_some() {
+            "segment_bytes"
+        } else {
+            "DDP_SEGMENT_BYTES"
+        };
+        return Err(CommError::config(
+            var,
+            format!("{var}={segment_bytes} must be between 1 and {MAX_SEGMENT_BYTES}"),
+        ));
+    }
+    let small_allreduce_bytes = match given.small_allreduce_bytes {
+        Some(s) => s,
+        None => parse_var::<usize>(env, "DDP_SMALL_ALLREDUCE_BYTES", "a number of bytes")?
+            .unwrap_or_else(|| default_small_allreduce_bytes(world)),
+    };
+    Ok((segment_bytes, small_allreduce_bytes))
+}
+
+/// Reads a variable and parses it; a parse failure names the variable and the value.
+fn parse_var<T: std::str::FromStr>(
+    env: Lookup,
+    var: &str,
+    what: &str,
+) -> Result<Option<T>, CommError> {
+    match env(var) {
+        None => Ok(None),
+        Some(raw) => raw
+            .trim()
+            .parse::<T>()
+            .map(Some)
+            .map_err(|_| CommError::config(var, format!("{var}={raw:?} is not {what}"))),
+    }
+}
+
+/// Reads a positive number of seconds.
+fn parse_seconds(env: Lookup, var: &str) -> Result<Option<Duration>, CommError> {
+    match parse_var::<f64>(env, var, "a number of seconds")? {
+        None => Ok(None),
+        Some(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Some(Duration::from_secs_f64(s))),
+        Some(_) => Err(CommError::config(
+            var,
+            format!(
+                "{var}={:?} must be a positive number of seconds",
+                env(var).unwrap_or_default()
+            ),
+        )),
+    }
+}
+
+/// torchrun's agent-store variables: `TORCHELASTIC_USE_AGENT_STORE` (torchrun sets exactly
+/// `True`; `true` and `1` in any case are accepted too, `False`, `0` or empty mean no) and then
+/// `TORCHELASTIC_RESTART_COUNT` (0 if unset). Any other value is an error naming the variable.
+fn agent_store_from_env(env: Lookup) -> Result<Option<u32>, CommError> {
+    const USE: &str = "TORCHELASTIC_USE_AGENT_STORE";
+    let Some(raw) = env(USE) else {
+        return Ok(None);
+    };
+    match raw.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" => {}
+        "false" | "0" | "" => return Ok(None),
+        _ => {
+            return Err(CommError::config(
+                USE,
+                format!("{USE}={raw:?} is neither True nor False"),
+            ))
+        }
+    }
+    let restart = parse_var::<u32>(env, "TORCHELASTIC_RESTART_COUNT", "a restart count")?;
+    Ok(Some(restart.unwrap_or(0)))
+}
+
+/// Number of tasks on this node under Slurm, from `SLURM_TASKS_PER_NODE` (e.g. `2(x3),1`) and
+/// `SLURM_NODEID`, or `SLURM_NTASKS_PER_NODE`.
+fn slurm_tasks_on_this_node(env: Lookup) -> Result<Option<usize>, CommError> {
+    if let Some(list) = env("SLURM_TASKS_PER_NODE") {
+        let node = parse_var::<usize>(env, "SLURM_NODEID", "a node index")?.unwrap_or(0);
+        let counts = parse_tasks_per_node(&list).ok_or_else(|| {
+            CommError::config(
+                "SLURM_TASKS_PER_NODE",
+                format!("SLURM_TASKS_PER_NODE={list:?} is not of the form 2(x3),1"),
+            )
+        })?;
+        return Ok(counts.get(node).copied().or(counts.first().copied()));
+    }
+    parse_var::<usize>(env, "SLURM_NTASKS_PER_NODE", "a number of tasks")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k: &str| map.get(k).cloned()
+    }
+
+    fn err_var(e: CommError) -> String {
+        match e {
+            CommError::Config { var, .. } => var,
+            other => panic!("expected a config error, got {other}"),
+        }
+    }
+
+    #[test]
+    fn no_variables_is_a_single_process() {
+        let c = GroupConfig::from_vars(vars(&[])).unwrap();
+        assert_eq!(c, GroupConfig::default());
+    }
+
+    #[test]
+    fn torchrun_agent_store_variables() {
+        let base = [("RANK", "1"), ("WORLD_SIZE", "2")];
+        let with = |extra: &[(&str, &str)]| {
+            let mut all = base.to_vec();
+            all.extend_from_slice(extra);
+            GroupConfig::from_vars(vars(&all))
+        };
+        assert_eq!(with(&[]).unwrap().torch_agent_store, None);
+        for off in ["False", "0", ""] {
+            let c = with(&[("TORCHELASTIC_USE_AGENT_STORE", off)]).unwrap();
+            assert_eq!(c.torch_agent_store, None, "{off:?}");
+        }
+        for on in ["True", "true", "TRUE", "1"] {
+            let c = with(&[("TORCHELASTIC_USE_AGENT_STORE", on)]).unwrap();
+            assert_eq!(c.torch_agent_store, Some(0), "{on:?}");
+        }
+        let c = with(&[
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RESTART_COUNT", "3"),
+        ])
+        .unwrap();
+        assert_eq!(c.torch_agent_store, Some(3));
+        let e = with(&[("TORCHELASTIC_USE_AGENT_STORE", "yes")]).unwrap_err();
+        assert_eq!(err_var(e), "TORCHELASTIC_USE_AGENT_STORE");
+        let e = with(&[
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RESTART_COUNT", "-1"),
+        ])
+        .unwrap_err();
+        assert_eq!(err_var(e), "TORCHELASTIC_RESTART_COUNT");
+        // An explicit value overrides the environment.
+        let given = Explicit {
+            torch_agent_store: Some(5),
+            ..Explicit::default()
+        };
+        let c = resolve(&given, &vars(&[("TORCHELASTIC_USE_AGENT_STORE", "x")])).unwrap();
+        assert_eq!(c.torch_agent_store, Some(5));
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let c = GroupConfig::from_vars(vars(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node7"),
+            ("MASTER_PORT", "1234"),
+            ("DDP_TIMEOUT", "2.5"),
+            ("DDP_TOKEN", "s3cret"),
+            ("DDP_JOB_ID", "job-7"),
+            ("DDP_SEGMENT_BYTES", "4096"),
+            ("DDP_SMALL_ALLREDUCE_BYTES", "0"),
+            // Ignored: torchrun's variables win.
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "6"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (c.rank, c.world_size, c.local_rank, c.local_world_size),
+            (3, 8, 1, 2)
+        );
+        assert_eq!((c.master_addr.as_str(), c.master_port), ("node7", 1234));
+        assert_eq!(c.timeout, Duration::from_millis(2500));
+        assert_eq!(c.connect_timeout, DEFAULT_CONNECT_TIMEOUT);
+        assert_eq!(c.token.as_deref(), Some("s3cret"));
+        assert_eq!(c.job_id.as_deref(), Some("job-7"));
+        assert_eq!((c.segment_bytes, c.small_allreduce_bytes), (4096, 0));
+    }
+
+    #[test]
+    fn slurm_variables() {
+        let c = GroupConfig::from_vars(vars(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "7"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_TASKS_PER_NODE", "2(x3),1"),
+            ("SLURM_JOB_NODELIST", "gpu[07-09,12],cpu1"),
+            ("SLURM_JOB_ID", "123456"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (c.rank, c.world_size, c.local_rank, c.local_world_size),
+            (5, 7, 1, 2)
+        );
+        assert_eq!(c.master_addr, "gpu07");
+        assert_eq!(c.master_port, 20000 + 3456);
+        // MASTER_ADDR / MASTER_PORT override Slurm's guesses.
+        let c = GroupConfig::from_vars(vars(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_JOB_NODELIST", "a,b"),
+            ("MASTER_ADDR", "head"),
+            ("MASTER_PORT", "4000"),
+        ]))
+        .unwrap();
+        assert_eq!((c.master_addr.as_str(), c.master_port), ("head", 4000));
+        assert_eq!((c.local_rank, c.local_world_size), (0, 2));
+    }
+
+    #[test]
+    fn invalid_values_name_the_variable() {
+        let cases: Vec<(Vec<(&str, &str)>, &str)> = vec![
+            (vec![("RANK", "4"), ("WORLD_SIZE", "4")], "RANK"),
+            (vec![("RANK", "x"), ("WORLD_SIZE", "4")], "RANK"),
+            (vec![("RANK", "0"), ("WORLD_SIZE", "-1")], "WORLD_SIZE"),
+            (vec![("RANK", "0"), ("WORLD_SIZE", "0")], "WORLD_SIZE"),
+            (vec![("WORLD_SIZE", "2")], "RANK"),
+            (
+                vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "http")],
+                "MASTER_PORT",
+            ),
+            (
+                vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "70000")],
+                "MASTER_PORT",
+            ),
+            (
+                vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "0")],
+                "MASTER_PORT",
+            ),
+            (
+                vec![
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("LOCAL_RANK", "2"),
+                    ("LOCAL_WORLD_SIZE", "2"),
+                ],
+                "LOCAL_RANK",
+            ),
+            (
+                vec![("SLURM_PROCID", "3"), ("SLURM_NTASKS", "3")],
+                "SLURM_PROCID",
+            ),
+            (
+                vec![
+                    ("SLURM_PROCID", "0"),
+                    ("SLURM_NTASKS", "2"),
+                    ("SLURM_JOB_NODELIST", "["),
+                ],
+                "SLURM_JOB_NODELIST",
+            ),
+            (vec![("DDP_TIMEOUT", "soon")], "DDP_TIMEOUT"),
+            (vec![("DDP_CONNECT_TIMEOUT", "-3")], "DDP_CONNECT_TIMEOUT"),
+            (vec![("DDP_SEGMENT_BYTES", "0")], "DDP_SEGMENT_BYTES"),
+            (
+                vec![("DDP_SMALL_ALLREDUCE_BYTES", "1MB")],
+                "DDP_SMALL_ALLREDUCE_BYTES",
+            ),
+        ];
+        for (pairs, var) in cases {
+            let err = GroupConfig::from_vars(vars(&pairs)).unwrap_err();
+            let msg = err.to_string();
+            assert!(msg.contains(var), "{pairs:?}: {msg}");
+            assert_eq!(err_var(err), var, "{pairs:?}");
+        }
+        let given = Explicit {
+            rank: Some(2),
+            world_size: Some(2),
+            ..Explicit::default()
+        };
+        let err = resolve(&given, &vars(&[])).unwrap_err();
+        assert_eq!(err_var(err), "rank");
+    }
+}

@@ -1,0 +1,172 @@
+//! [`GroupHealth`]: whether a group has failed and why, shared by its communication thread and
+//! every reader, writer and liveness thread; and how the group decides *who failed first*.
+//!
+//! Any thread that sees the group break (a reader at EOF, an I/O error, a malformed frame or an
+//! ABORT; a writer that cannot send; the liveness thread; a collective that fails) marks the
+//! whole group failed ([`GroupHealth::fail`]): the first error is kept as the root cause, every
+//! waiter is woken ([`GroupHealth::failed_signal`]), and the failure hooks the mesh registered
+//! run (they put an ABORT carrying the cause on every link and wake writers waiting for credit).
+//!
+//! Attribution. When rank k is killed, every survivor sees its sockets to k close, and it may
+//! also see the sockets of *other* ranks close: rank j that failed because of k exits too, and
+//! its close can reach a survivor before the survivor's own reader of k's socket has run (two
+//! cores, many threads). Blaming whichever socket event comes first would then send the user to
+//! the wrong machine. So a lost connection is only *evidence* ([`GroupHealth::peer_lost`]): the
+//! group waits a short grace period ([`LOSS_GRACE`]) for an ABORT frame that explains it, and an
+//! ABORT (which names the rank its sender blames, itself decided the same way) settles the
+//! matter at once. A rank that fails always gets its ABORTs onto the wire before its collective
+//! returns the error to the caller (`Mesh::flush_aborts`), so a process that exits right after
+//! an error has still explained itself, and the bytes of the ABORT precede its close on every
+//! socket (a reader reads the ABORT before it sees the end of the stream). Without an ABORT by
+//! the end of the grace period, the first connection lost is the root cause. Waits that find a
+//! link gone wait for this verdict too ([`GroupHealth::verdict`]), so every error a caller sees
+//! carries the group's one root cause.
+//!
+//! The first failure of any group of the process is also noted for the error file a failing
+//! rank leaves its launcher (`elastic.rs`): the rank it blames travels there.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::error::CommError;
+
+/// How long a lost connection waits for an ABORT frame that explains it before it is taken as
+/// the root cause itself (see the module's notes on attribution).
+pub(crate) const LOSS_GRACE: Duration = Duration::from_millis(400);
+
+/// Something to do when the group fails, given its root cause.
+type FailureHook = Box<dyn Fn(&CommError) + Send + Sync>;
+
+/// A group's failure state and progress counters.
+pub(crate) struct GroupHealth {
+    rank: usize,
+    failed: AtomicBool,
+    /// The group is being dropped: connections closing now are expected, not failures.
+    closing: AtomicBool,
+    /// The root cause, once failed.
+    error: Mutex<Option<CommError>>,
+    /// Dropped on failure: every receiver of `failed_rx` then reports "disconnected", which
+    /// wakes every wait that selects on it.
+    failed_tx: Mutex<Option<Sender<()>>>,
+    failed_rx: Receiver<()>,
+    /// Run once, on failure (see [`GroupHealth::on_failure`]).
+    hooks: Mutex<Vec<FailureHook>>,
+    /// Connections lost (closed, reset, stuck) before the group failed, in the order seen: the
+    /// evidence from which [`GroupHealth::peer_lost`] picks a root cause if no ABORT explains
+    /// it.
+    lost: Mutex<Vec<CommError>>,
+    /// Counts frames received and collectives finished: [`crate::Work::wait`]'s evidence that
+    /// the group is still making progress.
+    pub progress: AtomicU64,
+    /// DATA frames read from the socket straight into a posted receive (`Mesh::recv_into`).
+    pub landed: AtomicU64,
+}
+
+impl GroupHealth {
+    /// The health of a group, as seen by `rank`: not failed, not closing.
+    pub fn new(rank: usize) -> GroupHealth {
+        let (failed_tx, failed_rx) = crossbeam_channel::bounded(1);
+        GroupHealth {
+            rank,
+            failed: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
+            error: Mutex::new(None),
+            failed_tx: Mutex::new(Some(failed_tx)),
+            failed_rx,
+            hooks: Mutex::new(Vec::new()),
+            lost: Mutex::new(Vec::new()),
+            progress: AtomicU64::new(0),
+            landed: AtomicU64::new(0),
+        }
+    }
+
+    /// Registers `hook`, run with the root cause when the group fails (from the thread that
+    /// fails it, so a hook must not block).
+    pub fn on_failure(&self, hook: FailureHook) {
+        self.hooks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(hook);
+    }
+
+    /// A channel that disconnects when the group fails: select on it to be woken by a failure.
+    pub fn failed_signal(&self) -> &Receiver<()> {
+        &self.failed_rx
+    }
+
+    /// Says the group is being dropped: lost connections from now on are expected.
+    pub fn set_closing(&self) {
+        self.closing.store(true, Ordering::Release);
+    }
+
+    /// Whether the group is being dropped.
+    pub fn is_closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
+    }
+
+    /// A connection was lost (`err` is [`CommError::PeerClosed`], [`CommError::PeerIo`] or
+    /// [`CommError::PeerSilent`]): evidence, not yet a verdict. Waits up to [`LOSS_GRACE`] for
+    /// the group to fail for a better-explained reason (an ABORT naming an earlier root cause);
+    /// if none comes, fails the group with the first connection lost. Blocks the calling thread
+    /// (a reader, writer or liveness thread that is ending anyway) for at most the grace period.
+    pub fn peer_lost(&self, err: CommError) {
+        if self.is_failed() {
+            return;
+        }
+        self.lost
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(err);
+        // Disconnected (returns at once) as soon as the group fails.
+        let _ = self.failed_rx.recv_timeout(LOSS_GRACE);
+        if self.is_failed() {
+            return;
+        }
+        let first = self.lost.lock().unwrap_or_else(|p| p.into_inner())[0].clone();
+        self.fail(first);
+    }
+
+    /// Waits until the group has failed (at most a little longer than the grace period of a
+    /// lost connection) and returns its root cause, or `fallback` if it did not fail.
+    pub fn verdict(&self, fallback: CommError) -> CommError {
+        let _ = self
+            .failed_rx
+            .recv_timeout(LOSS_GRACE + Duration::from_secs(1));
+        self.error().unwrap_or(fallback)
+    }
+
+    /// Whether the group has failed.
+    pub fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// The group's first error, if it failed.
+    pub fn error(&self) -> Option<CommError> {
+        self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Marks the group failed with `err` as root cause (the first error wins), wakes every
+    /// waiter and runs the failure hooks (an ABORT carrying the cause to every peer).
+    pub fn fail(&self, err: CommError) {
+        {
+            let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+            if slot.is_some() {
+                return;
+            }
+            tracing::error!("rank {}: process group failed: {err}", self.rank);
+            *slot = Some(err.clone());
+            self.failed.store(true, Ordering::Release);
+        }
+        crate::elastic::note_group_failure(err.peer());
+        self.failed_tx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        for hook in self.hooks.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            hook(&err);
+        }
+    }
+}

@@ -1,0 +1,128 @@
+//! Liveness: a thread of each group sends a HEARTBEAT on every link every `peer_timeout / 5`
+//! (20 ms to 1 s) and looks at when each peer was last heard from ([`LastHeard`], stamped by the
+//! link's reader with every frame). A peer silent for `peer_timeout` (no frame at all: its own
+//! liveness thread would have sent several) is lost ([`CommError::PeerSilent`], through
+//! `GroupHealth::peer_lost` like a closed socket).
+//!
+//! Why a thread of its own: liveness must not depend on the training loop. A rank busy in a long
+//! step keeps sending heartbeats and is never declared dead; a rank that is frozen (SIGSTOP, a
+//! hung kernel call) or cut off by the network sends nothing, and is named within
+//! `peer_timeout` instead of at the collective deadline (minutes). A peer that is alive but
+//! never enters a collective (a desync) is still caught by the collective deadline.
+//!
+//! The same thread answers SIGUSR1 by dumping the flight recorder (see [`crate::flight`]), and
+//! dumps it once more when the group fails.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+
+use crate::error::CommError;
+use crate::flight::FlightRecorder;
+use crate::health::GroupHealth;
+use crate::link::Outgoing;
+
+/// When the last frame from a peer arrived.
+pub(crate) struct LastHeard {
+    origin: Instant,
+    /// Milliseconds from `origin` to the last frame (0: none yet, so a peer that never sends
+    /// anything is silent since the link was made).
+    at_ms: AtomicU64,
+}
+
+impl LastHeard {
+    /// A link just made: heard from "now".
+    pub fn new() -> LastHeard {
+        LastHeard {
+            origin: Instant::now(),
+            at_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// A frame arrived.
+    pub fn stamp(&self) {
+        let now = self.origin.elapsed().as_millis() as u64;
+        self.at_ms.store(now, Ordering::Relaxed);
+    }
+
+    /// How long since the last frame.
+    pub fn silent_for(&self) -> Duration {
+        let now = self.origin.elapsed().as_millis() as u64;
+        Duration::from_millis(now.saturating_sub(self.at_ms.load(Ordering::Relaxed)))
+    }
+}
+
+/// A peer the liveness thread watches.
+pub(crate) struct WatchedPeer {
+    pub peer: usize,
+    /// Its link's writer queue, for the heartbeats.
+    pub writer: Sender<Outgoing>,
+    pub heard: Arc<LastHeard>,
+    /// Set when it said GOODBYE: silence is then expected.
+    pub goodbye: Arc<AtomicBool>,
+}
+
+impl WatchedPeer {
+    /// Whether the peer has been silent for longer than `limit` without saying goodbye.
+    pub fn is_silent(&self, limit: Duration) -> bool {
+        !self.goodbye.load(Ordering::Acquire) && self.heard.silent_for() > limit
+    }
+}
+
+/// How often heartbeats go out: a fifth of the peer timeout, 20 ms to 1 s.
+pub(crate) fn heartbeat_interval(peer_timeout: Duration) -> Duration {
+    (peer_timeout / 5).clamp(Duration::from_millis(20), Duration::from_secs(1))
+}
+
+/// Starts the liveness thread of `rank` over `watched` (see the module documentation). It ends
+/// when the returned sender is dropped, when the group closes, or after the group failed (and
+/// the flight record was dumped).
+pub(crate) fn start_liveness(
+    rank: usize,
+    watched: Vec<WatchedPeer>,
+    health: &Arc<GroupHealth>,
+    peer_timeout: Duration,
+    flight: Arc<FlightRecorder>,
+) -> Result<(Sender<()>, JoinHandle<()>), CommError> {
+    let interval = heartbeat_interval(peer_timeout);
+    let health = health.clone();
+    let (stop, stopped) = crossbeam_channel::bounded::<()>(0);
+    let thread = std::thread::Builder::new()
+        .name(format!("ddp-live-{rank}"))
+        .spawn(move || loop {
+            if health.is_closing() {
+                return;
+            }
+            if health.is_failed() {
+                // The group failed, maybe while this rank was outside any collective (a peer
+                // lost, an ABORT received): leave the record of where it was, since nothing
+                // answers SIGUSR1 from now on.
+                flight.dump("failure");
+                return;
+            }
+            for w in &watched {
+                let _ = w.writer.send(Outgoing::Heartbeat);
+            }
+            flight.poll_signal();
+            if let Some(w) = watched.iter().find(|w| w.is_silent(peer_timeout)) {
+                health.peer_lost(CommError::PeerSilent {
+                    rank,
+                    peer: w.peer,
+                    silent_for: w.heard.silent_for(),
+                });
+                return;
+            }
+            match stopped.recv_timeout(interval) {
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+                _ => return, // the mesh is closing
+            }
+        })
+        .map_err(|e| CommError::Internal {
+            rank,
+            message: format!("cannot start the liveness thread: {e}"),
+        })?;
+    Ok((stop, thread))
+}

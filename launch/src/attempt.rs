@@ -1,0 +1,286 @@
+//! One attempt of a launch: start every local rank, watch them until all have ended, and say
+//! how the attempt ended ([`run_attempt`]; steps 2 to 5 of the crate documentation).
+//!
+//! The watch loop looks, every [`POLL_INTERVAL`], at four things in turn: the other nodes'
+//! launchers (a restart decided elsewhere, a node lost), the launcher's own signals, the ranks,
+//! and the grace period. The first rank that fails on its own is the first failure: the others
+//! are asked for their flight records and stopped (`SIGTERM`, then `SIGKILL` once the grace
+//! period is over, and everything they started with them). Every rank is reaped before any is
+//! signalled within one look, so a rank that ended in the same look as the first failure is
+//! known to have ended on its own, not because the launcher stopped it.
+
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::config::LaunchConfig;
+use crate::error::{signal_name, LaunchError, LaunchReport, RankExit, RankFailure};
+use crate::hang::{ask_for_flight_records, hang_report_of, print_hang_report};
+use crate::output::notice;
+use crate::ranks::{poll_exit, start_ranks, stop_running, Attempt, Rank};
+use crate::report::diagnose;
+use crate::signals::SignalForwarding;
+
+/// How often the launcher looks at its ranks and at pending signals.
+const POLL_INTERVAL: Duration = Duration::from_millis(10);
+
+/// How long the launcher waits, after the last rank exited, for the output of processes that the
+/// ranks left behind to drain before it stops reading.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How an attempt ended.
+pub(crate) enum Ending {
+    /// Every local rank exited 0.
+    Succeeded(LaunchReport),
+    /// A local rank failed; the others were stopped.
+    RankFailed(Box<RankFailure>),
+    /// Another node's launcher moved the job to the next round; this node's ranks were stopped.
+    RestartRequested,
+    /// The launch cannot go on: the launcher was interrupted, another node was lost, a rank
+    /// could not be started or waited for.
+    Error(LaunchError),
+}
+
+/// An attempt's ending, and whether the launcher received `SIGINT`/`SIGTERM` meanwhile (then no
+/// restart may follow).
+pub(crate) struct Outcome {
+    pub ending: Ending,
+    pub signalled: bool,
+}
+
+/// What the other nodes' launchers say, asked once per look: `Some(Ok(()))` a restart was
+/// decided elsewhere, `Some(Err(why))` the job cannot go on, `None` nothing new.
+pub(crate) type OtherNodes<'a> = &'a dyn Fn() -> Option<Result<(), String>>;
+
+/// Starts the local ranks of `attempt` once, watches them until all have ended and reports how.
+pub(crate) fn run_attempt(
+    config: &LaunchConfig,
+    mut attempt: Attempt<'_>,
+    mut signals: Option<&mut SignalForwarding>,
+    other_nodes: OtherNodes,
+) -> Outcome {
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let ranks = match start_ranks(config, &mut attempt, &done_tx) {
+        Ok(ranks) => ranks,
+        Err(error) => {
+            return Outcome {
+                ending: Ending::Error(error),
+                signalled: false,
+            }
+        }
+    };
+    drop(done_tx);
+    let mut watch = Watch::new(config, ranks, &attempt);
+    loop {
+        watch.look_at_other_nodes(other_nodes);
+        watch.look_at_signals(signals.as_deref_mut());
+        watch.look_at_ranks();
+        if watch.all_ended() {
+            break;
+        }
+        watch.look_at_grace_period();
+        thread::sleep(POLL_INTERVAL);
+    }
+    watch.kill_leftovers();
+    drain_output(&done_rx);
+    watch.outcome()
+}
+
+/// Waits (at most [`DRAIN_TIMEOUT`]) until every output forwarder has seen its stream close.
+fn drain_output(done: &mpsc::Receiver<()>) {
+    let deadline = Instant::now() + DRAIN_TIMEOUT;
+    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+        match done.recv_timeout(left) {
+            Ok(()) => continue,
+            Err(_) => break, // all forwarders done (disconnected) or out of time
+        }
+    }
+}
+
+/// The watch loop's state.
+struct Watch<'a> {
+    config: &'a LaunchConfig,
+    ranks: Vec<Rank>,
+    attempt: &'a Attempt<'a>,
+    /// Index (into `ranks`) of the first rank that failed on its own.
+    first_failure: Option<usize>,
+    /// The `SIGINT`/`SIGTERM` the launcher forwarded to the ranks.
+    interrupted: Option<i32>,
+    /// When the ranks still running get `SIGKILL`.
+    kill_at: Option<Instant>,
+    wait_error: Option<LaunchError>,
+    /// Whether a `SIGINT`/`SIGTERM` reached the launcher.
+    signalled: bool,
+    /// Several nodes: a restart decided by another node's launcher (Ok) or a node lost (Err).
+    stopped_by_other_nodes: Option<Result<(), String>>,
+}
+
+impl<'a> Watch<'a> {
+    fn new(config: &'a LaunchConfig, ranks: Vec<Rank>, attempt: &'a Attempt<'a>) -> Watch<'a> {
+        Watch {
+            config,
+            ranks,
+            attempt,
+            first_failure: None,
+            interrupted: None,
+            kill_at: None,
+            wait_error: None,
+            signalled: false,
+            stopped_by_other_nodes: None,
+        }
+    }
+
+    /// Whether the launcher is already stopping the ranks (for whatever reason).
+    fn stopping(&self) -> bool {
+        self.first_failure.is_some()
+            || self.interrupted.is_some()
+            || self.stopped_by_other_nodes.is_some()
+    }
+
+    /// Stops the running ranks with `SIGTERM` (or a forwarded `signal`), `SIGKILL` after the
+    /// grace period.
+    fn stop(&mut self, signal: i32) {
+        stop_running(&mut self.ranks, signal);
+        self.kill_at = Some(Instant::now() + self.config.grace_period);
+    }
+
+    fn all_ended(&self) -> bool {
+        self.ranks.iter().all(|rank| rank.exit.is_some())
+    }
+
+    /// Another node's launcher decided a restart, or lost a node: stop this node's ranks.
+    fn look_at_other_nodes(&mut self, other_nodes: OtherNodes) {
+        if self.stopping() {
+            return;
+        }
+        if let Some(stop) = other_nodes() {
+            notice(&match &stop {
+                Ok(()) => "a rank of another node failed; stopping this node's ranks".into(),
+                Err(why) => format!("{why}; stopping this node's ranks"),
+            });
+            self.stop(libc::SIGTERM);
+            self.stopped_by_other_nodes = Some(stop);
+        }
+    }
+
+    /// `SIGUSR1`: print where every rank is. `SIGINT`/`SIGTERM`: print where every rank is and
+    /// forward it; a second one kills at once.
+    fn look_at_signals(&mut self, signals: Option<&mut SignalForwarding>) {
+        let Some(signals) = signals else { return };
+        let dir = self.attempt.trace_dir;
+        if signals.take_usr1() {
+            notice("received SIGUSR1: where each rank is");
+            print_hang_report(&ask_for_flight_records(&mut self.ranks, dir), dir);
+        }
+        let Some(signal) = signals.take() else { return };
+        self.signalled = true;
+        if self.interrupted.is_none() && self.first_failure.is_none() {
+            self.interrupted = Some(signal);
+            print_hang_report(&ask_for_flight_records(&mut self.ranks, dir), dir);
+            notice(&format!(
+                "received {}; forwarding it to the ranks (SIGKILL in {:?}, or at once on a \
+                 second signal)",
+                signal_name(signal),
+                self.config.grace_period
+            ));
+            self.stop(signal);
+        } else {
+            notice(&format!(
+                "received {} while stopping; killing the ranks now",
+                signal_name(signal)
+            ));
+            stop_running(&mut self.ranks, libc::SIGKILL);
+            self.kill_at = None;
+        }
+    }
+
+    /// Reaps every rank that ended since the last look, then decides: the first failure stops
+    /// the others (after asking them where they are: the rank that never entered the collective
+    /// the others wait in is often the real story).
+    fn look_at_ranks(&mut self) {
+        let ended: Vec<(usize, RankExit)> = (0..self.ranks.len())
+            .filter_map(|i| poll_exit(&mut self.ranks[i], &mut self.wait_error).map(|e| (i, e)))
+            .collect();
+        for (i, exit) in ended {
+            let (rank, local_rank) = (self.ranks[i].rank, self.ranks[i].local_rank);
+            if exit.success() {
+                continue;
+            }
+            if self.ranks[i].signalled {
+                notice(&format!("rank {rank} stopped: {}", exit.without_hint()));
+            } else if self.stopping() {
+                notice(&format!(
+                    "rank {rank} (local rank {local_rank}) {exit} as well"
+                ));
+            } else {
+                self.first_failure = Some(i);
+                notice(&format!(
+                    "rank {rank} {exit}; stopping the other ranks (SIGTERM, SIGKILL after {:?})",
+                    self.config.grace_period
+                ));
+                ask_for_flight_records(&mut self.ranks, self.attempt.trace_dir);
+                self.stop(libc::SIGTERM);
+            }
+        }
+        if self.wait_error.is_some() {
+            stop_running(&mut self.ranks, libc::SIGKILL);
+        }
+    }
+
+    /// Kills what is still running once the grace period is over.
+    fn look_at_grace_period(&mut self) {
+        if self.kill_at.is_some_and(|at| Instant::now() >= at) {
+            notice(&format!(
+                "grace period of {:?} over; killing the remaining ranks",
+                self.config.grace_period
+            ));
+            stop_running(&mut self.ranks, libc::SIGKILL);
+            self.kill_at = None;
+        }
+    }
+
+    /// Kills what the ranks left behind in their process groups.
+    fn kill_leftovers(&self) {
+        for rank in &self.ranks {
+            rank.signal_group(libc::SIGKILL);
+        }
+    }
+
+    /// How the attempt ended, once every rank has: a launcher error first, then what the other
+    /// nodes decided, then the first failure (diagnosed), then an interruption, else success.
+    fn outcome(self) -> Outcome {
+        let (config, attempt) = (self.config, self.attempt);
+        let ending = if let Some(error) = self.wait_error {
+            Ending::Error(error)
+        } else if let (Some(_), Some(signal)) = (&self.stopped_by_other_nodes, self.interrupted) {
+            // A user's stop wins over a restart decided elsewhere.
+            Ending::Error(LaunchError::Interrupted { signal })
+        } else if let Some(stop) = self.stopped_by_other_nodes {
+            match stop {
+                Ok(()) => Ending::RestartRequested,
+                Err(message) => Ending::Error(LaunchError::Agents { message }),
+            }
+        } else if let Some(i) = self.first_failure {
+            let mut failure = diagnose(&self.ranks[i], &self.ranks, config, attempt.trace_dir);
+            failure.hang_report = hang_report_of(attempt.trace_dir, config);
+            failure.restarts = attempt.restart;
+            Ending::RankFailed(Box::new(failure))
+        } else if let Some(signal) = self.interrupted {
+            Ending::Error(LaunchError::Interrupted { signal })
+        } else {
+            Ending::Succeeded(LaunchReport {
+                master_port: attempt.master_port,
+                exits: self
+                    .ranks
+                    .iter()
+                    .map(|rank| rank.exit.unwrap_or(RankExit::Code(-1)))
+                    .collect(),
+                restarts: attempt.restart,
+            })
+        };
+        Outcome {
+            ending,
+            signalled: self.signalled,
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! [`LaunchConfig`]: what to launch and how (the equivalent of `ddprun`'s command line), and what
+//! follows from it for each rank and attempt: its environment ([`rank_env`]) and the job id.
+
+use std::ffi::OsString;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use ddp_comm::elastic::{MAX_RESTARTS_ENV, RESTART_COUNT_ENV};
+
+/// The grace period between `SIGTERM` and `SIGKILL` when no other is configured.
+pub const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(5);
+
+/// The rendezvous address used on a single node when none is given.
+pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
+
+/// What to launch and how: the equivalent of `ddprun`'s command line.
+#[derive(Debug, Clone)]
+pub struct LaunchConfig {
+    /// Ranks to start on this node (`--nproc-per-node`), at least 1.
+    pub nproc_per_node: usize,
+    /// Nodes in the job (`--nnodes`), at least 1.
+    pub nnodes: usize,
+    /// This node's index in `0..nnodes` (`--node-rank`).
+    pub node_rank: usize,
+    /// Address of the node that runs rank 0, where the rendezvous store listens. Required when
+    /// `nnodes > 1`; on a single node it defaults to [`DEFAULT_MASTER_ADDR`].
+    pub master_addr: Option<String>,
+    /// Port of the rendezvous store. Required when `nnodes > 1`; on a single node, when it is
+    /// `None`, the launcher binds a free port for each attempt and hands the bound socket to
+    /// local rank 0 ([`ddp_comm::elastic::STORE_FD_ENV`]), so no other process can take it.
+    pub master_port: Option<u16>,
+    /// An identifier shared by all ranks of the job, exported as `DDP_JOB_ID`. When `None`, a
+    /// single-node launch generates one and a multi-node launch exports none (every node would
+    /// generate a different one); an inherited `DDP_JOB_ID` is then passed through unchanged.
+    pub job_id: Option<String>,
+    /// The program and its arguments, run once per local rank. Must not be empty.
+    pub command: Vec<OsString>,
+    /// Time between `SIGTERM` and `SIGKILL` when stopping ranks.
+    pub grace_period: Duration,
+    /// Whether to forward `SIGINT` and `SIGTERM` received by this process to the ranks. The
+    /// handlers are installed for the duration of [`crate::launch`] and the previous ones restored.
+    pub forward_signals: bool,
+    /// How many times to restart all local ranks after one failed (`--max-restarts`); 0, the
+    /// default, stops the job at the first failure. A `SIGINT`/`SIGTERM` to the launcher never
+    /// leads to a restart. See [`crate::launch`] for what a restart does.
+    pub max_restarts: usize,
+}
+
+impl LaunchConfig {
+    /// A single-node configuration running `command` as `nproc_per_node` ranks, with the
+    /// defaults: free port, default grace period, signals forwarded.
+    pub fn new(nproc_per_node: usize, command: Vec<OsString>) -> LaunchConfig {
+        LaunchConfig {
+            nproc_per_node,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: None,
+            master_port: None,
+            job_id: None,
+            command,
+            grace_period: DEFAULT_GRACE_PERIOD,
+            forward_signals: true,
+            max_restarts: 0,
+        }
+    }
+
+    /// Total number of ranks in the job: `nnodes * nproc_per_node`.
+    pub fn world_size(&self) -> usize {
+        self.nnodes * self.nproc_per_node
+    }
+
+    /// Global rank of this node's local rank `local_rank`: `node_rank * nproc_per_node +
+    /// local_rank`.
+    pub fn global_rank(&self, local_rank: usize) -> usize {
+        self.node_rank * self.nproc_per_node + local_rank
+    }
+}
+
+/// The environment variables that local rank `local_rank` is started with on attempt `restart`
+/// (0 for the first start): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+/// `GROUP_RANK` (the node rank, as torchrun names it), `MASTER_ADDR`, `MASTER_PORT`,
+/// [`RESTART_COUNT_ENV`] and [`MAX_RESTARTS_ENV`], and `DDP_JOB_ID` when `job_id` is given.
+pub fn rank_env(
+    config: &LaunchConfig,
+    local_rank: usize,
+    master_addr: &str,
+    master_port: u16,
+    job_id: Option<&str>,
+    restart: usize,
+) -> Vec<(&'static str, String)> {
+    let mut env = vec![
+        ("RANK", config.global_rank(local_rank).to_string()),
+        ("WORLD_SIZE", config.world_size().to_string()),
+        ("LOCAL_RANK", local_rank.to_string()),
+        ("LOCAL_WORLD_SIZE", config.nproc_per_node.to_string()),
+        ("GROUP_RANK", config.node_rank.to_string()),
+        ("MASTER_ADDR", master_addr.to_string()),
+        ("MASTER_PORT", master_port.to_string()),
+        (RESTART_COUNT_ENV, restart.to_string()),
+        (MAX_RESTARTS_ENV, config.max_restarts.to_string()),
+    ];
+    if let Some(id) = job_id {
+        env.push(("DDP_JOB_ID", id.to_string()));
+    }
+    env
+}
+
+/// The job id of attempt `restart`: the configured id (an inherited `DDP_JOB_ID` on several
+/// nodes) on the first attempt and that id with `-restart<k>` appended on restart `k`, so that
+/// every node that restarts as often derives the same one; on a single node without a
+/// configured id, a freshly generated one per attempt. `None` on several nodes without any id.
+pub(crate) fn attempt_job_id(config: &LaunchConfig, restart: usize, port: u16) -> Option<String> {
+    let base = match &config.job_id {
+        Some(id) => Some(id.clone()),
+        None if config.nnodes == 1 => return Some(generate_job_id(port)),
+        None => std::env::var("DDP_JOB_ID").ok().filter(|id| !id.is_empty()),
+    };
+    match (base, restart) {
+        (Some(id), 0) => Some(id),
+        (Some(id), k) => Some(format!("{id}-restart{k}")),
+        // Nothing to pass; the ranks inherit nothing either (restart 0 keeps today's behaviour).
+        (None, _) => None,
+    }
+}
+
+/// A job id unique enough on one host: time, launcher pid and port.
+fn generate_job_id(port: u16) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!(
+        "ddprun-{:x}-{}-{port}",
+        nanos & 0xffff_ffff_ffff,
+        std::process::id()
+    )
+}

@@ -1,0 +1,466 @@
+//! [`launch`]: the whole launcher, as a loop over attempts (see the crate documentation for
+//! what happens in each step).
+//!
+//! The restart loop. Attempt k (k = 0 is the first start) runs all local ranks with
+//! `TORCHELASTIC_RESTART_COUNT=k` until they have all ended (`attempt.rs`). When every rank
+//! succeeded, the job is done. When a rank failed (the others were already stopped: `SIGTERM`,
+//! then `SIGKILL` after the grace period, and everything they started killed) and fewer than
+//! `max_restarts` restarts were used, and no `SIGINT`/`SIGTERM` reached the launcher meanwhile
+//! (a user who stops the job means it), the launcher starts all local ranks again as a new
+//! rendezvous round: a fresh free `MASTER_PORT` on a single node (the same one when it was
+//! given) and a new `DDP_JOB_ID`, so that a straggler of the old group can neither reach the new
+//! store nor pass the new group's handshake. Files of the old attempt in the trace directory are
+//! cleared first, so the new attempt's report is its own. Any other ending (a failure with the
+//! budget spent, an interruption, a launcher error) ends the job with that attempt's result,
+//! exactly as without restarts. On several nodes the launchers agree on every round through
+//! node 0's store (`agents.rs`) and meet again at the fixed `MASTER_PORT`.
+
+use std::ffi::OsString;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+
+use crate::agents::Agents;
+use crate::attempt::{run_attempt, Ending, Outcome};
+use crate::config::{attempt_job_id, LaunchConfig};
+use crate::error::{signal_name, LaunchError, LaunchReport, RankFailure};
+use crate::output::notice;
+use crate::ranks::Attempt;
+use crate::rendezvous::Rendezvous;
+use crate::report::failure_line;
+use crate::signals::SignalForwarding;
+
+/// Runs the job described by `config` on this node and waits for it; see the crate
+/// documentation for what happens on the way. Returns when every local rank has ended and its
+/// output has been forwarded, after restarting the ranks up to `config.max_restarts` times.
+pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
+    let mut job = Job::start(config)?;
+    loop {
+        let outcome = job.run_attempt();
+        if let Some(report) = job.next_round(outcome)? {
+            return Ok(report);
+        }
+    }
+}
+
+/// What a launch keeps from one attempt to the next.
+struct Job<'a> {
+    config: &'a LaunchConfig,
+    program: &'a OsString,
+    args: &'a [OsString],
+    rendezvous: Rendezvous,
+    /// This attempt's port, and its bound socket for local rank 0 when the launcher chose it.
+    master_port: u16,
+    store_listener: Option<TcpListener>,
+    job_id: Option<String>,
+    signals: Option<SignalForwarding>,
+    /// Several nodes with restarts: this node's launcher among the others.
+    agents: Option<Agents>,
+    /// The ranks' flight records and error files, and whether it is the launcher's own (removed
+    /// after a successful job) rather than the user's `DDP_TRACE_DIR`.
+    trace_dir: (PathBuf, bool),
+    /// Restarts so far.
+    restarts: usize,
+}
+
+impl<'a> Job<'a> {
+    /// Step 1: checks the configuration, settles the rendezvous (binding the first attempt's
+    /// port when the launcher chooses it), installs the signal handlers and joins the other
+    /// nodes' launchers.
+    fn start(config: &'a LaunchConfig) -> Result<Job<'a>, LaunchError> {
+        let (program, args) = check(config)?;
+        let rendezvous = Rendezvous::settle(config)?;
+        let (master_port, store_listener) = rendezvous.next_port()?;
+        let job_id = attempt_job_id(config, 0, master_port);
+        let signals = match config.forward_signals {
+            true => Some(SignalForwarding::install()?),
+            false => None,
+        };
+        let agents = join_agents(config, &rendezvous.addr, master_port, job_id.as_deref())?;
+        let trace_dir = trace_dir(job_id.as_deref());
+        Ok(Job {
+            config,
+            program,
+            args,
+            rendezvous,
+            master_port,
+            store_listener,
+            job_id,
+            signals,
+            agents,
+            trace_dir,
+            restarts: 0,
+        })
+    }
+
+    /// Steps 2 to 5, once: every local rank of this round, until all have ended.
+    fn run_attempt(&mut self) -> Outcome {
+        clear_trace_files(&self.trace_dir.0);
+        let attempt = Attempt {
+            program: self.program,
+            args: self.args,
+            master_addr: &self.rendezvous.addr,
+            master_port: self.master_port,
+            store_listener: self.store_listener.take(),
+            job_id: self.job_id.as_deref(),
+            restart: self.restarts,
+            trace_dir: &self.trace_dir.0,
+        };
+        let round = self.restarts as u64;
+        let agents = self.agents.as_ref();
+        let other_nodes = || -> Option<Result<(), String>> {
+            let a = agents?;
+            if let Some(why) = a.lost() {
+                return Some(Err(why));
+            }
+            (a.round() > round).then_some(Ok(()))
+        };
+        run_attempt(self.config, attempt, self.signals.as_mut(), &other_nodes)
+    }
+
+    /// Step 6: after an attempt, the job's report (`Ok(Some)`), its error, or `Ok(None)`: a
+    /// restart, prepared (new port and job id).
+    fn next_round(&mut self, outcome: Outcome) -> Result<Option<LaunchReport>, LaunchError> {
+        let Outcome { ending, signalled } = outcome;
+        if !signalled {
+            if let Some(first) = self.failure_elsewhere(&ending)? {
+                self.restart_for_failure_elsewhere(first)?;
+                return Ok(None);
+            }
+        }
+        match ending {
+            Ending::RankFailed(failure)
+                if !signalled && self.restarts < self.config.max_restarts =>
+            {
+                self.restart_after(&failure)?;
+                Ok(None)
+            }
+            Ending::RankFailed(mut failure) => {
+                if self.config.max_restarts > 0 && !signalled {
+                    notice(&format!(
+                        "rank {} failed and all {} restarts are used up; the job failed",
+                        failure.culprit(),
+                        self.config.max_restarts
+                    ));
+                }
+                failure.restarts = self.restarts;
+                Err(LaunchError::RankFailed(failure))
+            }
+            Ending::Succeeded(mut report) => {
+                let (dir, own) = &self.trace_dir;
+                if *own {
+                    let _ = std::fs::remove_dir_all(dir);
+                }
+                if self.config.max_restarts > 0 {
+                    notice(&format!(
+                        "all ranks finished; {} of {} restarts used",
+                        self.restarts, self.config.max_restarts
+                    ));
+                }
+                report.restarts = self.restarts;
+                Ok(Some(report))
+            }
+            Ending::RestartRequested => Err(LaunchError::Agents {
+                message: "another node's launcher asked for a restart after a stop signal".into(),
+            }),
+            Ending::Error(error) => Err(error),
+        }
+    }
+
+    /// Several nodes: settles the round with the other launchers. A local failure is announced
+    /// (the first node to announce a round's failure moves everyone on); a stop for a failure
+    /// elsewhere, or a success here while a rank elsewhere failed, restarts as well. Returns the
+    /// other node's failure that makes this node restart, if any.
+    fn failure_elsewhere(&self, ending: &Ending) -> Result<Option<String>, LaunchError> {
+        let Some(a) = &self.agents else {
+            return Ok(None);
+        };
+        let round = self.restarts as u64;
+        Ok(match ending {
+            Ending::RankFailed(failure) => {
+                let first = a.announce_failure(round, &failure_line(failure))?;
+                let ours = format!("node {}: ", self.config.node_rank);
+                (!first.starts_with(&ours)).then_some(first)
+            }
+            Ending::RestartRequested => Some(a.failure_of(round)?),
+            Ending::Succeeded(_) if !a.finish_round(round)? => Some(a.failure_of(round)?),
+            _ => None,
+        })
+    }
+
+    /// Restarts this node's ranks because a rank of another node failed (`first`, as that
+    /// node's launcher described it), or fails when the restarts are used up.
+    fn restart_for_failure_elsewhere(&mut self, first: String) -> Result<(), LaunchError> {
+        if self.restarts >= self.config.max_restarts {
+            notice(&format!("the job failed on another node: {first}"));
+            return Err(LaunchError::FailedElsewhere {
+                max_restarts: self.config.max_restarts,
+                first_failure: first,
+            });
+        }
+        if let Some(a) = &self.agents {
+            a.wait_stopped(self.restarts as u64)?;
+        }
+        self.restarts += 1;
+        notice(&format!(
+            "{first}; restarting this node's {} ranks (restart {} of {})",
+            self.config.nproc_per_node, self.restarts, self.config.max_restarts
+        ));
+        self.refuse_if_signalled()?;
+        self.job_id = attempt_job_id(self.config, self.restarts, self.master_port);
+        Ok(())
+    }
+
+    /// Restarts every local rank after this node's `failure`.
+    fn restart_after(&mut self, failure: &RankFailure) -> Result<(), LaunchError> {
+        let round = self.restarts as u64;
+        self.restarts += 1;
+        let whose = if self.config.nnodes > 1 {
+            "every node's"
+        } else {
+            "all"
+        };
+        let why = match &failure.blamed {
+            Some(b) => format!(
+                "rank {} failed (rank {} {}, and its error blames rank {})",
+                b.rank,
+                failure.rank,
+                failure.exit.without_hint(),
+                b.rank
+            ),
+            None => format!(
+                "rank {} failed ({})",
+                failure.rank,
+                failure.exit.without_hint()
+            ),
+        };
+        notice(&format!(
+            "{why}; restarting {whose} {} ranks (restart {} of {})",
+            self.config.nproc_per_node, self.restarts, self.config.max_restarts
+        ));
+        if let Some(message) = &failure.message {
+            notice(&format!("rank {}'s error:", failure.rank));
+            for line in message.lines() {
+                notice(&format!("  {line}"));
+            }
+        }
+        // A stop request that arrived while the old group was going away.
+        self.refuse_if_signalled()?;
+        if let Some(a) = &self.agents {
+            a.wait_stopped(round)?;
+        }
+        (self.master_port, self.store_listener) = self.rendezvous.next_port()?;
+        self.job_id = attempt_job_id(self.config, self.restarts, self.master_port);
+        Ok(())
+    }
+
+    /// A `SIGINT`/`SIGTERM` received since the last look ends the job instead of a restart.
+    fn refuse_if_signalled(&mut self) -> Result<(), LaunchError> {
+        if let Some(signal) = self.signals.as_mut().and_then(SignalForwarding::take) {
+            notice(&format!("received {}; not restarting", signal_name(signal)));
+            return Err(LaunchError::Interrupted { signal });
+        }
+        Ok(())
+    }
+}
+
+/// The command to run, after checking the configuration's counts.
+fn check(config: &LaunchConfig) -> Result<(&OsString, &[OsString]), LaunchError> {
+    let (program, args) = config.command.split_first().ok_or(LaunchError::NoCommand)?;
+    if config.nproc_per_node == 0 {
+        return Err(LaunchError::Zero {
+            what: "--nproc-per-node",
+        });
+    }
+    if config.nnodes == 0 {
+        return Err(LaunchError::Zero { what: "--nnodes" });
+    }
+    if config.node_rank >= config.nnodes {
+        return Err(LaunchError::NodeRankOutOfRange {
+            node_rank: config.node_rank,
+            nnodes: config.nnodes,
+        });
+    }
+    Ok((program, args))
+}
+
+/// Several nodes with restarts: the launchers coordinate through node 0's store on the port
+/// after `master_port` (see `agents.rs`); a job name keeps other jobs' launchers out.
+fn join_agents(
+    config: &LaunchConfig,
+    master_addr: &str,
+    master_port: u16,
+    job_id: Option<&str>,
+) -> Result<Option<Agents>, LaunchError> {
+    if config.nnodes == 1 || config.max_restarts == 0 {
+        return Ok(None);
+    }
+    let port = master_port.checked_add(1).ok_or(LaunchError::Agents {
+        message: format!("--master-port {master_port}: the launchers' store needs the next port"),
+    })?;
+    let name = job_id.map_or_else(
+        || format!("ddprun-{master_addr}:{master_port}"),
+        str::to_string,
+    );
+    Agents::join(config.node_rank, config.nnodes, master_addr, port, &name).map(Some)
+}
+
+/// The ranks' trace directory: the user's `DDP_TRACE_DIR`, else one of the launcher's own under
+/// the temporary directory (the second value says which).
+fn trace_dir(job_id: Option<&str>) -> (PathBuf, bool) {
+    match std::env::var_os(ddp_comm::flight::TRACE_DIR_ENV) {
+        Some(d) if !d.is_empty() => (PathBuf::from(d), false),
+        _ => {
+            let name = format!("ddprun-{}-{}", std::process::id(), job_id.unwrap_or("job"));
+            (std::env::temp_dir().join(name), true)
+        }
+    }
+}
+
+/// Removes the files a previous run or attempt left in the trace directory (flight records,
+/// error files, handler markers), which would be taken for this attempt's.
+fn clear_trace_files(trace_dir: &Path) {
+    if let Ok(entries) = std::fs::read_dir(trace_dir) {
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with("flight-rank")
+                || name.starts_with("error-rank")
+                || name.starts_with(ddp_comm::flight::HANDLER_MARKER)
+            {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    let _ = std::fs::create_dir_all(trace_dir);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::RankExit;
+    use std::net::Ipv4Addr;
+    use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+    /// A fresh empty directory under the temporary directory, removed on drop.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(name: &str) -> TempDir {
+            let nanos = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            let dir = std::env::temp_dir()
+                .join(format!("ddp-launch-{name}-{}-{nanos}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            TempDir(dir)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A launch of `nproc` ranks running `sh -c script sh DIR`: each rank records its
+    /// environment in `DIR/attempt<TORCHELASTIC_RESTART_COUNT>-rank<RANK>` first.
+    fn shell_job(nproc: usize, max_restarts: usize, dir: &Path, script: &str) -> LaunchConfig {
+        let record = "echo \"$MASTER_PORT $DDP_JOB_ID $TORCHELASTIC_MAX_RESTARTS\" > \
+                      \"$1/attempt$TORCHELASTIC_RESTART_COUNT-rank$RANK\"; ";
+        let command = vec![
+            "sh".into(),
+            "-c".into(),
+            format!("{record}{script}").into(),
+            "sh".into(),
+            dir.as_os_str().to_owned(),
+        ];
+        let mut config = LaunchConfig::new(nproc, command);
+        config.max_restarts = max_restarts;
+        config.forward_signals = false;
+        config.grace_period = Duration::from_secs(2);
+        config
+    }
+
+    fn recorded(dir: &Path, attempt: usize, rank: usize) -> Option<Vec<String>> {
+        let text =
+            std::fs::read_to_string(dir.join(format!("attempt{attempt}-rank{rank}"))).ok()?;
+        Some(text.split_whitespace().map(str::to_string).collect())
+    }
+
+    /// Rank 1 fails on the first attempt only (rank 0 would wait for it): one restart, with a
+    /// new port and job id, and the job succeeds.
+    #[test]
+    fn a_failure_restarts_all_ranks_in_a_new_round() {
+        let dir = TempDir::new("restart");
+        let script = "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then \
+                        if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 30; fi; exit 0";
+        let report = launch(&shell_job(2, 1, &dir.0, script)).expect("the restart succeeds");
+        assert_eq!(report.restarts, 1);
+        assert_eq!(report.exits, vec![RankExit::Code(0); 2]);
+        let first = recorded(&dir.0, 0, 1).expect("attempt 0 of rank 1 ran");
+        let second = recorded(&dir.0, 1, 1).expect("attempt 1 of rank 1 ran");
+        assert!(recorded(&dir.0, 1, 0).is_some(), "attempt 1 of rank 0 ran");
+        assert_eq!(first[2], "1", "TORCHELASTIC_MAX_RESTARTS");
+        assert_ne!(first[0], second[0], "a new MASTER_PORT");
+        assert_eq!(second[0], report.master_port.to_string());
+        assert_ne!(first[1], second[1], "a new DDP_JOB_ID");
+        assert!(recorded(&dir.0, 2, 1).is_none(), "no second restart");
+    }
+
+    /// With no restarts allowed, the first failure ends the job as it always did.
+    #[test]
+    fn no_restart_budget_stops_at_the_first_failure() {
+        let dir = TempDir::new("norestart");
+        let script = "if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 30";
+        let started = Instant::now();
+        match launch(&shell_job(2, 0, &dir.0, script)) {
+            Err(LaunchError::RankFailed(failure)) => {
+                assert_eq!((failure.rank, failure.exit), (1, RankExit::Code(3)));
+                assert_eq!(failure.restarts, 0);
+            }
+            other => panic!("expected rank 1's failure, got {other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(20));
+        assert_eq!(recorded(&dir.0, 0, 1).unwrap()[2], "0");
+        assert!(recorded(&dir.0, 1, 1).is_none(), "no restart");
+    }
+
+    /// A rank that fails every time uses up the budget; the last failure is the error, with a
+    /// job id per attempt derived from the given one.
+    #[test]
+    fn an_exhausted_budget_reports_the_last_failure() {
+        let dir = TempDir::new("exhausted");
+        let mut config = shell_job(1, 2, &dir.0, "exit 5");
+        config.job_id = Some("myjob".into());
+        config.master_port = Some(
+            crate::rendezvous::bind_free_port(Ipv4Addr::UNSPECIFIED.into())
+                .and_then(|l| {
+                    l.local_addr().map_err(|e| LaunchError::FreePort {
+                        addr: "0.0.0.0".into(),
+                        source: e,
+                    })
+                })
+                .unwrap()
+                .port(),
+        );
+        match launch(&config) {
+            Err(error @ LaunchError::RankFailed(_)) => {
+                assert_eq!(error.exit_code(), 5);
+                let LaunchError::RankFailed(failure) = error else {
+                    unreachable!()
+                };
+                assert_eq!(failure.restarts, 2);
+            }
+            other => panic!("expected a failure, got {other:?}"),
+        }
+        let ids: Vec<String> = (0..3)
+            .map(|k| recorded(&dir.0, k, 0).expect("every attempt ran")[1].clone())
+            .collect();
+        assert_eq!(ids, ["myjob", "myjob-restart1", "myjob-restart2"]);
+        let ports: Vec<String> = (0..3)
+            .map(|k| recorded(&dir.0, k, 0).unwrap()[0].clone())
+            .collect();
+        assert!(ports.iter().all(|p| *p == ports[0]), "a given port is kept");
+        assert!(recorded(&dir.0, 3, 0).is_none());
+    }
+}
