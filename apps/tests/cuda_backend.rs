@@ -91,7 +91,7 @@ fn train_pima_backend_cuda_without_a_driver_names_the_missing_library() {
     assert_clear_failure(&out, expected_error());
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "nccl")]
 #[test]
 #[cfg_attr(
     ddp_cuda_driver,
@@ -131,11 +131,11 @@ fn train_mnist_backend_cuda_trains_on_the_gpu() {
     assert!(text(&out).contains("\"steps\":5"), "{}", text(&out));
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "nccl")]
 #[test]
 #[cfg_attr(
-    not(ddp_cuda_driver),
-    ignore = "needs an NVIDIA GPU and driver (libcuda.so.1 did not load when this test was built)"
+    not(ddp_nccl_library),
+    ignore = "needs an NVIDIA GPU, its driver and NCCL (libcuda.so.1 and libnccl.so.2 did not both load when this test was built)"
 )]
 fn nccl_bench_probe_finds_the_gpus() {
     let out = standalone(env!("CARGO_BIN_EXE_ddp-nccl-bench"), &["--probe"]);

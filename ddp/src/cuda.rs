@@ -1,6 +1,5 @@
-//! The gradient path on the GPU (feature `cuda`): when the model runs on burn's CUDA backend
-//! (`burn::backend::Cuda`, which is `CubeBackend<CudaRuntime, ..>` without burn's `fusion`
-//! feature), gradients never leave the device.
+//! The gradient path on the GPU (feature `cuda`): when the model runs on a CUDA device of burn's
+//! cubecl backend (`Device::cuda(i)`), gradients never leave the device.
 //!
 //! Per bucket, as on the host path and in the same order:
 //!
@@ -8,12 +7,12 @@
 //!    a gradient contributes zeros), then the presence slots, concatenated into one flat tensor
 //!    (`Tensor::cat`, one kernel); with accumulated micro-steps, added to the accumulator; with
 //!    compression, cast to bf16/f16.
-//! 2. **Hand the buffer to NCCL**: the flat tensor's primitive is a `CubeTensor<CudaRuntime>`
-//!    (found by downcasting, so the wrapper stays generic over `B`); its memory's raw
-//!    `CUdeviceptr` comes from cubecl's `ComputeClient::get_resource` (cubecl-runtime
-//!    `client.rs:197`, cubecl-cuda `compute/server.rs:215` → `GpuResource::ptr`, with the
-//!    handle's offset applied in `compute/storage/gpu.rs:148`). `ComputeClient::sync` then waits
-//!    until burn's stream has produced it, and [`NcclGroup::submit_all_reduce_ptr`] enqueues the
+//! 2. **Hand the buffer to NCCL**: the flat tensor's primitive is a `CubeTensor` (burn 0.22's
+//!    `Tensor::try_into_primitive::<Cube>`, feature `extension`); its memory's raw
+//!    `CUdeviceptr` comes from cubecl's `Client::get_resource::<CudaServer>` (cubecl-runtime 0.11
+//!    `client.rs:467` → cubecl-cuda's `GpuResource::ptr`, the handle's offset applied).
+//!    `Client::sync` then waits until burn's stream has produced it, and
+//!    [`NcclGroup::submit_all_reduce_ptr`] enqueues the
 //!    in-place all-reduce on NCCL's stream. Packing the next bucket (burn's stream) overlaps this
 //!    bucket's all-reduce (NCCL's stream).
 //! 3. **Unpack** after [`ddp_comm::nccl::NcclWork::wait`] (the host waits for NCCL's stream, so
@@ -22,22 +21,22 @@
 //!    the world size (micro-steps are summed, as PyTorch's `no_sync`), reshaped and registered
 //!    again. Presence slots that cannot be read are an error naming the bucket's parameters.
 //!
-//! burn and cudarc share the device's primary context (cubecl-cuda `runtime.rs:90` retains it,
-//! as does cudarc's `CudaContext::new`), so the pointer is valid in NCCL's context.
+//! burn and cudarc share the device's primary context (cubecl-cuda retains it, as does
+//! cudarc's `CudaContext::new`), so the pointer is valid in NCCL's context.
 //!
-//! Other backends (Flex, or CUDA with burn's `fusion` feature, whose primitive is a
-//! `FusionTensor`) take the host path. `DDP_NCCL=0` in the environment (on every rank) forces the
-//! host path on CUDA too.
+//! This path is type-checked in CI (`DOCS_RS=1`, no LLVM download) but has not run on a GPU
+//! with burn 0.22 yet (docs/gpu.md). Other devices (flex, or other cubecl runtimes) take the host
+//! path. `DDP_NCCL=0` in the environment (on every rank) forces the host path on CUDA too.
 
-use std::any::{Any, TypeId};
+use std::any::Any;
 use std::sync::Arc;
 use std::time::Instant;
 
+use burn::backend::{Cube, DispatchDevice};
 use burn::optim::GradientsParams;
-use burn::tensor::backend::{AutodiffBackend, BackendTypes};
-use burn::tensor::{FloatDType, Tensor, TensorData, TensorPrimitive};
-use burn_cubecl::tensor::CubeTensor;
+use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 use cubecl::cuda::CudaRuntime;
+use cubecl_runtime::runtime::Runtime;
 use ddp_comm::nccl::{NcclGroup, NcclWork};
 use ddp_comm::{DType, ProcessGroup, ReduceOp};
 
@@ -45,29 +44,37 @@ use super::{Compression, DistributedDataParallel, SyncPhase};
 use crate::params::{put_grad_tensor, take_grad_tensor, to_f32};
 use crate::DdpError;
 
-/// The float primitive of burn's CUDA backend (without fusion).
-type CudaTensor = CubeTensor<CudaRuntime>;
+/// The CUDA runtime's compute server, whose storage gives the raw device address.
+type CudaServer = <CudaRuntime as Runtime>::Server;
 
 /// A bucket's flat tensor in flight, with what keeps its memory bound until NCCL is done.
-type Flight<B> = NcclWork<(
-    Tensor<<B as AutodiffBackend>::InnerBackend, 1>,
-    Box<dyn Any>,
-)>;
+type Flight = NcclWork<(Tensor<1>, Box<dyn Any>)>;
 
 /// The NCCL communicator and the per-bucket accumulators of the device path.
-pub(super) struct DevicePath<B: AutodiffBackend> {
+pub(super) struct DevicePath {
     nccl: Arc<NcclGroup>,
     /// The packed sum of the micro-steps accumulated since the last sync, per bucket.
-    acc: Vec<Option<Tensor<B::InnerBackend, 1>>>,
+    acc: Vec<Option<Tensor<1>>>,
 }
 
-impl<B: AutodiffBackend> DevicePath<B> {
-    /// The device path when `B` computes on burn's CUDA backend, the group has more than one
-    /// rank and `DDP_NCCL` is not `0`: creates the NCCL communicator (a collective on `pg`, so
-    /// every rank calls this at the same point). `None` otherwise.
-    pub(super) fn detect(pg: &ProcessGroup, buckets: usize) -> Result<Option<Self>, DdpError> {
-        let primitive = TypeId::of::<<B::InnerBackend as BackendTypes>::FloatTensorPrimitive>();
-        if primitive != TypeId::of::<CudaTensor>() || pg.world_size() == 1 {
+/// Whether `device` (with or without autodiff) is a CUDA device of burn's cubecl backend.
+fn is_cuda(device: &Device) -> bool {
+    matches!(
+        device.clone().inner().as_dispatch(),
+        DispatchDevice::Cube(cubecl::Device::Cuda(_))
+    )
+}
+
+impl DevicePath {
+    /// The device path when the model is on a CUDA device, the group has more than one rank
+    /// and `DDP_NCCL` is not `0`: creates the NCCL communicator (a collective on `pg`, so every
+    /// rank calls this at the same point). `None` otherwise.
+    pub(super) fn detect(
+        pg: &ProcessGroup,
+        device: &Device,
+        buckets: usize,
+    ) -> Result<Option<Self>, DdpError> {
+        if !is_cuda(device) || pg.world_size() == 1 {
             return Ok(None);
         }
         if std::env::var("DDP_NCCL").is_ok_and(|v| v.trim() == "0") {
@@ -91,7 +98,7 @@ impl<B: AutodiffBackend> DevicePath<B> {
     }
 }
 
-impl<B: AutodiffBackend> DistributedDataParallel<B> {
+impl DistributedDataParallel {
     /// [`accumulate`](Self::accumulate) on the device path.
     pub(super) fn accumulate_on_device(
         &mut self,
@@ -115,7 +122,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         mut grads: GradientsParams,
     ) -> Result<GradientsParams, DdpError> {
         let pack_start = Instant::now();
-        let mut in_flight: Vec<Result<Flight<B>, DdpError>> = Vec::new();
+        let mut in_flight: Vec<Result<Flight, DdpError>> = Vec::new();
         let mut submitted = Vec::with_capacity(self.buckets.len());
         for b in 0..self.buckets.len() {
             let bucket_start = Instant::now();
@@ -180,17 +187,13 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
 
     /// Bucket `b`'s gradients and presence slots as one flat f32 tensor on the device, added to
     /// the bucket's accumulator when micro-steps were accumulated.
-    fn pack_on_device(
-        &mut self,
-        b: usize,
-        grads: &mut GradientsParams,
-    ) -> Tensor<B::InnerBackend, 1> {
+    fn pack_on_device(&mut self, b: usize, grads: &mut GradientsParams) -> Tensor<1> {
         let bucket = &self.buckets[b];
         let mut parts = Vec::with_capacity(bucket.params.len() + 1);
         let mut presence = vec![0.0f32; bucket.params.len()];
         for (slot, &p) in bucket.params.iter().enumerate() {
             let info = &self.params[p];
-            match take_grad_tensor::<B>(grads, info) {
+            match take_grad_tensor(grads, info) {
                 Some(g) => {
                     presence[slot] = 1.0;
                     parts.push(g);
@@ -215,11 +218,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     }
 
     /// Hands bucket `b`'s flat tensor to NCCL for an in-place sum across ranks.
-    fn submit_on_device(
-        &self,
-        b: usize,
-        flat: Tensor<B::InnerBackend, 1>,
-    ) -> Result<Flight<B>, DdpError> {
+    fn submit_on_device(&self, b: usize, flat: Tensor<1>) -> Result<Flight, DdpError> {
         let unsupported = |reason: String| DdpError::UnsupportedParam {
             name: format!("gradient bucket {b}"),
             reason,
@@ -227,17 +226,11 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         let Some(dp) = self.device_path.as_ref() else {
             return Err(unsupported("no NCCL communicator".into()));
         };
-        let TensorPrimitive::Float(primitive) = flat.clone().into_primitive() else {
-            return Err(unsupported(
-                "the packed gradients are a quantized tensor".into(),
-            ));
-        };
-        let any: &dyn Any = &primitive;
-        let Some(cube) = any.downcast_ref::<CudaTensor>() else {
-            return Err(unsupported(
-                "the packed gradients are not a CUDA tensor".into(),
-            ));
-        };
+        let cube = flat.clone().try_into_primitive::<Cube>().map_err(|e| {
+            unsupported(format!(
+                "the packed gradients are not a cubecl tensor: {e:?}"
+            ))
+        })?;
         let dtype = match cube.dtype {
             burn::tensor::DType::F32 => DType::F32,
             burn::tensor::DType::BF16 => DType::BF16,
@@ -254,7 +247,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         // then wait until burn's stream has written it.
         let resource = cube
             .client
-            .get_resource(cube.handle.clone())
+            .get_resource::<CudaServer>(cube.handle.clone())
             .map_err(|e| unsupported(format!("cubecl cannot expose its buffer: {e:?}")))?;
         cubecl::future::block_on(cube.client.sync())
             .map_err(|e| unsupported(format!("synchronising burn's CUDA stream: {e:?}")))?;
@@ -274,7 +267,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     fn unpack_on_device(
         &self,
         b: usize,
-        flat: Tensor<B::InnerBackend, 1>,
+        flat: Tensor<1>,
         grads: &mut GradientsParams,
         denom: f32,
     ) -> Result<(), DdpError> {
@@ -304,7 +297,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
             }
             let info = &self.params[p];
             let g = flat.clone().narrow(0, off, info.numel()).div_scalar(denom);
-            put_grad_tensor::<B>(grads, info, g);
+            put_grad_tensor(grads, info, g);
         }
         Ok(())
     }

@@ -263,7 +263,7 @@ impl DistributedDataParallel {
             .unwrap_or_default()
             .inner();
         #[cfg(feature = "cuda")]
-        let device_path = cuda::DevicePath::detect(&pg, buckets.len())?;
+        let device_path = cuda::DevicePath::detect(&pg, &device, buckets.len())?;
         let ddp = Self {
             pg,
             params,
