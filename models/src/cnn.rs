@@ -18,8 +18,9 @@ use burn::tensor::activation::{log_softmax, relu};
 use burn::tensor::Device;
 use burn::tensor::{Int, Tensor};
 
+use crate::classifier::{correct_argmax, nll_loss, Classifier};
 use crate::ops;
-use crate::{correct_argmax, materialize, nll_loss, Classifier};
+use crate::params::materialize;
 
 /// Configuration of [`MnistCnn`]. The defaults are the PyTorch tutorial's; set the dropout
 /// probabilities to `0.0` where a test needs a deterministic forward pass.
@@ -78,7 +79,7 @@ impl MnistCnn {
     ///
     /// Dropout is active only on an autodiff backend (training); on the inner backend
     /// (`model.valid()`) it is the identity, like PyTorch's `model.eval()`. The convolutions,
-    /// the pool and the dropouts go through [`FastOps`] (the CPU backend's own kernels,
+    /// the pool and the dropouts go through [`FastOps`](crate::FastOps) (the CPU backend's own kernels,
     /// burn's elsewhere).
     ///
     /// # Panics

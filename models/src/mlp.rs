@@ -9,7 +9,8 @@ use burn::tensor::activation::relu;
 use burn::tensor::Device;
 use burn::tensor::{Int, Tensor};
 
-use crate::{correct_argmax, cross_entropy, materialize, Classifier};
+use crate::classifier::{correct_argmax, cross_entropy, Classifier};
+use crate::params::materialize;
 
 /// Configuration of [`MnistMlp`].
 #[derive(Config, Debug)]

@@ -1,5 +1,5 @@
-//! The parameter list of any burn module with PyTorch names, and its export to safetensors in
-//! PyTorch's layouts.
+//! The parameter list of any burn module with PyTorch names, its export to safetensors in
+//! PyTorch's layouts, and [`materialize`], which draws every parameter at once.
 //!
 //! burn's derived `Module::visit` calls `enter_module(field, "Struct:Type")` before descending
 //! into a field and `exit_module` after it (`Option` fields are transparent, `Vec` elements are
@@ -16,7 +16,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{Bool, DType, Int, Tensor};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
@@ -234,4 +234,30 @@ impl ModuleVisitor for Walker {
                 .push(data.try_into_vec::<f32>().map_err(|e| format!("{e:?}")));
         }
     }
+}
+
+/// Draws the initial values of every parameter of `module` now, in burn's visiting order.
+///
+/// burn creates parameters lazily: the initializer runs at the first `Param::val()`, and a
+/// clone taken before that runs its own initializer, giving different values under the same
+/// `ParamId`. Calling this right after construction ties the values to the backend's RNG
+/// state at that moment, which is what makes `device.seed` + `init` reproducible. (burn 0.22's
+/// own `Module::materialize` is something else: it folds reparameterizations such as LoRA and
+/// leaves lazy parameters lazy.) The models'
+/// `init` functions call it; call it yourself for modules built from burn's layers directly.
+pub fn materialize<M: Module>(module: M) -> M {
+    struct Touch;
+    impl ModuleVisitor for Touch {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            drop(param.val());
+        }
+        fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<D, Int>>) {
+            drop(param.val());
+        }
+        fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<D, Bool>>) {
+            drop(param.val());
+        }
+    }
+    module.visit(&mut Touch);
+    module
 }

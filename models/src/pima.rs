@@ -20,7 +20,8 @@ use burn::tensor::activation::relu;
 use burn::tensor::Device;
 use burn::tensor::{Int, Tensor};
 
-use crate::{count_true, materialize, Classifier};
+use crate::classifier::{count_true, Classifier};
+use crate::params::materialize;
 
 /// Configuration of [`PimaMlp`].
 #[derive(Config, Debug)]
