@@ -40,7 +40,8 @@ use cubecl_runtime::runtime::Runtime;
 use ddp_comm::nccl::{NcclGroup, NcclWork};
 use ddp_comm::{DType, ProcessGroup, ReduceOp};
 
-use super::{Compression, DistributedDataParallel, SyncPhase};
+use super::{peer_failed, DistributedDataParallel, SyncPhase};
+use crate::config::Compression;
 use crate::params::{put_grad_tensor, take_grad_tensor, to_f32};
 use crate::DdpError;
 
@@ -116,17 +117,52 @@ impl DistributedDataParallel {
         self.check_no_unknown_grads(&grads)
     }
 
-    /// [`sync`](Self::sync) on the device path (world size above 1).
+    /// [`sync`](Self::sync) on the device path (world size above 1). `local_error`: what
+    /// already failed on this rank; like the host path, this rank still takes part in every
+    /// bucket's all-reduce and raises the bucket's failure slots, so that every other rank
+    /// fails this sync too ([`DdpError::PeerFailed`]).
     pub(super) fn sync_on_device(
         &mut self,
         mut grads: GradientsParams,
+        mut local_error: Option<DdpError>,
     ) -> Result<GradientsParams, DdpError> {
         let pack_start = Instant::now();
         let mut in_flight: Vec<Result<Flight, DdpError>> = Vec::new();
         let mut submitted = Vec::with_capacity(self.buckets.len());
+        let last = self.buckets.len().saturating_sub(1);
+        let world = self.pg.world_size() as f32;
         for b in 0..self.buckets.len() {
             let bucket_start = Instant::now();
             let flat = self.pack_on_device(b, &mut grads);
+            if b == last {
+                // Every known gradient is taken now: what is left belongs to unknown ids.
+                if let Err(e) = self.check_no_unknown_grads(&grads) {
+                    local_error.get_or_insert(e);
+                }
+            }
+            // Compressed buckets are divided by the world size before the all-reduce, so that
+            // no partial sum exceeds the largest gradient (f16 tops out at 65504); presence
+            // slots stay non-zero exactly where some rank had a gradient.
+            let flat = match self.config.compression {
+                Compression::None => flat,
+                Compression::Bf16 | Compression::F16 => flat.div_scalar(world),
+            };
+            let failed = local_error.is_some();
+            let failure = [
+                if failed { 1.0f32 } else { 0.0 },
+                if failed {
+                    (self.pg.rank() + 1) as f32
+                } else {
+                    0.0
+                },
+            ];
+            let flat = Tensor::cat(
+                vec![
+                    flat,
+                    Tensor::from_data(TensorData::new(failure.to_vec(), [2]), &self.device),
+                ],
+                0,
+            );
             let flat = match self.config.compression {
                 Compression::None => flat,
                 Compression::Bf16 => flat.cast(FloatDType::BF16),
@@ -144,10 +180,15 @@ impl DistributedDataParallel {
         }
         self.stats.pack += pack_start.elapsed();
 
-        // Micro-steps are summed (PyTorch's no_sync); only ranks are averaged.
-        let denom = self.pg.world_size() as f32;
+        // Micro-steps are summed (PyTorch's no_sync); only ranks are averaged (compressed
+        // buckets were divided before the all-reduce).
+        let denom = match self.config.compression {
+            Compression::None => world,
+            Compression::Bf16 | Compression::F16 => 1.0,
+        };
         self.micro_steps = 0;
-        let mut first_error = self.check_no_unknown_grads(&grads).err();
+        let mut comm_error = None;
+        let mut peer_failure: Option<(f32, f32)> = None;
         let mut previous_end = pack_start;
         for (b, work) in in_flight.into_iter().enumerate() {
             let wait_start = Instant::now();
@@ -165,8 +206,15 @@ impl DistributedDataParallel {
             previous_end = wait_end;
             match result {
                 Ok((flat, _resource)) => {
-                    if let Err(e) = self.unpack_on_device(b, flat, &mut grads, denom) {
-                        first_error.get_or_insert(e);
+                    let apply = local_error.is_none() && peer_failure.is_none();
+                    match self.unpack_on_device(b, flat, &mut grads, denom, apply) {
+                        Ok(Some(failure)) => {
+                            peer_failure.get_or_insert(failure);
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            local_error.get_or_insert(e);
+                        }
                     }
                     let unpack_end = Instant::now();
                     self.stats.unpack += unpack_end - wait_end;
@@ -174,12 +222,15 @@ impl DistributedDataParallel {
                 }
                 // Keep waiting for the rest so that no buffer is left in NCCL's hands.
                 Err(e) => {
-                    first_error.get_or_insert(e);
+                    comm_error.get_or_insert(e);
                 }
             }
         }
-        if let Some(e) = first_error {
+        if let Some(e) = comm_error.or(local_error) {
             return Err(e);
+        }
+        if let Some((failed, ranks)) = peer_failure {
+            return Err(peer_failed(self.syncs, failed, ranks, self.pg.world_size()));
         }
         self.stats.steps += 1;
         Ok(grads)
@@ -263,14 +314,17 @@ impl DistributedDataParallel {
         })
     }
 
-    /// Registers the averaged gradients of bucket `b` from its reduced flat tensor.
+    /// Registers the averaged gradients of bucket `b` from its reduced flat tensor, when
+    /// `apply` and no rank raised the bucket's failure slots; returns those slots (how many
+    /// ranks failed, the sum of their ranks plus one) when one did.
     fn unpack_on_device(
         &self,
         b: usize,
         flat: Tensor<1>,
         grads: &mut GradientsParams,
         denom: f32,
-    ) -> Result<(), DdpError> {
+        apply: bool,
+    ) -> Result<Option<(f32, f32)>, DdpError> {
         let bucket = &self.buckets[b];
         let flat = if flat.dtype() == burn::tensor::DType::F32 {
             flat
@@ -283,14 +337,20 @@ impl DistributedDataParallel {
             .map(|&p| self.params[p].name.as_str())
             .collect::<Vec<_>>()
             .join(", ");
-        let presence = to_f32(
-            flat.clone()
-                .narrow(0, bucket.grad_len, bucket.params.len())
-                .into_data(),
+        let slots = bucket.params.len() + 2;
+        let slots = to_f32(
+            flat.clone().narrow(0, bucket.grad_len, slots).into_data(),
             &names,
-            "presence slots",
-            bucket.params.len(),
+            "presence and failure slots",
+            slots,
         )?;
+        let (presence, failure) = slots.split_at(bucket.params.len());
+        if failure[0] > 0.0 {
+            return Ok(Some((failure[0], failure[1])));
+        }
+        if !apply {
+            return Ok(None);
+        }
         for (slot, (&p, &off)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
             if presence[slot] == 0.0 {
                 continue; // no rank produced a gradient for this parameter
@@ -299,6 +359,6 @@ impl DistributedDataParallel {
             let g = flat.clone().narrow(0, off, info.numel()).div_scalar(denom);
             put_grad_tensor(grads, info, g);
         }
-        Ok(())
+        Ok(None)
     }
 }

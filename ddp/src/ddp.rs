@@ -46,9 +46,10 @@ use half::{bf16, f16};
 
 use ddp_comm::bytes::fnv1a;
 
+use crate::config::{Compression, DdpConfig};
 use crate::params::{
-    check_ranks, flatten_params, flatten_where, load_flat_params, load_where, param_ids,
-    param_infos, put_grad, take_grad, ParamInfo,
+    check_dtypes, check_ranks, flatten_params, flatten_where, load_flat_params, load_where,
+    param_ids, param_infos, put_grad, take_grad, ParamInfo, ParamKind,
 };
 use crate::DdpError;
 
@@ -59,46 +60,6 @@ use crate::DdpError;
 mod cuda;
 
 const MIB: f64 = 1024.0 * 1024.0;
-
-/// Element type of the gradient all-reduce.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Compression {
-    /// All-reduce in `f32` (exact averaging up to float rounding).
-    #[default]
-    None,
-    /// Convert each bucket to `bf16` before the all-reduce and back after: half the bytes, about
-    /// three significant decimal digits.
-    Bf16,
-    /// Convert each bucket to `f16` before the all-reduce and back after: half the bytes, more
-    /// mantissa than bf16 but a range of about ±65504.
-    F16,
-}
-
-/// Settings of [`DistributedDataParallel`]; `DdpConfig::default()` matches PyTorch's defaults.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DdpConfig {
-    /// Target size of a gradient bucket in MiB (PyTorch's `bucket_cap_mb`, default 25).
-    pub bucket_cap_mb: f64,
-    /// Size of the first bucket in MiB (default 1), so that communication starts early.
-    pub first_bucket_mb: f64,
-    /// Element type on the wire for gradients.
-    pub compression: Compression,
-    /// When `Some(k)`, every k-th call of [`DistributedDataParallel::sync`] first checks that all
-    /// replicas hold bit-identical trainable parameters, and fails naming the ranks that
-    /// diverged (see [`DistributedDataParallel::check_replicas`]).
-    pub check_replicas_every: Option<u64>,
-}
-
-impl Default for DdpConfig {
-    fn default() -> Self {
-        Self {
-            bucket_cap_mb: 25.0,
-            first_bucket_mb: 1.0,
-            compression: Compression::None,
-            check_replicas_every: None,
-        }
-    }
-}
 
 /// Time and volume spent in gradient synchronisation since the last
 /// [`DistributedDataParallel::take_stats`].
@@ -162,12 +123,20 @@ struct Bucket {
     params: Vec<usize>,
     /// Offset of each parameter's gradient in the bucket buffer.
     offsets: Vec<usize>,
-    /// Number of gradient elements; the presence slots follow them.
+    /// Number of gradient elements; the presence slots follow them, then the two failure
+    /// slots.
     grad_len: usize,
 }
 
 impl Bucket {
+    /// Elements of the bucket's all-reduce: gradients, one presence slot per parameter, and
+    /// the failure slots (how many ranks failed locally, and the sum of their ranks plus one).
     fn len(&self) -> usize {
+        self.failed_slot() + 2
+    }
+
+    /// Index of the first failure slot.
+    fn failed_slot(&self) -> usize {
         self.grad_len + self.params.len()
     }
 }
@@ -194,7 +163,7 @@ enum InFlight {
 pub struct DistributedDataParallel {
     pg: Arc<ProcessGroup>,
     params: Vec<ParamInfo>,
-    /// Whether some float tensor is a buffer (requires no gradient).
+    /// Whether the module has buffers (`RunningState`s) to broadcast at every sync.
     has_buffers: bool,
     buckets: Vec<Bucket>,
     /// One accumulation buffer per bucket, reused across steps.
@@ -240,6 +209,7 @@ impl DistributedDataParallel {
         }
         let params = param_infos(&model);
         check_ranks(&params)?;
+        check_dtypes(&params)?;
         verify_same_params(&pg, &params)?;
 
         let mut model = model;
@@ -252,7 +222,7 @@ impl DistributedDataParallel {
             }
         }
 
-        let has_buffers = params.iter().any(|p| !p.trainable);
+        let has_buffers = params.iter().any(|p| p.kind == ParamKind::Buffer);
         let buckets = plan_buckets(&params, &config);
         let buffers = buckets.iter().map(|b| vec![0.0; b.len()]).collect();
         // Gradients live on the device without autodiff.
@@ -287,8 +257,8 @@ impl DistributedDataParallel {
         &self.pg
     }
 
-    /// The parameter list every rank agreed on, in visiting order, buffers included
-    /// ([`ParamInfo::trainable`] tells them apart).
+    /// The parameter list every rank agreed on, in visiting order, frozen parameters and
+    /// buffers included ([`ParamInfo::kind`] tells them apart).
     pub fn params(&self) -> &[ParamInfo] {
         &self.params
     }
@@ -398,59 +368,92 @@ impl DistributedDataParallel {
     ///
     /// Before the gradients, it checks that `model` still holds the parameters the wrapper
     /// was created with ([`DdpError::ParamsChanged`] otherwise) and broadcasts the module's
-    /// buffers (`BatchNorm` running statistics, frozen parameters) from rank 0, so that every
-    /// replica continues with rank 0's. Buffers are overwritten in place through `&M`, which
-    /// works for burn's `RunningState` (its value is shared between clones of the module); a
-    /// `Param` without gradient that differs from rank 0's is [`DdpError::BufferNotShared`].
+    /// buffers (burn's `RunningState`s: `BatchNorm` running statistics) from rank 0 unless
+    /// [`DdpConfig::broadcast_buffers`] is off, so that every replica continues with rank 0's.
+    /// Buffers are overwritten in place through `&M` (a `RunningState`'s value is shared
+    /// between clones of the module).
+    ///
+    /// **Failures are collective.** Whatever fails on one rank only (a gradient that cannot be
+    /// read, gradients of unknown parameters, parameters replaced after wrapping) fails this
+    /// sync on every rank: the failing rank still takes part in every collective, and each
+    /// bucket carries a failure count and the failing rank, so the others return
+    /// [`DdpError::PeerFailed`] naming it while the failing rank returns its own error. No rank
+    /// ever steps with a partial sum. After an error, do not apply the step.
     pub fn sync<M: Module>(
         &mut self,
         model: &M,
         mut grads: GradientsParams,
     ) -> Result<GradientsParams, DdpError> {
-        self.check_same_params(model)?;
-        self.broadcast_buffers(model)?;
+        let mut local_error = self.check_same_params(model).err();
+        let buffers = self.broadcast_buffers(model, local_error.is_none());
+        if let Err(e) = buffers {
+            // A failed broadcast is a collective failure (every rank sees it); a buffer that
+            // could not be updated is local and travels with the buckets below.
+            match e {
+                DdpError::Comm(_) => return Err(e),
+                other => {
+                    local_error.get_or_insert(other);
+                }
+            }
+        }
         if let Some(every) = self.config.check_replicas_every {
             if (self.syncs + 1).is_multiple_of(every) {
-                self.check_replicas(model)?;
+                let checked = self.check_replicas(model);
+                if let Err(e) = checked {
+                    return Err(local_error.unwrap_or(e));
+                }
             }
         }
         self.syncs += 1;
 
         if self.pg.world_size() == 1 && self.micro_steps == 0 {
             // Averaging over one rank and one micro-step is the identity: skip the copies.
+            // (The gradients are not taken out here, so unknown ones cannot be told apart;
+            // with one rank there is no other rank to disagree with.)
+            if let Some(e) = local_error {
+                return Err(e);
+            }
             self.stats.steps += 1;
             return Ok(grads);
         }
         #[cfg(feature = "cuda")]
         if self.device_path.is_some() {
-            return self.sync_on_device(grads);
+            return self.sync_on_device(grads, local_error);
         }
         let pack_start = Instant::now();
         let mut in_flight = Vec::with_capacity(self.buckets.len());
         let mut submitted = Vec::with_capacity(self.buckets.len());
-        let mut first_error = None;
+        let last = self.buckets.len().saturating_sub(1);
         for b in 0..self.buckets.len() {
             let bucket_start = Instant::now();
-            // On an error, still submit every bucket so that the collectives line up with the
-            // other ranks'; the error is returned once they are done.
+            // On a local error, still submit every bucket so that the collectives line up
+            // with the other ranks'; the failure slots tell them.
             if let Err(e) = self.pack(b, &mut grads) {
-                first_error.get_or_insert(e);
+                local_error.get_or_insert(e);
             }
-            in_flight.push(self.submit(b));
+            if b == last {
+                // Every known gradient is taken now: what is left belongs to unknown ids.
+                if let Err(e) = self.check_no_unknown_grads(&grads) {
+                    local_error.get_or_insert(e);
+                }
+            }
+            in_flight.push(self.submit(b, local_error.is_some()));
             let now = Instant::now();
             submitted.push(now);
             self.span(SyncPhase::Pack, b, bucket_start, now);
         }
-        if let Err(e) = self.check_no_unknown_grads(&grads) {
-            first_error.get_or_insert(e);
-        }
         self.stats.pack += pack_start.elapsed();
 
-        // Micro-steps are summed (PyTorch's no_sync); only ranks are averaged. The buffers
-        // start afresh next time.
-        let denom = self.pg.world_size() as f32;
+        // Micro-steps are summed (PyTorch's no_sync); only ranks are averaged (compressed
+        // buckets were divided before the all-reduce). The buffers start afresh next time.
+        let denom = match self.config.compression {
+            Compression::None => self.pg.world_size() as f32,
+            Compression::Bf16 | Compression::F16 => 1.0,
+        };
         self.micro_steps = 0;
         let mut previous_end = pack_start;
+        let mut comm_error = None;
+        let mut peer_failure: Option<(f32, f32)> = None;
         for (b, work) in in_flight.into_iter().enumerate() {
             let wait_start = Instant::now();
             let result = self.complete(b, work);
@@ -462,7 +465,16 @@ impl DistributedDataParallel {
             previous_end = wait_end;
             if let Err(e) = result {
                 // Keep waiting for the rest so no buffer is left behind in the comm thread.
-                first_error.get_or_insert(e);
+                comm_error.get_or_insert(e);
+                continue;
+            }
+            let slot = self.buckets[b].failed_slot();
+            let (failed, ranks) = (self.buffers[b][slot], self.buffers[b][slot + 1]);
+            if failed > 0.0 {
+                peer_failure.get_or_insert((failed, ranks));
+                continue;
+            }
+            if local_error.is_some() || peer_failure.is_some() {
                 continue;
             }
             self.unpack(b, &mut grads, denom);
@@ -470,8 +482,14 @@ impl DistributedDataParallel {
             self.stats.unpack += unpack_end - wait_end;
             self.span(SyncPhase::Unpack, b, wait_end, unpack_end);
         }
-        if let Some(e) = first_error {
+        if let Some(e) = comm_error {
             return Err(e);
+        }
+        if let Some(e) = local_error {
+            return Err(e);
+        }
+        if let Some((failed, ranks)) = peer_failure {
+            return Err(peer_failed(self.syncs, failed, ranks, self.pg.world_size()));
         }
         self.stats.steps += 1;
         Ok(grads)
@@ -490,7 +508,7 @@ impl DistributedDataParallel {
     /// its own batch during the forward pass, and [`sync`](Self::sync) makes them equal by
     /// broadcasting rank 0's.
     pub fn check_replicas<M: Module>(&self, model: &M) -> Result<(), DdpError> {
-        let flat = flatten_where(model, |trainable| trainable)?;
+        let flat = flatten_where(model, &|i| self.params[i].kind != ParamKind::Buffer)?;
         let hash = fnv1a(bytemuck::cast_slice(&flat)) as i64;
         let all = self.pg.all_gather(vec![hash])?;
         match diverged_ranks(&all) {
@@ -551,30 +569,56 @@ impl DistributedDataParallel {
     }
 
     /// Overwrites the module's buffers with rank 0's (PyTorch's `broadcast_buffers=True`).
-    /// A collective: every rank calls it from `sync`.
-    fn broadcast_buffers<M: Module>(&self, model: &M) -> Result<(), DdpError> {
-        if self.pg.world_size() == 1 || !self.has_buffers {
+    /// A collective: every rank calls it from `sync`. With `readable == false` (this rank's
+    /// module no longer matches the parameter list) the rank still takes part, sending zeros
+    /// of the agreed length and loading nothing; its sync fails anyway.
+    fn broadcast_buffers<M: Module>(&self, model: &M, readable: bool) -> Result<(), DdpError> {
+        if self.pg.world_size() == 1 || !self.has_buffers || !self.config.broadcast_buffers {
             return Ok(());
         }
-        // burn's RunningState keeps the forward pass's update pending per thread until it is
-        // synchronised, and visitors see the value before it; `valid` synchronises it (in
-        // place: the state is shared between clones).
-        drop(model.valid());
-        let buffers = |trainable: bool| !trainable;
-        let local = flatten_where(model, buffers)?;
+        let is_buffer = |i: usize| self.params[i].kind == ParamKind::Buffer;
+        let len: usize = self
+            .params
+            .iter()
+            .filter(|p| p.kind == ParamKind::Buffer)
+            .map(ParamInfo::numel)
+            .sum();
+        let local = if readable {
+            // burn's RunningState keeps the forward pass's update pending per thread until it
+            // is synchronised, and visitors see the value before it; `valid` synchronises it
+            // (in place: the state is shared between clones).
+            drop(model.valid());
+            match flatten_where(model, &is_buffer) {
+                Ok(v) if v.len() == len => Ok(v),
+                Ok(v) => Err(DdpError::Config(format!(
+                    "the module's buffers hold {} values, the wrapper expected {len}",
+                    v.len()
+                ))),
+                Err(e) => Err(e),
+            }
+        } else {
+            Ok(vec![0.0; len])
+        };
+        let (local, read_error) = match local {
+            Ok(v) => (v, None),
+            Err(e) => (vec![0.0; len], Some(e)),
+        };
         let shared = self.pg.broadcast(local.clone(), 0)?;
-        if self.pg.rank() == 0 || same_bits(&local, &shared) {
+        if let Some(e) = read_error {
+            return Err(e);
+        }
+        if !readable || self.pg.rank() == 0 || same_bits(&local, &shared) {
             return Ok(());
         }
         // Mapping a clone writes through to `model`'s RunningStates (their value is shared).
-        drop(load_where(model.clone(), &shared, buffers)?);
-        let now = flatten_where(model, buffers)?;
+        drop(load_where(model.clone(), &shared, &is_buffer)?);
+        let now = flatten_where(model, &is_buffer)?;
         if same_bits(&now, &shared) {
             return Ok(());
         }
         // Name the first buffer that did not take rank 0's values.
         let mut offset = 0;
-        for info in self.params.iter().filter(|p| !p.trainable) {
+        for info in self.params.iter().filter(|p| p.kind == ParamKind::Buffer) {
             let range = offset..offset + info.numel();
             offset = range.end;
             if !same_bits(&now[range.clone()], &shared[range]) {
@@ -611,9 +655,23 @@ impl DistributedDataParallel {
         Ok(())
     }
 
-    /// Submits the all-reduce of bucket `b`'s buffer.
-    fn submit(&mut self, b: usize) -> InFlight {
+    /// Submits the all-reduce of bucket `b`'s buffer, with this rank's failure slots (`failed`:
+    /// whether something went wrong here). Compressed buckets are divided by the world size
+    /// first, so that partial sums stay within the largest gradient (f16 tops out at 65504).
+    fn submit(&mut self, b: usize, failed: bool) -> InFlight {
+        let slot = self.buckets[b].failed_slot();
+        let grad_len = self.buckets[b].grad_len;
         let buf = &mut self.buffers[b];
+        buf[slot] = if failed { 1.0 } else { 0.0 };
+        buf[slot + 1] = if failed {
+            (self.pg.rank() + 1) as f32
+        } else {
+            0.0
+        };
+        if self.config.compression != Compression::None {
+            let scale = 1.0 / self.pg.world_size() as f32;
+            buf[..grad_len].iter_mut().for_each(|x| *x *= scale);
+        }
         match self.config.compression {
             Compression::None => {
                 self.stats.bytes += (buf.len() * 4) as u64;
@@ -677,6 +735,21 @@ impl DistributedDataParallel {
     }
 }
 
+/// The error of a sync that failed on other ranks: `failed` ranks reported a local failure, the
+/// sum of their ranks plus one is `ranks` (so a single one is named exactly; bf16 holds integers
+/// exactly up to 256, f16 up to 2048, f32 up to 2^24).
+fn peer_failed(sync: u64, failed: f32, ranks: f32, world: usize) -> DdpError {
+    let count = failed.round() as usize;
+    let rank = ranks.round() - 1.0;
+    let named = (count == 1 && rank >= 0.0 && (rank as usize) < world && ranks.fract() == 0.0)
+        .then_some(rank as usize);
+    DdpError::PeerFailed {
+        sync,
+        count,
+        rank: named,
+    }
+}
+
 /// Whether two slices hold the same values bit for bit.
 fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
@@ -716,7 +789,7 @@ fn plan_buckets(params: &[ParamInfo], config: &DdpConfig) -> Vec<Bucket> {
         grad_len: 0,
     };
     for (i, info) in params.iter().enumerate().rev() {
-        if !info.trainable {
+        if !info.trainable() {
             continue;
         }
         let cap_mb = if buckets.is_empty() {
@@ -802,8 +875,8 @@ mod tests {
             name: name.into(),
             id: burn::module::ParamId::new(),
             shape: vec![numel],
-            dtype: "F32".into(),
-            trainable: true,
+            dtype: burn::tensor::DType::F32,
+            kind: ParamKind::Trainable,
         }
     }
 
@@ -822,9 +895,28 @@ mod tests {
     }
 
     #[test]
+    fn a_peer_failure_names_the_rank_when_exactly_one_failed() {
+        let named = |failed, ranks| match peer_failed(3, failed, ranks, 4) {
+            DdpError::PeerFailed { sync, count, rank } => (sync, count, rank),
+            other => panic!("{other}"),
+        };
+        // Rank 2 alone: the rank slot holds 2 + 1.
+        assert_eq!(named(1.0, 3.0), (3, 1, Some(2)));
+        // Ranks 0 and 3: two failures, no single rank to name.
+        assert_eq!(named(2.0, 5.0), (3, 2, None));
+        // A rank slot that names no rank of the group is not trusted.
+        assert_eq!(named(1.0, 9.0), (3, 1, None));
+        let text = peer_failed(3, 1.0, 3.0, 4).to_string();
+        assert!(
+            text.contains("sync #3") && text.contains("rank 2 failed"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn buffers_get_no_bucket() {
         let mut buffer = info("running_mean", 4);
-        buffer.trainable = false;
+        buffer.kind = ParamKind::Buffer;
         let params = vec![info("w", 4), buffer, info("b", 2)];
         let buckets = plan_buckets(&params, &DdpConfig::default());
         assert_eq!(buckets.len(), 1);
@@ -854,6 +946,7 @@ mod tests {
         // e alone (bigger than the first bucket), then d+c+b (3 MiB), then a.
         assert_eq!(names, vec![vec!["e"], vec!["d", "c", "b"], vec!["a"]]);
         assert_eq!(buckets[1].offsets, vec![0, mib / 2, mib]);
-        assert_eq!(buckets[1].len(), 3 * mib + 3);
+        // Gradients, 3 presence slots, 2 failure slots.
+        assert_eq!(buckets[1].len(), 3 * mib + 5);
     }
 }

@@ -68,9 +68,31 @@ pub enum DdpError {
         /// The buffer's name.
         name: String,
     },
+    /// This sync failed on other ranks (their own errors say why): no rank applies it.
+    #[error("{}", peer_failed_message(*sync, *count, *rank))]
+    PeerFailed {
+        /// The number of the sync (1 for the first).
+        sync: u64,
+        /// How many ranks failed.
+        count: usize,
+        /// The failing rank, when exactly one failed.
+        rank: Option<usize>,
+    },
     /// An invalid setting, or a buffer of the wrong length.
     #[error("invalid DDP configuration: {0}")]
     Config(String),
+}
+
+/// The text of [`DdpError::PeerFailed`].
+fn peer_failed_message(sync: u64, count: usize, rank: Option<usize>) -> String {
+    let who = match rank {
+        Some(r) => format!("rank {r} failed"),
+        None => format!("{count} ranks failed"),
+    };
+    format!(
+        "gradient sync #{sync} failed on another rank: {who} locally (its own error says why); \
+         the averaged gradients are incomplete, so no rank may apply this step"
+    )
 }
 
 /// The text of [`DdpError::ReplicaDiverged`].

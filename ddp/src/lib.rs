@@ -7,15 +7,19 @@
 
 #![warn(missing_docs)]
 
+mod config;
 mod ddp;
 mod error;
 mod params;
 
-pub use crate::ddp::{
-    Compression, DdpConfig, DistributedDataParallel, SyncPhase, SyncSpan, SyncStats,
-};
+pub use crate::config::{Compression, DdpConfig};
+pub use crate::ddp::{DistributedDataParallel, SyncPhase, SyncSpan, SyncStats};
 pub use error::DdpError;
-pub use params::{flatten_params, load_flat_params, param_infos, ParamInfo};
+pub use params::{flatten_params, load_flat_params, param_infos, ParamInfo, ParamKind};
+
+// What a user's program needs from the communication layer, so that `ddp` is its one
+// dependency besides burn.
+pub use ddp_comm::{CommError, ProcessGroup, ReduceOp};
 
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]

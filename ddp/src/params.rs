@@ -6,19 +6,43 @@
 //! at run time; [`with_rank!`] turns the recorded rank back into a const generic (ranks 1 to 6,
 //! which covers every layer burn ships).
 //!
-//! **Buffers.** burn has no separate notion of a buffer: `BatchNorm`'s `running_mean` and
-//! `running_var` are `RunningState<Tensor>`s, which burn 0.22 hands to `ModuleVisitor` and
-//! `ModuleMapper` as float `Param`s (`Param::initialized(id, value)`, burn-core
-//! `module/param/running.rs`) whose tensor does not require a gradient. The list therefore
-//! marks every float tensor that does not require a gradient as not [`ParamInfo::trainable`]:
-//! running statistics and frozen parameters. Those never travel as gradients; the wrapper
-//! broadcasts them from rank 0 instead, as PyTorch's `broadcast_buffers=True` does.
+//! **Buffers and frozen parameters.** burn has no separate notion of a buffer: `BatchNorm`'s
+//! `running_mean` and `running_var` are `RunningState<Tensor>`s, which burn 0.22 hands to
+//! `ModuleVisitor` and `ModuleMapper` as float `Param`s (`Param::initialized(id, value)`,
+//! burn-core `module/param/running.rs`) whose tensor does not require a gradient, exactly like a
+//! frozen parameter (`set_require_grad(false)`, fine-tuning). They differ in one place:
+//! `RunningState::map` forces the mapped value back to "no gradient", a `Param` keeps what the
+//! mapper returns. So [`param_infos`] maps a clone of the module with a mapper that asks every
+//! tensor to require a gradient and reads the result: what still requires none is a
+//! [`ParamKind::Buffer`]; what did not before is [`ParamKind::Frozen`]. (Mapping a clone writes
+//! the unchanged values back into the shared `RunningState`s; nothing else is touched.)
+//! Buffers are broadcast from rank 0 at every sync, as PyTorch's `broadcast_buffers=True`
+//! does; frozen parameters only at construction, like every parameter.
+//!
+//! **Element types.** Values and gradients travel as `f32`, which holds every `f16` and `bf16`
+//! value exactly; tensors are rebuilt in their own element type, so a half-precision model
+//! stays half precision on every rank. `f64` (and anything else) would be rounded, so it is
+//! refused at construction with an error naming the parameter.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
 
 use crate::DdpError;
+
+/// What a float tensor of a module is to the wrapper.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParamKind {
+    /// A parameter that requires a gradient: averaged across ranks at every sync.
+    Trainable,
+    /// A parameter that requires no gradient (frozen, e.g. a fine-tuned model's backbone):
+    /// broadcast from rank 0 at construction, then left alone (checked by the replica check).
+    Frozen,
+    /// burn's `RunningState` (`BatchNorm`'s running statistics): updated by the forward pass
+    /// on each rank, broadcast from rank 0 at every sync unless
+    /// [`crate::DdpConfig::broadcast_buffers`] is off.
+    Buffer,
+}
 
 /// One float tensor of a module, as every rank must see it.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,12 +53,10 @@ pub struct ParamInfo {
     pub id: ParamId,
     /// The parameter's shape.
     pub shape: Vec<usize>,
-    /// burn's element type of the parameter, as text (`F32`).
-    pub dtype: String,
-    /// Whether it requires a gradient. `false` for buffers: burn's `RunningState`
-    /// (`BatchNorm`'s running statistics) and frozen parameters, which are broadcast from rank
-    /// 0 at every sync instead of being averaged.
-    pub trainable: bool,
+    /// burn's element type of the parameter.
+    pub dtype: DType,
+    /// Whether it is trained, frozen or a buffer.
+    pub kind: ParamKind,
 }
 
 impl ParamInfo {
@@ -43,27 +65,104 @@ impl ParamInfo {
         self.shape.iter().product()
     }
 
+    /// Whether its gradient is averaged across ranks ([`ParamKind::Trainable`]).
+    pub fn trainable(&self) -> bool {
+        self.kind == ParamKind::Trainable
+    }
+
     /// The line that describes this parameter in the cross-rank comparison.
     pub(crate) fn describe(&self) -> String {
-        let kind = if self.trainable { "" } else { " buffer" };
-        format!("{} {:?} {}{kind}", self.name, self.shape, self.dtype)
+        let kind = match self.kind {
+            ParamKind::Trainable => "",
+            ParamKind::Frozen => " frozen",
+            ParamKind::Buffer => " buffer",
+        };
+        format!("{} {:?} {:?}{kind}", self.name, self.shape, self.dtype)
     }
 }
 
-/// Lists the float tensors of `module` in burn's visiting order (the same on every rank for
-/// the same module type), with their PyTorch-style names, through the workspace's one
-/// module-path walker, [`ddp_models::param_specs`].
+/// Lists the float tensors of `module` in burn's visiting order (the field order of the
+/// structs: the same on every rank for the same module type), named like PyTorch's
+/// `state_dict` keys: burn's derived `visit` calls `enter_module(field, ..)` before a field
+/// and `exit_module` after it (`Option` is transparent, `Vec` elements are entered by index),
+/// so the entered names joined with dots are the path. Integer and boolean tensors are not
+/// listed. See the module documentation for how buffers and frozen parameters are told apart.
 pub fn param_infos<M: Module>(module: &M) -> Vec<ParamInfo> {
-    ddp_models::param_specs(module)
-        .into_iter()
-        .map(|spec| ParamInfo {
-            name: spec.name,
-            id: spec.id,
-            shape: spec.shape,
-            dtype: format!("{:?}", spec.dtype),
-            trainable: spec.require_grad,
-        })
-        .collect()
+    struct Walker {
+        path: Vec<String>,
+        out: Vec<ParamInfo>,
+    }
+    impl ModuleVisitor for Walker {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let value = param.val();
+            self.out.push(ParamInfo {
+                name: self.path.join("."),
+                id: param.id,
+                shape: value.dims().to_vec(),
+                dtype: value.dtype(),
+                kind: if value.is_require_grad() {
+                    ParamKind::Trainable
+                } else {
+                    ParamKind::Frozen
+                },
+            });
+        }
+    }
+    /// Asks every float tensor to require a gradient (`RunningState` refuses).
+    struct AllTrainable;
+    impl ModuleMapper for AllTrainable {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, value, mapper) = param.consume();
+            Param::from_mapped_value(id, value.set_require_grad(true), mapper)
+        }
+    }
+    let mut walker = Walker {
+        path: Vec::new(),
+        out: Vec::new(),
+    };
+    module.visit(&mut walker);
+    let mut infos = walker.out;
+    // A tensor the mapper could not make trainable is a RunningState. (On a device without
+    // autodiff nothing can require a gradient, and every tensor counts as a buffer.)
+    if infos.iter().any(|p| p.kind == ParamKind::Frozen) {
+        let probe = module.clone().map(&mut AllTrainable);
+        let mut walker = Walker {
+            path: Vec::new(),
+            out: Vec::new(),
+        };
+        probe.visit(&mut walker);
+        for (info, probed) in infos.iter_mut().zip(walker.out) {
+            if probed.kind == ParamKind::Frozen {
+                info.kind = ParamKind::Buffer;
+            }
+        }
+    }
+    infos
+}
+
+/// Checks that every parameter's element type travels exactly through `f32`.
+pub(crate) fn check_dtypes(infos: &[ParamInfo]) -> Result<(), DdpError> {
+    match infos
+        .iter()
+        .find(|p| !matches!(p.dtype, DType::F32 | DType::F16 | DType::BF16))
+    {
+        Some(p) => Err(DdpError::UnsupportedParam {
+            name: p.name.clone(),
+            reason: format!(
+                "element type {:?}: values and gradients are averaged in f32, which holds f32, \
+                 f16 and bf16 exactly but would round this one (cast the model to f32, f16 or \
+                 bf16)",
+                p.dtype
+            ),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// The ids of `module`'s float tensors in visiting order, without reading any value.
@@ -166,7 +265,7 @@ pub(crate) fn to_f32(
 }
 
 /// Puts a flat `f32` gradient back for `info`, on `device` (the device without autodiff, where
-/// burn keeps gradients).
+/// burn keeps gradients), in the parameter's element type.
 pub(crate) fn put_grad(
     grads: &mut GradientsParams,
     info: &ParamInfo,
@@ -174,8 +273,9 @@ pub(crate) fn put_grad(
     device: &Device,
 ) {
     let data = TensorData::new(values, info.shape.clone());
+    let options = TensorCreationOptions::new(device.clone()).with_dtype(info.dtype);
     with_rank!(info.shape.len(), D => {
-        grads.register::<D>(info.id, Tensor::from_data(data, device))
+        grads.register::<D>(info.id, Tensor::from_data(data, options))
     }, ())
 }
 
@@ -188,46 +288,48 @@ pub(crate) fn take_grad_tensor(grads: &mut GradientsParams, info: &ParamInfo) ->
     }, None)
 }
 
-/// Puts a flat gradient tensor back for `info`, in the parameter's shape.
+/// Puts a flat gradient tensor back for `info`, in the parameter's shape and element type.
 #[cfg(feature = "cuda")]
 pub(crate) fn put_grad_tensor(grads: &mut GradientsParams, info: &ParamInfo, flat: Tensor<1>) {
+    use burn::tensor::FloatDType;
     let shape = burn::tensor::Shape::from(info.shape.clone());
+    let flat = match info.dtype {
+        DType::F16 if flat.dtype() != DType::F16 => flat.cast(FloatDType::F16),
+        DType::BF16 if flat.dtype() != DType::BF16 => flat.cast(FloatDType::BF16),
+        _ => flat,
+    };
     with_rank!(info.shape.len(), D => {
         grads.register::<D>(info.id, flat.reshape(shape))
     }, ())
 }
 
 /// Reads every float tensor of `module` into one flat `f32` vector, in visiting order
-/// (trainable parameters and buffers alike). A tensor that cannot be read as `f32` is an error
-/// naming it.
+/// (trainable parameters, frozen ones and buffers alike). A tensor that cannot be read as `f32`
+/// is an error naming it.
 pub fn flatten_params<M: Module>(module: &M) -> Result<Vec<f32>, DdpError> {
-    flatten_where(module, |_| true)
+    flatten_where(module, &|_| true)
 }
 
-/// Reads the float tensors of `module` for which `keep(requires_grad)` holds into one flat
-/// `f32` vector, in visiting order.
+/// Reads the float tensors of `module` whose visiting index `keep` accepts into one flat `f32`
+/// vector, in visiting order.
 pub(crate) fn flatten_where<M: Module>(
     module: &M,
-    keep: fn(bool) -> bool,
+    keep: &dyn Fn(usize) -> bool,
 ) -> Result<Vec<f32>, DdpError> {
-    struct Reader {
-        keep: fn(bool) -> bool,
+    struct Reader<'a> {
+        keep: &'a dyn Fn(usize) -> bool,
         out: Vec<f32>,
         index: usize,
         error: Option<(usize, String)>,
     }
-    impl ModuleVisitor for Reader {
+    impl ModuleVisitor for Reader<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let index = self.index;
             self.index += 1;
-            if self.error.is_some() {
+            if self.error.is_some() || !(self.keep)(index) {
                 return;
             }
-            let value = param.val();
-            if !(self.keep)(value.is_require_grad()) {
-                return;
-            }
-            match value.into_data().convert::<f32>().as_slice::<f32>() {
+            match param.val().into_data().convert::<f32>().as_slice::<f32>() {
                 Ok(values) => self.out.extend_from_slice(values),
                 Err(e) => self.error = Some((index, format!("{e:?}"))),
             }
@@ -253,23 +355,24 @@ pub(crate) fn flatten_where<M: Module>(
 }
 
 /// Overwrites every float tensor of `module` from a flat `f32` vector laid out as
-/// [`flatten_params`] lays it out, keeping parameter ids and whether each requires a gradient.
-/// `flat` must hold exactly the module's number of float elements; otherwise the module is
-/// returned unchanged with an error.
+/// [`flatten_params`] lays it out, keeping parameter ids, element types and whether each
+/// requires a gradient. `flat` must hold exactly the module's number of float elements;
+/// otherwise the module is returned unchanged with an error.
 pub fn load_flat_params<M: Module>(module: M, flat: &[f32]) -> Result<M, DdpError> {
-    load_where(module, flat, |_| true)
+    load_where(module, flat, &|_| true)
 }
 
-/// Overwrites the float tensors of `module` for which `keep(requires_grad)` holds from `flat`.
+/// Overwrites the float tensors of `module` whose visiting index `keep` accepts from `flat`.
 pub(crate) fn load_where<M: Module>(
     module: M,
     flat: &[f32],
-    keep: fn(bool) -> bool,
+    keep: &dyn Fn(usize) -> bool,
 ) -> Result<M, DdpError> {
     let expected: usize = param_infos(&module)
         .iter()
-        .filter(|p| keep(p.trainable))
-        .map(ParamInfo::numel)
+        .enumerate()
+        .filter(|(i, _)| keep(*i))
+        .map(|(_, p)| p.numel())
         .sum();
     if flat.len() != expected {
         return Err(DdpError::Config(format!(
@@ -278,15 +381,17 @@ pub(crate) fn load_where<M: Module>(
         )));
     }
     struct Writer<'a> {
-        keep: fn(bool) -> bool,
+        keep: &'a dyn Fn(usize) -> bool,
         flat: &'a [f32],
+        index: usize,
         offset: usize,
     }
     impl ModuleMapper for Writer<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let (id, tensor, mapper) = param.consume();
-            let require_grad = tensor.is_require_grad();
-            if !(self.keep)(require_grad) {
+            let index = self.index;
+            self.index += 1;
+            if !(self.keep)(index) {
                 return Param::from_mapped_value(id, tensor, mapper);
             }
             let shape = tensor.dims();
@@ -296,16 +401,17 @@ pub(crate) fn load_where<M: Module>(
                 self.offset = usize::MAX / 2;
                 return Param::from_mapped_value(id, tensor, mapper);
             };
-            let values = values.to_vec();
             self.offset += n;
-            let fresh = Tensor::<D>::from_data(TensorData::new(values, shape), &tensor.device())
-                .set_require_grad(require_grad);
+            let options = TensorCreationOptions::new(tensor.device()).with_dtype(tensor.dtype());
+            let fresh = Tensor::<D>::from_data(TensorData::new(values.to_vec(), shape), options)
+                .set_require_grad(tensor.is_require_grad());
             Param::from_mapped_value(id, fresh, mapper)
         }
     }
     let mut writer = Writer {
         keep,
         flat,
+        index: 0,
         offset: 0,
     };
     let module = module.map(&mut writer);

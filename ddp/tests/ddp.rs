@@ -16,27 +16,23 @@
 //! the backend's global RNG: the tests run in parallel threads, and a global RNG seeded in one
 //! thread would be consumed by another.
 
-use std::net::TcpListener;
 use std::sync::Arc;
-use std::time::Duration;
 
 use burn::module::Module;
 use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
 use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::activation::relu;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 use ddp::{
     flatten_params, load_flat_params, param_infos, Compression, DdpConfig, DdpError,
-    DistributedDataParallel,
+    DistributedDataParallel, ParamKind,
 };
-use ddp_comm::ProcessGroup;
+use ddp_comm::{ProcessGroup, Transport};
 use ddp_data::sampler::splitmix64;
 use ddp_models::{Classifier, MnistCnnConfig, MnistMlpConfig};
 
-/// The device of these tests: burn's CPU backend, recording gradients.
-fn device() -> Device {
-    Device::flex().autodiff()
-}
+mod common;
+use common::{device, run_ranks, run_ranks_over};
 
 /// A uniform value in [-0.5, 0.5) for `(stream, i)`, from the seeded mixer.
 fn uniform(stream: u64, i: u64) -> f32 {
@@ -60,36 +56,6 @@ fn seeded_values<M: Module>(module: &M, seed: u64) -> Vec<f32> {
         out.extend((0..info.numel() as u64).map(|i| scale * uniform(seed, base + i)));
     }
     out
-}
-
-/// Runs `f` on `n` ranks, one thread each, every thread with its own process group.
-fn run_ranks<T: Send>(n: usize, f: impl Fn(Arc<ProcessGroup>) -> T + Sync) -> Vec<T> {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let mut listener = Some(listener);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let own = if rank == 0 { listener.take() } else { None };
-                let f = &f;
-                s.spawn(move || {
-                    let mut builder = ProcessGroup::builder()
-                        .no_env()
-                        .rank(rank)
-                        .world_size(n)
-                        .master_addr("127.0.0.1")
-                        .master_port(port)
-                        .timeout(Duration::from_secs(60))
-                        .connect_timeout(Duration::from_secs(30));
-                    if let Some(l) = own {
-                        builder = builder.master_listener(l);
-                    }
-                    f(Arc::new(builder.build().expect("process group")))
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
 }
 
 /// Deterministic synthetic MNIST-shaped samples: inputs `[n, 1, 28, 28]` and labels.
@@ -143,6 +109,8 @@ struct Run {
     micro: usize,
     bucket_cap_mb: f64,
     compression: Compression,
+    /// How the ranks talk: shared memory (`Auto` on one host) or the TCP ring.
+    transport: Transport,
 }
 
 impl Run {
@@ -156,6 +124,7 @@ impl Run {
             micro: 1,
             bucket_cap_mb: 25.0,
             compression: Compression::None,
+            transport: Transport::Auto,
         }
     }
 }
@@ -183,7 +152,7 @@ fn cnn() -> ddp_models::MnistCnn {
 /// Trains on every rank; returns each rank's final parameters and, per step, whether all
 /// replicas were bit-identical (checked with the wrapper's replica check).
 fn train(run: Run, init: &[f32]) -> Vec<Vec<f32>> {
-    run_ranks(run.world, |pg| match run.net {
+    run_ranks_over(run.world, run.transport, |pg| match run.net {
         Net::Cnn => train_rank(run, init, pg, cnn()),
         Net::Mlp => {
             let device = device();
@@ -208,6 +177,7 @@ where
         first_bucket_mb: run.bucket_cap_mb.min(1.0),
         compression: run.compression,
         check_replicas_every: Some(1),
+        ..DdpConfig::default()
     };
     let (mut model, mut ddp) = DistributedDataParallel::new(model, pg, config).unwrap();
     assert_eq!(
@@ -281,7 +251,7 @@ fn assert_replicas_identical(ranks: &[Vec<f32>]) {
     }
 }
 
-fn equivalence(net: Net, opt: Opt) {
+fn equivalence(net: Net, opt: Opt, transport: Transport) {
     let init = initial(net);
     let b = 4;
     let single = train(Run::new(net, opt, 1, 6 * b), &init);
@@ -296,11 +266,17 @@ fn equivalence(net: Net, opt: Opt) {
         } else {
             train(Run::new(net, opt, 1, 3 * b), &init)
         };
-        let ranks = train(Run::new(net, opt, world, b), &init);
+        let ranks = train(
+            Run {
+                transport,
+                ..Run::new(net, opt, world, b)
+            },
+            &init,
+        );
         assert_replicas_identical(&ranks);
         let d = rel_diff(&reference[0], &ranks[0]);
         let n = norm_rel_diff(&reference[0], &ranks[0]);
-        eprintln!("{net:?}/{opt:?} world {world}: max-rel {d:e} norm-rel {n:e}");
+        eprintln!("{net:?}/{opt:?} {transport:?} world {world}: max-rel {d:e} norm-rel {n:e}");
         // Relative in the Euclidean norm, ||a - b|| / ||a||. Not element-wise: a few parameters
         // whose true gradient is ~0 pick up float noise of the summation order (which DDP
         // changes: per-rank means, then their mean), and Adam (dividing by sqrt(v)) and chaotic
@@ -314,32 +290,54 @@ fn equivalence(net: Net, opt: Opt) {
 
 #[test]
 fn mlp_sgd_world_2_and_3_match_one_process() {
-    equivalence(Net::Mlp, Opt::Sgd);
+    equivalence(Net::Mlp, Opt::Sgd, Transport::Auto);
 }
 
 #[test]
 fn mlp_adam_world_2_and_3_match_one_process() {
-    equivalence(Net::Mlp, Opt::Adam);
+    equivalence(Net::Mlp, Opt::Adam, Transport::Auto);
 }
 
 #[test]
 fn cnn_sgd_world_2_and_3_match_one_process() {
-    equivalence(Net::Cnn, Opt::Sgd);
+    equivalence(Net::Cnn, Opt::Sgd, Transport::Auto);
 }
 
 #[test]
 fn cnn_adam_world_2_and_3_match_one_process() {
-    equivalence(Net::Cnn, Opt::Adam);
+    equivalence(Net::Cnn, Opt::Adam, Transport::Auto);
+}
+
+// The same equivalence over the TCP ring (`DDP_TRANSPORT=tcp`: what ranks on different hosts
+// use) instead of shared memory.
+#[test]
+fn mlp_sgd_over_tcp_world_2_and_3_match_one_process() {
+    equivalence(Net::Mlp, Opt::Sgd, Transport::Tcp);
+}
+
+#[test]
+fn mlp_adam_over_tcp_world_2_and_3_match_one_process() {
+    equivalence(Net::Mlp, Opt::Adam, Transport::Tcp);
+}
+
+#[test]
+fn cnn_adam_over_tcp_world_2_and_3_match_one_process() {
+    equivalence(Net::Cnn, Opt::Adam, Transport::Tcp);
 }
 
 #[test]
 fn two_runs_with_one_seed_are_bit_identical() {
     let init = initial(Net::Mlp);
-    let run = Run::new(Net::Mlp, Opt::Adam, 2, 8);
-    let a = train(run, &init);
-    let b = train(run, &init);
-    assert_replicas_identical(&a);
-    assert!(a[0] == b[0], "two runs differ");
+    for transport in [Transport::Auto, Transport::Tcp] {
+        let run = Run {
+            transport,
+            ..Run::new(Net::Mlp, Opt::Adam, 2, 8)
+        };
+        let a = train(run, &init);
+        let b = train(run, &init);
+        assert_replicas_identical(&a);
+        assert!(a[0] == b[0], "{transport:?}: two runs differ");
+    }
 }
 
 #[test]
@@ -469,7 +467,7 @@ fn diverged_replicas_at_world_2_blame_neither_rank() {
 /// Every trainable parameter's gradient in `grads` as one flat vector, in visiting order.
 fn grads_flat<M: Module>(model: &M, grads: &GradientsParams) -> Vec<f32> {
     let mut out = Vec::new();
-    for info in param_infos(model).into_iter().filter(|p| p.trainable) {
+    for info in param_infos(model).into_iter().filter(|p| p.trainable()) {
         let data = match info.shape.len() {
             1 => grads.get::<1>(info.id).map(|t| t.into_data()),
             2 => grads.get::<2>(info.id).map(|t| t.into_data()),
@@ -487,7 +485,7 @@ fn grads_from_flat<M: Module>(model: &M, flat: &[f32]) -> GradientsParams {
     let device = device();
     let mut grads = GradientsParams::new();
     let mut offset = 0;
-    for info in param_infos(model).into_iter().filter(|p| p.trainable) {
+    for info in param_infos(model).into_iter().filter(|p| p.trainable()) {
         let values = flat[offset..offset + info.numel()].to_vec();
         offset += info.numel();
         let data = TensorData::new(values, info.shape.clone());
@@ -684,7 +682,7 @@ fn batchnorm_running_stats_are_broadcast_from_rank_0_not_averaged() {
     let infos = param_infos(&BnNet::new());
     let buffers: Vec<&str> = infos
         .iter()
-        .filter(|p| !p.trainable)
+        .filter(|p| p.kind == ParamKind::Buffer)
         .map(|p| p.name.as_str())
         .collect();
     assert_eq!(buffers, ["bn.running_mean", "bn.running_var"]);
@@ -737,7 +735,7 @@ fn batchnorm_running_stats_are_broadcast_from_rank_0_not_averaged() {
             let (x, y) = bn_batch(rank, step);
             let loss = model.loss(x, y);
             let grads = ddp.backward(&model, loss).expect("sync");
-            for info in ddp.params().iter().filter(|p| !p.trainable) {
+            for info in ddp.params().iter().filter(|p| p.kind == ParamKind::Buffer) {
                 assert!(
                     grads.get::<1>(info.id).is_none(),
                     "{} travelled as a gradient",

@@ -1,0 +1,59 @@
+//! The wrapper's settings: [`DdpConfig`] and the wire type of gradients, [`Compression`].
+
+use burn::config::Config;
+
+/// Element type of the gradient all-reduce.
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum Compression {
+    /// All-reduce in `f32` (exact averaging up to float rounding); the default.
+    None,
+    /// Convert each bucket to `bf16` before the all-reduce and back after: half the bytes, about
+    /// three significant decimal digits. Gradients are divided by the world size first (like
+    /// PyTorch's fp16 compression hook), so no partial sum exceeds the largest gradient.
+    Bf16,
+    /// Convert each bucket to `f16` before the all-reduce and back after: half the bytes, more
+    /// mantissa than bf16 but a range of about ±65504, which the division by the world size
+    /// before the all-reduce keeps partial sums inside.
+    F16,
+}
+
+/// Settings of [`DistributedDataParallel`](crate::DistributedDataParallel), a burn `Config` (builder methods `with_*`, saved
+/// and loaded as JSON with the run's other configs); `DdpConfig::new()` (= `default()`) matches
+/// PyTorch's defaults.
+#[derive(Config, Debug, PartialEq)]
+pub struct DdpConfig {
+    /// Target size of a gradient bucket in MiB (PyTorch's `bucket_cap_mb`, default 25).
+    #[config(default = 25.0)]
+    pub bucket_cap_mb: f64,
+    /// Size of the first bucket in MiB (default 1), so that communication starts early.
+    #[config(default = 1.0)]
+    pub first_bucket_mb: f64,
+    /// Element type on the wire for gradients.
+    #[config(default = "Compression::None")]
+    pub compression: Compression,
+    /// When `Some(k)`, every k-th call of [`DistributedDataParallel::sync`](crate::DistributedDataParallel::sync) first checks that all
+    /// replicas hold bit-identical parameters (trainable and frozen), and fails naming the
+    /// ranks that diverged (see [`DistributedDataParallel::check_replicas`](crate::DistributedDataParallel::check_replicas)).
+    #[config(default = "None")]
+    pub check_replicas_every: Option<u64>,
+    /// Whether every sync overwrites the module's buffers (burn's `RunningState`s: BatchNorm's
+    /// running statistics) with rank 0's, as PyTorch's `broadcast_buffers=True` (the default).
+    /// Off, each rank keeps the statistics of its own batches.
+    #[config(default = true)]
+    pub broadcast_buffers: bool,
+}
+
+// burn's `Config` derive re-emits an enum without the `#[default]` helper attribute, so the
+// default is written out.
+#[allow(clippy::derivable_impls)]
+impl Default for Compression {
+    fn default() -> Self {
+        Compression::None
+    }
+}
+
+impl Default for DdpConfig {
+    fn default() -> Self {
+        Self::new()
+    }
+}
