@@ -325,18 +325,7 @@ fn end_to_end(args: &Args, python: Option<&Path>) -> Result<()> {
 /// Builds the example, times both sides at 1 thread and at every core, prints the table; then
 /// the end-to-end comparison unless `--e2e-steps 0`.
 pub fn run(args: Args) -> Result<()> {
-    let mut build = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-    build.args([
-        "build",
-        "--release",
-        "--workspace",
-        "--features",
-        util::DEFAULT_FEATURES,
-        "--example",
-        "step_time",
-    ]);
-    util::run(build.current_dir(util::workspace_root()))?;
-    let example = util::target_dir()?.join("release/examples/step_time");
+    let example = util::build_release_examples(&["step_time"])?.join("step_time");
     let python = torch_python();
     if python.is_none() {
         eprintln!("no python with torch ($DDP_PYTHON or ~/.cache/torchenv/bin/python): ours only");

@@ -84,6 +84,18 @@ fn default_features() -> Vec<String> {
 /// every compiled dependency with `cargo build/test --release --workspace --features
 /// ddp-apps/nccl` instead of recompiling burn under a different feature set.
 pub fn build_release_bins(bins: &[&str], features: &[&str]) -> Result<PathBuf> {
+    build_release("--bin", bins, features)
+}
+
+/// Builds the examples `examples` in release, like [`build_release_bins`] (the same features,
+/// the same environment, so nothing is compiled twice), and returns `target/release/examples`.
+pub fn build_release_examples(examples: &[&str]) -> Result<PathBuf> {
+    Ok(build_release("--example", examples, &[])?.join("examples"))
+}
+
+/// `cargo build --release --workspace` of the targets `names` of kind `flag` (`--bin`,
+/// `--example`) with the default features plus `features`; returns `target/release`.
+fn build_release(flag: &str, names: &[&str], features: &[&str]) -> Result<PathBuf> {
     let mut command = cargo();
     command.args(["build", "--release", "--workspace"]);
     let mut all = default_features();
@@ -95,8 +107,8 @@ pub fn build_release_bins(bins: &[&str], features: &[&str]) -> Result<PathBuf> {
     if !all.is_empty() {
         command.args(["--features", &all.join(",")]);
     }
-    for bin in bins {
-        command.args(["--bin", bin]);
+    for name in names {
+        command.args([flag, name]);
     }
     run(command.current_dir(workspace_root()))?;
     Ok(target_dir()?.join("release"))
