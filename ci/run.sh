@@ -83,6 +83,20 @@ cargo xtask train-mnist --nproc 2 --epochs 1 --out target/ci-run --min-accuracy 
 MNIST=$HOME/.cache/ddp-rs/mnist
 ls "$MNIST"
 
+step "a user's own program: example/ (user-train) under ddprun, 2 ranks, shared memory and TCP"
+# Its test (example/tests/equivalence.rs, in the README's test command above) checks 2 x b
+# against 1 x 2b and identical replicas on both transports; here it trains to an accuracy.
+for transport in shm tcp; do
+  DDP_TRANSPORT=$transport target/release/ddprun --nproc-per-node 2 -- \
+    target/release/user-train --batch 8 --steps 300 | tee target/user-train-$transport.txt
+  python3 - "target/user-train-$transport.txt" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+m = re.search(r"300 steps on 2 rank\(s\): test accuracy ([0-9.]+)%", text)
+assert m and float(m.group(1)) >= 80.0, f"user-train: {text!r}"
+PY
+done
+
 step "shards: the workshop's HDF5 layout (h5py) imported; 2 ranks of train-mnist from shards"
 # A Python venv under target/ with h5py, numpy and safetensors from PyPI (no torch). h5py writes
 # MNIST in the workshop's layout (float32 (600, 100, 1, 28, 28), int64 labels, gzip 4, h5py's
@@ -117,6 +131,12 @@ cargo xtask trace-mnist --out target/ci-trace --data-dir "$MNIST"
 
 step "slurm: the example job script on a real one-node Slurm cluster, 2 tasks through srun"
 bash ci/slurm.sh target/ci-slurm
+
+step "layout: no two files of a library crate import each other, no source file over 1000 lines"
+for crate in fsio comm launch data models ddp; do
+  printf '%s: ' "$crate"
+  python3 ci/layout.py "$crate/src"
+done
 
 step "clippy"
 cargo clippy --release --workspace --all-targets --features "$FEATURES" -- -D warnings
