@@ -657,22 +657,7 @@ fn bn_batch(rank: usize, step: usize) -> (Tensor<2>, Tensor<1, Int>) {
 
 /// Running mean and variance of `net`'s BatchNorm, concatenated.
 fn running_stats(net: &BnNet) -> Vec<f32> {
-    let mut v = net
-        .bn
-        .running_mean
-        .value()
-        .into_data()
-        .try_to_vec::<f32>()
-        .unwrap();
-    v.extend(
-        net.bn
-            .running_var
-            .value()
-            .into_data()
-            .try_to_vec::<f32>()
-            .unwrap(),
-    );
-    v
+    common::running_stats(&net.bn)
 }
 
 #[test]

@@ -292,22 +292,7 @@ fn broadcast_buffers_off_keeps_each_ranks_running_statistics() {
                 let g = grads(&net, rank);
                 ddp.sync(&net, g).unwrap();
             }
-            let mut v = net
-                .bn
-                .running_mean
-                .value()
-                .into_data()
-                .try_to_vec::<f32>()
-                .unwrap();
-            v.extend(
-                net.bn
-                    .running_var
-                    .value()
-                    .into_data()
-                    .try_to_vec::<f32>()
-                    .unwrap(),
-            );
-            v
+            common::running_stats(&net.bn)
         });
         // The ranks' inputs differ, so their own statistics differ.
         assert_eq!(

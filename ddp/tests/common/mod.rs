@@ -7,6 +7,7 @@ use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
+use burn::nn::BatchNorm;
 use burn::tensor::Device;
 use ddp_comm::{ProcessGroup, Transport};
 
@@ -55,4 +56,12 @@ pub fn run_ranks_over<T: Send>(
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+/// The running mean and variance of `bn`, concatenated.
+pub fn running_stats(bn: &BatchNorm) -> Vec<f32> {
+    let read = |t: burn::tensor::Tensor<1>| t.into_data().try_to_vec::<f32>().unwrap();
+    let mut v = read(bn.running_mean.value());
+    v.extend(read(bn.running_var.value()));
+    v
 }
