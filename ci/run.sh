@@ -133,7 +133,7 @@ step "slurm: the example job script on a real one-node Slurm cluster, 2 tasks th
 bash ci/slurm.sh target/ci-slurm
 
 step "layout: no two files of a library crate import each other, no source file over 1000 lines"
-for crate in fsio comm launch data models ddp; do
+for crate in fsio comm launch data models ddp apps; do
   printf '%s: ' "$crate"
   python3 ci/layout.py "$crate/src"
 done

@@ -3,7 +3,7 @@
 //! evaluation over every test sample once, checkpoints and metrics on rank 0.
 
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,9 +11,11 @@ use anyhow::{bail, Context, Result};
 use burn::module::Module;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
-use burn::store::ModuleRecord;
-use burn::tensor::{Bytes, Device};
-use ddp::{Compression, DdpConfig, DistributedDataParallel, SyncPhase, SyncSpan, SyncStats};
+use burn::tensor::Device;
+use ddp::{
+    Compression, DdpConfig, DdpError, DistributedDataParallel, Position, RunId, SyncPhase,
+    SyncSpan, SyncStats,
+};
 use ddp_comm::{CollectiveRecord, ProcessGroup, ReduceOp};
 use ddp_data::{
     Batch, BatchSource, DataLoader, DistributedSampler, LoaderConfig, ShardLoader,
@@ -23,7 +25,6 @@ use ddp_models::Classifier;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::checkpoint::{self, CheckpointMeta};
 use crate::metrics::{EpochMetrics, MetricsWriter};
 use crate::options::{CompressionKind, OptimizerKind, TrainConfig};
 use crate::trace::{Tracer, Track};
@@ -300,7 +301,7 @@ where
             .checkpoint_dir
             .as_ref()
             .context("--resume needs --checkpoint-dir")?;
-        let path = checkpoint::checkpoint_path(dir);
+        let path = ddp::checkpoint::checkpoint_path(dir);
         if !cfg.resume {
             say.line(format!(
                 "restart {restart} of the job ({}={restart}): resuming from {}",
@@ -308,20 +309,32 @@ where
                 dir.display()
             ));
         }
-        if let Some(ck) = fetch_checkpoint(&pg, &path)? {
-            check_resumable(&ck.meta, &path, &name, (world, cfg), &say)?;
-            let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(ck.model))
-                .with_context(|| format!("{}: model record", path.display()))?;
-            model = model
-                .try_load_record(record)
-                .with_context(|| format!("{}: model record", path.display()))?;
-            optim = optim
-                .from_bytes(Bytes::from_bytes_vec(ck.optim))
-                .with_context(|| format!("{}: optimizer record", path.display()))?;
-            start_epoch = ck.meta.epoch;
-            start_batch = usize::try_from(ck.meta.batch_in_epoch).unwrap_or(usize::MAX);
-            start_loss_sum = ck.meta.epoch_loss_sums.get(rank).copied().unwrap_or(0.0);
-            step = ck.meta.step;
+        let run = run_id(cfg, &name);
+        let resumed = match ddp::resume(&pg, &path, &run, model, optim) {
+            Err(DdpError::CheckpointMismatch { path, what }) => bail!(
+                "{path} was written by a run with {what}: resuming would not continue that run \
+                 (another data order and other dropout masks); pass \
+                 --allow-mismatched-checkpoint to resume from it anyway"
+            ),
+            other => other?,
+        };
+        (model, optim) = (resumed.model, resumed.optim);
+        if let Some(what) = &resumed.mismatch {
+            tracing::warn!(
+                "{} was written by a run with {what}; resuming anyway",
+                path.display()
+            );
+            say.line(format!(
+                "warning: {} was written by a run with {what}; resuming anyway \
+                 (--allow-mismatched-checkpoint)",
+                path.display()
+            ));
+        }
+        if let Some(meta) = resumed.meta {
+            start_epoch = meta.epoch;
+            start_batch = usize::try_from(meta.batch_in_epoch).unwrap_or(usize::MAX);
+            start_loss_sum = meta.epoch_loss_sums.get(rank).copied().unwrap_or(0.0);
+            step = meta.step;
             if start_batch > 0 {
                 say.line(format!(
                     "resuming from {} (mid-epoch: step {step}, epoch {} continues after its \
@@ -841,110 +854,10 @@ fn test_kill_step(rank: usize, world: usize, restart: usize) -> Option<u64> {
     (restart == 0 && rank == victim).then_some(step)
 }
 
-/// Rank 0 reads the checkpoint at `path`, if there is one, and broadcasts it; every rank returns
-/// the same checkpoint (or `None`: start fresh). The other ranks never touch the file, so nodes
-/// need no shared file system. Rank 0 first broadcasts `[state, length]`: 1 when the checkpoint
-/// follows (then its bytes), 0 when there is none, -1 when rank 0 could not read it (it returns
-/// its own error naming the file; the others say rank 0 failed), so that no rank waits for bytes
-/// that never come.
-fn fetch_checkpoint(pg: &ProcessGroup, path: &Path) -> Result<Option<checkpoint::Checkpoint>> {
-    let name = path.display().to_string();
-    if pg.rank() == 0 {
-        let read = if path.exists() {
-            checkpoint::read(path)
-                .and_then(|bytes| Ok((checkpoint::parse(&bytes, &name)?, bytes)))
-                .map(Some)
-        } else {
-            Ok(None)
-        };
-        let header = match &read {
-            Ok(Some((_, bytes))) => vec![1i64, bytes.len() as i64],
-            Ok(None) => vec![0, 0],
-            Err(_) => vec![-1, 0],
-        };
-        pg.broadcast(header, 0)
-            .context("sending the checkpoint to the other ranks")?;
-        let Some((ck, bytes)) = read? else {
-            return Ok(None);
-        };
-        pg.broadcast(bytes, 0)
-            .context("sending the checkpoint to the other ranks")?;
-        Ok(Some(ck))
-    } else {
-        let header = pg
-            .broadcast(vec![0i64; 2], 0)
-            .context("receiving the checkpoint from rank 0")?;
-        match header[..] {
-            [1, len] => {
-                let len = usize::try_from(len)
-                    .with_context(|| format!("rank 0 announced a checkpoint of {len} bytes"))?;
-                let bytes = pg
-                    .broadcast(vec![0u8; len], 0)
-                    .context("receiving the checkpoint from rank 0")?;
-                Ok(Some(checkpoint::parse(&bytes, &name)?))
-            }
-            [0, _] => Ok(None),
-            _ => bail!("rank 0 could not read the checkpoint {name} (rank 0's error says why)"),
-        }
-    }
-}
-
-/// Whether this run may resume from the checkpoint at `path` described by `meta`: the same
-/// model always; the same world size and seed unless `--allow-mismatched-checkpoint` (then a
-/// warning), since another world size or seed changes the data order and the dropout masks, so
-/// the resumed run would not continue the one that wrote it. Every rank decides the same.
-fn check_resumable(
-    meta: &CheckpointMeta,
-    path: &Path,
-    name: &str,
-    (world, cfg): (usize, &TrainConfig),
-    say: &Say,
-) -> Result<()> {
-    if meta.model != name {
-        bail!(
-            "{} holds a `{}` model, this run trains `{name}`",
-            path.display(),
-            meta.model
-        );
-    }
-    let mut differences = Vec::new();
-    if meta.world_size != world {
-        differences.push(format!(
-            "world size {} (this run: {world})",
-            meta.world_size
-        ));
-    }
-    if meta.seed != cfg.seed {
-        differences.push(format!("seed {} (this run: {})", meta.seed, cfg.seed));
-    }
-    if differences.is_empty() {
-        return Ok(());
-    }
-    let what = differences.join(" and ");
-    if !cfg.allow_mismatched_checkpoint {
-        bail!(
-            "{} was written by a run with {what}: resuming would not continue that run (another \
-             data order and other dropout masks); pass --allow-mismatched-checkpoint to resume \
-             from it anyway",
-            path.display()
-        );
-    }
-    tracing::warn!(
-        "{} was written by a run with {what}; resuming anyway",
-        path.display()
-    );
-    say.line(format!(
-        "warning: {} was written by a run with {what}; resuming anyway \
-         (--allow-mismatched-checkpoint)",
-        path.display()
-    ));
-    Ok(())
-}
-
 /// Writes a checkpoint of the run at `position` (epochs completed, batches of the next epoch
 /// done, this rank's loss sum over them) after global step `step`, when the run has a
-/// checkpoint directory: every rank takes part (a mid-epoch position gathers each rank's loss
-/// sum), rank 0 writes the file atomically and returns its path.
+/// checkpoint directory: every rank takes part (`ddp::save_checkpoint`), rank 0 writes the
+/// file atomically and returns its path.
 fn save_checkpoint<M: Module>(
     cfg: &TrainConfig,
     pg: &ProcessGroup,
@@ -957,34 +870,29 @@ fn save_checkpoint<M: Module>(
     let Some(dir) = &cfg.checkpoint_dir else {
         return Ok(None);
     };
-    let epoch_loss_sums = if batch_in_epoch > 0 {
-        pg.all_gather(vec![loss_sum])?
-    } else {
-        Vec::new()
-    };
-    if pg.rank() != 0 {
-        return Ok(None);
-    }
-    let meta = CheckpointMeta {
+    let position = Position {
         epoch,
-        batch_in_epoch: batch_in_epoch as u64,
-        epoch_loss_sums,
+        batch_in_epoch,
         step,
-        seed: cfg.seed,
-        world_size: pg.world_size(),
-        model: name.to_string(),
-        model_len: 0,
-        optim_len: 0,
-        sha256: String::new(),
+        loss_sum,
     };
-    let model_bytes = model.clone().into_record().into_bytes()?;
-    let optim_bytes = optim.into_bytes()?;
-    Ok(Some(checkpoint::save(
+    Ok(ddp::save_checkpoint(
+        pg,
         dir,
-        meta,
-        &model_bytes,
-        &optim_bytes,
-    )?))
+        &run_id(cfg, name),
+        &position,
+        model,
+        optim,
+    )?)
+}
+
+/// What identifies this run in its checkpoints.
+fn run_id(cfg: &TrainConfig, name: &str) -> RunId {
+    RunId {
+        model: name.to_string(),
+        seed: cfg.seed,
+        allow_mismatch: cfg.allow_mismatched_checkpoint,
+    }
 }
 
 /// FNV-1a of the values' little-endian bytes.

@@ -78,6 +78,23 @@ pub enum DdpError {
         /// The failing rank, when exactly one failed.
         rank: Option<usize>,
     },
+    /// A checkpoint that cannot be written, read or loaded; the text names the file.
+    #[error("{0}")]
+    Checkpoint(String),
+    /// A checkpoint written by a run with another world size or seed, which resuming would not
+    /// continue (another data order, other dropout masks); `RunId::allow_mismatch` lets it
+    /// through.
+    #[error(
+        "{path} was written by a run with {what}: resuming would not continue that run \
+         (another data order and other dropout masks); allow a mismatched checkpoint \
+         (RunId::allow_mismatch) to resume from it anyway"
+    )]
+    CheckpointMismatch {
+        /// The checkpoint file.
+        path: String,
+        /// What differs, e.g. `world size 2 (this run: 1)`.
+        what: String,
+    },
     /// An invalid setting, or a buffer of the wrong length.
     #[error("invalid DDP configuration: {0}")]
     Config(String),

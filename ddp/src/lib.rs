@@ -7,15 +7,18 @@
 
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 mod config;
 mod ddp;
 mod error;
 mod params;
+mod resume;
 
 pub use crate::config::{Compression, DdpConfig};
 pub use crate::ddp::{DistributedDataParallel, SyncPhase, SyncSpan, SyncStats};
 pub use error::DdpError;
 pub use params::{flatten_params, load_flat_params, param_infos, ParamInfo, ParamKind};
+pub use resume::{fetch, resume, save_checkpoint, Position, Resumed, RunId};
 
 // What a user's program needs from the communication layer, so that `ddp` is its one
 // dependency besides burn.

@@ -13,15 +13,28 @@
 //! SHA-256 of the payload, so a truncated or corrupted file is an error that names it, never a
 //! half-loaded model. Writing goes to a temporary file in the same directory, which is fsynced
 //! and then renamed over the old checkpoint (and the directory fsynced): a crash at any point
-//! leaves either the old checkpoint or the new one, and a stray temporary file is ignored.
+//! leaves either the old checkpoint or the new one, and a stray temporary file is ignored
+//! (`ddp_fsio::atomic_write`).
+//!
+//! Every error is [`DdpError::Checkpoint`], naming the file (and the header field at fault).
+//! The collective side (rank 0 writes, rank 0 reads and broadcasts, the resume check) is in
+//! `resume.rs`.
 
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+
+use crate::DdpError;
+
+type Result<T> = std::result::Result<T, DdpError>;
+
+/// A [`DdpError::Checkpoint`] with this text.
+fn fail(text: impl Into<String>) -> DdpError {
+    DdpError::Checkpoint(text.into())
+}
 
 const MAGIC: &[u8; 8] = b"DDPCKPT1";
 /// File name of the latest checkpoint inside the checkpoint directory.
@@ -47,7 +60,7 @@ pub struct CheckpointMeta {
     pub seed: u64,
     /// World size of the run that wrote it.
     pub world_size: usize,
-    /// Which model (for a clear error when resuming a different one).
+    /// Which model (a name the program chooses; for a clear error when resuming another one).
     pub model: String,
     /// Length of the model record.
     pub model_len: u64,
@@ -62,9 +75,9 @@ pub struct CheckpointMeta {
 pub struct Checkpoint {
     /// Its metadata.
     pub meta: CheckpointMeta,
-    /// The model record, as burn's `BinBytesRecorder` wrote it.
+    /// The model record, as `Module::into_record().into_bytes()` wrote it.
     pub model: Vec<u8>,
-    /// The optimizer record, likewise.
+    /// The optimizer record, as `ModuleOptimizer::into_bytes()` wrote it.
     pub optim: Vec<u8>,
 }
 
@@ -73,10 +86,12 @@ pub fn checkpoint_path(dir: &Path) -> PathBuf {
     dir.join(CHECKPOINT_FILE)
 }
 
+/// Lower-case hexadecimal of `bytes`.
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The payload's SHA-256, as the header stores it.
 fn digest(model: &[u8], optim: &[u8]) -> String {
     let mut h = Sha256::new();
     h.update(model);
@@ -87,31 +102,26 @@ fn digest(model: &[u8], optim: &[u8]) -> String {
 /// Writes a checkpoint atomically to `dir/checkpoint.ddpck`, returning its path. `meta`'s
 /// lengths and digest are filled in here.
 pub fn save(dir: &Path, mut meta: CheckpointMeta, model: &[u8], optim: &[u8]) -> Result<PathBuf> {
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("creating checkpoint directory {}", dir.display()))?;
+    std::fs::create_dir_all(dir).map_err(|e| {
+        fail(format!(
+            "creating checkpoint directory {}: {e}",
+            dir.display()
+        ))
+    })?;
     meta.model_len = model.len() as u64;
     meta.optim_len = optim.len() as u64;
     meta.sha256 = digest(model, optim);
-    let json = serde_json::to_vec(&meta)?;
+    let json = serde_json::to_vec(&meta)
+        .map_err(|e| fail(format!("encoding the checkpoint header: {e}")))?;
     let path = checkpoint_path(dir);
-    let tmp = dir.join(format!("{CHECKPOINT_FILE}.{}.tmp", std::process::id()));
-    let write = || -> Result<()> {
-        let mut f = File::create(&tmp)?;
+    ddp_fsio::atomic_write(&path, |f| {
         f.write_all(MAGIC)?;
         f.write_all(&(json.len() as u32).to_le_bytes())?;
         f.write_all(&json)?;
         f.write_all(model)?;
-        f.write_all(optim)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &path)?;
-        // Make the rename itself durable.
-        File::open(dir)?.sync_all()?;
-        Ok(())
-    };
-    if let Err(e) = write() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e.context(format!("writing checkpoint {}", path.display())));
-    }
+        f.write_all(optim)
+    })
+    .map_err(|e| fail(format!("writing checkpoint {}: {e}", path.display())))?;
     Ok(path)
 }
 
@@ -128,26 +138,27 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
 /// the file, so a bad file is an error naming it, not a large allocation.
 pub fn read(path: &Path) -> Result<Vec<u8>> {
     let name = path.display();
-    let size = std::fs::metadata(path)
-        .with_context(|| format!("reading checkpoint {name}"))?
-        .len();
-    let mut file = File::open(path).with_context(|| format!("reading checkpoint {name}"))?;
+    let io = |e: std::io::Error| fail(format!("reading checkpoint {name}: {e}"));
+    let size = std::fs::metadata(path).map_err(io)?.len();
+    let mut file = File::open(path).map_err(io)?;
     let mut head = [0u8; 12];
     if size < 12 || file.read_exact(&mut head).is_err() || &head[..8] != MAGIC {
-        bail!("{name} is not a ddp-rs checkpoint (bad magic bytes)");
+        return Err(fail(format!(
+            "{name} is not a ddp-rs checkpoint (bad magic bytes)"
+        )));
     }
     let meta_len = u64::from(u32::from_le_bytes([head[8], head[9], head[10], head[11]]));
-    ensure!(
-        meta_len <= size - 12,
-        "{name} is truncated inside its header: the header length field says {meta_len} bytes, \
-         the file holds {} after it",
-        size - 12
-    );
+    if meta_len > size - 12 {
+        return Err(fail(format!(
+            "{name} is truncated inside its header: the header length field says {meta_len} \
+             bytes, the file holds {} after it",
+            size - 12
+        )));
+    }
     // Reading the file now allocates only as much as it holds.
     let mut bytes = Vec::with_capacity(size as usize);
     bytes.extend_from_slice(&head);
-    file.read_to_end(&mut bytes)
-        .with_context(|| format!("reading checkpoint {name}"))?;
+    file.read_to_end(&mut bytes).map_err(io)?;
     Ok(bytes)
 }
 
@@ -156,51 +167,54 @@ pub fn read(path: &Path) -> Result<Vec<u8>> {
 /// anything is sliced, and the payload's SHA-256 against the header's.
 pub fn parse(bytes: &[u8], name: &str) -> Result<Checkpoint> {
     if bytes.len() < 12 || &bytes[..8] != MAGIC {
-        bail!("{name} is not a ddp-rs checkpoint (bad magic bytes)");
+        return Err(fail(format!(
+            "{name} is not a ddp-rs checkpoint (bad magic bytes)"
+        )));
     }
     let meta_len = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize;
-    ensure!(
-        meta_len <= bytes.len() - 12,
-        "{name} is truncated inside its header: the header length field says {meta_len} bytes, \
-         the file holds {} after it",
-        bytes.len() - 12
-    );
+    if meta_len > bytes.len() - 12 {
+        return Err(fail(format!(
+            "{name} is truncated inside its header: the header length field says {meta_len} \
+             bytes, the file holds {} after it",
+            bytes.len() - 12
+        )));
+    }
     let meta_end = 12 + meta_len;
-    let meta_bytes = bytes
-        .get(12..meta_end)
-        .with_context(|| format!("{name} is truncated inside its header"))?;
-    let meta: CheckpointMeta = serde_json::from_slice(meta_bytes)
-        .with_context(|| format!("{name}: unreadable checkpoint header"))?;
+    let meta: CheckpointMeta = serde_json::from_slice(&bytes[12..meta_end])
+        .map_err(|e| fail(format!("{name}: unreadable checkpoint header: {e}")))?;
     let body = &bytes[meta_end..];
     let payload = body.len() as u64;
-    ensure!(
-        meta.model_len <= payload,
-        "{name} is truncated or its header is wrong: header field `model_len` says {} bytes, \
-         the file holds {payload} payload bytes",
-        meta.model_len
-    );
-    ensure!(
-        meta.optim_len <= payload - meta.model_len,
-        "{name} is truncated or its header is wrong: header field `optim_len` says {} bytes, \
-         {} payload bytes remain after the model's {}",
-        meta.optim_len,
-        payload - meta.model_len,
-        meta.model_len
-    );
+    if meta.model_len > payload {
+        return Err(fail(format!(
+            "{name} is truncated or its header is wrong: header field `model_len` says {} \
+             bytes, the file holds {payload} payload bytes",
+            meta.model_len
+        )));
+    }
+    if meta.optim_len > payload - meta.model_len {
+        return Err(fail(format!(
+            "{name} is truncated or its header is wrong: header field `optim_len` says {} \
+             bytes, {} payload bytes remain after the model's {}",
+            meta.optim_len,
+            payload - meta.model_len,
+            meta.model_len
+        )));
+    }
     let expected = meta.model_len + meta.optim_len;
     if payload != expected {
-        bail!(
+        return Err(fail(format!(
             "{name} is truncated or padded: the header announces {expected} payload bytes \
              (`model_len` + `optim_len`), the file holds {payload}"
-        );
+        )));
     }
     let (model, optim) = body.split_at(meta.model_len as usize);
     let actual = digest(model, optim);
-    ensure!(
-        actual == meta.sha256,
-        "{name} is corrupted: SHA-256 of the payload is {actual}, the header says {}",
-        meta.sha256
-    );
+    if actual != meta.sha256 {
+        return Err(fail(format!(
+            "{name} is corrupted: SHA-256 of the payload is {actual}, the header says {}",
+            meta.sha256
+        )));
+    }
     Ok(Checkpoint {
         model: model.to_vec(),
         optim: optim.to_vec(),

@@ -1,0 +1,228 @@
+//! Checkpoint and resume for a DDP run, with a user's own model and optimizer: the collective
+//! side of [`crate::checkpoint`]'s file.
+//!
+//! Replicas are identical after every step, so one rank's state is the job's state:
+//!
+//! - [`save_checkpoint`]: every rank calls it at the same point (it is a collective when the
+//!   checkpoint is taken mid-epoch: each rank's loss sum so far is gathered); rank 0 alone
+//!   writes the file, atomically, and returns its path.
+//! - [`resume`]: every rank calls it; rank 0 alone reads the file and broadcasts it, so nodes
+//!   need no shared file system. A file of another model is refused, and so is one written by a
+//!   run with another world size or seed (another data order and other dropout masks: the
+//!   resumed run would not continue that run) unless the caller allows it. Every rank decides
+//!   the same. Then the model and optimizer records are loaded. Resume *before* wrapping the
+//!   model in [`crate::DistributedDataParallel`]: loading a record gives the parameters new ids.
+
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use burn::optim::ModuleOptimizer;
+use burn::store::ModuleRecord;
+use burn::tensor::Bytes;
+use ddp_comm::ProcessGroup;
+
+use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
+use crate::DdpError;
+
+/// A [`DdpError::Checkpoint`] with this text.
+fn fail(text: impl Into<String>) -> DdpError {
+    DdpError::Checkpoint(text.into())
+}
+
+/// Where a run stands when it saves a checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Position {
+    /// Epochs completed.
+    pub epoch: usize,
+    /// Batches of the epoch in progress already trained (0 at an epoch's end).
+    pub batch_in_epoch: usize,
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// This rank's sum of the training losses of those `batch_in_epoch` batches (for the
+    /// epoch's mean loss after a resume; ignored at an epoch's end).
+    pub loss_sum: f64,
+}
+
+/// What identifies a run, checked by [`resume`] against the checkpoint's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunId {
+    /// The model's name (any text the program chooses).
+    pub model: String,
+    /// The run's seed.
+    pub seed: u64,
+    /// Resume from a checkpoint of another world size or seed anyway (with a warning).
+    pub allow_mismatch: bool,
+}
+
+/// Saves the run's state after `position` into `dir/checkpoint.ddpck`. Every rank calls it;
+/// rank 0 writes the file (atomically: a crash leaves the old checkpoint or the new one) and
+/// returns `Some(path)`, the other ranks `None`.
+pub fn save_checkpoint<M: Module>(
+    pg: &ProcessGroup,
+    dir: &Path,
+    run: &RunId,
+    position: &Position,
+    model: &M,
+    optim: &ModuleOptimizer,
+) -> Result<Option<PathBuf>, DdpError> {
+    let epoch_loss_sums = if position.batch_in_epoch > 0 {
+        pg.all_gather(vec![position.loss_sum])?
+    } else {
+        Vec::new()
+    };
+    if pg.rank() != 0 {
+        return Ok(None);
+    }
+    let meta = CheckpointMeta {
+        epoch: position.epoch,
+        batch_in_epoch: position.batch_in_epoch as u64,
+        epoch_loss_sums,
+        step: position.step,
+        seed: run.seed,
+        world_size: pg.world_size(),
+        model: run.model.clone(),
+        model_len: 0,
+        optim_len: 0,
+        sha256: String::new(),
+    };
+    let model_bytes = (model.clone().into_record().into_bytes())
+        .map_err(|e| fail(format!("encoding the model record: {e:?}")))?;
+    let optim_bytes =
+        (optim.into_bytes()).map_err(|e| fail(format!("encoding the optimizer record: {e:?}")))?;
+    checkpoint::save(dir, meta, &model_bytes, &optim_bytes).map(Some)
+}
+
+/// What [`resume`] returns: the model and optimizer, restored when there was a checkpoint.
+pub struct Resumed<M> {
+    /// The model: with the checkpoint's parameters, or as it was given when there was none.
+    pub model: M,
+    /// The optimizer: with the checkpoint's state, or as it was given.
+    pub optim: ModuleOptimizer,
+    /// Where the checkpointed run stood (epochs, batches of the next epoch, steps, each rank's
+    /// loss sums); `None` when there was no checkpoint: start fresh.
+    pub meta: Option<CheckpointMeta>,
+    /// Set when the checkpoint's world size or seed differ from this run's and
+    /// [`RunId::allow_mismatch`] let it through: what differs.
+    pub mismatch: Option<String>,
+}
+
+/// Restores `model` and `optim` from the checkpoint at `path`, or hands them back unchanged
+/// when there is no file there (`meta: None`: start fresh). Every rank calls it; rank 0 reads
+/// the file and broadcasts it.
+/// Errors name the file: unreadable, corrupted, another model, or another world size or seed
+/// (unless `run.allow_mismatch`).
+pub fn resume<M: Module>(
+    pg: &ProcessGroup,
+    path: &Path,
+    run: &RunId,
+    model: M,
+    optim: ModuleOptimizer,
+) -> Result<Resumed<M>, DdpError> {
+    let Some(ck) = fetch(pg, path)? else {
+        return Ok(Resumed {
+            model,
+            optim,
+            meta: None,
+            mismatch: None,
+        });
+    };
+    let mismatch = check_resumable(&ck.meta, path, run, pg.world_size())?;
+    let name = path.display();
+    let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(ck.model))
+        .map_err(|e| fail(format!("{name}: model record: {e:?}")))?;
+    let model = model
+        .try_load_record(record)
+        .map_err(|e| fail(format!("{name}: model record: {e:?}")))?;
+    let optim = optim
+        .from_bytes(Bytes::from_bytes_vec(ck.optim))
+        .map_err(|e| fail(format!("{name}: optimizer record: {e:?}")))?;
+    Ok(Resumed {
+        model,
+        optim,
+        meta: Some(ck.meta),
+        mismatch,
+    })
+}
+
+/// Reads the checkpoint at `path` on rank 0 and broadcasts it, so that every rank returns the
+/// same checkpoint (or `None`: no file). Rank 0 first broadcasts `[state, length]`: 1 when the
+/// checkpoint follows (then its bytes), 0 when there is none, -1 when rank 0 could not read it
+/// (it returns its own error naming the file; the others say rank 0 failed), so that no rank
+/// waits for bytes that never come.
+pub fn fetch(pg: &ProcessGroup, path: &Path) -> Result<Option<Checkpoint>, DdpError> {
+    let name = path.display().to_string();
+    if pg.rank() == 0 {
+        let read = if path.exists() {
+            checkpoint::read(path)
+                .and_then(|bytes| Ok((checkpoint::parse(&bytes, &name)?, bytes)))
+                .map(Some)
+        } else {
+            Ok(None)
+        };
+        let header = match &read {
+            Ok(Some((_, bytes))) => vec![1i64, bytes.len() as i64],
+            Ok(None) => vec![0, 0],
+            Err(_) => vec![-1, 0],
+        };
+        pg.broadcast(header, 0)?;
+        let Some((ck, bytes)) = read? else {
+            return Ok(None);
+        };
+        pg.broadcast(bytes, 0)?;
+        Ok(Some(ck))
+    } else {
+        let header = pg.broadcast(vec![0i64; 2], 0)?;
+        match header[..] {
+            [1, len] => {
+                let len = usize::try_from(len)
+                    .map_err(|_| fail(format!("rank 0 announced a checkpoint of {len} bytes")))?;
+                let bytes = pg.broadcast(vec![0u8; len], 0)?;
+                Ok(Some(checkpoint::parse(&bytes, &name)?))
+            }
+            [0, _] => Ok(None),
+            _ => Err(fail(format!(
+                "rank 0 could not read the checkpoint {name} (rank 0's error says why)"
+            ))),
+        }
+    }
+}
+
+/// Whether this run may resume from the checkpoint at `path` described by `meta`: the same
+/// model always; the same world size and seed unless `run.allow_mismatch` (then `Ok(Some(what
+/// differs))`). Every rank decides the same, from the same broadcast header.
+fn check_resumable(
+    meta: &CheckpointMeta,
+    path: &Path,
+    run: &RunId,
+    world: usize,
+) -> Result<Option<String>, DdpError> {
+    if meta.model != run.model {
+        return Err(fail(format!(
+            "{} holds a `{}` model, this run trains `{}`",
+            path.display(),
+            meta.model,
+            run.model
+        )));
+    }
+    let mut differences = Vec::new();
+    if meta.world_size != world {
+        differences.push(format!(
+            "world size {} (this run: {world})",
+            meta.world_size
+        ));
+    }
+    if meta.seed != run.seed {
+        differences.push(format!("seed {} (this run: {})", meta.seed, run.seed));
+    }
+    if differences.is_empty() {
+        return Ok(None);
+    }
+    let what = differences.join(" and ");
+    if !run.allow_mismatch {
+        return Err(DdpError::CheckpointMismatch {
+            path: path.display().to_string(),
+            what,
+        });
+    }
+    Ok(Some(what))
+}
