@@ -53,14 +53,15 @@ cargo test --release --workspace --features ddp-apps/nccl
 
 step "system packages"
 # The network-namespace tests (comm/tests/processes.rs: a cut link between two "hosts", a lossy
-# link and a one-way partition made with nftables rules) need iproute2's `ip` and nftables'
-# `nft`; the Slurm step needs slurm-wlm and munge; the Python steps need venv (Debian ships it
-# apart from python3). Installed only when missing.
+# link and a one-way partition made with nftables rules) need iproute2's `ip` and nftables' `nft`;
+# the Slurm step needs slurm-wlm and munge; the mpirun step Open MPI's openmpi-bin; the Python
+# steps need venv (Debian ships it apart from python3). Installed only when missing.
 missing=()
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 command -v nft >/dev/null 2>&1 || missing+=(nftables)
 command -v slurmctld >/dev/null 2>&1 || missing+=(slurm-wlm)
 command -v munged >/dev/null 2>&1 || missing+=(munge)
+command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing+=(python3-venv)
 if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
@@ -131,6 +132,19 @@ cargo xtask trace-mnist --out target/ci-trace --data-dir "$MNIST"
 
 step "slurm: the example job script on a real one-node Slurm cluster, 2 tasks through srun"
 bash ci/slurm.sh target/ci-slurm
+
+step "mpirun: Open MPI starts 2 ranks of train-mnist, found through OMPI_COMM_WORLD_* alone"
+# No torchrun or Slurm variables: the ranks must recognise Open MPI's, and find rank 0 on this
+# host (every rank is local) at the default port.
+mpirun --allow-run-as-root --oversubscribe -np 2 target/release/train-mnist --epochs 1 \
+  --max-steps 100 --log-interval 50 --threads 1 --data-dir "$MNIST" | tee target/ci-mpirun.txt
+grep -q "world 2 (launcher: open-mpi)" target/ci-mpirun.txt
+python3 - target/ci-mpirun.txt <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+m = re.search(r"done: 1 epochs, 100 steps, test accuracy ([0-9.]+)%", text)
+assert m and float(m.group(1)) >= 90.0, f"mpirun: {text!r}"
+PY
 
 step "layout: no two files of a library crate import each other, no source file over 1000 lines"
 for crate in fsio comm launch data models ddp apps; do

@@ -90,6 +90,11 @@ pub struct GroupConfig {
     /// identities try shared memory with each other. `None`: the host name plus the kernel's
     /// boot id. Set it where those do not tell hosts apart, or to simulate several hosts.
     pub host_id: Option<String>,
+    /// Whose variables said who the ranks are: `torchrun` (also ddprun and Kubeflow's
+    /// PyTorchJob, which set torchrun's), `open-mpi`, `mpich` (MPICH, Intel MPI and other
+    /// Hydra/PMI launchers), `slurm`, `explicit` (a builder's values), or `none` (a single
+    /// process). For the first log line of a run.
+    pub launcher: String,
 }
 
 impl Default for GroupConfig {
@@ -113,6 +118,7 @@ impl Default for GroupConfig {
             transport: Transport::Auto,
             torch_agent_store: None,
             host_id: None,
+            launcher: "none".to_string(),
         }
     }
 }

@@ -1,13 +1,28 @@
 //! Where a [`GroupConfig`]'s values come from: explicit values (the builder's), torchrun's
 //! variables, Slurm's, the `DDP_*` variables, the defaults.
 //!
-//! Precedence, per value: an explicit value, then torchrun's variables (`RANK`, `WORLD_SIZE`,
-//! `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), then Slurm's (`SLURM_PROCID`,
-//! `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_TASKS_PER_NODE`/`SLURM_NODEID`, the first host of
-//! `SLURM_JOB_NODELIST`, a port derived from `SLURM_JOB_ID`), then the defaults of a single
-//! process (rank 0 of 1). Slurm's variables are used only when neither `RANK` nor `WORLD_SIZE`
-//! is set, and only the variables of the launcher in use are read (so only those are
-//! validated). The variables `DDP_TIMEOUT`, `DDP_CONNECT_TIMEOUT`, `DDP_PEER_TIMEOUT` (seconds),
+//! Precedence, per value: an explicit value, then the variables of the one launcher detected,
+//! then the defaults of a single process (rank 0 of 1). Launchers, in the order they are
+//! detected (the first whose variables are present wins, and only its variables are read, so
+//! only those are validated):
+//!
+//! | launcher | detected by | rank, world, local rank, local world |
+//! | --- | --- | --- |
+//! | torchrun (ddprun, Kubeflow PyTorchJob) | `RANK` or `WORLD_SIZE` | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` |
+//! | Open MPI (`mpirun`) | `OMPI_COMM_WORLD_RANK` and `_SIZE` | `OMPI_COMM_WORLD_RANK`, `_SIZE`, `_LOCAL_RANK`, `_LOCAL_SIZE` |
+//! | MPICH, Intel MPI (Hydra `mpiexec`) | `PMI_RANK` and `PMI_SIZE` | `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` |
+//! | Slurm (`srun`) | `SLURM_PROCID` and `SLURM_NTASKS` | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_TASKS_PER_NODE`/`SLURM_NODEID` |
+//!
+//! MPI comes before Slurm because an `mpirun` inside a Slurm batch script inherits the batch
+//! step's `SLURM_PROCID` (0 in every rank). Kubeflow's PyTorchJob sets torchrun's variables
+//! (its `PET_*` variables are torchrun's own options, read by the torchrun it starts).
+//!
+//! Rank 0's address: `MASTER_ADDR`; else under Slurm the first host of `SLURM_JOB_NODELIST`;
+//! else under MPI the first host of `PBS_NODEFILE` (a PBS job), else of `SLURM_JOB_NODELIST`
+//! (an `mpirun` inside a Slurm job), else this host when every rank is local, else an error
+//! that asks for `MASTER_ADDR` (`mpirun -x MASTER_ADDR=host`). The port: `MASTER_PORT`; else
+//! under Slurm and MPI one derived from the job id (`PBS_JOBID`, `SLURM_JOB_ID`, Open MPI's or
+//! PMIx's job name), so that jobs sharing a node differ; else torchrun's default, 29500. The variables `DDP_TIMEOUT`, `DDP_CONNECT_TIMEOUT`, `DDP_PEER_TIMEOUT` (seconds),
 //! `DDP_TRACE_DIR`, `DDP_TOKEN`, `DDP_JOB_ID`, `DDP_SEGMENT_BYTES`, `DDP_SMALL_ALLREDUCE_BYTES`,
 //! `DDP_TRANSPORT` and `DDP_HOST_ID` apply in every case.
 //!
@@ -84,7 +99,11 @@ pub(crate) fn process_env(name: &str) -> Option<String> {
 enum Launcher {
     /// `RANK` or `WORLD_SIZE` is set (torchrun, ddprun, anything that mimics them).
     Torchrun,
-    /// Neither is, but `SLURM_PROCID` and `SLURM_NTASKS` are (`srun`).
+    /// `OMPI_COMM_WORLD_RANK` and `OMPI_COMM_WORLD_SIZE` (Open MPI's `mpirun`).
+    OpenMpi,
+    /// `PMI_RANK` and `PMI_SIZE` (MPICH's and Intel MPI's Hydra `mpiexec`).
+    Mpich,
+    /// `SLURM_PROCID` and `SLURM_NTASKS` (`srun`).
     Slurm,
     /// Neither: a single process, unless explicit values say otherwise.
     None,
@@ -94,19 +113,66 @@ impl Launcher {
     fn detect(env: Lookup) -> Launcher {
         if env("RANK").is_some() || env("WORLD_SIZE").is_some() {
             Launcher::Torchrun
+        } else if env("OMPI_COMM_WORLD_RANK").is_some() && env("OMPI_COMM_WORLD_SIZE").is_some() {
+            Launcher::OpenMpi
+        } else if env("PMI_RANK").is_some() && env("PMI_SIZE").is_some() {
+            Launcher::Mpich
         } else if env("SLURM_PROCID").is_some() && env("SLURM_NTASKS").is_some() {
             Launcher::Slurm
         } else {
             Launcher::None
         }
     }
+
+    /// The name [`GroupConfig::launcher`] reports.
+    fn name(self) -> &'static str {
+        match self {
+            Launcher::Torchrun => "torchrun",
+            Launcher::OpenMpi => "open-mpi",
+            Launcher::Mpich => "mpich",
+            Launcher::Slurm => "slurm",
+            Launcher::None => "none",
+        }
+    }
+
+    /// Whether an MPI launcher started the ranks.
+    fn is_mpi(self) -> bool {
+        matches!(self, Launcher::OpenMpi | Launcher::Mpich)
+    }
+}
+
+/// The store's port for a numeric job id: 20000 + the id's last four digits.
+fn job_port(id: u64) -> u16 {
+    20000 + (id % 10000) as u16
+}
+
+/// The store's port under an MPI launcher without `MASTER_PORT`: from the PBS job id
+/// (`1234.server`: its number), else the Slurm job id, else Open MPI's or PMIx's job name
+/// (hashed), the same in every rank of the job; else torchrun's default.
+fn mpi_job_port(env: Lookup) -> Result<u16, CommError> {
+    if let Some(id) = env("PBS_JOBID") {
+        let digits: String = id.chars().take_while(char::is_ascii_digit).collect();
+        return match digits.parse::<u64>() {
+            Ok(n) => Ok(job_port(n)),
+            Err(_) => Ok(job_port(crate::hash::fnv1a(id.as_bytes()))),
+        };
+    }
+    if let Some(id) = parse_var::<u64>(env, "SLURM_JOB_ID", "a job number")? {
+        return Ok(job_port(id));
+    }
+    for var in ["PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"] {
+        if let Some(name) = env(var).filter(|n| !n.is_empty()) {
+            return Ok(job_port(crate::hash::fnv1a(name.as_bytes())));
+        }
+    }
+    Ok(DEFAULT_MASTER_PORT)
 }
 
 /// Resolves every value of a [`GroupConfig`] (see the module documentation for the order).
 pub(crate) fn resolve(given: &Explicit, env: Lookup) -> Result<GroupConfig, CommError> {
     let launcher = Launcher::detect(env);
     let ranks = ranks(given, env, launcher)?;
-    let master_addr = master_addr(given, env, launcher)?;
+    let master_addr = master_addr(given, env, launcher, &ranks)?;
     let master_port = master_port(given, env, launcher)?;
     let (timeout, connect_timeout, peer_timeout) = deadlines(given, env)?;
     let trace_dir = match &given.trace_dir {
@@ -148,6 +214,11 @@ pub(crate) fn resolve(given: &Explicit, env: Lookup) -> Result<GroupConfig, Comm
         torch_agent_store,
         transport,
         host_id,
+        launcher: if given.rank.is_some() && given.world_size.is_some() {
+            "explicit".to_string()
+        } else {
+            launcher.name().to_string()
+        },
     })
 }
 
@@ -192,6 +263,7 @@ struct Ranks {
 /// against each other.
 fn ranks(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Ranks, CommError> {
     let (torch, slurm) = (launcher == Launcher::Torchrun, launcher == Launcher::Slurm);
+    let (ompi, mpich) = (launcher == Launcher::OpenMpi, launcher == Launcher::Mpich);
     // Only the variables of the launcher in use, and only those not given explicitly.
     let read = |explicit: bool, var: &str, active: bool| -> Result<Option<usize>, CommError> {
         if explicit || !active {
@@ -207,6 +279,14 @@ fn ranks(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Ranks, Com
             (
                 read(given.world_size.is_some(), "WORLD_SIZE", torch)?,
                 "WORLD_SIZE",
+            ),
+            (
+                read(given.world_size.is_some(), "OMPI_COMM_WORLD_SIZE", ompi)?,
+                "OMPI_COMM_WORLD_SIZE",
+            ),
+            (
+                read(given.world_size.is_some(), "PMI_SIZE", mpich)?,
+                "PMI_SIZE",
             ),
             (
                 read(given.world_size.is_some(), "SLURM_NTASKS", slurm)?,
@@ -226,6 +306,11 @@ fn ranks(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Ranks, Com
         "rank",
         vec![
             (read(given.rank.is_some(), "RANK", torch)?, "RANK"),
+            (
+                read(given.rank.is_some(), "OMPI_COMM_WORLD_RANK", ompi)?,
+                "OMPI_COMM_WORLD_RANK",
+            ),
+            (read(given.rank.is_some(), "PMI_RANK", mpich)?, "PMI_RANK"),
             (
                 read(given.rank.is_some(), "SLURM_PROCID", slurm)?,
                 "SLURM_PROCID",
@@ -268,6 +353,18 @@ fn ranks(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Ranks, Com
                 read(given.local_world_size.is_some(), "LOCAL_WORLD_SIZE", torch)?,
                 "LOCAL_WORLD_SIZE",
             ),
+            (
+                read(
+                    given.local_world_size.is_some(),
+                    "OMPI_COMM_WORLD_LOCAL_SIZE",
+                    ompi,
+                )?,
+                "OMPI_COMM_WORLD_LOCAL_SIZE",
+            ),
+            (
+                read(given.local_world_size.is_some(), "MPI_LOCALNRANKS", mpich)?,
+                "MPI_LOCALNRANKS",
+            ),
             (slurm_local_world, "SLURM_TASKS_PER_NODE"),
         ],
     )
@@ -279,6 +376,18 @@ fn ranks(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Ranks, Com
             (
                 read(given.local_rank.is_some(), "LOCAL_RANK", torch)?,
                 "LOCAL_RANK",
+            ),
+            (
+                read(
+                    given.local_rank.is_some(),
+                    "OMPI_COMM_WORLD_LOCAL_RANK",
+                    ompi,
+                )?,
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+            ),
+            (
+                read(given.local_rank.is_some(), "MPI_LOCALRANKID", mpich)?,
+                "MPI_LOCALRANKID",
             ),
             (
                 read(given.local_rank.is_some(), "SLURM_LOCALID", slurm)?,
@@ -313,25 +422,20 @@ fn ranks(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Ranks, Com
     })
 }
 
-/// Where rank 0 is: `MASTER_ADDR`, else under Slurm the first host of the node list, else
-/// this host.
-fn master_addr(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<String, CommError> {
+/// Where rank 0 is: `MASTER_ADDR`, else what the launcher in use says (see the module
+/// documentation), else this host.
+fn master_addr(
+    given: &Explicit,
+    env: Lookup,
+    launcher: Launcher,
+    ranks: &Ranks,
+) -> Result<String, CommError> {
     let addr = match &given.master_addr {
         Some(a) => a.clone(),
         None => match env("MASTER_ADDR").filter(|s| !s.trim().is_empty()) {
             Some(a) => a.trim().to_string(),
-            None if launcher == Launcher::Slurm => {
-                let (var, list) = match env("SLURM_JOB_NODELIST") {
-                    Some(l) => ("SLURM_JOB_NODELIST", l),
-                    None => ("SLURM_NODELIST", env("SLURM_NODELIST").unwrap_or_default()),
-                };
-                first_host(&list).ok_or_else(|| {
-                    CommError::config(
-                        var,
-                        format!("{var}={list:?}: cannot find a first host name (and MASTER_ADDR is not set)"),
-                    )
-                })?
-            }
+            None if launcher == Launcher::Slurm => slurm_first_host(env)?,
+            None if launcher.is_mpi() => mpi_master_addr(env, ranks)?,
             None => "127.0.0.1".to_string(),
         },
     };
@@ -342,6 +446,55 @@ fn master_addr(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Stri
         ));
     }
     Ok(addr)
+}
+
+/// The first host of the Slurm job's node list.
+fn slurm_first_host(env: Lookup) -> Result<String, CommError> {
+    let (var, list) = match env("SLURM_JOB_NODELIST") {
+        Some(l) => ("SLURM_JOB_NODELIST", l),
+        None => ("SLURM_NODELIST", env("SLURM_NODELIST").unwrap_or_default()),
+    };
+    first_host(&list).ok_or_else(|| {
+        CommError::config(
+            var,
+            format!("{var}={list:?}: cannot find a first host name (and MASTER_ADDR is not set)"),
+        )
+    })
+}
+
+/// Rank 0's host under an MPI launcher without `MASTER_ADDR`: the first line of the PBS job's
+/// node file, else the first host of the Slurm job around the `mpirun`, else this host when
+/// every rank runs here; several hosts and nothing to go by is an error asking for
+/// `MASTER_ADDR`. (mpirun starts rank 0 on the first host of its allocation.)
+fn mpi_master_addr(env: Lookup, ranks: &Ranks) -> Result<String, CommError> {
+    if let Some(path) = env("PBS_NODEFILE").filter(|p| !p.trim().is_empty()) {
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| CommError::config("PBS_NODEFILE", format!("PBS_NODEFILE={path}: {e}")))?;
+        return text
+            .lines()
+            .map(str::trim)
+            .find(|l| !l.is_empty())
+            .map(str::to_string)
+            .ok_or_else(|| {
+                CommError::config("PBS_NODEFILE", format!("PBS_NODEFILE={path} names no host"))
+            });
+    }
+    if env("SLURM_JOB_NODELIST").is_some() || env("SLURM_NODELIST").is_some() {
+        return slurm_first_host(env);
+    }
+    if ranks.local_world == ranks.world {
+        return Ok("127.0.0.1".to_string());
+    }
+    Err(CommError::config(
+        "MASTER_ADDR",
+        format!(
+            "MASTER_ADDR is not set: {} of the {} ranks run on other hosts, and the MPI \
+             launcher does not say where rank 0 is (pass it on: mpirun -x MASTER_ADDR=<rank 0's \
+             host>)",
+            ranks.world - ranks.local_world,
+            ranks.world
+        ),
+    ))
 }
 
 /// The store's port: `MASTER_PORT`, else under Slurm one derived from the job id (so that jobs
@@ -361,10 +514,11 @@ fn master_port(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<u16,
             Some(p) => p,
             None if launcher == Launcher::Slurm => {
                 match parse_var::<u64>(env, "SLURM_JOB_ID", "a job number")? {
-                    Some(id) => 20000 + (id % 10000) as u16,
+                    Some(id) => job_port(id),
                     None => DEFAULT_MASTER_PORT,
                 }
             }
+            None if launcher.is_mpi() => mpi_job_port(env)?,
             None => DEFAULT_MASTER_PORT,
         },
     )
@@ -649,6 +803,109 @@ mod tests {
         .unwrap();
         assert_eq!((c.master_addr.as_str(), c.master_port), ("head", 4000));
         assert_eq!((c.local_rank, c.local_world_size), (0, 2));
+    }
+
+    #[test]
+    fn open_mpi_variables() {
+        let c = GroupConfig::from_vars(vars(&[
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("MASTER_ADDR", "node0"),
+            ("PMIX_NAMESPACE", "prterun-host-1234@1"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (c.rank, c.world_size, c.local_rank, c.local_world_size),
+            (3, 4, 1, 2)
+        );
+        assert_eq!(
+            (c.master_addr.as_str(), c.launcher.as_str()),
+            ("node0", "open-mpi")
+        );
+        // The port: from the job's name, the same for every rank, in the jobs' range.
+        let again = GroupConfig::from_vars(vars(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("MASTER_ADDR", "node0"),
+            ("PMIX_NAMESPACE", "prterun-host-1234@1"),
+        ]))
+        .unwrap();
+        assert_eq!(c.master_port, again.master_port);
+        assert!((20000..30000).contains(&c.master_port), "{}", c.master_port);
+        // One host, no MASTER_ADDR: this host.
+        let local = GroupConfig::from_vars(vars(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (local.master_addr.as_str(), local.master_port),
+            ("127.0.0.1", 29500)
+        );
+        // Several hosts and nothing that says where rank 0 is: an error asking for MASTER_ADDR.
+        let e = GroupConfig::from_vars(vars(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ]))
+        .unwrap_err();
+        assert!(e.to_string().contains("mpirun -x MASTER_ADDR"), "{e}");
+        assert_eq!(err_var(e), "MASTER_ADDR");
+    }
+
+    #[test]
+    fn mpich_variables_and_mpi_inside_slurm() {
+        let c = GroupConfig::from_vars(vars(&[
+            ("PMI_RANK", "2"),
+            ("PMI_SIZE", "3"),
+            ("MPI_LOCALRANKID", "0"),
+            ("MPI_LOCALNRANKS", "1"),
+            // An mpiexec inside a Slurm batch script: the batch step's variables are there too
+            // (SLURM_PROCID 0 in every rank) and must not win.
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_JOB_NODELIST", "n[3-5]"),
+            ("SLURM_JOB_ID", "77"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (c.rank, c.world_size, c.local_rank, c.local_world_size),
+            (2, 3, 0, 1)
+        );
+        assert_eq!(c.launcher, "mpich");
+        assert_eq!((c.master_addr.as_str(), c.master_port), ("n3", 20077));
+        let e = GroupConfig::from_vars(vars(&[("PMI_RANK", "3"), ("PMI_SIZE", "3")])).unwrap_err();
+        assert_eq!(err_var(e), "PMI_RANK");
+    }
+
+    #[test]
+    fn a_pbs_job_gives_rank_0_s_host_and_the_port() {
+        let file = std::env::temp_dir().join(format!("ddp-nodefile-{}", std::process::id()));
+        std::fs::write(&file, "\ncn07\ncn07\ncn08\n").unwrap();
+        let path = file.to_string_lossy().into_owned();
+        let c = GroupConfig::from_vars(vars(&[
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "3"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "1"),
+            ("PBS_NODEFILE", &path),
+            ("PBS_JOBID", "4321.pbs-server"),
+        ]));
+        std::fs::remove_file(&file).unwrap();
+        let c = c.unwrap();
+        assert_eq!((c.master_addr.as_str(), c.master_port), ("cn07", 24321));
+        let e = GroupConfig::from_vars(vars(&[
+            ("PMI_RANK", "0"),
+            ("PMI_SIZE", "2"),
+            ("PBS_NODEFILE", "/nonexistent/ddp-nodefile"),
+        ]))
+        .unwrap_err();
+        assert!(e.to_string().contains("/nonexistent/ddp-nodefile"), "{e}");
+        assert_eq!(err_var(e), "PBS_NODEFILE");
     }
 
     #[test]

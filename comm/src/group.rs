@@ -184,6 +184,16 @@ impl ProcessGroup {
     /// ([`crate::elastic::STORE_FD_ENV`]).
     pub fn from_env() -> Result<ProcessGroup, CommError> {
         let config = GroupConfig::from_env()?;
+        tracing::info!(
+            "rank {} of {} (local rank {} of {}), found through {}'s variables; rank 0 at {}:{}",
+            config.rank,
+            config.world_size,
+            config.local_rank,
+            config.local_world_size,
+            config.launcher,
+            config.master_addr,
+            config.master_port
+        );
         let listener = inherited_store_listener(&config, &process_env)?;
         ProcessGroup::init(config, listener)
     }
