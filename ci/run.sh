@@ -138,7 +138,7 @@ step "mpirun: Open MPI starts 2 ranks of train-mnist, found through OMPI_COMM_WO
 # host (every rank is local) at the default port.
 mpirun --allow-run-as-root --oversubscribe -np 2 target/release/train-mnist --epochs 1 \
   --max-steps 100 --log-interval 50 --threads 1 --data-dir "$MNIST" | tee target/ci-mpirun.txt
-grep -q "world 2 (launcher: open-mpi)" target/ci-mpirun.txt
+grep -q "world 2 (launcher: open-mpi; 1 compute threads per rank)" target/ci-mpirun.txt
 python3 - target/ci-mpirun.txt <<'PY'
 import re, sys
 text = open(sys.argv[1]).read()

@@ -387,10 +387,11 @@ where
     let steps_per_epoch = train_feed.num_batches();
 
     say.line(format!(
-        "training {name}: world {world} (launcher: {}), {train_len} training samples ({} per \
-         rank, {} steps per epoch), {test_len} test samples, batch {} per rank, lr {lr:e} ({:?} \
-         scaling), {:?}, {} epochs from epoch {}",
+        "training {name}: world {world} (launcher: {}; {} compute threads per rank), \
+         {train_len} training samples ({} per rank, {} steps per epoch), {test_len} test \
+         samples, batch {} per rank, lr {lr:e} ({:?} scaling), {:?}, {} epochs from epoch {}",
         pg.config().launcher,
+        rayon::current_num_threads(),
         train_feed.num_samples(),
         steps_per_epoch,
         cfg.batch_size,
