@@ -88,6 +88,32 @@ impl ParamInfo {
 /// so the entered names joined with dots are the path. Integer and boolean tensors are not
 /// listed. See the module documentation for how buffers and frozen parameters are told apart.
 pub fn param_infos<M: Module>(module: &M) -> Vec<ParamInfo> {
+    /// Asks every float tensor to require a gradient (`RunningState` refuses).
+    struct AllTrainable;
+    impl ModuleMapper for AllTrainable {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, value, mapper) = param.consume();
+            Param::from_mapped_value(id, value.set_require_grad(true), mapper)
+        }
+    }
+    let mut infos = visited_infos(module);
+    // A tensor the mapper could not make trainable is a RunningState. (On a device without
+    // autodiff nothing can require a gradient, and every tensor counts as a buffer.)
+    if infos.iter().any(|p| p.kind == ParamKind::Frozen) {
+        let probe = module.clone().map(&mut AllTrainable);
+        for (info, probed) in infos.iter_mut().zip(visited_infos(&probe)) {
+            if probed.kind == ParamKind::Frozen {
+                info.kind = ParamKind::Buffer;
+            }
+        }
+    }
+    infos
+}
+
+/// The float tensors of `module` in visiting order as one visit sees them: buffers are not
+/// told apart from frozen parameters yet ([`param_infos`] does that, with a probe that maps a
+/// clone of the module; what needs only names, shapes or counts calls this).
+fn visited_infos<M: Module>(module: &M) -> Vec<ParamInfo> {
     struct Walker {
         path: Vec<String>,
         out: Vec<ParamInfo>,
@@ -114,36 +140,12 @@ pub fn param_infos<M: Module>(module: &M) -> Vec<ParamInfo> {
             });
         }
     }
-    /// Asks every float tensor to require a gradient (`RunningState` refuses).
-    struct AllTrainable;
-    impl ModuleMapper for AllTrainable {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let (id, value, mapper) = param.consume();
-            Param::from_mapped_value(id, value.set_require_grad(true), mapper)
-        }
-    }
     let mut walker = Walker {
         path: Vec::new(),
         out: Vec::new(),
     };
     module.visit(&mut walker);
-    let mut infos = walker.out;
-    // A tensor the mapper could not make trainable is a RunningState. (On a device without
-    // autodiff nothing can require a gradient, and every tensor counts as a buffer.)
-    if infos.iter().any(|p| p.kind == ParamKind::Frozen) {
-        let probe = module.clone().map(&mut AllTrainable);
-        let mut walker = Walker {
-            path: Vec::new(),
-            out: Vec::new(),
-        };
-        probe.visit(&mut walker);
-        for (info, probed) in infos.iter_mut().zip(walker.out) {
-            if probed.kind == ParamKind::Frozen {
-                info.kind = ParamKind::Buffer;
-            }
-        }
-    }
-    infos
+    walker.out
 }
 
 /// Checks that every parameter's element type travels exactly through `f32`.
@@ -345,7 +347,7 @@ pub(crate) fn flatten_where<M: Module>(
     match reader.error {
         None => Ok(reader.out),
         Some((index, reason)) => Err(DdpError::Conversion {
-            name: param_infos(module)
+            name: visited_infos(module)
                 .get(index)
                 .map_or_else(|| format!("#{index}"), |p| p.name.clone()),
             what: "values",
@@ -368,7 +370,7 @@ pub(crate) fn load_where<M: Module>(
     flat: &[f32],
     keep: &dyn Fn(usize) -> bool,
 ) -> Result<M, DdpError> {
-    let expected: usize = param_infos(&module)
+    let expected: usize = visited_infos(&module)
         .iter()
         .enumerate()
         .filter(|(i, _)| keep(*i))
