@@ -64,6 +64,7 @@ mod handshake;
 pub mod hash;
 mod health;
 mod join;
+mod kubeflow;
 mod link;
 mod liveness;
 #[cfg(feature = "nccl")]

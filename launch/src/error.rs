@@ -228,6 +228,36 @@ pub enum LaunchError {
         /// The number of nodes given.
         nnodes: usize,
     },
+    /// An environment variable that gives a setting's default (torchrun's `PET_*`) has a value
+    /// that cannot be used.
+    #[error("{var}={value:?}: {why}")]
+    Variable {
+        /// The variable, e.g. `PET_NPROC_PER_NODE`.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// What is wrong with it and what to do instead.
+        why: String,
+    },
+    /// [`crate::spawn`] was asked to start ranks by a process that already is a rank of a
+    /// launched job.
+    #[error(
+        "this process is already rank {rank} of {world_size} (started by {launcher}), so it \
+         cannot start ranks of its own: {hint}"
+    )]
+    AlreadyARank {
+        /// Its rank.
+        rank: usize,
+        /// Its world size.
+        world_size: usize,
+        /// The launcher whose variables say so (`torchrun`, `open-mpi`, `slurm`, ...).
+        launcher: String,
+        /// What to do instead.
+        hint: String,
+    },
+    /// The launcher variables of this process are invalid (see `ddp_comm::GroupConfig::from_env`).
+    #[error("{0}")]
+    Environment(String),
     /// No free port could be found for the rendezvous store.
     #[error("could not bind a free port for the rendezvous store on {addr}: {source}")]
     FreePort {
@@ -308,7 +338,10 @@ impl LaunchError {
             LaunchError::NoCommand
             | LaunchError::Zero { .. }
             | LaunchError::NodeRankOutOfRange { .. }
-            | LaunchError::MultiNodeNeedsMaster { .. } => 2,
+            | LaunchError::MultiNodeNeedsMaster { .. }
+            | LaunchError::Variable { .. }
+            | LaunchError::AlreadyARank { .. }
+            | LaunchError::Environment(_) => 2,
             _ => 1,
         }
     }

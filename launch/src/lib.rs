@@ -66,6 +66,7 @@ mod error;
 mod hang;
 mod launch;
 mod output;
+mod pet;
 mod ranks;
 mod rendezvous;
 mod report;
@@ -77,6 +78,7 @@ pub use ddp_comm::elastic::{
 };
 pub use error::{signal_name, BlamedRank, LaunchError, LaunchReport, RankExit, RankFailure};
 pub use launch::launch;
+pub use pet::PetDefaults;
 pub use rendezvous::bind_free_port;
 pub use report::root_cause_box;
 

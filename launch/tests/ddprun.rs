@@ -361,6 +361,61 @@ fn second_node_ranks_are_offset_by_node_rank() {
     }
 }
 
+/// In a Kubeflow PyTorchJob pod, ddprun takes torchrun's options from the PET_* variables, as
+/// torchrun does; a flag given wins over its variable, and an unusable value is an error naming
+/// the variable.
+#[test]
+fn pet_variables_are_the_defaults_of_the_options() {
+    let pod = |command: &mut Command| {
+        common::clear_launcher_env(command);
+        command.envs([
+            ("PET_NNODES", "3"),
+            ("PET_NPROC_PER_NODE", "2"),
+            ("PET_NODE_RANK", "1"),
+            ("PET_MASTER_ADDR", "10.1.2.3"),
+            ("PET_MASTER_PORT", "29512"),
+            // What the operator also sets for the pod (its index and the job's size): the
+            // ranks get ddprun's values instead.
+            ("RANK", "1"),
+            ("WORLD_SIZE", "6"),
+        ]);
+    };
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    command.args(["--", "sh", "-c", PRINT_ENV]);
+    pod(&mut command);
+    let done = run(command);
+    assert!(done.status.success(), "stderr:\n{}", done.stderr);
+    let per_rank = printed_env(&done.stdout, 2);
+    for (local, vars) in per_rank.iter().enumerate() {
+        assert_eq!(value(vars, "RANK"), (2 + local).to_string());
+        assert_eq!(value(vars, "WORLD_SIZE"), "6");
+        assert_eq!(value(vars, "LOCAL_WORLD_SIZE"), "2");
+        assert_eq!(value(vars, "GROUP_RANK"), "1");
+        assert_eq!(value(vars, "MASTER_ADDR"), "10.1.2.3");
+        assert_eq!(value(vars, "MASTER_PORT"), "29512");
+    }
+    // A flag wins over its variable.
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    command.args(["--nproc-per-node", "1", "--", "sh", "-c", PRINT_ENV]);
+    pod(&mut command);
+    let done = run(command);
+    assert!(done.status.success(), "stderr:\n{}", done.stderr);
+    let vars = &printed_env(&done.stdout, 1)[0];
+    assert_eq!((value(vars, "RANK"), value(vars, "WORLD_SIZE")), ("1", "3"));
+    // torchrun's elastic range: refused, naming the variable.
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    command.args(["--", "true"]);
+    pod(&mut command);
+    command.env("PET_NNODES", "1:4");
+    let done = run(command);
+    assert_eq!(done.status.code(), Some(2), "{}", done.stderr);
+    assert!(
+        done.stderr.contains("PET_NNODES=\"1:4\""),
+        "{}",
+        done.stderr
+    );
+}
+
 #[test]
 fn multi_node_without_master_is_refused() {
     let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));

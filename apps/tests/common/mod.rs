@@ -158,7 +158,7 @@ pub fn output_with_deadline(command: &mut Command, deadline: Duration) -> Output
     }
 }
 
-/// The variables of launchers (torchrun, ddprun, Slurm) and the trainers' test hooks, which a
+/// The variables of launchers (torchrun, ddprun, Kubeflow's PET_*, MPI, Slurm) and the trainers' test hooks, which a
 /// child started on its own must not inherit from a test run under one.
 const LAUNCHER_VARS: &[&str] = &[
     "RANK",
@@ -173,6 +173,16 @@ const LAUNCHER_VARS: &[&str] = &[
     "SLURM_LOCALID",
     "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_USE_AGENT_STORE",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "PET_NNODES",
+    "PET_NPROC_PER_NODE",
+    "PET_NODE_RANK",
+    "PET_MASTER_ADDR",
+    "PET_MASTER_PORT",
+    "PET_MAX_RESTARTS",
     "DDP_TEST_KILL_AT_STEP",
     "DDP_TEST_KILL_RANK",
 ];

@@ -13,6 +13,9 @@
 //! prints where every rank is without stopping the job. With `--max-restarts N`, a failure
 //! restarts all local ranks (up to N times) instead of ending the job; trainers given a
 //! `--checkpoint-dir` then resume from their last checkpoint.
+//! Like torchrun, ddprun takes `PET_NNODES`, `PET_NPROC_PER_NODE`, `PET_NODE_RANK`,
+//! `PET_MASTER_ADDR`, `PET_MASTER_PORT` and `PET_MAX_RESTARTS` (what Kubeflow's PyTorchJob sets)
+//! as the defaults of the flags not given.
 //! All the work is in the `ddp_launch` library; this binary only parses arguments.
 
 use std::ffi::OsString;
@@ -20,7 +23,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use ddp_launch::{self as launch, LaunchConfig, LaunchError};
+use ddp_launch::{self as launch, LaunchConfig, LaunchError, PetDefaults};
 
 /// Start N local ranks of a distributed job with the torchrun environment variables set.
 #[derive(Debug, Parser)]
@@ -30,19 +33,23 @@ use ddp_launch::{self as launch, LaunchConfig, LaunchError};
     override_usage = "ddprun [OPTIONS] -- <CMD>..."
 )]
 struct Args {
-    /// Ranks to start on this node.
-    #[arg(long, alias = "nproc_per_node", value_name = "N", default_value_t = 1)]
-    nproc_per_node: usize,
-    /// Nodes in the job; more than 1 needs --master-addr and --master-port.
-    #[arg(long, value_name = "M", default_value_t = 1)]
-    nnodes: usize,
-    /// This node's index, 0 to nnodes-1; RANK = node_rank * nproc_per_node + LOCAL_RANK.
-    #[arg(long, alias = "node_rank", value_name = "K", default_value_t = 0)]
-    node_rank: usize,
-    /// Address of the node with node rank 0 [default on a single node: 127.0.0.1].
+    /// Ranks to start on this node [default: PET_NPROC_PER_NODE, else 1].
+    #[arg(long, alias = "nproc_per_node", value_name = "N")]
+    nproc_per_node: Option<usize>,
+    /// Nodes in the job; more than 1 needs --master-addr and --master-port [default:
+    /// PET_NNODES, else 1].
+    #[arg(long, value_name = "M")]
+    nnodes: Option<usize>,
+    /// This node's index, 0 to nnodes-1; RANK = node_rank * nproc_per_node + LOCAL_RANK
+    /// [default: PET_NODE_RANK, else 0].
+    #[arg(long, alias = "node_rank", value_name = "K")]
+    node_rank: Option<usize>,
+    /// Address of the node with node rank 0 [default: PET_MASTER_ADDR, else on a single node
+    /// 127.0.0.1].
     #[arg(long, alias = "master_addr", value_name = "ADDR")]
     master_addr: Option<String>,
-    /// Port of the rendezvous store [default on a single node: a free port].
+    /// Port of the rendezvous store [default: PET_MASTER_PORT, else on a single node a free
+    /// port].
     #[arg(long, alias = "master_port", value_name = "PORT")]
     master_port: Option<u16>,
     /// One node, a free port: what ddprun does without --nnodes anyway; accepted so that a
@@ -63,8 +70,9 @@ struct Args {
     /// SIGINT/SIGTERM to ddprun never restarts. On several nodes the ddpruns restart together:
     /// node 0's hosts a store on --master-port + 1 through which the first node to see a
     /// failure moves every node to the next round.
-    #[arg(long, alias = "max_restarts", value_name = "N", default_value_t = 0)]
-    max_restarts: usize,
+    /// [default: PET_MAX_RESTARTS, else 0]
+    #[arg(long, alias = "max_restarts", value_name = "N")]
+    max_restarts: Option<usize>,
     /// The command each rank runs, and its arguments (after `--`).
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
     command: Vec<OsString>,
@@ -79,19 +87,32 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    // --standalone asks for what is the default; clap refuses it beside a multi-node option.
-    debug_assert!(!args.standalone || args.nnodes == 1);
+    // torchrun's options as PET_* variables (Kubeflow's PyTorchJob sets them): the defaults of
+    // the flags not given, as torchrun takes them.
+    let mut pet = match PetDefaults::from_env() {
+        Ok(pet) => pet,
+        Err(error) => {
+            report(&error);
+            return ExitCode::from(2);
+        }
+    };
+    // --standalone asks for one node with a free port (clap refuses it beside a multi-node
+    // flag), whatever the variables say.
+    if args.standalone {
+        (pet.nnodes, pet.node_rank) = (None, None);
+        (pet.master_addr, pet.master_port) = (None, None);
+    }
     let config = LaunchConfig {
-        nproc_per_node: args.nproc_per_node,
-        nnodes: args.nnodes,
-        node_rank: args.node_rank,
-        master_addr: args.master_addr,
-        master_port: args.master_port,
+        nproc_per_node: args.nproc_per_node.or(pet.nproc_per_node).unwrap_or(1),
+        nnodes: args.nnodes.or(pet.nnodes).unwrap_or(1),
+        node_rank: args.node_rank.or(pet.node_rank).unwrap_or(0),
+        master_addr: args.master_addr.or(pet.master_addr),
+        master_port: args.master_port.or(pet.master_port),
         job_id: args.job_id,
         command: args.command,
         grace_period,
         forward_signals: true,
-        max_restarts: args.max_restarts,
+        max_restarts: args.max_restarts.or(pet.max_restarts).unwrap_or(0),
     };
     match launch::launch(&config) {
         Ok(_) => ExitCode::SUCCESS,
