@@ -54,13 +54,15 @@ cargo test --release --workspace --features ddp-apps/nccl
 step "system packages"
 # The network-namespace tests (comm/tests/processes.rs: a cut link between two "hosts", a lossy
 # link and a one-way partition made with nftables rules) need iproute2's `ip` and nftables' `nft`;
-# the Slurm step needs slurm-wlm and munge; the mpirun step Open MPI's openmpi-bin; the Python
+# the Slurm step needs slurm-wlm and munge, and slurm-wlm-torque (Slurm's qsub, for the PBS
+# script); the mpirun step Open MPI's openmpi-bin; the Python
 # steps need venv (Debian ships it apart from python3). Installed only when missing.
 missing=()
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 command -v nft >/dev/null 2>&1 || missing+=(nftables)
 command -v slurmctld >/dev/null 2>&1 || missing+=(slurm-wlm)
 command -v munged >/dev/null 2>&1 || missing+=(munge)
+command -v qsub >/dev/null 2>&1 || missing+=(slurm-wlm-torque)
 command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing+=(python3-venv)
 if [ ${#missing[@]} -gt 0 ]; then
@@ -130,7 +132,7 @@ target/pyenv/bin/pip install --quiet --disable-pip-version-check tensorboard
 target/pyenv/bin/python xtask/py/check_tensorboard.py target/ci-run/metrics --min-points 4
 cargo xtask trace-mnist --out target/ci-trace --data-dir "$MNIST"
 
-step "slurm: the example job script on a real one-node Slurm cluster, 2 tasks through srun"
+step "slurm: the example job scripts on a real one-node Slurm cluster: sbatch (srun), qsub (mpirun)"
 bash ci/slurm.sh target/ci-slurm
 
 step "mpirun: Open MPI starts 2 ranks of train-mnist, found through OMPI_COMM_WORLD_* alone"

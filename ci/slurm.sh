@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A real one-node Slurm cluster (Debian's slurm-wlm and munge), then the example job script
 # apps/examples/train-mnist.sbatch as written, submitted with 2 tasks on this node: srun starts
-# the 2 ranks of a short train-mnist run, which find each other through Slurm's variables.
+# the 2 ranks of a short train-mnist run, which find each other through Slurm's variables; then
+# the PBS script apps/examples/train-mnist.pbs through Slurm's qsub (slurm-wlm-torque), whose
+# mpirun starts the 2 ranks.
 # Checks the job's exit state and its output. Needs root (the daemons run as root, as CI does).
 #
 #     bash ci/slurm.sh [OUT_DIR]     # from the repository root, after the release build
@@ -111,3 +113,34 @@ python3 -c "import sys; a=float('${accuracy:-0}'); print(f'slurm job {sys.argv[1
   { echo "slurm: accuracy ${accuracy:-missing} below 90%" >&2; exit 1; }
 test -s "$out/run/model.safetensors" || { echo "slurm: no exported model" >&2; exit 1; }
 echo "slurm: OK"
+
+# The PBS script as written, through Slurm's qsub (slurm-wlm-torque: it turns the job into an
+# sbatch job, and sbatch reads the #PBS lines), on the same cluster: mpirun starts the 2 ranks.
+# -j oe -o: one output file of our choosing (the wrapper reads no #PBS line itself);
+# -W block=true: qsub returns when the job has ended. mpirun runs as root here, as CI does.
+if ! command -v qsub >/dev/null || ! command -v mpirun >/dev/null; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm-torque openmpi-bin >/dev/null
+fi
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+set +e
+pbs_job=$(timeout 900 qsub -V -j oe -o "$out/pbs-job.out" -W block=true \
+  apps/examples/train-mnist.pbs --epochs 1 --max-steps 100 --threads 1 --test-samples 2000 \
+  --log-interval 50 --checkpoint-dir "$out/pbs-run/checkpoints" \
+  --metrics-dir "$out/pbs-run/metrics" --export "$out/pbs-run/model.safetensors")
+rc=$?
+set -e
+pbs_job=$(echo "$pbs_job" | head -1)
+cat "$out/pbs-job.out" || true
+scontrol show job "$pbs_job" | tee "$out/pbs-job.txt" | grep -E "JobState|ExitCode|NumTasks" || true
+[ "$rc" -eq 0 ] || { echo "pbs: qsub exited $rc" >&2; exit 1; }
+grep -q "JobState=COMPLETED" "$out/pbs-job.txt" || { echo "pbs: job $pbs_job did not complete" >&2; exit 1; }
+grep -q "ExitCode=0:0" "$out/pbs-job.txt" || { echo "pbs: job $pbs_job exit code not 0:0" >&2; exit 1; }
+# One group of 2 that mpirun's variables formed, and it learned.
+grep -q "world 2 (launcher: open-mpi; 1 compute threads per rank)" "$out/pbs-job.out" ||
+  { echo "pbs: no 'world 2 (launcher: open-mpi; ...)' in the job's output" >&2; exit 1; }
+accuracy=$(sed -n 's/.*done:.*test accuracy \([0-9.]*\)%.*/\1/p' "$out/pbs-job.out" | head -1)
+python3 -c "import sys; a=float('${accuracy:-0}'); print(f'pbs job {sys.argv[1]}: test accuracy {a}%'); sys.exit(0 if a >= 90 else 1)" "$pbs_job" ||
+  { echo "pbs: accuracy ${accuracy:-missing} below 90%" >&2; exit 1; }
+test -s "$out/pbs-run/model.safetensors" || { echo "pbs: no exported model" >&2; exit 1; }
+echo "pbs: OK"
