@@ -196,6 +196,18 @@ impl DistributedDataParallel {
         pg: Arc<ProcessGroup>,
         config: DdpConfig,
     ) -> Result<(M, Self), DdpError> {
+        Self::with_buckets(model, pg, config, true)
+    }
+
+    /// [`new`](Self::new), with the gradient buckets' buffers allocated or not (`buckets ==
+    /// false`: for [`crate::ShardedDataParallel`], which keeps the parameter list, the checks
+    /// and the buffer broadcast of this wrapper but moves gradients its own way).
+    pub(crate) fn with_buckets<M: Module>(
+        model: M,
+        pg: Arc<ProcessGroup>,
+        config: DdpConfig,
+        buckets: bool,
+    ) -> Result<(M, Self), DdpError> {
         if !(config.bucket_cap_mb > 0.0 && config.first_bucket_mb > 0.0) {
             return Err(DdpError::Config(format!(
                 "bucket sizes must be positive (bucket_cap_mb = {}, first_bucket_mb = {})",
@@ -223,7 +235,11 @@ impl DistributedDataParallel {
         }
 
         let has_buffers = params.iter().any(|p| p.kind == ParamKind::Buffer);
-        let buckets = plan_buckets(&params, &config);
+        let buckets = if buckets {
+            plan_buckets(&params, &config)
+        } else {
+            Vec::new()
+        };
         let buffers = buckets.iter().map(|b| vec![0.0; b.len()]).collect();
         // Gradients live on the device without autodiff.
         let device = model
@@ -279,6 +295,11 @@ impl DistributedDataParallel {
     /// The settings in force.
     pub fn config(&self) -> &DdpConfig {
         &self.config
+    }
+
+    /// How many syncs were begun (the number in [`DdpError::PeerFailed`]).
+    pub(crate) fn syncs(&self) -> u64 {
+        self.syncs
     }
 
     /// Whether gradients are all-reduced on the GPU through NCCL (feature `cuda`, burn's CUDA
@@ -384,28 +405,7 @@ impl DistributedDataParallel {
         model: &M,
         mut grads: GradientsParams,
     ) -> Result<GradientsParams, DdpError> {
-        let mut local_error = self.check_same_params(model).err();
-        let buffers = self.broadcast_buffers(model, local_error.is_none());
-        if let Err(e) = buffers {
-            // A failed broadcast is a collective failure (every rank sees it); a buffer that
-            // could not be updated is local and travels with the buckets below.
-            match e {
-                DdpError::Comm(_) => return Err(e),
-                other => {
-                    local_error.get_or_insert(other);
-                }
-            }
-        }
-        if let Some(every) = self.config.check_replicas_every {
-            if (self.syncs + 1).is_multiple_of(every) {
-                let checked = self.check_replicas(model);
-                if let Err(e) = checked {
-                    return Err(local_error.unwrap_or(e));
-                }
-            }
-        }
-        self.syncs += 1;
-
+        let mut local_error = self.begin_sync(model)?;
         if self.pg.world_size() == 1 && self.micro_steps == 0 {
             // Averaging over one rank and one micro-step is the identity: skip the copies.
             // (The gradients are not taken out here, so unknown ones cannot be told apart;
@@ -495,6 +495,38 @@ impl DistributedDataParallel {
         Ok(grads)
     }
 
+    /// What every sync does before the gradients (a collective): checks that `model` holds the
+    /// wrapper's parameters, broadcasts the buffers and, when due, checks the replicas; counts
+    /// the sync. Returns this rank's local failure, which the caller must still carry through
+    /// its collectives (so that the other ranks learn of it), or a collective error.
+    pub(crate) fn begin_sync<M: Module>(
+        &mut self,
+        model: &M,
+    ) -> Result<Option<DdpError>, DdpError> {
+        let mut local_error = self.check_same_params(model).err();
+        let buffers = self.broadcast_buffers(model, local_error.is_none());
+        if let Err(e) = buffers {
+            // A failed broadcast is a collective failure (every rank sees it); a buffer that
+            // could not be updated is local and travels with the buckets below.
+            match e {
+                DdpError::Comm(_) => return Err(e),
+                other => {
+                    local_error.get_or_insert(other);
+                }
+            }
+        }
+        if let Some(every) = self.config.check_replicas_every {
+            if (self.syncs + 1).is_multiple_of(every) {
+                let checked = self.check_replicas(model);
+                if let Err(e) = checked {
+                    return Err(local_error.unwrap_or(e));
+                }
+            }
+        }
+        self.syncs += 1;
+        Ok(local_error)
+    }
+
     /// Checks that every replica holds bit-identical trainable parameters: a hash of each
     /// rank's parameters is all-gathered and compared. Every rank must call it at the same
     /// point.
@@ -524,7 +556,7 @@ impl DistributedDataParallel {
 
     /// Fails when `model`'s float tensors are not (by burn id) the ones the wrapper was created
     /// with, naming the first that changed.
-    fn check_same_params<M: Module>(&self, model: &M) -> Result<(), DdpError> {
+    pub(crate) fn check_same_params<M: Module>(&self, model: &M) -> Result<(), DdpError> {
         let ids = param_ids(model);
         if let Some(i) = (0..self.params.len()).find(|&i| ids.get(i) != Some(&self.params[i].id)) {
             return Err(DdpError::ParamsChanged {
@@ -738,7 +770,7 @@ impl DistributedDataParallel {
 /// The error of a sync that failed on other ranks: `failed` ranks reported a local failure, the
 /// sum of their ranks plus one is `ranks` (so a single one is named exactly; bf16 holds integers
 /// exactly up to 256, f16 up to 2048, f32 up to 2^24).
-fn peer_failed(sync: u64, failed: f32, ranks: f32, world: usize) -> DdpError {
+pub(crate) fn peer_failed(sync: u64, failed: f32, ranks: f32, world: usize) -> DdpError {
     let count = failed.round() as usize;
     let rank = ranks.round() - 1.0;
     let named = (count == 1 && rank >= 0.0 && (rank as usize) < world && ranks.fract() == 0.0)

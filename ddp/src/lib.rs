@@ -13,12 +13,20 @@ mod ddp;
 mod error;
 mod params;
 mod resume;
+mod shard_optim;
+mod zero;
+mod zero_state;
 
 pub use crate::config::{Compression, DdpConfig};
 pub use crate::ddp::{DistributedDataParallel, SyncPhase, SyncSpan, SyncStats};
 pub use error::DdpError;
 pub use params::{flatten_params, load_flat_params, param_infos, ParamInfo, ParamKind};
-pub use resume::{fetch, resume, save_checkpoint, Position, Resumed, RunId};
+pub use resume::{
+    fetch, resume, resume_sharded, save_checkpoint, save_sharded_checkpoint, Position, Resumed,
+    ResumedSharded, RunId,
+};
+pub use shard_optim::{ShardOptimizer, ShardedAdamConfig, ShardedSgdConfig};
+pub use zero::{ShardMemory, ShardedDataParallel, ZeroConfig, ZeroStage, ZeroStats};
 
 // What a user's program needs from the communication layer, so that `ddp` is its one
 // dependency besides burn.

@@ -22,6 +22,7 @@ use burn::tensor::Bytes;
 use ddp_comm::ProcessGroup;
 
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
+use crate::zero::ShardedDataParallel;
 use crate::DdpError;
 
 /// A [`DdpError::Checkpoint`] with this text.
@@ -65,6 +66,42 @@ pub fn save_checkpoint<M: Module>(
     model: &M,
     optim: &ModuleOptimizer,
 ) -> Result<Option<PathBuf>, DdpError> {
+    save_with(pg, dir, run, position, model, || {
+        optim
+            .into_bytes()
+            .map(|b| b.to_vec())
+            .map_err(|e| fail(format!("encoding the optimizer record: {e:?}")))
+    })
+}
+
+/// [`save_checkpoint`] for a sharded run: the optimizer state is consolidated from every
+/// rank's shard ([`ShardedDataParallel::consolidated_state`]), so the file is the same
+/// whatever the world size, and a run at another world size can resume from it
+/// ([`resume_sharded`]). Every rank calls it; rank 0 writes.
+pub fn save_sharded_checkpoint<M: Module>(
+    pg: &ProcessGroup,
+    dir: &Path,
+    run: &RunId,
+    position: &Position,
+    model: &M,
+    zero: &ShardedDataParallel,
+) -> Result<Option<PathBuf>, DdpError> {
+    let state = zero.consolidated_state()?;
+    save_with(pg, dir, run, position, model, || {
+        state.ok_or_else(|| fail("rank 0 holds no consolidated optimizer state"))
+    })
+}
+
+/// Rank 0 writes the checkpoint with the optimizer bytes `optim` gives (called on rank 0
+/// only); a mid-epoch position first gathers every rank's loss sum.
+fn save_with<M: Module>(
+    pg: &ProcessGroup,
+    dir: &Path,
+    run: &RunId,
+    position: &Position,
+    model: &M,
+    optim: impl FnOnce() -> Result<Vec<u8>, DdpError>,
+) -> Result<Option<PathBuf>, DdpError> {
     let epoch_loss_sums = if position.batch_in_epoch > 0 {
         pg.all_gather(vec![position.loss_sum])?
     } else {
@@ -87,8 +124,7 @@ pub fn save_checkpoint<M: Module>(
     };
     let model_bytes = (model.clone().into_record().into_bytes())
         .map_err(|e| fail(format!("encoding the model record: {e:?}")))?;
-    let optim_bytes =
-        (optim.into_bytes()).map_err(|e| fail(format!("encoding the optimizer record: {e:?}")))?;
+    let optim_bytes = optim()?;
     checkpoint::save(dir, meta, &model_bytes, &optim_bytes).map(Some)
 }
 
@@ -118,10 +154,49 @@ pub fn resume<M: Module>(
     model: M,
     optim: ModuleOptimizer,
 ) -> Result<Resumed<M>, DdpError> {
+    let resumed = resume_sharded(pg, path, run, model)?;
+    let optim = match resumed.optim_state {
+        None => optim,
+        Some(bytes) => optim
+            .from_bytes(Bytes::from_bytes_vec(bytes))
+            .map_err(|e| fail(format!("{}: optimizer record: {e:?}", path.display())))?,
+    };
+    Ok(Resumed {
+        model: resumed.model,
+        optim,
+        meta: resumed.meta,
+        mismatch: resumed.mismatch,
+    })
+}
+
+/// What [`resume_sharded`] returns: the model, restored when there was a checkpoint, and the
+/// optimizer state's bytes for [`ShardedDataParallel::load_consolidated`].
+pub struct ResumedSharded<M> {
+    /// The model: with the checkpoint's parameters, or as it was given when there was none.
+    pub model: M,
+    /// The checkpoint's optimizer state (`None` without a checkpoint): for a sharded run, the
+    /// consolidated state to load after wrapping the model.
+    pub optim_state: Option<Vec<u8>>,
+    /// Where the checkpointed run stood; `None` when there was no checkpoint.
+    pub meta: Option<CheckpointMeta>,
+    /// What differs from the checkpointed run when [`RunId::allow_mismatch`] let it through.
+    pub mismatch: Option<String>,
+}
+
+/// [`resume`] for a sharded run: restores the model (before wrapping it) and returns the
+/// optimizer state's bytes, which [`ShardedDataParallel::load_consolidated`] loads after
+/// wrapping at any world size (a different world size than the checkpoint's is still a
+/// mismatch that `run.allow_mismatch` must allow: the data order changes). Every rank calls it.
+pub fn resume_sharded<M: Module>(
+    pg: &ProcessGroup,
+    path: &Path,
+    run: &RunId,
+    model: M,
+) -> Result<ResumedSharded<M>, DdpError> {
     let Some(ck) = fetch(pg, path)? else {
-        return Ok(Resumed {
+        return Ok(ResumedSharded {
             model,
-            optim,
+            optim_state: None,
             meta: None,
             mismatch: None,
         });
@@ -133,12 +208,9 @@ pub fn resume<M: Module>(
     let model = model
         .try_load_record(record)
         .map_err(|e| fail(format!("{name}: model record: {e:?}")))?;
-    let optim = optim
-        .from_bytes(Bytes::from_bytes_vec(ck.optim))
-        .map_err(|e| fail(format!("{name}: optimizer record: {e:?}")))?;
-    Ok(Resumed {
+    Ok(ResumedSharded {
         model,
-        optim,
+        optim_state: Some(ck.optim),
         meta: Some(ck.meta),
         mismatch,
     })

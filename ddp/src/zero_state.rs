@@ -1,0 +1,189 @@
+//! The consolidated optimizer state of a sharded run (PyTorch's `consolidate_state_dict`): the
+//! whole optimizer state in the flat layout of the trainable parameters, independent of the
+//! world size that wrote it, so that a run can resume at another world size.
+//!
+//! Layout (all integers little-endian):
+//!
+//! ```text
+//! "DDPZERO1" | u32 header length | header (JSON) | vectors x total f32
+//! ```
+//!
+//! The JSON header names the optimizer, the number of state vectors, every trainable parameter
+//! (name and element count, in visiting order) and every parameter's step count. Decoding
+//! checks each against what the loading run expects and names the first field that differs.
+
+use serde::{Deserialize, Serialize};
+
+use crate::DdpError;
+
+const MAGIC: &[u8; 8] = b"DDPZERO1";
+
+/// The header of a consolidated state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct StateHeader {
+    /// `adam` or `sgd`.
+    pub optimizer: String,
+    /// State vectors (Adam: 2, SGD with momentum: 1, plain SGD: 0).
+    pub vectors: usize,
+    /// Name and element count of every trainable parameter, in visiting order.
+    pub params: Vec<(String, usize)>,
+    /// Step count of every trainable parameter.
+    pub times: Vec<u64>,
+}
+
+impl StateHeader {
+    /// Elements of one state vector: the flat trainable vector's length.
+    pub fn total(&self) -> usize {
+        self.params.iter().map(|(_, n)| n).sum()
+    }
+}
+
+/// A [`DdpError::Checkpoint`] about the state named `what`.
+fn fail(what: &str, text: impl std::fmt::Display) -> DdpError {
+    DdpError::Checkpoint(format!("sharded optimizer state ({what}): {text}"))
+}
+
+/// Encodes a consolidated state: `vectors[k]` is state vector k over the whole flat vector.
+pub(crate) fn encode(header: &StateHeader, vectors: &[Vec<f32>]) -> Result<Vec<u8>, DdpError> {
+    let json = serde_json::to_vec(header).map_err(|e| fail("header", e))?;
+    let mut out = Vec::with_capacity(12 + json.len() + vectors.len() * header.total() * 4);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    out.extend_from_slice(&json);
+    for v in vectors {
+        out.extend_from_slice(bytemuck::cast_slice(v));
+    }
+    Ok(out)
+}
+
+/// Decodes a consolidated state, checking it against `expected` (the loading run's optimizer
+/// and parameter list; its `times` are ignored): returns the file's header and its vectors.
+/// `name` names the source in errors (the checkpoint file).
+pub(crate) fn decode(
+    bytes: &[u8],
+    expected: &StateHeader,
+    name: &str,
+) -> Result<(StateHeader, Vec<Vec<f32>>), DdpError> {
+    if bytes.len() < 12 || &bytes[..8] != MAGIC {
+        return Err(fail(
+            name,
+            "not a sharded optimizer state (no DDPZERO1 magic): a checkpoint of a run without \
+             sharding holds burn's optimizer record; resume it without sharding",
+        ));
+    }
+    let len = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes")) as usize;
+    let json = bytes
+        .get(12..12 + len)
+        .ok_or_else(|| fail(name, format!("header of {len} bytes runs past the end")))?;
+    let header: StateHeader =
+        serde_json::from_slice(json).map_err(|e| fail(name, format!("header: {e}")))?;
+    if header.optimizer != expected.optimizer {
+        return Err(fail(
+            name,
+            format!(
+                "field `optimizer` is `{}`, this run steps with `{}`",
+                header.optimizer, expected.optimizer
+            ),
+        ));
+    }
+    if header.vectors != expected.vectors {
+        return Err(fail(
+            name,
+            format!(
+                "field `vectors` is {}, this run's optimizer keeps {}",
+                header.vectors, expected.vectors
+            ),
+        ));
+    }
+    if header.params != expected.params {
+        let at = (0..header.params.len().max(expected.params.len()))
+            .find(|&i| header.params.get(i) != expected.params.get(i))
+            .unwrap_or(0);
+        return Err(fail(
+            name,
+            format!(
+                "field `params` differs at #{at}: the state has {:?}, this model {:?}",
+                header.params.get(at),
+                expected.params.get(at)
+            ),
+        ));
+    }
+    if header.times.len() != header.params.len() {
+        return Err(fail(
+            name,
+            format!(
+                "field `times` has {} entries for {} parameters",
+                header.times.len(),
+                header.params.len()
+            ),
+        ));
+    }
+    let data = &bytes[12 + len..];
+    let total = header.total();
+    let want = header
+        .vectors
+        .checked_mul(total)
+        .and_then(|n| n.checked_mul(4))
+        .ok_or_else(|| fail(name, "field `params` describes an impossible size"))?;
+    if data.len() != want {
+        return Err(fail(
+            name,
+            format!(
+                "{} bytes of state, expected {want} ({} vectors of {total} f32)",
+                data.len(),
+                header.vectors
+            ),
+        ));
+    }
+    if total == 0 {
+        return Ok((header.clone(), vec![Vec::new(); header.vectors]));
+    }
+    let vectors = data
+        .chunks_exact(4 * total)
+        .take(header.vectors)
+        .map(|c| {
+            c.chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+                .collect()
+        })
+        .collect();
+    Ok((header, vectors))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header() -> StateHeader {
+        StateHeader {
+            optimizer: "adam".into(),
+            vectors: 2,
+            params: vec![("w".into(), 3), ("b".into(), 1)],
+            times: vec![4, 3],
+        }
+    }
+
+    #[test]
+    fn a_state_round_trips_and_every_field_is_checked() {
+        let h = header();
+        let vectors = vec![vec![1.0, 2.0, 3.0, 4.0], vec![5.0, 6.0, 7.0, 8.0]];
+        let bytes = encode(&h, &vectors).unwrap();
+        let (back, v) = decode(&bytes, &h, "f").unwrap();
+        assert_eq!((back, v), (h.clone(), vectors.clone()));
+
+        let mut other = h.clone();
+        other.optimizer = "sgd".into();
+        let e = decode(&bytes, &other, "f").unwrap_err().to_string();
+        assert!(e.contains("`optimizer`"), "{e}");
+        let mut other = h.clone();
+        other.params[1] = ("bias".into(), 1);
+        let e = decode(&bytes, &other, "f").unwrap_err().to_string();
+        assert!(e.contains("`params` differs at #1"), "{e}");
+        let e = decode(&bytes[..bytes.len() - 4], &h, "ck.ddpck")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("ck.ddpck") && e.contains("expected 32"), "{e}");
+        let e = decode(b"burn record", &h, "f").unwrap_err().to_string();
+        assert!(e.contains("DDPZERO1"), "{e}");
+    }
+}

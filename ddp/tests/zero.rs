@@ -1,0 +1,504 @@
+//! Sharded training (`ShardedDataParallel`, ZeRO stages 1 and 2) against the DDP wrapper with
+//! burn's own optimizers, the independent reference: one thread per rank, each with its own
+//! process group.
+//!
+//! - stages 1 and 2 end bit-identical to DDP + burn's `Adam` and `Sgd` (Nesterov momentum,
+//!   weight decay) at world sizes 1 to 4, over shared memory and TCP, with a parameter count
+//!   (226) that no world size of 3 or 4 divides, buckets small enough that parameters straddle
+//!   them, and a layer that gets no gradient in some steps; replicas stay bit-identical;
+//! - accumulation (`no_sync`): stage 1 bit-identical to DDP's, stage 2 within 1e-5 with SGD (it
+//!   sums over ranks per micro-step, then over micro-steps: another rounding order);
+//! - a local failure fails the step on every rank naming the rank, and changes nothing; a peer
+//!   that died is named by the survivors;
+//! - the consolidated optimizer state resumes at another world size and continues
+//!   bit-identically; through a checkpoint file too;
+//! - each rank's optimizer state is 1/N of the whole, the gradient too at stage 2.
+
+use std::time::Duration;
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{
+    decay::WeightDecayConfig, AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig,
+};
+use burn::tensor::activation::relu;
+use burn::tensor::{Tensor, TensorData};
+use ddp::{
+    flatten_params, load_flat_params, resume_sharded, save_sharded_checkpoint, DdpConfig, DdpError,
+    DistributedDataParallel, Position, RunId, ShardOptimizer, ShardedAdamConfig,
+    ShardedDataParallel, ShardedSgdConfig, ZeroConfig, ZeroStage,
+};
+use ddp_comm::Transport;
+
+mod common;
+use common::{device, run_ranks, run_ranks_over};
+
+const IN: usize = 13;
+const HIDDEN: usize = 9;
+const OUT: usize = 5;
+/// Trainable elements: 13*9+9 + 9*5+5 + 9*5+5.
+const PARAMS: usize = 226;
+
+/// A small net with odd sizes; `extra` is used only in some steps.
+#[derive(Module, Debug)]
+struct Net {
+    a: Linear,
+    b: Linear,
+    extra: Linear,
+}
+
+impl Net {
+    /// The net with deterministic values (the same on every rank unless `rank_offset`).
+    fn new(rank_offset: f32) -> Net {
+        let device = device();
+        let net = Net {
+            a: LinearConfig::new(IN, HIDDEN).init(&device),
+            b: LinearConfig::new(HIDDEN, OUT).init(&device),
+            extra: LinearConfig::new(HIDDEN, OUT).init(&device),
+        };
+        let values: Vec<f32> = (0..PARAMS)
+            .map(|i| ((i * 37 + 11) % 101) as f32 / 101.0 - 0.5 + rank_offset)
+            .collect();
+        load_flat_params(net, &values).unwrap()
+    }
+
+    fn loss(&self, x: Tensor<2>, y: Tensor<2>, use_extra: bool) -> Tensor<1> {
+        let h = relu(self.a.forward(x));
+        let mut out = self.b.forward(h.clone());
+        if use_extra {
+            out = out + self.extra.forward(h);
+        }
+        (out - y).powi_scalar(2).mean()
+    }
+}
+
+/// Samples of (step, micro-step, rank): 3 rows each, from a fixed formula.
+fn data(step: usize, micro: usize, rank: usize) -> (Tensor<2>, Tensor<2>) {
+    let seed = step * 1000 + micro * 100 + rank * 10;
+    let x: Vec<f32> = (0..3 * IN)
+        .map(|i| (((seed + i) * 7919) % 97) as f32 / 48.0 - 1.0)
+        .collect();
+    let y: Vec<f32> = (0..3 * OUT)
+        .map(|i| (((seed + i) * 104_729) % 89) as f32 / 44.0 - 1.0)
+        .collect();
+    let device = device();
+    (
+        Tensor::from_data(TensorData::new(x, [3, IN]), &device),
+        Tensor::from_data(TensorData::new(y, [3, OUT]), &device),
+    )
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Opt {
+    Adam,
+    /// Nesterov momentum, dampening 0 is not burn's default: use burn's default (0.1), and
+    /// weight decay.
+    Sgd,
+}
+
+impl Opt {
+    fn burn(self) -> ModuleOptimizer {
+        match self {
+            Opt::Adam => AdamConfig::new().init(),
+            Opt::Sgd => SgdConfig::new()
+                .with_momentum(Some(MomentumConfig {
+                    momentum: 0.9,
+                    dampening: 0.1,
+                    nesterov: true,
+                }))
+                .with_weight_decay(Some(WeightDecayConfig { penalty: 0.01 }))
+                .init(),
+        }
+    }
+
+    fn sharded(self) -> ShardOptimizer {
+        match self {
+            Opt::Adam => ShardOptimizer::Adam(ShardedAdamConfig::new()),
+            Opt::Sgd => ShardOptimizer::Sgd(
+                ShardedSgdConfig::new()
+                    .with_momentum(Some(0.9))
+                    .with_dampening(0.1)
+                    .with_nesterov(true)
+                    .with_weight_decay(Some(0.01)),
+            ),
+        }
+    }
+}
+
+const LR: f64 = 0.05;
+/// Buckets of 50 elements: parameters straddle them.
+const SMALL_BUCKETS_MB: f64 = 50.0 * 4.0 / (1024.0 * 1024.0);
+
+/// Whether the `extra` layer is used at `step` (never in steps 1 and 4 of 0..6).
+fn uses_extra(step: usize) -> bool {
+    step % 3 != 1
+}
+
+/// Trains `steps` steps with `micro` micro-steps each on `world` ranks and returns every
+/// rank's final parameters: DDP + burn's optimizer when `stage` is `None`.
+fn train(
+    world: usize,
+    stage: Option<ZeroStage>,
+    opt: Opt,
+    micro: usize,
+    steps: usize,
+    transport: Transport,
+) -> Vec<Vec<f32>> {
+    run_ranks_over(world, transport, |pg| {
+        let rank = pg.rank();
+        let model = Net::new(rank as f32); // other ranks start elsewhere: the broadcast fixes it
+        let grads_of = |model: &Net, step: usize, m: usize| {
+            let (x, y) = data(step, m, rank);
+            let loss = model.loss(x, y, uses_extra(step)).div_scalar(micro as f32);
+            GradientsParams::from_grads(loss.backward(), model)
+        };
+        match stage {
+            None => {
+                let config = DdpConfig::new().with_bucket_cap_mb(SMALL_BUCKETS_MB);
+                let (mut model, mut ddp) = DistributedDataParallel::new(model, pg, config).unwrap();
+                let mut optim = opt.burn();
+                for step in 0..steps {
+                    for m in 0..micro - 1 {
+                        ddp.accumulate(grads_of(&model, step, m)).unwrap();
+                    }
+                    let grads = ddp.sync(&model, grads_of(&model, step, micro - 1)).unwrap();
+                    model = optim.step(LR, model, grads);
+                }
+                flatten_params(&model).unwrap()
+            }
+            Some(stage) => {
+                let config = ZeroConfig::new(stage).with_bucket_cap_mb(SMALL_BUCKETS_MB);
+                let (mut model, mut zero) =
+                    ShardedDataParallel::new(model, pg, config, opt.sharded()).unwrap();
+                for step in 0..steps {
+                    for m in 0..micro - 1 {
+                        zero.accumulate(&model, grads_of(&model, step, m)).unwrap();
+                    }
+                    let grads = grads_of(&model, step, micro - 1);
+                    model = zero.step(LR, model, grads).unwrap();
+                }
+                flatten_params(&model).unwrap()
+            }
+        }
+    })
+}
+
+fn assert_bit_identical(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    let differ = a
+        .iter()
+        .zip(b)
+        .position(|(x, y)| x.to_bits() != y.to_bits());
+    assert!(
+        differ.is_none(),
+        "{what}: element {} differs: {} vs {}",
+        differ.unwrap(),
+        a[differ.unwrap()],
+        b[differ.unwrap()]
+    );
+}
+
+fn assert_replicas_equal(ranks: &[Vec<f32>], what: &str) {
+    for (r, p) in ranks.iter().enumerate() {
+        assert_bit_identical(&ranks[0], p, &format!("{what}: rank {r} against rank 0"));
+    }
+}
+
+#[test]
+fn stages_1_and_2_equal_ddp_bit_for_bit_at_world_sizes_1_to_4() {
+    for world in 1..=4 {
+        for opt in [Opt::Adam, Opt::Sgd] {
+            let ddp = train(world, None, opt, 1, 6, Transport::Auto);
+            assert_replicas_equal(&ddp, "ddp");
+            // The runs move: the reference is not the initial model.
+            let start = flatten_params(&Net::new(0.0)).unwrap();
+            assert!(ddp[0].iter().zip(&start).any(|(a, b)| a != b));
+            for stage in [ZeroStage::One, ZeroStage::Two] {
+                let what = format!("world {world}, {opt:?}, {stage:?}");
+                let zero = train(world, Some(stage), opt, 1, 6, Transport::Auto);
+                assert_replicas_equal(&zero, &what);
+                assert_bit_identical(&zero[0], &ddp[0], &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn over_tcp_the_sharded_step_equals_ddp_too() {
+    for world in [2, 3] {
+        let ddp = train(world, None, Opt::Adam, 1, 4, Transport::Tcp);
+        let zero = train(world, Some(ZeroStage::Two), Opt::Adam, 1, 4, Transport::Tcp);
+        assert_replicas_equal(&zero, "tcp");
+        assert_bit_identical(&zero[0], &ddp[0], &format!("tcp, world {world}"));
+    }
+}
+
+#[test]
+fn accumulation_matches_ddp_no_sync() {
+    for world in [2, 3] {
+        let ddp = train(world, None, Opt::Adam, 3, 4, Transport::Auto);
+        let one = train(
+            world,
+            Some(ZeroStage::One),
+            Opt::Adam,
+            3,
+            4,
+            Transport::Auto,
+        );
+        assert_bit_identical(&one[0], &ddp[0], &format!("stage 1, world {world}"));
+        // Stage 2 sums over ranks per micro-step: another rounding order. Compared with SGD,
+        // where a rounding difference stays a rounding difference (Adam divides by the root of
+        // the second moment, which turns the last bit of a near-zero gradient into a visible
+        // step difference).
+        let ddp_sgd = train(world, None, Opt::Sgd, 3, 4, Transport::Auto);
+        let two = train(world, Some(ZeroStage::Two), Opt::Sgd, 3, 4, Transport::Auto);
+        assert_replicas_equal(&two, "stage 2 accumulation");
+        let worst = two[0]
+            .iter()
+            .zip(&ddp_sgd[0])
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-5, "stage 2, world {world}: relative {worst}");
+    }
+}
+
+#[test]
+fn a_local_failure_fails_the_step_on_every_rank_and_changes_nothing() {
+    let results = run_ranks(3, |pg| {
+        let rank = pg.rank();
+        let config = ZeroConfig::new(ZeroStage::Two);
+        let (model, mut zero) =
+            ShardedDataParallel::new(Net::new(0.0), pg, config, Opt::Adam.sharded()).unwrap();
+        let before = flatten_params(&model).unwrap();
+        let (x, y) = data(0, 0, rank);
+        let grads = if rank == 1 {
+            // Gradients of another module: ids the wrapper does not know.
+            let other = Net::new(0.0);
+            GradientsParams::from_grads(other.loss(x, y, true).backward(), &other)
+        } else {
+            GradientsParams::from_grads(model.loss(x, y, true).backward(), &model)
+        };
+        let failed = zero.step(LR, model.clone(), grads);
+        let after_failure = flatten_params(&model).unwrap();
+        // The next step works on every rank.
+        let (x, y) = data(1, 0, rank);
+        let grads = GradientsParams::from_grads(model.loss(x, y, true).backward(), &model);
+        let next = zero
+            .step(LR, model.clone(), grads)
+            .map(|m| flatten_params(&m).unwrap());
+        // The same first step with a fresh wrapper: the failed step left no optimizer state
+        // or step count behind.
+        let pg = zero.process_group().clone();
+        let (model, mut fresh) = ShardedDataParallel::new(
+            model,
+            pg,
+            ZeroConfig::new(ZeroStage::Two),
+            Opt::Adam.sharded(),
+        )
+        .unwrap();
+        let (x, y) = data(1, 0, rank);
+        let grads = GradientsParams::from_grads(model.loss(x, y, true).backward(), &model);
+        let reference = flatten_params(&fresh.step(LR, model, grads).unwrap()).unwrap();
+        assert_bit_identical(
+            next.as_ref().unwrap(),
+            &reference,
+            "the step after a failure",
+        );
+        (rank, failed.err(), before, after_failure, next)
+    });
+    for (rank, error, before, after, next) in results {
+        match (rank, error) {
+            (1, Some(DdpError::ParamsChanged { .. })) => {}
+            (_, Some(DdpError::PeerFailed { rank: Some(1), .. })) if rank != 1 => {}
+            (r, other) => panic!("rank {r}: {other:?}"),
+        }
+        assert_bit_identical(&before, &after, "a failed step changes nothing");
+        let next = next.expect("the step after a failure works");
+        assert!(next.iter().zip(&before).any(|(a, b)| a != b));
+    }
+}
+
+#[test]
+fn a_dead_peer_is_named_by_the_survivors() {
+    let results = run_ranks_over(2, Transport::Tcp, |pg| {
+        let rank = pg.rank();
+        let config = ZeroConfig::new(ZeroStage::Two);
+        let (mut model, mut zero) =
+            ShardedDataParallel::new(Net::new(0.0), pg, config, Opt::Adam.sharded()).unwrap();
+        let (x, y) = data(0, 0, rank);
+        let grads = GradientsParams::from_grads(model.loss(x, y, true).backward(), &model);
+        model = zero.step(LR, model, grads).unwrap();
+        if rank == 1 {
+            // Rank 1 dies: its process group (and its sockets) go away mid-training.
+            drop(zero);
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let (x, y) = data(1, 0, rank);
+        let grads = GradientsParams::from_grads(model.loss(x, y, true).backward(), &model);
+        Some(zero.step(LR, model, grads).err())
+    });
+    let error = results[0]
+        .as_ref()
+        .unwrap()
+        .as_ref()
+        .expect("rank 0 must fail");
+    match error {
+        DdpError::Comm(e) => assert!(e.to_string().contains("rank 1 left"), "{e}"),
+        other => panic!("{other}"),
+    }
+}
+
+/// Trains `steps` steps (Adam, stage 2) on `world` ranks from `start` (parameters and an
+/// optional consolidated state); returns rank 0's parameters and the consolidated state.
+fn continue_from(
+    world: usize,
+    start: &[f32],
+    state: Option<&[u8]>,
+    steps: std::ops::Range<usize>,
+) -> (Vec<f32>, Vec<u8>) {
+    let out = run_ranks(world, |pg| {
+        let model = load_flat_params(Net::new(0.0), start).unwrap();
+        let config = ZeroConfig::new(ZeroStage::Two).with_bucket_cap_mb(SMALL_BUCKETS_MB);
+        let (mut model, mut zero) =
+            ShardedDataParallel::new(model, pg, config, Opt::Adam.sharded()).unwrap();
+        if let Some(bytes) = state {
+            zero.load_consolidated(bytes, "test state").unwrap();
+        }
+        for step in steps.clone() {
+            // The test trains at world 1 only (and moves the state through 3 ranks without a
+            // step): other world sizes would average other per-rank means.
+            assert_eq!(world, 1, "train at world 1 only");
+            let (x, y) = data(step, 0, 0);
+            let loss = model.loss(x, y, uses_extra(step));
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = zero.step(LR, model, grads).unwrap();
+        }
+        (
+            flatten_params(&model).unwrap(),
+            zero.consolidated_state().unwrap(),
+        )
+    });
+    let (params, state) = out.into_iter().next().unwrap();
+    (params, state.expect("rank 0 returns the state"))
+}
+
+#[test]
+fn a_consolidated_state_resumes_at_another_world_size() {
+    let start = flatten_params(&Net::new(0.0)).unwrap();
+    // Uninterrupted: 4 steps on 1 rank.
+    let (straight, _) = continue_from(1, &start, None, 0..4);
+    // 2 steps on 1 rank, then the consolidated state moves through 3 ranks (each takes its
+    // shard, and consolidating gives the same bytes back), then 2 more steps on 1 rank.
+    let (half, state) = continue_from(1, &start, None, 0..2);
+    let (same, through_3) = continue_from(3, &half, Some(&state), 0..0);
+    assert_bit_identical(&same, &half, "no step, no change");
+    assert_eq!(
+        through_3, state,
+        "consolidation at 3 ranks gives the same state"
+    );
+    let (resumed, _) = continue_from(1, &half, Some(&through_3), 2..4);
+    assert_bit_identical(&resumed, &straight, "resumed after a world-size change");
+    // Without the state, Adam would start its moments afresh and end elsewhere.
+    let (fresh, _) = continue_from(1, &half, None, 2..4);
+    assert!(fresh.iter().zip(&straight).any(|(a, b)| a != b));
+}
+
+#[test]
+fn a_sharded_checkpoint_file_resumes_at_another_world_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = RunId {
+        model: "net".into(),
+        seed: 1,
+        allow_mismatch: true,
+    };
+    let position = Position {
+        epoch: 1,
+        batch_in_epoch: 0,
+        step: 2,
+        loss_sum: 0.0,
+    };
+    // 2 ranks train 2 steps and save.
+    let saved = run_ranks(2, |pg| {
+        let config = ZeroConfig::new(ZeroStage::One);
+        let (mut model, mut zero) =
+            ShardedDataParallel::new(Net::new(0.0), pg.clone(), config, Opt::Adam.sharded())
+                .unwrap();
+        for step in 0..2 {
+            let (x, y) = data(step, 0, pg.rank());
+            let grads = GradientsParams::from_grads(model.loss(x, y, true).backward(), &model);
+            model = zero.step(LR, model, grads).unwrap();
+        }
+        save_sharded_checkpoint(&pg, dir.path(), &run, &position, &model, &zero).unwrap();
+        (
+            flatten_params(&model).unwrap(),
+            zero.consolidated_state().unwrap(),
+        )
+    });
+    let path = ddp::checkpoint::checkpoint_path(dir.path());
+    // 3 ranks resume it: the model's values and the optimizer state come back.
+    let resumed = run_ranks(3, |pg| {
+        let r = resume_sharded(&pg, &path, &run, Net::new(5.0)).unwrap();
+        assert!(r.mismatch.as_deref().unwrap().contains("world size 2"));
+        let config = ZeroConfig::new(ZeroStage::Two);
+        let (model, mut zero) =
+            ShardedDataParallel::new(r.model, pg, config, Opt::Adam.sharded()).unwrap();
+        zero.load_consolidated(&r.optim_state.unwrap(), &path.display().to_string())
+            .unwrap();
+        (
+            flatten_params(&model).unwrap(),
+            zero.consolidated_state().unwrap(),
+        )
+    });
+    assert_bit_identical(&resumed[0].0, &saved[0].0, "resumed parameters");
+    assert_eq!(resumed[0].1, saved[0].1, "resumed optimizer state");
+    // A state of another optimizer is refused, naming the field.
+    let sgd = run_ranks(1, |pg| {
+        let (_, mut zero) = ShardedDataParallel::new(
+            Net::new(0.0),
+            pg,
+            ZeroConfig::new(ZeroStage::One),
+            Opt::Sgd.sharded(),
+        )
+        .unwrap();
+        zero.load_consolidated(saved[0].1.as_ref().unwrap(), "ck")
+            .unwrap_err()
+            .to_string()
+    });
+    assert!(sgd[0].contains("`optimizer`"), "{}", sgd[0]);
+}
+
+#[test]
+fn each_rank_keeps_a_quarter_of_the_state_at_four_ranks() {
+    let memories = run_ranks(4, |pg| {
+        let one = ShardedDataParallel::new(
+            Net::new(0.0),
+            pg.clone(),
+            ZeroConfig::new(ZeroStage::One),
+            Opt::Adam.sharded(),
+        )
+        .unwrap()
+        .1
+        .memory();
+        let two = ShardedDataParallel::new(
+            Net::new(0.0),
+            pg,
+            ZeroConfig::new(ZeroStage::Two),
+            Opt::Adam.sharded(),
+        )
+        .unwrap()
+        .1
+        .memory();
+        (one, two)
+    });
+    let shards: Vec<usize> = memories.iter().map(|(one, _)| one.shard).collect();
+    // 226 = 57 + 57 + 56 + 56: balanced, every element owned once.
+    assert_eq!(shards, vec![57, 57, 56, 56]);
+    for (one, two) in &memories {
+        assert_eq!(one.params, PARAMS);
+        assert_eq!(one.optimizer_bytes, 2 * 4 * one.shard);
+        assert_eq!(one.gradient_bytes, 4 * PARAMS);
+        assert_eq!(two.gradient_bytes, 4 * two.shard);
+    }
+}
