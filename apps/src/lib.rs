@@ -9,5 +9,6 @@ pub mod bench;
 pub mod gpu;
 pub mod metrics;
 pub mod options;
+pub mod spawn;
 pub mod trace;
 pub mod train;

@@ -48,12 +48,16 @@
 //!    same first failure; a node whose ranks finished waits for the others (and joins a restart
 //!    if one comes); a node whose launcher dies is named by the others, which stop their ranks.
 //!
+//! [`spawn`] is the same for a program that starts its own ranks (PyTorch's `mp.spawn`): it
+//! runs this very program as the local ranks of a one-node job.
+//!
 //! Where things are: `launch.rs` (the restart loop, steps 1 and 6), `attempt.rs` (one attempt:
 //! the watch loop, steps 2 to 5), `ranks.rs` (the ranks' processes), `output.rs` (forwarding
 //! their output), `signals.rs` (the launcher's own signals), `rendezvous.rs` (the master
 //! address and port), `report.rs` (the root cause and its box), `hang.rs` (where every rank
 //! is), `agents.rs` (several nodes), `config.rs` ([`LaunchConfig`], each rank's environment),
-//! `error.rs` ([`LaunchError`], [`RankFailure`], [`RankExit`]).
+//! `error.rs` ([`LaunchError`], [`RankFailure`], [`RankExit`]), `pet.rs` (ddprun's defaults from
+//! torchrun's `PET_*` variables), `spawn.rs` ([`spawn`]).
 //!
 //! Unix only: it relies on process groups and signals.
 #![cfg(unix)]
@@ -71,6 +75,7 @@ mod ranks;
 mod rendezvous;
 mod report;
 mod signals;
+mod spawn;
 
 pub use config::{rank_env, LaunchConfig, DEFAULT_GRACE_PERIOD, DEFAULT_MASTER_ADDR};
 pub use ddp_comm::elastic::{
@@ -81,6 +86,7 @@ pub use launch::launch;
 pub use pet::PetDefaults;
 pub use rendezvous::bind_free_port;
 pub use report::root_cause_box;
+pub use spawn::{spawn, SpawnOptions};
 
 /// The README's code blocks, compiled (and run) as doctests.
 #[cfg(doctest)]

@@ -11,6 +11,7 @@ use anyhow::Result;
 use burn::tensor::Device;
 use clap::{Parser, ValueEnum};
 use ddp_apps::options::{DataFormat, TrainArgs, TrainConfig};
+use ddp_apps::spawn::SpawnArgs;
 use ddp_apps::train::{self, Data, Task};
 use ddp_comm::ProcessGroup;
 use ddp_data::{ensure_mnist, Mnist, MnistSplit, ShardSet};
@@ -39,6 +40,8 @@ struct Cli {
     fetch_data: bool,
     #[command(flatten)]
     args: TrainArgs,
+    #[command(flatten)]
+    spawn: SpawnArgs,
 }
 
 /// Defaults that reach 98 % test accuracy in two epochs on two ranks.
@@ -60,6 +63,9 @@ fn try_main() -> Result<()> {
     if cli.fetch_data {
         println!("{}", ensure_mnist(cli.args.data_dir.as_deref())?.display());
         return Ok(());
+    }
+    if let Some(ranks) = cli.spawn.run_ranks() {
+        return ranks;
     }
     let train::Started { cfg, pg, device } = train::start(&cli.args, &defaults())?;
 

@@ -12,6 +12,7 @@ use anyhow::Result;
 use burn::tensor::Device;
 use clap::Parser;
 use ddp_apps::options::{TrainArgs, TrainConfig};
+use ddp_apps::spawn::SpawnArgs;
 use ddp_apps::train::{self, Task};
 use ddp_comm::ProcessGroup;
 use ddp_data::{PimaSplit, PimaTable};
@@ -29,6 +30,8 @@ struct Cli {
     test_fraction: f64,
     #[command(flatten)]
     args: TrainArgs,
+    #[command(flatten)]
+    spawn: SpawnArgs,
 }
 
 fn defaults() -> TrainArgs {
@@ -47,6 +50,9 @@ fn main() -> std::process::ExitCode {
 
 fn try_main() -> Result<()> {
     let cli = Cli::parse();
+    if let Some(ranks) = cli.spawn.run_ranks() {
+        return ranks;
+    }
     let train::Started { cfg, pg, device } = train::start(&cli.args, &defaults())?;
 
     if cfg.data_format != ddp_apps::options::DataFormat::Memory {

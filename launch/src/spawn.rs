@@ -1,0 +1,86 @@
+//! [`spawn`]: PyTorch's `torch.multiprocessing.spawn(fn, nprocs=N)` for a Rust program: the
+//! program starts N copies of itself as the local ranks of a one-node job and waits for them,
+//! with everything [`crate::launch`] does (torchrun's variables, a free port whose socket local
+//! rank 0 inherits, output prefixed with `[rank R]`, the others stopped when one fails and the
+//! first failure named as the root cause, restarts).
+
+use std::ffi::OsString;
+use std::time::Duration;
+
+use crate::config::{LaunchConfig, DEFAULT_GRACE_PERIOD};
+use crate::error::{LaunchError, LaunchReport};
+
+/// How [`spawn`] starts the ranks.
+#[derive(Debug, Clone)]
+pub struct SpawnOptions {
+    /// The arguments every rank gets (the program is always this one,
+    /// [`std::env::current_exe`]); [`SpawnOptions::new`] takes this process's own, and a
+    /// program removes from them the flag that asked for the ranks, so that they do not spawn
+    /// again.
+    pub args: Vec<OsString>,
+    /// Restarts of all ranks after a failure, as [`LaunchConfig::max_restarts`] (default 0).
+    pub max_restarts: usize,
+    /// Time between `SIGTERM` and `SIGKILL` when stopping the ranks (default
+    /// [`DEFAULT_GRACE_PERIOD`]).
+    pub grace_period: Duration,
+}
+
+impl SpawnOptions {
+    /// This process's own arguments (without the program), no restarts, the default grace
+    /// period.
+    pub fn new() -> SpawnOptions {
+        SpawnOptions::with_args(std::env::args_os().skip(1).collect())
+    }
+
+    /// `args` for every rank, no restarts, the default grace period.
+    pub fn with_args(args: Vec<OsString>) -> SpawnOptions {
+        SpawnOptions {
+            args,
+            max_restarts: 0,
+            grace_period: DEFAULT_GRACE_PERIOD,
+        }
+    }
+}
+
+impl Default for SpawnOptions {
+    fn default() -> SpawnOptions {
+        SpawnOptions::new()
+    }
+}
+
+/// Runs this program (`std::env::current_exe()` with `options.args`) as `nprocs` local ranks
+/// of a one-node job and waits for them: ddprun's `--nproc-per-node nprocs` without ddprun.
+/// Each rank gets torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+/// `LOCAL_WORLD_SIZE`, `MASTER_ADDR=127.0.0.1`, a free `MASTER_PORT`, ...; see
+/// [`crate::rank_env`]), so `ProcessGroup::from_env()` in it forms the group.
+///
+/// Returns the ranks' report when all exited 0, else [`crate::launch`]'s error: for a failed
+/// rank [`LaunchError::RankFailed`], naming the root cause (print it with
+/// [`crate::root_cause_box`]) after the other ranks were stopped. A process that already is a
+/// rank (a launcher's variables say so: torchrun's, MPI's, Slurm's) gets
+/// [`LaunchError::AlreadyARank`] and starts nothing; `nprocs` 0 is [`LaunchError::Zero`].
+pub fn spawn(nprocs: usize, options: &SpawnOptions) -> Result<LaunchReport, LaunchError> {
+    let group = ddp_comm::GroupConfig::from_env()
+        .map_err(|e| LaunchError::Environment(format!("cannot start ranks: {e}")))?;
+    if group.launcher != "none" {
+        return Err(LaunchError::AlreadyARank {
+            rank: group.rank,
+            world_size: group.world_size,
+            launcher: group.launcher,
+            hint: "start it without a launcher to have it start its ranks, or leave the number \
+                   of processes to the launcher"
+                .to_string(),
+        });
+    }
+    let program = std::env::current_exe().map_err(|source| LaunchError::Spawn {
+        rank: 0,
+        program: "this program (std::env::current_exe)".to_string(),
+        source,
+    })?;
+    let mut command = vec![program.into_os_string()];
+    command.extend(options.args.iter().cloned());
+    let mut config = LaunchConfig::new(nprocs, command);
+    config.max_restarts = options.max_restarts;
+    config.grace_period = options.grace_period;
+    crate::launch(&config)
+}
