@@ -148,6 +148,18 @@ m = re.search(r"done: 1 epochs, 100 steps, test accuracy ([0-9.]+)%", text)
 assert m and float(m.group(1)) >= 90.0, f"mpirun: {text!r}"
 PY
 
+step "spawn: train-mnist --nproc-per-node 2 starts its own 2 ranks (no launcher, PyTorch's mp.spawn)"
+target/release/train-mnist --nproc-per-node 2 --epochs 1 --max-steps 100 --log-interval 50 \
+  --threads 1 --data-dir "$MNIST" | tee target/ci-spawn.txt
+grep -q "\\[rank 0\\] training cnn: world 2 (launcher: torchrun; 1 compute threads per rank)" \
+  target/ci-spawn.txt
+python3 - target/ci-spawn.txt <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+m = re.search(r"done: 1 epochs, 100 steps, test accuracy ([0-9.]+)%", text)
+assert m and float(m.group(1)) >= 90.0, f"spawn: {text!r}"
+PY
+
 step "layout: no two files of a library crate import each other, no source file over 1000 lines"
 for crate in fsio comm launch data models ddp apps; do
   printf '%s: ' "$crate"
