@@ -10,5 +10,6 @@ pub mod gpu;
 pub mod metrics;
 pub mod options;
 pub mod spawn;
+mod stepper;
 pub mod trace;
 pub mod train;

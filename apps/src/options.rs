@@ -110,6 +110,10 @@ pub struct TrainArgs {
     /// Gradient compression on the wire.
     #[arg(long, value_enum)]
     pub compression: Option<CompressionKind>,
+    /// ZeRO stage: 0 = plain DDP (every rank keeps the whole optimizer state), 1 = the
+    /// optimizer state sharded across ranks, 2 = optimizer state and gradients sharded.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=2))]
+    pub zero_stage: Option<u8>,
     /// Directory of the data set (MNIST: where the four files are or will be downloaded;
     /// with `--data-format shards`, the folder holding `train/` and `test/`).
     #[arg(long)]
@@ -187,7 +191,7 @@ impl TrainArgs {
     /// `self`'s values where given, else `under`'s.
     pub fn or(&self, under: &TrainArgs) -> TrainArgs {
         merge_fields!(self, under; epochs, batch_size, lr, optimizer, momentum, lr_scaling, seed,
-            backend, threads, workers, bucket_cap_mb, compression, data_dir, data_format,
+            backend, threads, workers, bucket_cap_mb, compression, zero_stage, data_dir, data_format,
             prefetch_shards, checkpoint_dir, checkpoint_every,
             resume, allow_mismatched_checkpoint, metrics_dir, export, log_interval, max_steps, train_samples, test_samples,
             verbose, json, trace_dir, trace_steps)
@@ -222,6 +226,7 @@ impl TrainArgs {
             workers: a.workers.unwrap_or(1),
             bucket_cap_mb: a.bucket_cap_mb.unwrap_or(25.0),
             compression: a.compression.unwrap_or(CompressionKind::None),
+            zero_stage: a.zero_stage.unwrap_or(0),
             data_dir: a.data_dir,
             data_format: a.data_format.unwrap_or(DataFormat::Memory),
             prefetch_shards: a.prefetch_shards.unwrap_or(2),
@@ -255,6 +260,17 @@ impl TrainArgs {
         }
         if cfg.resume && cfg.checkpoint_dir.is_none() {
             bail!("--resume needs --checkpoint-dir");
+        }
+        if cfg.zero_stage > 2 {
+            bail!("zero-stage must be 0, 1 or 2 (got {})", cfg.zero_stage);
+        }
+        if cfg.zero_stage > 0 && cfg.compression != CompressionKind::None {
+            bail!(
+                "--compression {:?} cannot be combined with --zero-stage {}: sharded training \
+                 reduce-scatters f32 gradients",
+                cfg.compression,
+                cfg.zero_stage
+            );
         }
         if cfg.checkpoint_every == Some(0) {
             bail!("checkpoint-every must be at least 1 step");
@@ -293,6 +309,8 @@ pub struct TrainConfig {
     pub bucket_cap_mb: f64,
     /// Gradient compression.
     pub compression: CompressionKind,
+    /// ZeRO stage (0 = plain DDP).
+    pub zero_stage: u8,
     /// Data directory.
     pub data_dir: Option<PathBuf>,
     /// In memory or streamed from shards.

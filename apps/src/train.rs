@@ -9,13 +9,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use burn::module::Module;
-use burn::optim::momentum::MomentumConfig;
-use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
+use burn::optim::GradientsParams;
 use burn::tensor::Device;
-use ddp::{
-    Compression, DdpConfig, DdpError, DistributedDataParallel, Position, RunId, SyncPhase,
-    SyncSpan, SyncStats,
-};
+use ddp::{DdpError, Position, RunId, SyncPhase, SyncSpan, SyncStats};
 use ddp_comm::{CollectiveRecord, ProcessGroup, ReduceOp};
 use ddp_data::{
     Batch, BatchSource, DataLoader, DistributedSampler, LoaderConfig, ShardLoader,
@@ -26,7 +22,8 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::metrics::{EpochMetrics, MetricsWriter};
-use crate::options::{CompressionKind, OptimizerKind, TrainConfig};
+use crate::options::TrainConfig;
+use crate::stepper::{self, Stepper};
 use crate::trace::{Tracer, Track};
 
 /// What a finished run reports (rank 0 prints it; every rank returns it).
@@ -236,18 +233,7 @@ where
     M: Module + Classifier<D>,
     S: BatchSource<D> + 'static,
 {
-    match cfg.optimizer {
-        OptimizerKind::Adam => {
-            let optim = AdamConfig::new().with_epsilon(1e-8).init();
-            run(cfg, pg, device, task, optim)
-        }
-        OptimizerKind::Sgd => {
-            let momentum =
-                (cfg.momentum > 0.0).then(|| MomentumConfig::new().with_momentum(cfg.momentum));
-            let optim = SgdConfig::new().with_momentum(momentum).init();
-            run(cfg, pg, device, task, optim)
-        }
-    }
+    run(cfg, pg, device, task)
 }
 
 /// Prints on rank 0, or on every rank with `--verbose`.
@@ -268,7 +254,6 @@ fn run<M, S, const D: usize>(
     pg: Arc<ProcessGroup>,
     device: Device,
     task: Task<M, S>,
-    mut optim: ModuleOptimizer,
 ) -> Result<RunSummary>
 where
     M: Module + Classifier<D>,
@@ -296,6 +281,8 @@ where
     let mut start_batch = 0usize;
     let mut start_loss_sum = 0.0;
     let mut step: u64 = 0;
+    let mut optim = stepper::burn_optimizer(cfg);
+    let mut zero_state = None;
     if resume {
         let dir = cfg
             .checkpoint_dir
@@ -310,7 +297,7 @@ where
             ));
         }
         let run = run_id(cfg, &name);
-        let resumed = match ddp::resume(&pg, &path, &run, model, optim) {
+        let resumed = match stepper::resume(cfg, &pg, &path, &run, model, optim) {
             Err(DdpError::CheckpointMismatch { path, what }) => bail!(
                 "{path} was written by a run with {what}: resuming would not continue that run \
                  (another data order and other dropout masks); pass \
@@ -318,6 +305,8 @@ where
             ),
             other => other?,
         };
+        let (resumed, state) = resumed;
+        zero_state = state.map(|bytes| (bytes, path.display().to_string()));
         (model, optim) = (resumed.model, resumed.optim);
         if let Some(what) = &resumed.mismatch {
             tracing::warn!(
@@ -359,16 +348,7 @@ where
     }
     let kill_at = test_kill_step(rank, world, restart);
 
-    let ddp_config = DdpConfig {
-        bucket_cap_mb: cfg.bucket_cap_mb,
-        compression: match cfg.compression {
-            CompressionKind::None => Compression::None,
-            CompressionKind::Bf16 => Compression::Bf16,
-            CompressionKind::F16 => Compression::F16,
-        },
-        ..DdpConfig::default()
-    };
-    let (wrapped, mut ddp) = DistributedDataParallel::new(model, pg.clone(), ddp_config)?;
+    let (wrapped, mut stepper) = Stepper::new(cfg, pg.clone(), model, optim, zero_state)?;
     model = wrapped;
 
     let ranks = (world, rank);
@@ -389,7 +369,7 @@ where
     say.line(format!(
         "training {name}: world {world} (launcher: {}; {} compute threads per rank), \
          {train_len} training samples ({} per rank, {} steps per epoch), {test_len} test \
-         samples, batch {} per rank, lr {lr:e} ({:?} scaling), {:?}, {} epochs from epoch {}",
+         samples, batch {} per rank, lr {lr:e} ({:?} scaling), {:?}, {}, {} epochs from epoch {}",
         pg.config().launcher,
         rayon::current_num_threads(),
         train_feed.num_samples(),
@@ -397,6 +377,7 @@ where
         cfg.batch_size,
         cfg.lr_scaling,
         cfg.optimizer,
+        stepper.describe(),
         cfg.epochs,
         start_epoch + 1
     ));
@@ -478,10 +459,8 @@ where
             let t_backward = Instant::now();
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             let t_sync = Instant::now();
-            ddp.record_spans(traced);
-            let grads = ddp.sync(&model, grads)?;
-            let t_optim = Instant::now();
-            model = optim.step(lr, model, grads);
+            let (stepped, t_optim) = stepper.step(lr, model, grads, traced)?;
+            model = stepped;
             let t_end = Instant::now();
             step += 1;
             batches += 1;
@@ -489,7 +468,7 @@ where
             loss_sum += loss_value;
             if let (true, Some(tracer)) = (traced, tracer.as_mut()) {
                 let marks = [t_data, t_forward, t_backward, t_sync, t_optim, t_end];
-                trace_step(tracer, step, marks, ddp.take_spans(), &pg.flight_records());
+                trace_step(tracer, step, marks, stepper.take_spans(), &pg.flight_records());
                 if tracer.done_after(step) {
                     if let Some(path) = tracer.write()? {
                         say.line(format!(
@@ -503,7 +482,7 @@ where
             interval.add(loss_value, n);
             let at_interval = step.is_multiple_of(cfg.log_interval as u64);
             if at_interval {
-                let comm = ddp.take_stats();
+                let comm = stepper.take_stats();
                 add_stats(&mut epoch_comm, &comm);
                 if let Some(m) = metrics.as_mut() {
                     m.write_scalars(step, &interval.scalars(lr, world, &comm))?;
@@ -523,7 +502,7 @@ where
             let mid_epoch = batches < steps_per_epoch && !at_limit(step);
             if mid_epoch && cfg.checkpoint_every.is_some_and(|k| step.is_multiple_of(k)) {
                 let position = (epoch, batches, loss_sum);
-                let saved = save_checkpoint(cfg, &pg, &name, position, step, &model, &optim)?;
+                let saved = save_checkpoint(cfg, &pg, &name, position, step, &model, &stepper)?;
                 if let Some(path) = saved {
                     tracing::info!("step {step}: checkpoint {}", path.display());
                     summary.checkpoint = Some(path);
@@ -544,7 +523,7 @@ where
         let elapsed = epoch_start.elapsed();
         train_time += elapsed;
         samples_done += epoch_samples;
-        let mut comm = ddp.take_stats();
+        let mut comm = stepper.take_stats();
         add_stats(&mut comm, &epoch_comm);
         summary.comm_seconds += comm.total().as_secs_f64();
         summary.pack_seconds += comm.pack.as_secs_f64();
@@ -590,7 +569,7 @@ where
         } else {
             (epoch + 1, 0, 0.0)
         };
-        if let Some(path) = save_checkpoint(cfg, &pg, &name, position, step, &model, &optim)? {
+        if let Some(path) = save_checkpoint(cfg, &pg, &name, position, step, &model, &stepper)? {
             summary.checkpoint = Some(path);
         }
     }
@@ -867,7 +846,7 @@ fn save_checkpoint<M: Module>(
     (epoch, batch_in_epoch, loss_sum): (usize, usize, f64),
     step: u64,
     model: &M,
-    optim: &ModuleOptimizer,
+    stepper: &Stepper,
 ) -> Result<Option<PathBuf>> {
     let Some(dir) = &cfg.checkpoint_dir else {
         return Ok(None);
@@ -878,14 +857,7 @@ fn save_checkpoint<M: Module>(
         step,
         loss_sum,
     };
-    Ok(ddp::save_checkpoint(
-        pg,
-        dir,
-        &run_id(cfg, name),
-        &position,
-        model,
-        optim,
-    )?)
+    Ok(stepper.save(pg, dir, &run_id(cfg, name), &position, model)?)
 }
 
 /// What identifies this run in its checkpoints.

@@ -157,6 +157,13 @@ pub fn resume<M: Module>(
     let resumed = resume_sharded(pg, path, run, model)?;
     let optim = match resumed.optim_state {
         None => optim,
+        Some(bytes) if bytes.starts_with(b"DDPZERO1") => {
+            return Err(fail(format!(
+                "{}: the optimizer state was written by a sharded run (ZeRO stage 1 or 2, \
+                 ShardedDataParallel): resume it with resume_sharded and a sharded run",
+                path.display()
+            )))
+        }
         Some(bytes) => optim
             .from_bytes(Bytes::from_bytes_vec(bytes))
             .map_err(|e| fail(format!("{}: optimizer record: {e:?}", path.display())))?,

@@ -1,0 +1,201 @@
+//! The trainers' optimizer step, either way `--zero-stage` asks for: plain DDP (stage 0:
+//! `DistributedDataParallel` averages the gradients, burn's optimizer steps the whole model on
+//! every rank) or sharded (stages 1 and 2: `ShardedDataParallel` reduce-scatters the gradients
+//! and steps this rank's shard with the same Adam or SGD math). Checkpoints and resume follow:
+//! burn's optimizer record for stage 0, the consolidated sharded state for stages 1 and 2
+//! (resumable at another world size).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use ddp::{
+    Compression, DdpConfig, DdpError, DistributedDataParallel, Position, ProcessGroup, Resumed,
+    RunId, ShardOptimizer, ShardedAdamConfig, ShardedDataParallel, ShardedSgdConfig, SyncSpan,
+    SyncStats, ZeroConfig, ZeroStage,
+};
+
+use crate::options::{CompressionKind, OptimizerKind, TrainConfig};
+
+/// The optimizer step of a run.
+pub(crate) enum Stepper {
+    /// Stage 0: DDP and burn's optimizer.
+    Ddp {
+        ddp: DistributedDataParallel,
+        optim: ModuleOptimizer,
+    },
+    /// Stages 1 and 2.
+    Zero(ShardedDataParallel),
+}
+
+/// burn's optimizer for `cfg` (stage 0), as the trainers have always used it: Adam with
+/// PyTorch's epsilon (1e-8), or SGD with `--momentum` (burn's dampening).
+pub(crate) fn burn_optimizer(cfg: &TrainConfig) -> ModuleOptimizer {
+    match cfg.optimizer {
+        OptimizerKind::Adam => burn::optim::AdamConfig::new().with_epsilon(1e-8).init(),
+        OptimizerKind::Sgd => {
+            let momentum = (cfg.momentum > 0.0)
+                .then(|| burn::optim::momentum::MomentumConfig::new().with_momentum(cfg.momentum));
+            burn::optim::SgdConfig::new().with_momentum(momentum).init()
+        }
+    }
+}
+
+/// The sharded optimizer with the same math as [`burn_optimizer`].
+fn shard_optimizer(cfg: &TrainConfig) -> ShardOptimizer {
+    match cfg.optimizer {
+        OptimizerKind::Adam => ShardOptimizer::Adam(ShardedAdamConfig::new().with_epsilon(1e-8)),
+        OptimizerKind::Sgd => ShardOptimizer::Sgd(
+            ShardedSgdConfig::new().with_momentum((cfg.momentum > 0.0).then_some(cfg.momentum)),
+        ),
+    }
+}
+
+/// Restores the model (and, at stage 0, burn's optimizer) from the checkpoint at `path`; at
+/// stages 1 and 2 also returns the consolidated optimizer state for [`Stepper::new`].
+pub(crate) fn resume<M: Module>(
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    path: &Path,
+    run: &RunId,
+    model: M,
+    optim: ModuleOptimizer,
+) -> Result<(Resumed<M>, Option<Vec<u8>>), DdpError> {
+    if cfg.zero_stage == 0 {
+        return ddp::resume(pg, path, run, model, optim).map(|r| (r, None));
+    }
+    let r = ddp::resume_sharded(pg, path, run, model)?;
+    let resumed = Resumed {
+        model: r.model,
+        optim,
+        meta: r.meta,
+        mismatch: r.mismatch,
+    };
+    Ok((resumed, r.optim_state))
+}
+
+impl Stepper {
+    /// Wraps `model` for `cfg`'s stage; a sharded run loads `zero_state` (from [`resume`]),
+    /// naming `source` in errors.
+    pub(crate) fn new<M: Module>(
+        cfg: &TrainConfig,
+        pg: Arc<ProcessGroup>,
+        model: M,
+        optim: ModuleOptimizer,
+        zero_state: Option<(Vec<u8>, String)>,
+    ) -> Result<(M, Stepper), DdpError> {
+        let stage = match cfg.zero_stage {
+            0 => None,
+            1 => Some(ZeroStage::One),
+            _ => Some(ZeroStage::Two),
+        };
+        let Some(stage) = stage else {
+            let config = DdpConfig {
+                bucket_cap_mb: cfg.bucket_cap_mb,
+                compression: match cfg.compression {
+                    CompressionKind::None => Compression::None,
+                    CompressionKind::Bf16 => Compression::Bf16,
+                    CompressionKind::F16 => Compression::F16,
+                },
+                ..DdpConfig::default()
+            };
+            let (model, ddp) = DistributedDataParallel::new(model, pg, config)?;
+            return Ok((model, Stepper::Ddp { ddp, optim }));
+        };
+        let config = ZeroConfig::new(stage).with_bucket_cap_mb(cfg.bucket_cap_mb);
+        let (model, mut zero) = ShardedDataParallel::new(model, pg, config, shard_optimizer(cfg))?;
+        if let Some((bytes, source)) = zero_state {
+            zero.load_consolidated(&bytes, &source)?;
+        }
+        Ok((model, Stepper::Zero(zero)))
+    }
+
+    /// What the first line says about the step: `DDP` or `ZeRO stage N`.
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            Stepper::Ddp { .. } => "DDP".into(),
+            Stepper::Zero(z) => {
+                let m = z.memory();
+                format!(
+                    "ZeRO stage {} (this rank steps {} of {} parameters, {:.1} MiB of \
+                     optimizer state)",
+                    match z.stage() {
+                        ZeroStage::One => 1,
+                        ZeroStage::Two => 2,
+                    },
+                    m.shard,
+                    m.params,
+                    m.optimizer_bytes as f64 / (1024.0 * 1024.0)
+                )
+            }
+        }
+    }
+
+    /// Averages `grads` across ranks and steps the model; also returns when the optimizer
+    /// step began (for the trace: a sharded step's reduce-scatter, update and all-gather are
+    /// one span).
+    pub(crate) fn step<M: Module>(
+        &mut self,
+        lr: f64,
+        model: M,
+        grads: GradientsParams,
+        traced: bool,
+    ) -> Result<(M, Instant), DdpError> {
+        match self {
+            Stepper::Ddp { ddp, optim } => {
+                ddp.record_spans(traced);
+                let grads = ddp.sync(&model, grads)?;
+                let t_optim = Instant::now();
+                Ok((optim.step(lr, model, grads), t_optim))
+            }
+            Stepper::Zero(zero) => {
+                let model = zero.step(lr, model, grads)?;
+                Ok((model, Instant::now()))
+            }
+        }
+    }
+
+    /// Communication statistics since the last call. A sharded step reports its
+    /// reduce-scatters and all-gather (packing included) as `wait` and its shard update as
+    /// `unpack`.
+    pub(crate) fn take_stats(&mut self) -> SyncStats {
+        match self {
+            Stepper::Ddp { ddp, .. } => ddp.take_stats(),
+            Stepper::Zero(zero) => {
+                let z = zero.take_stats();
+                SyncStats {
+                    steps: z.steps,
+                    pack: Default::default(),
+                    wait: z.reduce + z.gather,
+                    unpack: z.update,
+                    bytes: z.bytes,
+                }
+            }
+        }
+    }
+
+    /// The per-bucket spans of the traced steps (DDP only).
+    pub(crate) fn take_spans(&mut self) -> Vec<SyncSpan> {
+        match self {
+            Stepper::Ddp { ddp, .. } => ddp.take_spans(),
+            Stepper::Zero(_) => Vec::new(),
+        }
+    }
+
+    /// Saves a checkpoint into `dir` (every rank calls it; rank 0 writes).
+    pub(crate) fn save<M: Module>(
+        &self,
+        pg: &ProcessGroup,
+        dir: &Path,
+        run: &RunId,
+        position: &Position,
+        model: &M,
+    ) -> Result<Option<PathBuf>, DdpError> {
+        match self {
+            Stepper::Ddp { optim, .. } => ddp::save_checkpoint(pg, dir, run, position, model, optim),
+            Stepper::Zero(zero) => ddp::save_sharded_checkpoint(pg, dir, run, position, model, zero),
+        }
+    }
+}

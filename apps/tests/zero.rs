@@ -1,0 +1,185 @@
+//! `--zero-stage` end to end: the trainer as real processes under `ddprun`, on the real MNIST.
+//!
+//! - stages 1 and 2 end with the very weights of plain DDP (stage 0): the same parameter hash
+//!   and byte-identical exported safetensors;
+//! - a sharded checkpoint written by 2 ranks resumes on 1 rank (another world size, allowed
+//!   with `--allow-mismatched-checkpoint`), and a plain DDP run refuses it with an error that
+//!   names the file and says why;
+//! - a rank killed during sharded training is named as the root cause, as under DDP.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use serde_json::Value;
+
+mod common;
+mod mnist;
+
+/// A deadline against hangs, not a speed check.
+const DEADLINE: Duration = Duration::from_secs(900);
+
+/// A small MLP run: 2000 training samples, batch 50 per rank.
+const SMALL: [&str; 10] = [
+    "--model",
+    "mlp",
+    "--train-samples",
+    "2000",
+    "--test-samples",
+    "500",
+    "--batch-size",
+    "50",
+    "--epochs",
+    "1",
+];
+
+fn mnist_dir() -> PathBuf {
+    mnist::real_mnist()
+}
+
+/// `train-mnist ARGS` on `nproc` ranks through ddprun (`nproc` 1: one process, no launcher).
+fn train(nproc: usize, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut command = if nproc == 1 {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_train-mnist"));
+        common::clear_launcher_env(&mut c);
+        c
+    } else {
+        let mut c = Command::new(common::workspace_bin("ddprun"));
+        c.args(["--nproc-per-node", &nproc.to_string(), "--"])
+            .arg(env!("CARGO_BIN_EXE_train-mnist"));
+        c
+    };
+    command
+        .arg("--data-dir")
+        .arg(mnist_dir())
+        .args(["--threads", "1", "--json"])
+        .args(args)
+        .env_remove("DDP_TEST_KILL_AT_STEP")
+        .env_remove("TORCHELASTIC_RESTART_COUNT");
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    common::output_with_deadline(&mut command, DEADLINE)
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The JSON summary rank 0 prints at the end.
+fn summary(out: &Output) -> Value {
+    let all = text(out);
+    assert!(out.status.success(), "run failed:\n{all}");
+    let line = all
+        .lines()
+        .find_map(|l| l.split_once("DDP_SUMMARY ").map(|(_, j)| j.to_string()))
+        .unwrap_or_else(|| panic!("no summary in:\n{all}"));
+    serde_json::from_str(&line).unwrap()
+}
+
+#[test]
+fn zero_stages_end_with_the_weights_of_plain_ddp() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut hashes = Vec::new();
+    let mut weights = Vec::new();
+    for stage in ["0", "1", "2"] {
+        let export = dir.path().join(format!("stage{stage}.safetensors"));
+        let out = train(
+            2,
+            &[
+                &SMALL[..],
+                &["--zero-stage", stage, "--export", export.to_str().unwrap()],
+            ]
+            .concat(),
+            &[],
+        );
+        let s = summary(&out);
+        if stage != "0" {
+            assert!(
+                text(&out).contains(&format!("ZeRO stage {stage} (this rank steps")),
+                "{}",
+                text(&out)
+            );
+        }
+        assert_eq!(s["world_size"], 2);
+        assert!(s["test_accuracy"].as_f64().unwrap() > 0.8, "stage {stage}: {s}");
+        hashes.push(s["params_hash"].as_str().unwrap().to_string());
+        weights.push(std::fs::read(&export).unwrap());
+    }
+    assert_eq!(hashes[1], hashes[0], "stage 1 against DDP");
+    assert_eq!(hashes[2], hashes[0], "stage 2 against DDP");
+    assert!(weights[1] == weights[0] && weights[2] == weights[0]);
+}
+
+#[test]
+fn a_sharded_checkpoint_resumes_on_another_world_size_and_ddp_refuses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().to_str().unwrap();
+    let first = summary(&train(
+        2,
+        &[
+            &SMALL[..],
+            &["--zero-stage", "2", "--max-steps", "10", "--checkpoint-dir", ck],
+        ]
+        .concat(),
+        &[],
+    ));
+    assert_eq!(first["steps"], 10);
+
+    // One process, stage 1, from the 2-rank stage-2 checkpoint.
+    let resume = [
+        &SMALL[..],
+        &["--checkpoint-dir", ck, "--resume", "--allow-mismatched-checkpoint"],
+    ]
+    .concat();
+    let out = train(1, &[&resume[..], &["--zero-stage", "1"]].concat(), &[]);
+    let s = summary(&out);
+    assert!(
+        text(&out).contains("resuming from") && text(&out).contains("world size 2"),
+        "{}",
+        text(&out)
+    );
+    assert!(s["steps"].as_u64().unwrap() > 10, "{s}");
+
+    // Plain DDP cannot use a sharded optimizer state: an error naming the file.
+    let out = train(1, &[&resume[..], &["--zero-stage", "0"]].concat(), &[]);
+    let all = text(&out);
+    assert!(!out.status.success(), "{all}");
+    assert!(
+        all.contains("checkpoint.ddpck") && all.contains("written by a sharded run"),
+        "{all}"
+    );
+}
+
+#[test]
+fn a_rank_killed_during_sharded_training_is_named() {
+    let out = train(
+        2,
+        &[&SMALL[..], &["--zero-stage", "2"]].concat(),
+        &[("DDP_TEST_KILL_AT_STEP", "5")],
+    );
+    let all = text(&out);
+    assert!(!out.status.success(), "{all}");
+    assert!(
+        all.contains("rank 1 kills itself after step 5"),
+        "the hook did not fire:\n{all}"
+    );
+    // ddprun's root cause names rank 1 and its signal, not the survivor.
+    let root = all
+        .rsplit_once("Root cause:")
+        .map(|(_, r)| r)
+        .unwrap_or_else(|| panic!("no root cause in:\n{all}"));
+    assert!(
+        root.contains("rank 1 (local rank 1) killed by SIGKILL"),
+        "root cause:\n{root}"
+    );
+    // The survivor's own error names the dead peer.
+    assert!(
+        all.contains("between rank 0 and rank 1 closed unexpectedly"),
+        "{all}"
+    );
+}
