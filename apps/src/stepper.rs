@@ -194,8 +194,12 @@ impl Stepper {
         model: &M,
     ) -> Result<Option<PathBuf>, DdpError> {
         match self {
-            Stepper::Ddp { optim, .. } => ddp::save_checkpoint(pg, dir, run, position, model, optim),
-            Stepper::Zero(zero) => ddp::save_sharded_checkpoint(pg, dir, run, position, model, zero),
+            Stepper::Ddp { optim, .. } => {
+                ddp::save_checkpoint(pg, dir, run, position, model, optim)
+            }
+            Stepper::Zero(zero) => {
+                ddp::save_sharded_checkpoint(pg, dir, run, position, model, zero)
+            }
         }
     }
 }

@@ -468,7 +468,13 @@ where
             loss_sum += loss_value;
             if let (true, Some(tracer)) = (traced, tracer.as_mut()) {
                 let marks = [t_data, t_forward, t_backward, t_sync, t_optim, t_end];
-                trace_step(tracer, step, marks, stepper.take_spans(), &pg.flight_records());
+                trace_step(
+                    tracer,
+                    step,
+                    marks,
+                    stepper.take_spans(),
+                    &pg.flight_records(),
+                );
                 if tracer.done_after(step) {
                     if let Some(path) = tracer.write()? {
                         say.line(format!(

@@ -106,7 +106,10 @@ fn zero_stages_end_with_the_weights_of_plain_ddp() {
             );
         }
         assert_eq!(s["world_size"], 2);
-        assert!(s["test_accuracy"].as_f64().unwrap() > 0.8, "stage {stage}: {s}");
+        assert!(
+            s["test_accuracy"].as_f64().unwrap() > 0.8,
+            "stage {stage}: {s}"
+        );
         hashes.push(s["params_hash"].as_str().unwrap().to_string());
         weights.push(std::fs::read(&export).unwrap());
     }
@@ -123,7 +126,14 @@ fn a_sharded_checkpoint_resumes_on_another_world_size_and_ddp_refuses_it() {
         2,
         &[
             &SMALL[..],
-            &["--zero-stage", "2", "--max-steps", "10", "--checkpoint-dir", ck],
+            &[
+                "--zero-stage",
+                "2",
+                "--max-steps",
+                "10",
+                "--checkpoint-dir",
+                ck,
+            ],
         ]
         .concat(),
         &[],
@@ -133,7 +143,12 @@ fn a_sharded_checkpoint_resumes_on_another_world_size_and_ddp_refuses_it() {
     // One process, stage 1, from the 2-rank stage-2 checkpoint.
     let resume = [
         &SMALL[..],
-        &["--checkpoint-dir", ck, "--resume", "--allow-mismatched-checkpoint"],
+        &[
+            "--checkpoint-dir",
+            ck,
+            "--resume",
+            "--allow-mismatched-checkpoint",
+        ],
     ]
     .concat();
     let out = train(1, &[&resume[..], &["--zero-stage", "1"]].concat(), &[]);
