@@ -20,6 +20,8 @@ use ddp::{
 use crate::options::{CompressionKind, OptimizerKind, TrainConfig};
 
 /// The optimizer step of a run.
+// One per process, never moved in a loop: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Stepper {
     /// Stage 0: DDP and burn's optimizer.
     Ddp {

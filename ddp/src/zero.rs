@@ -192,7 +192,7 @@ impl ShardedDataParallel {
         config: ZeroConfig,
         optimizer: ShardOptimizer,
     ) -> Result<(M, Self), DdpError> {
-        if !(config.bucket_cap_mb > 0.0) {
+        if config.bucket_cap_mb.is_nan() || config.bucket_cap_mb <= 0.0 {
             return Err(DdpError::Config(format!(
                 "bucket_cap_mb must be positive (it is {})",
                 config.bucket_cap_mb
