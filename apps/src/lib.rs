@@ -13,3 +13,4 @@ pub mod spawn;
 mod stepper;
 pub mod trace;
 pub mod train;
+pub mod zero_bench;

@@ -364,6 +364,56 @@ pub fn load_flat_params<M: Module>(module: M, flat: &[f32]) -> Result<M, DdpErro
     load_where(module, flat, &|_| true)
 }
 
+/// Reads pieces of the float tensors of `module`: `pieces` lists `(visiting index, element
+/// range)` in visiting order; the values of each piece (of the flattened tensor) are appended
+/// in that order. Only the pieces are copied, not the whole tensors.
+pub(crate) fn read_pieces<M: Module>(
+    module: &M,
+    pieces: &[(usize, std::ops::Range<usize>)],
+) -> Result<Vec<f32>, DdpError> {
+    struct Reader<'a> {
+        pieces: &'a [(usize, std::ops::Range<usize>)],
+        next: usize,
+        index: usize,
+        out: Vec<f32>,
+        error: Option<(usize, String)>,
+    }
+    impl ModuleVisitor for Reader<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let index = self.index;
+            self.index += 1;
+            while self.error.is_none() && self.pieces.get(self.next).is_some_and(|p| p.0 == index) {
+                let range = self.pieces[self.next].1.clone();
+                self.next += 1;
+                let n: usize = param.val().dims().iter().product();
+                let piece = param.val().reshape([n]).slice(range);
+                match piece.into_data().convert::<f32>().as_slice::<f32>() {
+                    Ok(values) => self.out.extend_from_slice(values),
+                    Err(e) => self.error = Some((index, format!("{e:?}"))),
+                }
+            }
+        }
+    }
+    let mut reader = Reader {
+        pieces,
+        next: 0,
+        index: 0,
+        out: Vec::new(),
+        error: None,
+    };
+    module.visit(&mut reader);
+    match reader.error {
+        None => Ok(reader.out),
+        Some((index, reason)) => Err(DdpError::Conversion {
+            name: visited_infos(module)
+                .get(index)
+                .map_or_else(|| format!("#{index}"), |p| p.name.clone()),
+            what: "values",
+            reason,
+        }),
+    }
+}
+
 /// Overwrites the float tensors of `module` whose visiting index `keep` accepts from `flat`.
 pub(crate) fn load_where<M: Module>(
     module: M,
@@ -382,11 +432,33 @@ pub(crate) fn load_where<M: Module>(
             flat.len()
         )));
     }
+    let mut offset = 0;
+    let module = load_with(module, keep, &mut |_, n| {
+        let values = flat.get(offset..offset + n).map(<[f32]>::to_vec);
+        offset += n;
+        values
+    });
+    if offset != flat.len() {
+        return Err(DdpError::Config(format!(
+            "the module's float tensors did not match the {} values given",
+            flat.len()
+        )));
+    }
+    Ok(module)
+}
+
+/// Overwrites the float tensors of `module` whose visiting index `keep` accepts with the values
+/// `produce(index, numel)` returns (`None`: the tensor stays as it is), keeping parameter ids,
+/// element types and whether each requires a gradient.
+pub(crate) fn load_with<M: Module>(
+    module: M,
+    keep: &dyn Fn(usize) -> bool,
+    produce: &mut dyn FnMut(usize, usize) -> Option<Vec<f32>>,
+) -> M {
     struct Writer<'a> {
         keep: &'a dyn Fn(usize) -> bool,
-        flat: &'a [f32],
+        produce: &'a mut dyn FnMut(usize, usize) -> Option<Vec<f32>>,
         index: usize,
-        offset: usize,
     }
     impl ModuleMapper for Writer<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
@@ -398,30 +470,18 @@ pub(crate) fn load_where<M: Module>(
             }
             let shape = tensor.dims();
             let n: usize = shape.iter().product();
-            let Some(values) = self.flat.get(self.offset..self.offset + n) else {
-                // Cannot happen after the length check (the same walk); stay unchanged.
-                self.offset = usize::MAX / 2;
+            let Some(values) = (self.produce)(index, n).filter(|v| v.len() == n) else {
                 return Param::from_mapped_value(id, tensor, mapper);
             };
-            self.offset += n;
             let options = TensorCreationOptions::new(tensor.device()).with_dtype(tensor.dtype());
-            let fresh = Tensor::<D>::from_data(TensorData::new(values.to_vec(), shape), options)
+            let fresh = Tensor::<D>::from_data(TensorData::new(values, shape), options)
                 .set_require_grad(tensor.is_require_grad());
             Param::from_mapped_value(id, fresh, mapper)
         }
     }
-    let mut writer = Writer {
+    module.map(&mut Writer {
         keep,
-        flat,
+        produce,
         index: 0,
-        offset: 0,
-    };
-    let module = module.map(&mut writer);
-    if writer.offset != flat.len() {
-        return Err(DdpError::Config(format!(
-            "the module's float tensors did not match the {} values given",
-            flat.len()
-        )));
-    }
-    Ok(module)
+    })
 }

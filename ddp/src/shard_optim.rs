@@ -100,29 +100,23 @@ impl ShardOptimizer {
                     unreachable!("Adam keeps two state vectors")
                 };
                 let t = (time + 1) as i32;
-                let factor_1 = 1.0 - c.beta_1;
-                let factor_2 = 1.0 - c.beta_2;
                 let bias_correction2_sqrt = (1.0 - c.beta_2.powi(t)).sqrt();
-                let combined_factor = bias_correction2_sqrt / (1.0 - c.beta_1.powi(t));
-                let eps = c.epsilon * bias_correction2_sqrt;
-                for i in 0..param.len() {
-                    let p = param[i];
-                    let g = match c.weight_decay {
-                        Some(penalty) => p * penalty + grad[i],
-                        None => grad[i],
-                    };
-                    let (m1, m2) = if time == 0 {
-                        (g * factor_1, (g * g) * factor_2)
-                    } else {
-                        (
-                            m[i] * c.beta_1 + g * factor_1,
-                            v[i] * c.beta_2 + (g * g) * factor_2,
-                        )
-                    };
-                    m[i] = m1;
-                    v[i] = m2;
-                    let step = (m1 * combined_factor) / (m2.sqrt() + eps);
-                    param[i] = p - step * lr;
+                let k = AdamConstants {
+                    beta_1: c.beta_1,
+                    beta_2: c.beta_2,
+                    factor_1: 1.0 - c.beta_1,
+                    factor_2: 1.0 - c.beta_2,
+                    combined_factor: bias_correction2_sqrt / (1.0 - c.beta_1.powi(t)),
+                    eps: c.epsilon * bias_correction2_sqrt,
+                    lr,
+                    penalty: c.weight_decay.unwrap_or(0.0),
+                };
+                // The branches are decided once per piece, so that the loop vectorizes.
+                match (c.weight_decay.is_some(), time == 0) {
+                    (false, true) => adam::<false, true>(&k, param, grad, m, v),
+                    (false, false) => adam::<false, false>(&k, param, grad, m, v),
+                    (true, true) => adam::<true, true>(&k, param, grad, m, v),
+                    (true, false) => adam::<true, false>(&k, param, grad, m, v),
                 }
             }
             ShardOptimizer::Sgd(c) => {
@@ -148,6 +142,51 @@ impl ShardOptimizer {
                 }
             }
         }
+    }
+}
+
+/// Adam's per-step constants, computed as burn computes them.
+struct AdamConstants {
+    beta_1: f32,
+    beta_2: f32,
+    factor_1: f32,
+    factor_2: f32,
+    combined_factor: f32,
+    eps: f32,
+    lr: f32,
+    penalty: f32,
+}
+
+/// burn's Adam over one piece: `DECAY` adds the L2 penalty to the gradient, `FIRST` is the
+/// parameter's first step (moments start from the gradient alone).
+fn adam<const DECAY: bool, const FIRST: bool>(
+    k: &AdamConstants,
+    param: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+) {
+    let n = param.len();
+    let (grad, m, v) = (&grad[..n], &mut m[..n], &mut v[..n]);
+    for i in 0..n {
+        let p = param[i];
+        let g = if DECAY {
+            p * k.penalty + grad[i]
+        } else {
+            grad[i]
+        };
+        let (m1, m2) = if FIRST {
+            (g * k.factor_1, (g * g) * k.factor_2)
+        } else {
+            (
+                m[i] * k.beta_1 + g * k.factor_1,
+                v[i] * k.beta_2 + (g * g) * k.factor_2,
+            )
+        };
+        m[i] = m1;
+        v[i] = m2;
+        let step = (m1 * k.combined_factor) / (m2.sqrt() + k.eps);
+        param[i] = p - step * k.lr;
     }
 }
 

@@ -63,7 +63,7 @@ use ddp_comm::{chunk_range, ProcessGroup, ReduceOp, Work};
 
 use crate::config::DdpConfig;
 use crate::ddp::{peer_failed, DistributedDataParallel};
-use crate::params::{flatten_where, load_where, take_grad, ParamInfo};
+use crate::params::{load_with, read_pieces, take_grad, ParamInfo};
 use crate::shard_optim::ShardOptimizer;
 use crate::zero_state::{decode, encode, StateHeader};
 use crate::DdpError;
@@ -104,6 +104,8 @@ pub struct ShardMemory {
     pub params: usize,
     /// Elements of this rank's shard.
     pub shard: usize,
+    /// Elements of the longest shard of any rank: what every rank hands to the all-gather.
+    pub longest_shard: usize,
     /// Bytes of optimizer state this rank keeps (moments of its shard).
     pub optimizer_bytes: usize,
     /// Bytes of gradient buffers this rank keeps between steps (stage 1: the full local
@@ -166,6 +168,11 @@ pub struct ShardedDataParallel {
     /// Largest bucket, in elements.
     cap: usize,
     buckets: Vec<Bucket>,
+    /// Every rank's buckets (`plans[rank]` is `buckets`): where each rank's chunks lie.
+    plans: Vec<Vec<Bucket>>,
+    /// The pieces of this rank's shard as (visiting index, element range in the parameter),
+    /// in shard order.
+    pieces: Vec<(usize, Range<usize>)>,
     /// Elements of this rank's shard, and the longest shard of any rank.
     shard_len: usize,
     max_shard_len: usize,
@@ -227,18 +234,23 @@ impl ShardedDataParallel {
         }
         let (world, rank) = (ddp.process_group().world_size(), ddp.process_group().rank());
         let cap = ((config.bucket_cap_mb * MIB / 4.0) as usize).max(world);
-        let buckets = plan_shards(total, cap, world, rank);
-        let shard_len = buckets.iter().map(|b| b.mine.len()).sum();
-        // The longest shard: every rank's chunk sizes are known from the layout.
-        let max_shard_len = (0..world)
-            .map(|r| {
-                plan_shards(total, cap, world, r)
-                    .iter()
-                    .map(|b| b.mine.len())
-                    .sum::<usize>()
-            })
-            .max()
-            .unwrap_or(0);
+        let plans: Vec<Vec<Bucket>> = (0..world)
+            .map(|r| plan_shards(total, cap, world, r))
+            .collect();
+        let buckets = plans[rank].clone();
+        let len_of = |plan: &[Bucket]| plan.iter().map(|b| b.mine.len()).sum::<usize>();
+        let shard_len = len_of(&buckets);
+        let max_shard_len = plans.iter().map(|p| len_of(p)).max().unwrap_or(0);
+        let mut pieces = Vec::new();
+        for b in &buckets {
+            let mut at = b.mine.start;
+            while at < b.mine.end {
+                let k = offsets.partition_point(|&o| o <= at) - 1;
+                let end = (offsets[k] + params[trainable[k]].numel()).min(b.mine.end);
+                pieces.push((trainable[k], at - offsets[k]..end - offsets[k]));
+                at = end;
+            }
+        }
         let state = vec![vec![0.0; shard_len]; optimizer.state_vectors()];
         let numels = trainable.iter().map(|&i| params[i].numel()).collect();
         let zero = Self {
@@ -253,6 +265,8 @@ impl ShardedDataParallel {
             offsets,
             total,
             buckets,
+            plans,
+            pieces,
             shard_len,
             max_shard_len,
             state,
@@ -298,6 +312,7 @@ impl ShardedDataParallel {
         ShardMemory {
             params: self.total,
             shard: self.shard_len,
+            longest_shard: self.max_shard_len,
             optimizer_bytes: 4 * self.shard_len * self.optimizer.state_vectors(),
             gradient_bytes: 4 * gradient_elems,
         }
@@ -368,18 +383,20 @@ impl ShardedDataParallel {
                 Vec::new()
             }
         };
-        if self.stage == ZeroStage::One && local.is_none() {
+        // Stage 1 with accumulated micro-steps adds this one to its buffer; otherwise the
+        // gradients are reduce-scattered straight from burn's tensors.
+        let from_buffer = self.stage == ZeroStage::One && self.micro_steps > 0;
+        if from_buffer && local.is_none() {
             self.add_local(&grads);
         }
         let present = self.exchange_failures(local, true)?;
         // The averaged gradient of this rank's shard.
         let world = self.process_group().world_size();
-        match self.stage {
-            ZeroStage::One => {
-                let local = std::mem::take(&mut self.grad);
-                self.reduce_scatter_from(&GradSource::Flat(&local))?;
-            }
-            ZeroStage::Two => self.reduce_scatter_from(&GradSource::Params(&grads))?,
+        if from_buffer {
+            let local = std::mem::take(&mut self.grad);
+            self.reduce_scatter_from(&GradSource::Flat(&local))?;
+        } else {
+            self.reduce_scatter_from(&GradSource::Params(&grads))?;
         }
         drop(grads);
         let mut avg = std::mem::take(&mut self.grad);
@@ -390,25 +407,24 @@ impl ShardedDataParallel {
         let reduced = Instant::now();
         self.stats.reduce += reduced - start;
 
-        // Step the shard, parameter piece by parameter piece.
-        let mask: Vec<bool> = self.params().iter().map(ParamInfo::trainable).collect();
-        let trainable = |i: usize| mask[i];
-        let mut flat = flatten_where(&model, &trainable)?;
+        // Step the shard, parameter piece by parameter piece: only this rank's pieces of the
+        // parameters are read.
+        let mut shard = read_pieces(&model, &self.pieces)?;
         for b in &self.buckets {
             let mut at = b.mine.start;
             while at < b.mine.end {
                 // The trainable parameter holding flat element `at`.
                 let p = self.offsets.partition_point(|&o| o <= at) - 1;
                 let end = (self.offsets[p] + self.numels[p]).min(b.mine.end);
+                let s = b.shard_offset + (at - b.mine.start);
+                let n = end - at;
                 if present[p] > 0.0 {
-                    let s = b.shard_offset + (at - b.mine.start);
-                    let n = end - at;
                     let mut state: Vec<&mut [f32]> =
                         self.state.iter_mut().map(|v| &mut v[s..s + n]).collect();
                     self.optimizer.update(
                         lr,
                         self.times[p],
-                        &mut flat[at..end],
+                        &mut shard[s..s + n],
                         &avg[s..s + n],
                         &mut state,
                     );
@@ -425,28 +441,38 @@ impl ShardedDataParallel {
         let updated = Instant::now();
         self.stats.update += updated - reduced;
 
-        // Every rank's updated shard, into every replica.
-        let mut mine = Vec::with_capacity(self.max_shard_len);
-        for b in &self.buckets {
-            mine.extend_from_slice(&flat[b.mine.clone()]);
-        }
-        mine.resize(self.max_shard_len, 0.0);
-        self.stats.bytes += 4 * mine.len() as u64;
-        let all = self.process_group().all_gather(mine)?;
-        let (cap, rank) = (self.cap, self.process_group().rank());
-        for r in (0..world).filter(|&r| r != rank) {
-            let block = &all[r * self.max_shard_len..(r + 1) * self.max_shard_len];
-            let mut offset = 0;
-            for b in plan_shards(self.total, cap, world, r) {
-                flat[b.mine.clone()].copy_from_slice(&block[offset..offset + b.mine.len()]);
-                offset += b.mine.len();
-            }
-        }
-        drop(all);
-        let model = load_where(model, &flat, &trainable)?;
+        // Every rank's updated shard, into every replica: each parameter is assembled from
+        // the ranks' blocks and becomes a new tensor (one copy).
+        shard.resize(self.max_shard_len, 0.0);
+        self.stats.bytes += 4 * shard.len() as u64;
+        let all = self.process_group().all_gather(shard)?;
+        let keep = |i: usize| self.trainable.binary_search(&i).is_ok();
+        let model = load_with(model, &keep, &mut |index, n| {
+            let k = self.trainable.binary_search(&index).ok()?;
+            Some(self.assemble(&all, self.offsets[k], n))
+        });
         self.stats.gather += updated.elapsed();
         self.stats.steps += 1;
         Ok(model)
+    }
+
+    /// The flat range `offset..offset + n` of the parameters from the all-gathered blocks
+    /// `all` (rank r's shard at `r * max_shard_len`).
+    fn assemble(&self, all: &[f32], offset: usize, n: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(n);
+        let mut at = offset;
+        while at < offset + n {
+            let b = at / self.cap;
+            let Some(plan) = self.plans.iter().position(|p| p[b].mine.contains(&at)) else {
+                unreachable!("every element has an owner (plan_shards)")
+            };
+            let chunk = &self.plans[plan][b];
+            let end = chunk.mine.end.min(offset + n);
+            let src = plan * self.max_shard_len + chunk.shard_offset + (at - chunk.mine.start);
+            out.extend_from_slice(&all[src..src + (end - at)]);
+            at = end;
+        }
+        out
     }
 
     /// The header of this run's consolidated state (its optimizer, parameters, step counts).
@@ -482,7 +508,7 @@ impl ShardedDataParallel {
             for r in 0..world {
                 let block = &all[r * self.max_shard_len..(r + 1) * self.max_shard_len];
                 let mut offset = 0;
-                for b in plan_shards(self.total, self.cap, world, r) {
+                for b in &self.plans[r] {
                     full[b.mine.clone()].copy_from_slice(&block[offset..offset + b.mine.len()]);
                     offset += b.mine.len();
                 }

@@ -1,0 +1,185 @@
+//! `ddp-zero-bench`: what ZeRO sharding saves and costs, one rank of one configuration per
+//! process (`cargo xtask bench-zero` runs it under `ddprun` for every world size and stage).
+//!
+//! The model is the MNIST MLP made wide (784 → `hidden` → 10; 64000 hidden units give 50.9 M
+//! parameters), so that Adam's state (8 bytes per parameter) dominates a rank's memory. Each
+//! rank trains `warmup + steps` steps on its own synthetic batch with Adam, either plain DDP
+//! (stage 0: `DistributedDataParallel` and burn's Adam) or `ShardedDataParallel` (stages 1, 2).
+//! A step's time is the slowest rank's (all-gathered), from a barrier to the end of the
+//! optimizer step; the median over the timed steps is reported.
+//!
+//! Rank 0 prints one line `ZERO_BENCH {json}` with, per rank: the optimizer state and the
+//! gradient buffers the wrapper keeps between steps (bytes, from the layout), the peak resident
+//! memory (`getrusage`'s maximum RSS, the whole process), and the bytes handed to collectives
+//! per step with the bytes a ring sends per rank for them (all-reduce of B: 2(N-1)/N·B;
+//! reduce-scatter of B: (N-1)/N·B; all-gather of N blocks of S: (N-1)·S).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use burn::optim::{AdamConfig, GradientsParams};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use ddp::{
+    DdpConfig, DistributedDataParallel, ProcessGroup, ReduceOp, ShardOptimizer, ShardedAdamConfig,
+    ShardedDataParallel, ZeroConfig, ZeroStage,
+};
+use ddp_models::MnistMlpConfig;
+use serde::Serialize;
+
+/// Settings of one measurement.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ZeroBenchArgs {
+    /// ZeRO stage: 0 (plain DDP), 1 or 2.
+    #[arg(long, default_value_t = 0)]
+    pub stage: u8,
+    /// Hidden units of the MLP (784 → hidden → 10).
+    #[arg(long, default_value_t = 64000)]
+    pub hidden: usize,
+    /// Samples per rank per step.
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 4)]
+    pub steps: usize,
+}
+
+/// What rank 0 prints.
+#[derive(Debug, Serialize)]
+pub struct ZeroBenchResult {
+    /// The stage.
+    pub stage: u8,
+    /// Ranks.
+    pub world: usize,
+    /// Trainable parameters.
+    pub params: usize,
+    /// Adam state each rank keeps (rank 0's), bytes.
+    pub optimizer_bytes: usize,
+    /// Gradient buffers each rank keeps between steps (rank 0's), bytes.
+    pub gradient_bytes: usize,
+    /// Peak RSS of every rank, MiB.
+    pub peak_rss_mib: Vec<f64>,
+    /// Median step time (slowest rank), seconds.
+    pub step_s: f64,
+    /// Bytes rank 0 handed to collectives per step.
+    pub collective_bytes: u64,
+    /// Bytes a ring sends per rank per step for those collectives.
+    pub ring_sent_bytes: u64,
+    /// A sharded step's phases on rank 0, seconds per step: gradients packed and
+    /// reduce-scattered, the shard's update, parameters all-gathered and loaded.
+    pub phases_s: Option<[f64; 3]>,
+}
+
+/// Runs one rank of the benchmark; rank 0 returns the result.
+pub fn run(args: &ZeroBenchArgs) -> Result<Option<ZeroBenchResult>> {
+    if args.stage > 2 || args.steps == 0 || args.batch == 0 {
+        bail!("--stage must be 0, 1 or 2, --steps and --batch at least 1");
+    }
+    let pg = Arc::new(ProcessGroup::from_env()?);
+    let (rank, world) = (pg.rank(), pg.world_size());
+    let device = Device::flex().autodiff();
+    let model = MnistMlpConfig::new().with_hidden(args.hidden).init(&device);
+    // A fixed synthetic batch per rank (the figures do not depend on the values).
+    let x: Vec<f32> = (0..args.batch * 784)
+        .map(|i| ((i * 7919 + rank * 104_729) % 255) as f32 / 255.0)
+        .collect();
+    let y: Vec<i64> = (0..args.batch).map(|i| ((i + rank) % 10) as i64).collect();
+    let inputs = Tensor::<2>::from_data(TensorData::new(x, [args.batch, 784]), &device);
+    let targets = Tensor::<1, Int>::from_data(TensorData::new(y, [args.batch]), &device);
+    let lr = 1e-4;
+    let eps = 1e-8;
+
+    let mut times = Vec::with_capacity(args.steps);
+    let params;
+    let optimizer_bytes;
+    let gradient_bytes;
+    let collective_bytes;
+    let ring_sent_bytes;
+    let mut phases = None;
+    let n = world as u64;
+    if args.stage == 0 {
+        let (mut model, mut ddp) =
+            DistributedDataParallel::new(model, pg.clone(), DdpConfig::new())?;
+        let mut optim = AdamConfig::new().with_epsilon(eps).init();
+        for step in 0..args.warmup + args.steps {
+            pg.barrier()?;
+            let start = Instant::now();
+            let (loss, _) = model.loss(inputs.clone(), targets.clone());
+            let grads = ddp.sync(&model, GradientsParams::from_grads(loss.backward(), &model))?;
+            model = optim.step(lr, model, grads);
+            if step >= args.warmup {
+                times.push(start.elapsed().as_secs_f64());
+            }
+        }
+        params = ddp
+            .params()
+            .iter()
+            .filter(|p| p.trainable())
+            .map(|p| p.numel())
+            .sum();
+        // burn's Adam: two f32 moments per trainable element; DDP's bucket buffers: the
+        // gradients plus a presence slot per parameter and two failure slots per bucket.
+        optimizer_bytes = 8 * params;
+        let stats = ddp.take_stats();
+        collective_bytes = stats.bytes / stats.steps.max(1);
+        gradient_bytes = if world > 1 {
+            collective_bytes as usize
+        } else {
+            0
+        };
+        ring_sent_bytes = 2 * (n - 1) * collective_bytes / n;
+    } else {
+        let stage = if args.stage == 1 {
+            ZeroStage::One
+        } else {
+            ZeroStage::Two
+        };
+        let adam = ShardOptimizer::Adam(ShardedAdamConfig::new().with_epsilon(eps as f32));
+        let (mut model, mut zero) =
+            ShardedDataParallel::new(model, pg.clone(), ZeroConfig::new(stage), adam)?;
+        for step in 0..args.warmup + args.steps {
+            pg.barrier()?;
+            let start = Instant::now();
+            let (loss, _) = model.loss(inputs.clone(), targets.clone());
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = zero.step(lr, model, grads)?;
+            if step >= args.warmup {
+                times.push(start.elapsed().as_secs_f64());
+            }
+        }
+        let memory = zero.memory();
+        params = memory.params;
+        optimizer_bytes = memory.optimizer_bytes;
+        gradient_bytes = memory.gradient_bytes;
+        let stats = zero.take_stats();
+        let per = |d: std::time::Duration| d.as_secs_f64() / stats.steps.max(1) as f64;
+        phases = Some([per(stats.reduce), per(stats.update), per(stats.gather)]);
+        collective_bytes = stats.bytes / stats.steps.max(1);
+        // Reduce-scatter of the whole gradient, all-gather of the longest shard from each.
+        let longest = memory.longest_shard as u64;
+        ring_sent_bytes = (n - 1) * 4 * params as u64 / n + (n - 1) * 4 * longest;
+    }
+    // The slowest rank's time of every step.
+    let slowest = pg.all_reduce(times, ReduceOp::Max)?;
+    let rss = pg.all_gather(vec![crate::train::peak_rss_mib()])?;
+    if rank != 0 {
+        return Ok(None);
+    }
+    let mut sorted = slowest;
+    sorted.sort_by(f64::total_cmp);
+    Ok(Some(ZeroBenchResult {
+        stage: args.stage,
+        world,
+        params,
+        optimizer_bytes,
+        gradient_bytes,
+        peak_rss_mib: rss,
+        step_s: sorted[sorted.len() / 2],
+        collective_bytes,
+        ring_sent_bytes,
+        phases_s: phases,
+    }))
+}
