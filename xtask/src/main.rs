@@ -8,6 +8,7 @@
 mod bench_allreduce;
 mod bench_scaling;
 mod bench_step;
+mod bench_zero;
 mod check_torchrun;
 mod gpu_check;
 mod plot;
@@ -39,6 +40,10 @@ enum Task {
     /// Time one training step (forward, backward, Adam) of the CNN and the MLP at 1 thread and
     /// at every core, ours and PyTorch's when torch is at hand, with the ratio.
     BenchStep(bench_step::Args),
+    /// ZeRO: optimizer state, gradient buffers, peak RSS, step time and bytes sent per rank
+    /// at stages 0, 1, 2 and 1, 2, 4 ranks on a 50.9 M-parameter MLP, with PyTorch's
+    /// ZeroRedundancyOptimizer beside it when torch is at hand; writes a table, JSON and a plot.
+    BenchZero(bench_zero::Args),
     /// Run train-mnist under PyTorch's torchrun (its agent hosts the store) and check that
     /// every rank trained (needs a python with torch).
     CheckTorchrun(check_torchrun::Args),
@@ -68,6 +73,7 @@ fn main() -> Result<()> {
         Task::BenchAllreduce(args) => bench_allreduce::run(args),
         Task::BenchScaling(args) => bench_scaling::run(args),
         Task::BenchStep(args) => bench_step::run(args),
+        Task::BenchZero(args) => bench_zero::run(args),
         Task::CheckTorchrun(args) => check_torchrun::run(args),
         Task::GpuCheck(args) => gpu_check::run(args),
         Task::MakeShards(args) => shards::make(args),

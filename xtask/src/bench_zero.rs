@@ -1,0 +1,293 @@
+//! `cargo xtask bench-zero`: what ZeRO sharding saves per rank and what a step costs, on an
+//! MLP of 50.9 M parameters (784 → 64000 → 10) with Adam, at world sizes 1, 2 and 4 and
+//! stages 0 (plain DDP), 1 and 2: `ddp-zero-bench` under `ddprun` for each configuration, and
+//! PyTorch in the same run when a python with torch is at hand (DDP + Adam for stage 0, DDP +
+//! `ZeroRedundancyOptimizer` for stage 1; PyTorch has no stage 2 for DDP). Writes `zero.md`,
+//! `zero.json` and `zero.svg` (optimizer state, peak RSS and step time against ranks).
+//!
+//! One compute thread per rank: on a machine with fewer cores than ranks the ranks share
+//! cores, and step times there measure oversubscription as much as the step.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::{plot, util};
+
+/// Options of `bench-zero`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// World sizes, comma separated.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 2, 4])]
+    worlds: Vec<usize>,
+    /// Hidden units of the MLP (64000: 50.9 M parameters).
+    #[arg(long, default_value_t = 64000)]
+    hidden: usize,
+    /// Samples per rank per step.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// Timed steps per configuration (after one warm-up step); medians are reported.
+    #[arg(long, default_value_t = 4)]
+    steps: usize,
+    /// Output folder (default `target/bench`).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// One configuration's figures from `ddp-zero-bench` (its `ZERO_BENCH` line).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Ours {
+    stage: u8,
+    world: usize,
+    params: usize,
+    optimizer_bytes: usize,
+    gradient_bytes: usize,
+    peak_rss_mib: Vec<f64>,
+    step_s: f64,
+    collective_bytes: u64,
+    ring_sent_bytes: u64,
+}
+
+/// PyTorch's figures (its `TORCH_ZERO` line).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Theirs {
+    stage: u8,
+    world: usize,
+    optimizer_bytes: usize,
+    peak_rss_mib: Vec<f64>,
+    step_s: f64,
+}
+
+/// `cargo xtask bench-zero`.
+pub fn run(args: Args) -> Result<()> {
+    let bin_dir = util::build_release_bins(&["ddprun", "ddp-zero-bench"], &[])?;
+    let out = match args.out.clone() {
+        Some(out) => out,
+        None => util::target_dir()?.join("bench"),
+    };
+    std::fs::create_dir_all(&out)?;
+    let python = torch_python();
+    if python.is_none() {
+        eprintln!("no python with torch (DDP_PYTHON or ~/.cache/torchenv): ours only");
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut ours = Vec::new();
+    let mut theirs = Vec::new();
+    for &world in &args.worlds {
+        for stage in 0..=2u8 {
+            ours.push(run_ours(&bin_dir, &args, world, stage)?);
+            if let (Some(python), true) = (&python, stage <= 1) {
+                theirs.push(run_theirs(python, &args, world, stage)?);
+            }
+        }
+    }
+    let md = table(&args, cores, &ours, &theirs);
+    println!("\n{md}");
+    std::fs::write(out.join("zero.md"), &md)?;
+    std::fs::write(
+        out.join("zero.json"),
+        serde_json::to_string_pretty(&serde_json::json!({
+            "cores": cores, "hidden": args.hidden, "batch": args.batch,
+            "ours": ours, "pytorch": theirs,
+        }))?,
+    )?;
+    let svg = out.join("zero.svg");
+    plot::svg(&svg, &charts(&ours, &theirs))?;
+    println!(
+        "wrote {}, {} and {}",
+        out.join("zero.md").display(),
+        out.join("zero.json").display(),
+        svg.display()
+    );
+    Ok(())
+}
+
+/// A python with torch ([`util::torch_python`]) if torch imports.
+fn torch_python() -> Option<PathBuf> {
+    let candidate = util::torch_python();
+    let ok = Command::new(&candidate)
+        .args(["-c", "import torch.distributed.optim"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    ok.then_some(candidate)
+}
+
+/// The JSON after `tag ` on some line of `text`.
+fn tagged<T: for<'de> Deserialize<'de>>(text: &str, tag: &str) -> Result<T> {
+    let json = text
+        .lines()
+        .find_map(|l| l.split_once(tag).map(|(_, j)| j.trim()))
+        .with_context(|| format!("no `{tag}` line in:\n{text}"))?;
+    serde_json::from_str(json).with_context(|| format!("parsing `{tag}` {json}"))
+}
+
+/// One configuration of ours under ddprun.
+fn run_ours(bin_dir: &Path, args: &Args, world: usize, stage: u8) -> Result<Ours> {
+    let text = util::run_stdout(
+        Command::new(bin_dir.join("ddprun"))
+            .args(["--nproc-per-node", &world.to_string(), "--"])
+            .arg(bin_dir.join("ddp-zero-bench"))
+            .args(["--stage", &stage.to_string()])
+            .args(["--hidden", &args.hidden.to_string()])
+            .args(["--batch", &args.batch.to_string()])
+            .args(["--steps", &args.steps.to_string()]),
+    )?;
+    tagged(&text, "ZERO_BENCH ")
+}
+
+/// One configuration of PyTorch's under torchrun.
+fn run_theirs(python: &Path, args: &Args, world: usize, stage: u8) -> Result<Theirs> {
+    let script = util::workspace_root().join("xtask/py/zero_bench.py");
+    let mut command = Command::new(python);
+    command
+        .args(["-m", "torch.distributed.run", "--standalone"])
+        .args(["--nproc-per-node", &world.to_string()])
+        .arg(&script)
+        .args([
+            stage.to_string(),
+            args.hidden.to_string(),
+            args.batch.to_string(),
+            "1".into(),
+            args.steps.to_string(),
+        ])
+        .env("OMP_NUM_THREADS", "1");
+    let text = util::run_stdout(&mut command)?;
+    let theirs: Theirs = tagged(&text, "TORCH_ZERO ")?;
+    if theirs.world != world {
+        bail!("PyTorch ran {} ranks, asked for {world}", theirs.world);
+    }
+    Ok(theirs)
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// The largest of every rank's peak RSS.
+fn max_rss(rss: &[f64]) -> f64 {
+    rss.iter().copied().fold(0.0, f64::max)
+}
+
+/// The Markdown table: ours per configuration, PyTorch's beside it where it has the stage.
+fn table(args: &Args, cores: usize, ours: &[Ours], theirs: &[Theirs]) -> String {
+    let params = ours.first().map_or(0, |o| o.params);
+    let mut md = format!(
+        "MLP 784 → {} → 10 ({:.1} M parameters), Adam, batch {} per rank, 1 compute thread \
+         per rank, {} core(s); medians of {} steps (the slowest rank's time per step).\n\n",
+        args.hidden,
+        params as f64 / 1e6,
+        args.batch,
+        cores,
+        args.steps
+    );
+    md += &util::md_header(
+        &["ranks", "stage"],
+        [
+            "optimizer state / rank (MiB)",
+            "gradient buffers / rank (MiB)",
+            "peak RSS / rank (MiB)",
+            "step (ms)",
+            "ring bytes sent / rank / step (MB)",
+            "PyTorch: optimizer state (MiB)",
+            "PyTorch: peak RSS (MiB)",
+            "PyTorch: step (ms)",
+            "step: PyTorch / ours",
+        ]
+        .map(String::from),
+    );
+    for o in ours {
+        let t = theirs
+            .iter()
+            .find(|t| t.world == o.world && t.stage == o.stage);
+        let (t_state, t_rss, t_step, ratio) = match t {
+            Some(t) => (
+                format!("{:.0}", t.optimizer_bytes as f64 / MIB),
+                format!("{:.0}", max_rss(&t.peak_rss_mib)),
+                format!("{:.0}", 1e3 * t.step_s),
+                format!("{:.2}x", t.step_s / o.step_s),
+            ),
+            None => ("—".into(), "—".into(), "—".into(), "—".into()),
+        };
+        md += &format!(
+            "| {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {t_state} | {t_rss} | {t_step} | {ratio} |\n",
+            o.world,
+            o.stage,
+            o.optimizer_bytes as f64 / MIB,
+            o.gradient_bytes as f64 / MIB,
+            max_rss(&o.peak_rss_mib),
+            1e3 * o.step_s,
+            o.ring_sent_bytes as f64 / 1e6,
+        );
+    }
+    md += "\nStage 0: DDP (all-reduce) and burn's Adam on every rank; stage 1: optimizer state \
+           sharded; stage 2: optimizer state and gradients sharded (both: gradients \
+           reduce-scattered, parameters all-gathered). Gradient buffers: what the wrapper keeps \
+           between steps (DDP's bucket buffers; stage 1's full buffer, which it fills when \
+           accumulating; stage 2's shard). Ring bytes: what a ring algorithm sends per rank for \
+           the step's collectives (all-reduce of B: 2(N-1)/N·B; reduce-scatter: (N-1)/N·B; \
+           all-gather: (N-1)/N of the gathered bytes). Peak RSS: the largest rank's, whole \
+           process. PyTorch stage 1 is DDP + ZeroRedundancyOptimizer (an all-reduce, then a \
+           broadcast of each rank's parameters).\n";
+    md
+}
+
+/// Three panels against ranks: optimizer state per rank, peak RSS per rank, step time.
+fn charts(ours: &[Ours], theirs: &[Theirs]) -> Vec<plot::Chart> {
+    let ticks = ours.iter().map(|o| o.world).max().unwrap_or(1);
+    let series = |f: &dyn Fn(&Ours) -> f64, g: &dyn Fn(&Theirs) -> f64| {
+        let mut out = Vec::new();
+        for stage in 0..=2u8 {
+            out.push(plot::Series {
+                label: format!("ours, stage {stage}"),
+                points: ours
+                    .iter()
+                    .filter(|o| o.stage == stage)
+                    .map(|o| (o.world as f64, f(o)))
+                    .collect(),
+                reference: false,
+            });
+        }
+        for stage in 0..=1u8 {
+            let points: Vec<(f64, f64)> = theirs
+                .iter()
+                .filter(|t| t.stage == stage)
+                .map(|t| (t.world as f64, g(t)))
+                .collect();
+            if !points.is_empty() {
+                out.push(plot::Series {
+                    label: format!("PyTorch, stage {stage}"),
+                    points,
+                    reference: true,
+                });
+            }
+        }
+        out
+    };
+    let chart = |title: &str, y: &str, s| plot::Chart {
+        title: title.into(),
+        x_desc: "ranks".into(),
+        y_desc: y.into(),
+        series: s,
+        x_label: |x| format!("{x:.0}"),
+        x_ticks: ticks,
+    };
+    vec![
+        chart(
+            "Adam state per rank",
+            "MiB",
+            series(&|o| o.optimizer_bytes as f64 / MIB, &|t| {
+                t.optimizer_bytes as f64 / MIB
+            }),
+        ),
+        chart(
+            "peak RSS per rank (largest rank)",
+            "MiB",
+            series(&|o| max_rss(&o.peak_rss_mib), &|t| max_rss(&t.peak_rss_mib)),
+        ),
+        chart(
+            "step time (slowest rank, median)",
+            "ms",
+            series(&|o| 1e3 * o.step_s, &|t| 1e3 * t.step_s),
+        ),
+    ]
+}
