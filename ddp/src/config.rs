@@ -41,6 +41,14 @@ pub struct DdpConfig {
     /// Off, each rank keeps the statistics of its own batches.
     #[config(default = true)]
     pub broadcast_buffers: bool,
+    /// Start each bucket's all-reduce while backward runs, as PyTorch DDP's autograd hooks do:
+    /// the loop calls [`DistributedDataParallel::prepare`](crate::DistributedDataParallel::prepare)
+    /// on the model before the forward pass and
+    /// [`DistributedDataParallel::backward`](crate::DistributedDataParallel::backward) on the
+    /// loss (burn's CPU backend with autodiff; elsewhere it has no effect). Results are
+    /// bit-identical either way. Off by default.
+    #[config(default = false)]
+    pub overlap: bool,
 }
 
 // burn's `Config` derive re-emits an enum without the `#[default]` helper attribute, so the

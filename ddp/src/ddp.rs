@@ -41,15 +41,16 @@ use std::time::{Duration, Instant};
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
-use ddp_comm::{ProcessGroup, ReduceOp, Work};
-use half::{bf16, f16};
+use ddp_comm::{ProcessGroup, ReduceOp};
 
 use ddp_comm::bytes::fnv1a;
 
+use crate::buckets::{complete_bucket, plan_buckets, submit_bucket, Bucket, InFlight};
 use crate::config::{Compression, DdpConfig};
+use crate::overlap::{Early, OverlapState};
 use crate::params::{
-    check_dtypes, check_ranks, flatten_params, flatten_where, load_flat_params, load_where,
-    param_ids, param_infos, put_grad, take_grad, ParamInfo, ParamKind,
+    check_dtypes, check_ranks, drop_grad, flatten_params, flatten_where, load_flat_params,
+    load_where, param_ids, param_infos, put_grad, take_grad, ParamInfo, ParamKind,
 };
 use crate::DdpError;
 
@@ -58,8 +59,6 @@ use crate::DdpError;
 #[cfg(feature = "cuda")]
 #[path = "cuda.rs"]
 mod cuda;
-
-const MIB: f64 = 1024.0 * 1024.0;
 
 /// Time and volume spent in gradient synchronisation since the last
 /// [`DistributedDataParallel::take_stats`].
@@ -116,38 +115,6 @@ pub struct SyncSpan {
     pub end: Instant,
 }
 
-/// The parameters whose gradients travel together in one all-reduce.
-#[derive(Debug, Clone)]
-struct Bucket {
-    /// Indices into the parameter list, in packing order.
-    params: Vec<usize>,
-    /// Offset of each parameter's gradient in the bucket buffer.
-    offsets: Vec<usize>,
-    /// Number of gradient elements; the presence slots follow them, then the two failure
-    /// slots.
-    grad_len: usize,
-}
-
-impl Bucket {
-    /// Elements of the bucket's all-reduce: gradients, one presence slot per parameter, and
-    /// the failure slots (how many ranks failed locally, and the sum of their ranks plus one).
-    fn len(&self) -> usize {
-        self.failed_slot() + 2
-    }
-
-    /// Index of the first failure slot.
-    fn failed_slot(&self) -> usize {
-        self.grad_len + self.params.len()
-    }
-}
-
-/// An all-reduce in flight, in whichever element type the config chose.
-enum InFlight {
-    F32(Work<Vec<f32>>),
-    Bf16(Work<Vec<bf16>>),
-    F16(Work<Vec<f16>>),
-}
-
 /// Data parallelism for any burn [`Module`]: construction makes every replica equal to
 /// rank 0's, and [`sync`](Self::sync) averages gradients across ranks before the optimizer step.
 ///
@@ -179,6 +146,10 @@ pub struct DistributedDataParallel {
     /// Set when gradients are all-reduced on the GPU through NCCL.
     #[cfg(feature = "cuda")]
     device_path: Option<cuda::DevicePath>,
+    /// Set with [`DdpConfig::overlap`] on more than one rank: the hooks of `prepare`.
+    overlap: Option<OverlapState>,
+    /// The last overlapped backward pass's start and end.
+    backward_span: Option<(Instant, Instant)>,
 }
 
 impl DistributedDataParallel {
@@ -250,6 +221,10 @@ impl DistributedDataParallel {
             .inner();
         #[cfg(feature = "cuda")]
         let device_path = cuda::DevicePath::detect(&pg, &device, buckets.len())?;
+        let overlap = (config.overlap && pg.world_size() > 1 && !buckets.is_empty())
+            .then(|| OverlapState::new(pg.clone(), &params, &buckets, config.compression));
+        #[cfg(feature = "cuda")]
+        let overlap = overlap.filter(|_| device_path.is_none());
         let ddp = Self {
             pg,
             params,
@@ -264,6 +239,8 @@ impl DistributedDataParallel {
             spans: None,
             #[cfg(feature = "cuda")]
             device_path,
+            overlap,
+            backward_span: None,
         };
         Ok((model, ddp))
     }
@@ -347,13 +324,86 @@ impl DistributedDataParallel {
     }
 
     /// Runs `loss.backward()`, collects the gradients of `model` and [`sync`](Self::sync)s them.
+    ///
+    /// With [`DdpConfig::overlap`] and a model from [`prepare`](Self::prepare), the buffers
+    /// are broadcast (and replicas checked) first, and each bucket's all-reduce starts while
+    /// backward is still computing the gradients of earlier layers; the result is the same,
+    /// bit for bit.
     pub fn backward<M: Module>(
         &mut self,
         model: &M,
         loss: Tensor<1>,
     ) -> Result<GradientsParams, DdpError> {
-        let grads = GradientsParams::from_grads(loss.backward(), model);
-        self.sync(model, grads)
+        if !self.overlap.as_ref().is_some_and(OverlapState::prepared) {
+            let grads = GradientsParams::from_grads(loss.backward(), model);
+            return self.sync(model, grads);
+        }
+        // Every collective of the sync but the buckets' comes first, so that the buckets
+        // submitted during backward are the step's only collectives until it ends, on every
+        // rank.
+        let mut local_error = self.begin_sync(model)?;
+        let buffers = std::mem::take(&mut self.buffers);
+        let fresh = self.micro_steps == 0;
+        let overlap = self.overlap.as_mut().expect("checked above");
+        let loss = overlap.arm(buffers, fresh, loss);
+        let start = Instant::now();
+        let grads = loss.backward();
+        self.backward_span = Some((start, Instant::now()));
+        let overlap = self.overlap.as_mut().expect("checked above");
+        let done = overlap.disarm();
+        self.buffers = done.buffers;
+        self.stats.bytes += done.bytes;
+        if let Some(e) = done.error {
+            local_error.get_or_insert(e);
+        }
+        let grads = GradientsParams::from_grads(grads, model);
+        self.sync_rest(grads, local_error, done.early, &done.packed)
+    }
+
+    /// A copy of `model` for the forward pass of the next [`backward`](Self::backward), whose
+    /// trainable parameters report their gradients as soon as they are complete, when
+    /// [`DdpConfig::overlap`] is on (and more than one rank trains on burn's CPU backend with
+    /// autodiff); otherwise a plain clone. Run the forward pass on the copy only; the
+    /// gradients land on `model`'s own parameters:
+    ///
+    /// ```text
+    /// let hooked = ddp.prepare(&model);
+    /// let loss = hooked.loss(x, y);
+    /// let grads = ddp.backward(&model, loss)?;   // all-reduces overlap backward
+    /// model = optim.step(lr, model, grads);
+    /// ```
+    ///
+    /// The copy's parameters keep their ids and values; only their autodiff graph differs
+    /// (see the `overlap` module). A loss of the copy that goes through `loss.backward()`
+    /// and [`sync`](Self::sync) (or [`accumulate`](Self::accumulate)) trains as without
+    /// overlap.
+    pub fn prepare<M: Module>(&mut self, model: &M) -> M {
+        let Some(overlap) = self.overlap.as_mut() else {
+            return model.clone();
+        };
+        let Some(device) = model.devices().into_iter().next() else {
+            return model.clone();
+        };
+        let on_flex = matches!(
+            device.clone().inner().as_dispatch(),
+            burn::backend::DispatchDevice::Flex(_)
+        );
+        if !on_flex || !device.is_autodiff() {
+            return model.clone();
+        }
+        overlap.hook_model(model, &device)
+    }
+
+    /// When the last [`backward`](Self::backward) of a prepared model ran (its start and end):
+    /// for traces of overlapped steps.
+    pub fn last_backward(&self) -> Option<(Instant, Instant)> {
+        self.backward_span
+    }
+
+    /// The loss depth the overlap measured on its first pass (`None` before it, or without
+    /// overlap): where the hooks fire is derived from it.
+    pub fn overlap_depth(&self) -> Option<usize> {
+        self.overlap.as_ref().and_then(OverlapState::loss_depth)
     }
 
     /// Gradient accumulation without communication (PyTorch's `with model.no_sync():`): adds
@@ -373,7 +423,7 @@ impl DistributedDataParallel {
         }
         let start = Instant::now();
         for b in 0..self.buckets.len() {
-            self.pack(b, &mut grads)?;
+            self.pack(b, &mut grads, &[])?;
         }
         self.micro_steps += 1;
         self.stats.pack += start.elapsed();
@@ -403,9 +453,26 @@ impl DistributedDataParallel {
     pub fn sync<M: Module>(
         &mut self,
         model: &M,
-        mut grads: GradientsParams,
+        grads: GradientsParams,
     ) -> Result<GradientsParams, DdpError> {
-        let mut local_error = self.begin_sync(model)?;
+        let local_error = self.begin_sync(model)?;
+        self.sync_rest(grads, local_error, Vec::new(), &[])
+    }
+
+    /// The gradient part of a sync, after [`begin_sync`](Self::begin_sync): packs and
+    /// all-reduces the buckets not already submitted during backward (`early`, a prefix of
+    /// the bucket order), waits for all of them in order and unpacks them. With `early`
+    /// buckets, a last small all-reduce carries this rank's local failure (the early buckets
+    /// went out before it could be known).
+    fn sync_rest(
+        &mut self,
+        mut grads: GradientsParams,
+        mut local_error: Option<DdpError>,
+        early: Vec<Early>,
+        packed: &[bool],
+    ) -> Result<GradientsParams, DdpError> {
+        let overlapped = !early.is_empty();
+        let mut early = early.into_iter();
         if self.pg.world_size() == 1 && self.micro_steps == 0 {
             // Averaging over one rank and one micro-step is the identity: skip the copies.
             // (The gradients are not taken out here, so unknown ones cannot be told apart;
@@ -425,10 +492,25 @@ impl DistributedDataParallel {
         let mut submitted = Vec::with_capacity(self.buckets.len());
         let last = self.buckets.len().saturating_sub(1);
         for b in 0..self.buckets.len() {
+            if let Some(e) = early.next() {
+                // Submitted during backward: its gradients are in its buffer already.
+                for &p in &self.buckets[b].params {
+                    drop_grad(&mut grads, &self.params[p]);
+                }
+                self.span(SyncPhase::Pack, b, e.pack_start, e.submitted);
+                in_flight.push(e.work);
+                submitted.push(e.submitted);
+                if b == last {
+                    if let Err(e) = self.check_no_unknown_grads(&grads) {
+                        local_error.get_or_insert(e);
+                    }
+                }
+                continue;
+            }
             let bucket_start = Instant::now();
             // On a local error, still submit every bucket so that the collectives line up
             // with the other ranks'; the failure slots tell them.
-            if let Err(e) = self.pack(b, &mut grads) {
+            if let Err(e) = self.pack(b, &mut grads, packed) {
                 local_error.get_or_insert(e);
             }
             if b == last {
@@ -443,6 +525,17 @@ impl DistributedDataParallel {
             self.span(SyncPhase::Pack, b, bucket_start, now);
         }
         self.stats.pack += pack_start.elapsed();
+        // The early buckets could not carry a failure found after them: one more all-reduce.
+        let tail = overlapped.then(|| {
+            let failed = local_error.is_some();
+            let rank = self.pg.rank() as f32;
+            let slots = if failed {
+                vec![1.0f32, rank + 1.0]
+            } else {
+                vec![0.0; 2]
+            };
+            self.pg.submit_all_reduce(slots, ReduceOp::Sum)
+        });
 
         // Micro-steps are summed (PyTorch's no_sync); only ranks are averaged (compressed
         // buckets were divided before the all-reduce). The buffers start afresh next time.
@@ -481,6 +574,17 @@ impl DistributedDataParallel {
             let unpack_end = Instant::now();
             self.stats.unpack += unpack_end - wait_end;
             self.span(SyncPhase::Unpack, b, wait_end, unpack_end);
+        }
+        if let Some(tail) = tail {
+            match tail.wait() {
+                Ok(v) if v[0] > 0.0 => {
+                    peer_failure.get_or_insert((v[0], v[1]));
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    comm_error.get_or_insert(e.into());
+                }
+            }
         }
         if let Some(e) = comm_error {
             return Err(e);
@@ -663,16 +767,28 @@ impl DistributedDataParallel {
     }
 
     /// Adds the gradients of bucket `b` (and their presence) into its buffer; on the first
-    /// micro-step since the last sync the buffer is overwritten instead.
-    fn pack(&mut self, b: usize, grads: &mut GradientsParams) -> Result<(), DdpError> {
+    /// micro-step since the last sync the buffer is overwritten instead. Parameters marked in
+    /// `packed` (by an overlap hook during backward) are in the buffer already: their
+    /// gradients are only removed from `grads`, and the buffer is not cleared.
+    fn pack(
+        &mut self,
+        b: usize,
+        grads: &mut GradientsParams,
+        packed: &[bool],
+    ) -> Result<(), DdpError> {
         let bucket = &self.buckets[b];
         let buf = &mut self.buffers[b];
         let fresh = self.micro_steps == 0;
-        if fresh {
+        let is_packed = |p: usize| packed.get(p).copied().unwrap_or(false);
+        if fresh && !bucket.params.iter().any(|&p| is_packed(p)) {
             buf.fill(0.0);
         }
         for (slot, (&p, &off)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
             let info = &self.params[p];
+            if is_packed(p) {
+                drop_grad(grads, info);
+                continue;
+            }
             if let Some(g) = take_grad(grads, info)? {
                 // take_grad checked that `g` holds exactly `info.numel()` values.
                 let dst = &mut buf[off..off + g.len()];
@@ -687,66 +803,22 @@ impl DistributedDataParallel {
         Ok(())
     }
 
-    /// Submits the all-reduce of bucket `b`'s buffer, with this rank's failure slots (`failed`:
-    /// whether something went wrong here). Compressed buckets are divided by the world size
-    /// first, so that partial sums stay within the largest gradient (f16 tops out at 65504).
+    /// Submits the all-reduce of bucket `b`'s buffer ([`submit_bucket`]).
     fn submit(&mut self, b: usize, failed: bool) -> InFlight {
-        let slot = self.buckets[b].failed_slot();
-        let grad_len = self.buckets[b].grad_len;
-        let buf = &mut self.buffers[b];
-        buf[slot] = if failed { 1.0 } else { 0.0 };
-        buf[slot + 1] = if failed {
-            (self.pg.rank() + 1) as f32
-        } else {
-            0.0
-        };
-        if self.config.compression != Compression::None {
-            let scale = 1.0 / self.pg.world_size() as f32;
-            buf[..grad_len].iter_mut().for_each(|x| *x *= scale);
-        }
-        match self.config.compression {
-            Compression::None => {
-                self.stats.bytes += (buf.len() * 4) as u64;
-                InFlight::F32(
-                    self.pg
-                        .submit_all_reduce(std::mem::take(buf), ReduceOp::Sum),
-                )
-            }
-            Compression::Bf16 => {
-                self.stats.bytes += (buf.len() * 2) as u64;
-                let v = buf.iter().map(|&x| bf16::from_f32(x)).collect();
-                InFlight::Bf16(self.pg.submit_all_reduce(v, ReduceOp::Sum))
-            }
-            Compression::F16 => {
-                self.stats.bytes += (buf.len() * 2) as u64;
-                let v = buf.iter().map(|&x| f16::from_f32(x)).collect();
-                InFlight::F16(self.pg.submit_all_reduce(v, ReduceOp::Sum))
-            }
-        }
+        let (work, bytes) = submit_bucket(
+            &self.pg,
+            &mut self.buffers[b],
+            &self.buckets[b],
+            failed,
+            self.config.compression,
+        );
+        self.stats.bytes += bytes;
+        work
     }
 
     /// Waits for bucket `b`'s all-reduce and puts the summed values into its buffer.
     fn complete(&mut self, b: usize, work: InFlight) -> Result<(), DdpError> {
-        let len = self.buckets[b].len();
-        let buf = &mut self.buffers[b];
-        match work {
-            InFlight::F32(w) => match w.wait() {
-                Ok(v) => *buf = v,
-                Err(e) => {
-                    *buf = vec![0.0; len];
-                    return Err(e.into());
-                }
-            },
-            InFlight::Bf16(w) => {
-                let v = w.wait()?;
-                buf.iter_mut().zip(v).for_each(|(d, s)| *d = s.to_f32());
-            }
-            InFlight::F16(w) => {
-                let v = w.wait()?;
-                buf.iter_mut().zip(v).for_each(|(d, s)| *d = s.to_f32());
-            }
-        }
-        Ok(())
+        complete_bucket(work, &mut self.buffers[b], self.buckets[b].len())
     }
 
     /// Registers the averaged gradients of bucket `b` in `grads`.
@@ -808,46 +880,6 @@ fn diverged_ranks(hashes: &[i64]) -> Option<(Vec<usize>, bool)> {
         .filter(|&r| hashes[r] != reference)
         .collect();
     Some((ranks, against_majority))
-}
-
-/// Buckets of the trainable parameters in reverse parameter order: the first holds up to
-/// `first_bucket_mb`, the others up to `bucket_cap_mb`; a parameter larger than a bucket gets
-/// a bucket of its own. Buffers get no bucket: they are broadcast, not averaged.
-fn plan_buckets(params: &[ParamInfo], config: &DdpConfig) -> Vec<Bucket> {
-    let mut buckets: Vec<Bucket> = Vec::new();
-    let mut current = Bucket {
-        params: Vec::new(),
-        offsets: Vec::new(),
-        grad_len: 0,
-    };
-    for (i, info) in params.iter().enumerate().rev() {
-        if !info.trainable() {
-            continue;
-        }
-        let cap_mb = if buckets.is_empty() {
-            config.first_bucket_mb
-        } else {
-            config.bucket_cap_mb
-        };
-        let cap = (cap_mb * MIB / 4.0) as usize;
-        if !current.params.is_empty() && current.grad_len + info.numel() > cap {
-            buckets.push(std::mem::replace(
-                &mut current,
-                Bucket {
-                    params: Vec::new(),
-                    offsets: Vec::new(),
-                    grad_len: 0,
-                },
-            ));
-        }
-        current.params.push(i);
-        current.offsets.push(current.grad_len);
-        current.grad_len += info.numel();
-    }
-    if !current.params.is_empty() {
-        buckets.push(current);
-    }
-    buckets
 }
 
 /// All-gathers a hash of the parameter list; when the hashes differ, all-gathers the lists

@@ -9,10 +9,13 @@
 
 #![warn(missing_docs)]
 
+mod buckets;
 pub mod checkpoint;
 mod config;
 mod ddp;
 mod error;
+mod overlap;
+mod overlap_ops;
 mod params;
 mod resume;
 mod shard_optim;

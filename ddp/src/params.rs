@@ -241,6 +241,13 @@ pub(crate) fn take_grad(
         .transpose()
 }
 
+/// Removes the gradient of `info` from `grads` without reading it.
+pub(crate) fn drop_grad(grads: &mut GradientsParams, info: &ParamInfo) {
+    with_rank!(info.shape.len(), D => {
+        drop(grads.remove::<D>(info.id))
+    }, ())
+}
+
 /// `data` as `numel` flat `f32` values, or an error naming `name`.
 pub(crate) fn to_f32(
     data: TensorData,
