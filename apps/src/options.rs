@@ -114,6 +114,10 @@ pub struct TrainArgs {
     /// optimizer state sharded across ranks, 2 = optimizer state and gradients sharded.
     #[arg(long, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub zero_stage: Option<u8>,
+    /// Start each gradient bucket's all-reduce during backward, as soon as its gradients are
+    /// complete (PyTorch DDP's overlap; results are bit-identical either way).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub overlap: Option<bool>,
     /// Directory of the data set (MNIST: where the four files are or will be downloaded;
     /// with `--data-format shards`, the folder holding `train/` and `test/`).
     #[arg(long)]
@@ -191,7 +195,7 @@ impl TrainArgs {
     /// `self`'s values where given, else `under`'s.
     pub fn or(&self, under: &TrainArgs) -> TrainArgs {
         merge_fields!(self, under; epochs, batch_size, lr, optimizer, momentum, lr_scaling, seed,
-            backend, threads, workers, bucket_cap_mb, compression, zero_stage, data_dir, data_format,
+            backend, threads, workers, bucket_cap_mb, compression, zero_stage, overlap, data_dir, data_format,
             prefetch_shards, checkpoint_dir, checkpoint_every,
             resume, allow_mismatched_checkpoint, metrics_dir, export, log_interval, max_steps, train_samples, test_samples,
             verbose, json, trace_dir, trace_steps)
@@ -227,6 +231,7 @@ impl TrainArgs {
             bucket_cap_mb: a.bucket_cap_mb.unwrap_or(25.0),
             compression: a.compression.unwrap_or(CompressionKind::None),
             zero_stage: a.zero_stage.unwrap_or(0),
+            overlap: a.overlap.unwrap_or(false),
             data_dir: a.data_dir,
             data_format: a.data_format.unwrap_or(DataFormat::Memory),
             prefetch_shards: a.prefetch_shards.unwrap_or(2),
@@ -272,6 +277,12 @@ impl TrainArgs {
                 cfg.zero_stage
             );
         }
+        if cfg.overlap && cfg.zero_stage > 0 {
+            bail!(
+                "--overlap applies to plain DDP (--zero-stage 0); a sharded step reduce-scatters \
+                 after backward"
+            );
+        }
         if cfg.checkpoint_every == Some(0) {
             bail!("checkpoint-every must be at least 1 step");
         }
@@ -311,6 +322,8 @@ pub struct TrainConfig {
     pub compression: CompressionKind,
     /// ZeRO stage (0 = plain DDP).
     pub zero_stage: u8,
+    /// All-reduces during backward.
+    pub overlap: bool,
     /// Data directory.
     pub data_dir: Option<PathBuf>,
     /// In memory or streamed from shards.

@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::Tensor;
 use ddp::{
     Compression, DdpConfig, DdpError, DistributedDataParallel, Position, ProcessGroup, Resumed,
     RunId, ShardOptimizer, ShardedAdamConfig, ShardedDataParallel, ShardedSgdConfig, SyncSpan,
@@ -101,6 +102,7 @@ impl Stepper {
                     CompressionKind::Bf16 => Compression::Bf16,
                     CompressionKind::F16 => Compression::F16,
                 },
+                overlap: cfg.overlap,
                 ..DdpConfig::default()
             };
             let (model, ddp) = DistributedDataParallel::new(model, pg, config)?;
@@ -117,6 +119,9 @@ impl Stepper {
     /// What the first line says about the step: `DDP` or `ZeRO stage N`.
     pub(crate) fn describe(&self) -> String {
         match self {
+            Stepper::Ddp { ddp, .. } if ddp.config().overlap => {
+                "DDP (all-reduces during backward)".into()
+            }
             Stepper::Ddp { .. } => "DDP".into(),
             Stepper::Zero(z) => {
                 let m = z.memory();
@@ -135,26 +140,40 @@ impl Stepper {
         }
     }
 
-    /// Averages `grads` across ranks and steps the model; also returns when the optimizer
-    /// step began (for the trace: a sharded step's reduce-scatter, update and all-gather are
-    /// one span).
+    /// The model the forward pass runs on: with `--overlap`, a copy whose parameters report
+    /// their gradients during backward (`DistributedDataParallel::prepare`); otherwise a
+    /// clone of `model`.
+    pub(crate) fn prepare<M: Module>(&mut self, model: &M) -> M {
+        match self {
+            Stepper::Ddp { ddp, .. } => ddp.prepare(model),
+            Stepper::Zero(_) => model.clone(),
+        }
+    }
+
+    /// Runs backward on `loss` (of the model [`prepare`](Self::prepare) gave), averages the
+    /// gradients across ranks and steps `model`; also returns when backward ended and when
+    /// the optimizer step began (for the trace: a sharded step's reduce-scatter, update and
+    /// all-gather are one span).
     pub(crate) fn step<M: Module>(
         &mut self,
         lr: f64,
         model: M,
-        grads: GradientsParams,
+        loss: Tensor<1>,
         traced: bool,
-    ) -> Result<(M, Instant), DdpError> {
+    ) -> Result<(M, Instant, Instant), DdpError> {
         match self {
             Stepper::Ddp { ddp, optim } => {
                 ddp.record_spans(traced);
-                let grads = ddp.sync(&model, grads)?;
+                let grads = ddp.backward(&model, loss)?;
                 let t_optim = Instant::now();
-                Ok((optim.step(lr, model, grads), t_optim))
+                let t_sync = ddp.last_backward().map_or(t_optim, |(_, end)| end);
+                Ok((optim.step(lr, model, grads), t_sync, t_optim))
             }
             Stepper::Zero(zero) => {
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                let t_sync = Instant::now();
                 let model = zero.step(lr, model, grads)?;
-                Ok((model, Instant::now()))
+                Ok((model, t_sync, Instant::now()))
             }
         }
     }

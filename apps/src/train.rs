@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use burn::module::Module;
-use burn::optim::GradientsParams;
 use burn::tensor::Device;
 use ddp::{DdpError, Position, RunId, SyncPhase, SyncSpan, SyncStats};
 use ddp_comm::{CollectiveRecord, ProcessGroup, ReduceOp};
@@ -454,12 +453,11 @@ where
                 rank as u64,
                 batches as u64,
             ));
-            let (loss, _) = model.loss(batch.inputs, batch.targets);
+            let hooked = stepper.prepare(&model);
+            let (loss, _) = hooked.loss(batch.inputs, batch.targets);
             let loss_value = f64::from(loss.clone().into_scalar::<f32>());
             let t_backward = Instant::now();
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            let t_sync = Instant::now();
-            let (stepped, t_optim) = stepper.step(lr, model, grads, traced)?;
+            let (stepped, t_sync, t_optim) = stepper.step(lr, model, loss, traced)?;
             model = stepped;
             let t_end = Instant::now();
             step += 1;
@@ -710,17 +708,28 @@ fn trace_step(
     ] {
         tracer.span(Track::Training, name, start, stop, args.clone());
     }
-    // The sync's all-reduces are the last ones the group ran (nothing else ran since).
+    // The sync's bucket all-reduces are among the last the group ran: the last ones, or, with
+    // overlap, the ones before the small all-reduce of its failure slots.
     let reduces: Vec<&SyncSpan> = spans
         .iter()
         .filter(|s| s.phase == SyncPhase::AllReduce)
         .collect();
     let all: Vec<&CollectiveRecord> = flight.iter().filter(|r| r.op == "all_reduce").collect();
-    let recorded = &all[all.len().saturating_sub(reduces.len())..];
-    let from_flight = recorded.len() == reduces.len()
-        && recorded.iter().zip(&reduces).all(|(r, s)| {
-            r.count == s.elements as u64 && r.started_us.is_some() && r.finished_us.is_some()
-        });
+    let matches = |window: &[&CollectiveRecord]| {
+        window.len() == reduces.len()
+            && window.iter().zip(&reduces).all(|(r, s)| {
+                r.count == s.elements as u64 && r.started_us.is_some() && r.finished_us.is_some()
+            })
+    };
+    let n = reduces.len();
+    let recorded: &[&CollectiveRecord] = (0..2)
+        .filter_map(|skip| {
+            let end = all.len().checked_sub(skip)?;
+            all.get(end.checked_sub(n)?..end)
+        })
+        .find(|w| matches(w))
+        .unwrap_or(&[]);
+    let from_flight = n > 0 && recorded.len() == n;
     for s in &spans {
         let (track, name) = match s.phase {
             SyncPhase::Pack => (Track::Training, "pack"),

@@ -335,7 +335,10 @@ impl DistributedDataParallel {
         loss: Tensor<1>,
     ) -> Result<GradientsParams, DdpError> {
         if !self.overlap.as_ref().is_some_and(OverlapState::prepared) {
-            let grads = GradientsParams::from_grads(loss.backward(), model);
+            let start = Instant::now();
+            let grads = loss.backward();
+            self.backward_span = Some((start, Instant::now()));
+            let grads = GradientsParams::from_grads(grads, model);
             return self.sync(model, grads);
         }
         // Every collective of the sync but the buckets' comes first, so that the buckets
@@ -394,8 +397,8 @@ impl DistributedDataParallel {
         overlap.hook_model(model, &device)
     }
 
-    /// When the last [`backward`](Self::backward) of a prepared model ran (its start and end):
-    /// for traces of overlapped steps.
+    /// When the last [`backward`](Self::backward) ran its backward pass (start and end), for
+    /// traces: with overlap, the bucket all-reduces that ran inside it were hidden.
     pub fn last_backward(&self) -> Option<(Instant, Instant)> {
         self.backward_span
     }

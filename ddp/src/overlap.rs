@@ -25,7 +25,7 @@
 //! gets correct results, with less overlap.
 
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use burn::backend::Dispatch;
 use burn::module::{Module, ModuleMapper, Param};
@@ -42,7 +42,8 @@ use crate::DdpError;
 pub(crate) struct Early {
     /// The all-reduce in flight.
     pub work: InFlight,
-    /// When the first of its gradients was packed.
+    /// When its packing started, were its gradients packed in one go: its submission minus
+    /// the time the hooks spent packing it (they pack each gradient as it comes).
     pub pack_start: Instant,
     /// When it was submitted.
     pub submitted: Instant,
@@ -76,8 +77,8 @@ struct Step {
     next: usize,
     /// Buckets submitted so far, in order.
     early: Vec<Early>,
-    /// When each bucket's first gradient was packed.
-    first_pack: Vec<Option<Instant>>,
+    /// Time spent packing each bucket so far.
+    pack_time: Vec<Duration>,
     /// A gradient that could not be read: the bucket goes out with its failure slots raised.
     failed: Vec<bool>,
     /// The first such error, for this rank's own result.
@@ -136,7 +137,7 @@ impl OverlapState {
                 pending: Vec::new(),
                 next: 0,
                 early: Vec::new(),
-                first_pack: Vec::new(),
+                pack_time: Vec::new(),
                 failed: Vec::new(),
                 error: None,
                 packed: Vec::new(),
@@ -188,7 +189,7 @@ impl OverlapState {
                 return;
             };
             let (name, numel) = &names[index];
-            step.first_pack[b].get_or_insert_with(Instant::now);
+            let start = Instant::now();
             let values = match data {
                 Some(d) => to_f32(d, name, "gradient", *numel),
                 None => Err(DdpError::Conversion {
@@ -217,6 +218,7 @@ impl OverlapState {
                 }
             }
             step.packed[index] = true;
+            step.pack_time[b] += start.elapsed();
             step.pending[b] -= 1;
             // Submit, in bucket order, every bucket that is complete.
             while step.next < buckets.len() && step.pending[step.next] == 0 {
@@ -226,11 +228,14 @@ impl OverlapState {
                 let (work, bytes) = submit_bucket(&pg, &mut buf, &buckets[k], failed, compression);
                 step.buffers[k] = buf;
                 step.bytes += bytes;
-                let pack_start = step.first_pack[k].unwrap_or_else(Instant::now);
+                let submitted = Instant::now();
+                let pack_start = submitted
+                    .checked_sub(step.pack_time[k])
+                    .unwrap_or(submitted);
                 step.early.push(Early {
                     work,
                     pack_start,
-                    submitted: Instant::now(),
+                    submitted,
                 });
                 step.next += 1;
             }
@@ -273,7 +278,7 @@ impl OverlapState {
             step.pending = pending;
             step.next = 0;
             step.early.clear();
-            step.first_pack = vec![None; n];
+            step.pack_time = vec![Duration::ZERO; n];
             step.failed = vec![false; n];
             step.error = None;
             step.packed = vec![false; self.params.len()];

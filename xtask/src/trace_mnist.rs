@@ -81,6 +81,13 @@ pub fn run(args: Args) -> Result<()> {
          time the all-reduce was not hidden):\n"
     );
     println!("{}", overlap(&traces));
+    for (rank, trace) in traces.iter().enumerate() {
+        println!(
+            "rank {rank}: {:.0} % of the all-reduce time lies inside backward",
+            100.0 * inside_backward(trace)
+        );
+    }
+    println!();
     check_kinds(&traces)?;
     println!("trace files (Chrome trace event format, one clock for all ranks):");
     for f in &files {
@@ -190,6 +197,25 @@ fn overlap(traces: &[Value]) -> String {
     md
 }
 
+/// The share of the communication track's all-reduce time that lies inside the training
+/// track's `backward` spans (0 when there is no all-reduce): what overlap hides.
+fn inside_backward(trace: &Value) -> f64 {
+    let training = spans_on(trace, 1);
+    let reduces = spans_on(trace, 2);
+    let (mut inside, mut total) = (0.0, 0.0);
+    for (_, a, b) in reduces.iter().filter(|r| r.0 == "all_reduce") {
+        total += b - a;
+        for (_, c, d) in training.iter().filter(|t| t.0 == "backward") {
+            inside += (b.min(*d) - a.max(*c)).max(0.0);
+        }
+    }
+    if total > 0.0 {
+        inside / total
+    } else {
+        0.0
+    }
+}
+
 /// Fails unless every rank's trace holds spans of every kind the trainer records.
 fn check_kinds(traces: &[Value]) -> Result<()> {
     for (rank, trace) in traces.iter().enumerate() {
@@ -257,5 +283,19 @@ mod tests {
             complete.push(x(name, 1, 0.0, 1.0));
         }
         assert!(check_kinds(&[json!({ "traceEvents": complete })]).is_ok());
+    }
+
+    #[test]
+    fn the_share_inside_backward_counts_only_overlap_with_backward() {
+        let x = |name: &str, tid: u64, ts: f64, dur: f64| json!({ "ph": "X", "name": name, "tid": tid, "ts": ts, "dur": dur });
+        // Backward 0..4 ms; all-reduces 1..3 ms (inside) and 3..7 ms (1 of 4 ms inside).
+        let trace = json!({ "traceEvents": [
+            x("backward", 1, 0.0, 4_000.0),
+            x("wait", 1, 4_000.0, 3_000.0),
+            x("all_reduce", 2, 1_000.0, 2_000.0),
+            x("all_reduce", 2, 3_000.0, 4_000.0),
+        ]});
+        assert!((inside_backward(&trace) - 0.5).abs() < 1e-12);
+        assert_eq!(inside_backward(&json!({ "traceEvents": [] })), 0.0);
     }
 }
