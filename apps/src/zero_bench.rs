@@ -24,7 +24,8 @@ use ddp::{
     DdpConfig, DistributedDataParallel, ProcessGroup, ReduceOp, ShardOptimizer, ShardedAdamConfig,
     ShardedDataParallel, ZeroConfig, ZeroStage,
 };
-use ddp_models::MnistMlpConfig;
+use burn::module::Module;
+use ddp_models::{Classifier, DeepMlpConfig, MnistCnnConfig, MnistMlpConfig};
 use serde::Serialize;
 
 /// Settings of one measurement.
@@ -45,6 +46,16 @@ pub struct ZeroBenchArgs {
     /// Timed steps.
     #[arg(long, default_value_t = 4)]
     pub steps: usize,
+    /// The model: `mlp` (784 → hidden → 10), `deep` (784 → 4 × `hidden` → 10, the overlap
+    /// benchmark's) or `cnn` (the MNIST CNN).
+    #[arg(long, default_value = "mlp")]
+    pub model: String,
+    /// Stage 0 only: start the all-reduces during backward (`DdpConfig::overlap`).
+    #[arg(long)]
+    pub overlap: bool,
+    /// Stage 0: DDP's bucket size in MiB.
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_cap_mb: f64,
 }
 
 /// What rank 0 prints.
@@ -71,6 +82,13 @@ pub struct ZeroBenchResult {
     /// A sharded step's phases on rank 0, seconds per step: gradients packed and
     /// reduce-scattered, the shard's update, parameters all-gathered and loaded.
     pub phases_s: Option<[f64; 3]>,
+    /// The model.
+    pub model: String,
+    /// Whether the all-reduces ran during backward.
+    pub overlap: bool,
+    /// Rank 0's gradient synchronisation after backward per step (DDP: pack + wait + unpack),
+    /// seconds: what overlap shortens.
+    pub sync_s: Option<f64>,
 }
 
 /// Runs one rank of the benchmark; rank 0 returns the result.
@@ -78,19 +96,43 @@ pub fn run(args: &ZeroBenchArgs) -> Result<Option<ZeroBenchResult>> {
     if args.stage > 2 || args.steps == 0 || args.batch == 0 {
         bail!("--stage must be 0, 1 or 2, --steps and --batch at least 1");
     }
+    if args.overlap && args.stage != 0 {
+        bail!("--overlap applies to stage 0 (DDP)");
+    }
     let pg = Arc::new(ProcessGroup::from_env()?);
-    let (rank, world) = (pg.rank(), pg.world_size());
     let device = Device::flex().autodiff();
-    let model = MnistMlpConfig::new().with_hidden(args.hidden).init(&device);
+    match args.model.as_str() {
+        "mlp" => {
+            let model = MnistMlpConfig::new().with_hidden(args.hidden).init(&device);
+            run_model(args, pg, &device, model)
+        }
+        "deep" => {
+            let model = DeepMlpConfig::new().with_hidden(args.hidden).init(&device);
+            run_model(args, pg, &device, model)
+        }
+        "cnn" => run_model(args, pg, &device, MnistCnnConfig::new().init(&device)),
+        other => bail!("--model {other}: expected mlp, deep or cnn"),
+    }
+}
+
+/// [`run`] for one model.
+fn run_model<M: Module + Classifier<4>>(
+    args: &ZeroBenchArgs,
+    pg: Arc<ProcessGroup>,
+    device: &Device,
+    model: M,
+) -> Result<Option<ZeroBenchResult>> {
+    let (rank, world) = (pg.rank(), pg.world_size());
     // A fixed synthetic batch per rank (the figures do not depend on the values).
     let x: Vec<f32> = (0..args.batch * 784)
         .map(|i| ((i * 7919 + rank * 104_729) % 255) as f32 / 255.0)
         .collect();
     let y: Vec<i64> = (0..args.batch).map(|i| ((i + rank) % 10) as i64).collect();
-    let inputs = Tensor::<2>::from_data(TensorData::new(x, [args.batch, 784]), &device);
-    let targets = Tensor::<1, Int>::from_data(TensorData::new(y, [args.batch]), &device);
+    let inputs = Tensor::<4>::from_data(TensorData::new(x, [args.batch, 1, 28, 28]), device);
+    let targets = Tensor::<1, Int>::from_data(TensorData::new(y, [args.batch]), device);
     let lr = 1e-4;
     let eps = 1e-8;
+    let mut sync_s = None;
 
     let mut times = Vec::with_capacity(args.steps);
     let params;
@@ -101,14 +143,20 @@ pub fn run(args: &ZeroBenchArgs) -> Result<Option<ZeroBenchResult>> {
     let mut phases = None;
     let n = world as u64;
     if args.stage == 0 {
-        let (mut model, mut ddp) =
-            DistributedDataParallel::new(model, pg.clone(), DdpConfig::new())?;
+        let config = DdpConfig::new()
+            .with_overlap(args.overlap)
+            .with_bucket_cap_mb(args.bucket_cap_mb);
+        let (mut model, mut ddp) = DistributedDataParallel::new(model, pg.clone(), config)?;
         let mut optim = AdamConfig::new().with_epsilon(eps).init();
         for step in 0..args.warmup + args.steps {
             pg.barrier()?;
+            if step == args.warmup {
+                ddp.take_stats();
+            }
             let start = Instant::now();
-            let (loss, _) = model.loss(inputs.clone(), targets.clone());
-            let grads = ddp.sync(&model, GradientsParams::from_grads(loss.backward(), &model))?;
+            let hooked = ddp.prepare(&model);
+            let (loss, _) = hooked.loss(inputs.clone(), targets.clone());
+            let grads = ddp.backward(&model, loss)?;
             model = optim.step(lr, model, grads);
             if step >= args.warmup {
                 times.push(start.elapsed().as_secs_f64());
@@ -124,6 +172,7 @@ pub fn run(args: &ZeroBenchArgs) -> Result<Option<ZeroBenchResult>> {
         // gradients plus a presence slot per parameter and two failure slots per bucket.
         optimizer_bytes = 8 * params;
         let stats = ddp.take_stats();
+        sync_s = Some(stats.total().as_secs_f64() / stats.steps.max(1) as f64);
         collective_bytes = stats.bytes / stats.steps.max(1);
         gradient_bytes = if world > 1 {
             collective_bytes as usize
@@ -181,5 +230,8 @@ pub fn run(args: &ZeroBenchArgs) -> Result<Option<ZeroBenchResult>> {
         collective_bytes,
         ring_sent_bytes,
         phases_s: phases,
+        model: args.model.clone(),
+        overlap: args.overlap,
+        sync_s,
     }))
 }

@@ -35,6 +35,7 @@
 mod classifier;
 mod cnn;
 mod cpu_ops;
+mod deep_mlp;
 mod mlp;
 pub mod ops;
 mod params;
@@ -42,6 +43,7 @@ mod pima;
 
 pub use classifier::{correct_argmax, cross_entropy, nll_loss, Classifier};
 pub use cnn::{MnistCnn, MnistCnnConfig};
+pub use deep_mlp::{DeepMlp, DeepMlpConfig};
 pub use mlp::{MnistMlp, MnistMlpConfig};
 pub use ops::FastOps;
 pub use params::{
