@@ -25,6 +25,7 @@ use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
+use crate::netns::TwoHosts;
 use crate::{plot, util};
 
 /// The sizes timed by default: 4 KiB to 256 MiB in powers of 4.
@@ -321,59 +322,6 @@ fn run_ours(
     read_run(&mut command, &json)
 }
 
-/// Two network namespaces joined by a veth pair, deleted (with the pair) on drop.
-struct TwoHosts {
-    names: [String; 2],
-}
-
-impl TwoHosts {
-    const ADDRS: [&'static str; 2] = ["10.233.9.1", "10.233.9.2"];
-
-    fn new() -> Result<TwoHosts> {
-        let id = std::process::id();
-        let hosts = TwoHosts {
-            names: [format!("ddpb-{id}-a"), format!("ddpb-{id}-b")],
-        };
-        let veth = [
-            format!("dvb{}a", id % 100_000),
-            format!("dvb{}b", id % 100_000),
-        ];
-        let [a, b] = &hosts.names;
-        let ip = |args: &[&str]| -> Result<()> {
-            util::run(Command::new("ip").args(args))
-                .context("--two-hosts needs root and iproute2's `ip` (network namespaces)")
-        };
-        ip(&["netns", "add", a])?;
-        ip(&["netns", "add", b])?;
-        ip(&[
-            "link", "add", &veth[0], "netns", a, "type", "veth", "peer", "name", &veth[1], "netns",
-            b,
-        ])?;
-        for (i, ns) in hosts.names.iter().enumerate() {
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
-            ip(&[
-                "-n",
-                ns,
-                "addr",
-                "add",
-                &format!("{}/24", Self::ADDRS[i]),
-                "dev",
-                &veth[i],
-            ])?;
-            ip(&["-n", ns, "link", "set", &veth[i], "up"])?;
-        }
-        Ok(hosts)
-    }
-}
-
-impl Drop for TwoHosts {
-    fn drop(&mut self) {
-        for ns in &self.names {
-            let _ = Command::new("ip").args(["netns", "del", ns]).status();
-        }
-    }
-}
-
 /// Runs `ddp-allreduce-bench` over `world` ranks on two "hosts" ([`TwoHosts`]), half on each,
 /// with `DDP_TRANSPORT=transport`, one ddprun per host; reads rank 0's results.
 fn run_two_hosts(
@@ -391,7 +339,7 @@ fn run_two_hosts(
     };
     let json = raw.join(format!("ddp-rs-{label}-{world}ranks.json"));
     let _ = std::fs::remove_file(&json);
-    let hosts = TwoHosts::new()?;
+    let hosts = TwoHosts::new(None)?;
     let mut children = Vec::new();
     for (node, ns) in hosts.names.iter().enumerate() {
         let mut command = Command::new("ip");

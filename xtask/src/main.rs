@@ -6,11 +6,13 @@
 //! training or communication logic lives here.
 
 mod bench_allreduce;
+mod bench_overlap;
 mod bench_scaling;
 mod bench_step;
 mod bench_zero;
 mod check_torchrun;
 mod gpu_check;
+mod netns;
 mod plot;
 mod shards;
 mod trace_mnist;
@@ -34,6 +36,9 @@ enum Task {
     /// Time all-reduce over 2 and 4 local ranks, checked, with gloo beside it when torch is at
     /// hand.
     BenchAllreduce(bench_allreduce::Args),
+    /// Step time of 2-rank DDP with the all-reduces after backward and during it (--overlap),
+    /// CNN and a deep MLP, over shared memory, TCP and (root) a 10 Gbit/s veth link.
+    BenchOverlap(bench_overlap::Args),
     /// Train the CNN for a fixed number of steps at 1, 2 and 4 ranks: samples/s, efficiency,
     /// communication per step, peak RSS; writes a Markdown table, JSON and an SVG plot.
     BenchScaling(bench_scaling::Args),
@@ -71,6 +76,7 @@ enum Task {
 fn main() -> Result<()> {
     match Cli::parse().task {
         Task::BenchAllreduce(args) => bench_allreduce::run(args),
+        Task::BenchOverlap(args) => bench_overlap::run(args),
         Task::BenchScaling(args) => bench_scaling::run(args),
         Task::BenchStep(args) => bench_step::run(args),
         Task::BenchZero(args) => bench_zero::run(args),

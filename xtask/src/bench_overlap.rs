@@ -1,0 +1,202 @@
+//! `cargo xtask bench-overlap`: step time of 2-rank DDP with the all-reduces after backward
+//! (today's default) and during backward (`--overlap`), in the same run, for the MNIST CNN
+//! (4.8 MB of gradients) and a deep MLP (784 → 4 × 2048 → 10, 57 MB), over shared memory,
+//! over TCP on this host, and, as root, over TCP between two network namespaces joined by a
+//! veth pair limited with `tc` to a data-centre rate (10 Gbit/s by default). `ddp-zero-bench`
+//! at stage 0 runs each configuration under `ddprun`; off and on alternate, `--repeats` times,
+//! and medians are reported. Writes `overlap.md` and `overlap.json`.
+//!
+//! One compute thread per rank: on a 2-core machine the communication threads compete with
+//! the other rank's backward for the cores, which is part of what the figures show.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::netns::TwoHosts;
+use crate::util;
+
+/// Options of `bench-overlap`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Timed steps per run (after 2 warm-up steps).
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Runs of each configuration with and without overlap (alternating); medians reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Samples per rank per step.
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    /// DDP's bucket size in MiB (both modes).
+    #[arg(long, default_value_t = 4.0)]
+    bucket_cap_mb: f64,
+    /// The veth link's rate (`tc` syntax); the two-namespace runs need root.
+    #[arg(long, default_value = "10gbit")]
+    rate: String,
+    /// Skip the two-namespace runs.
+    #[arg(long)]
+    no_netns: bool,
+    /// Output folder (default `target/bench`).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// The figures of one run (`ddp-zero-bench`'s `ZERO_BENCH` line, the fields used here).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+struct Run {
+    step_s: f64,
+    sync_s: Option<f64>,
+}
+
+/// One configuration's medians.
+#[derive(Debug, Serialize)]
+struct Row {
+    model: String,
+    link: String,
+    off_ms: f64,
+    on_ms: f64,
+    sync_off_ms: f64,
+    sync_on_ms: f64,
+}
+
+/// `cargo xtask bench-overlap`.
+pub fn run(args: Args) -> Result<()> {
+    let bin = util::build_release_bins(&["ddprun", "ddp-zero-bench"], &[])?;
+    let out = match args.out.clone() {
+        Some(out) => out,
+        None => util::target_dir()?.join("bench"),
+    };
+    std::fs::create_dir_all(&out)?;
+    let mut links = vec!["shm".to_string(), "tcp".to_string()];
+    if !args.no_netns {
+        links.push(format!("veth {}", args.rate));
+    }
+    let mut rows = Vec::new();
+    for model in ["cnn", "deep"] {
+        for link in &links {
+            let (mut off, mut on) = (Vec::new(), Vec::new());
+            for _ in 0..args.repeats {
+                off.push(one(&bin, &args, model, link, false)?);
+                on.push(one(&bin, &args, model, link, true)?);
+            }
+            let med = |runs: &[Run], f: &dyn Fn(&Run) -> f64| {
+                let mut v: Vec<f64> = runs.iter().map(f).collect();
+                v.sort_by(f64::total_cmp);
+                1e3 * v[v.len() / 2]
+            };
+            let sync = |r: &Run| r.sync_s.unwrap_or(f64::NAN);
+            rows.push(Row {
+                model: model.into(),
+                link: link.clone(),
+                off_ms: med(&off, &|r| r.step_s),
+                on_ms: med(&on, &|r| r.step_s),
+                sync_off_ms: med(&off, &sync),
+                sync_on_ms: med(&on, &sync),
+            });
+        }
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut md = format!(
+        "2 ranks, 1 compute thread each, {cores} core(s); batch {} per rank, Adam, buckets of \
+         {} MiB; medians of {} runs of {} steps (each step the slowest rank's time).\n\n",
+        args.batch, args.bucket_cap_mb, args.repeats, args.steps
+    );
+    md += &util::md_header(
+        &["model", "link"],
+        [
+            "step, all-reduce after backward (ms)",
+            "step, during backward (ms)",
+            "speed-up",
+            "sync after backward: off / on (ms)",
+        ]
+        .map(String::from),
+    );
+    for r in &rows {
+        md += &format!(
+            "| {} | {} | {:.1} | {:.1} | {:.2}x | {:.1} / {:.1} |\n",
+            r.model,
+            r.link,
+            r.off_ms,
+            r.on_ms,
+            r.off_ms / r.on_ms,
+            r.sync_off_ms,
+            r.sync_on_ms
+        );
+    }
+    md +=
+        "\ncnn: the MNIST CNN (1.2 M parameters); deep: 784 → 4 × 2048 → 10 (14.2 M). Sync after \
+           backward: rank 0's time in the wrapper after backward returned (packing, waiting for \
+           and unpacking the all-reduces), what overlap hides.\n";
+    println!("\n{md}");
+    std::fs::write(out.join("overlap.md"), &md)?;
+    std::fs::write(
+        out.join("overlap.json"),
+        serde_json::to_string_pretty(&serde_json::json!({ "cores": cores, "rows": rows }))?,
+    )?;
+    println!(
+        "wrote {} and {}",
+        out.join("overlap.md").display(),
+        out.join("overlap.json").display()
+    );
+    Ok(())
+}
+
+/// One 2-rank run of `model` over `link` (`shm`, `tcp`, or `veth RATE`: one rank in each of
+/// two namespaces).
+fn one(bin: &Path, args: &Args, model: &str, link: &str, overlap: bool) -> Result<Run> {
+    let bench_args = |command: &mut Command| {
+        command.arg(bin.join("ddp-zero-bench"));
+        command.args(["--stage", "0", "--model", model, "--hidden", "2048"]);
+        command.args(["--batch", &args.batch.to_string()]);
+        command.args(["--warmup", "2", "--steps", &args.steps.to_string()]);
+        command.args(["--bucket-cap-mb", &args.bucket_cap_mb.to_string()]);
+        if overlap {
+            command.arg("--overlap");
+        }
+    };
+    let Some(rate) = link.strip_prefix("veth ") else {
+        let mut command = Command::new(bin.join("ddprun"));
+        command.args(["--nproc-per-node", "2", "--"]);
+        bench_args(&mut command);
+        command.env("DDP_TRANSPORT", link);
+        let text = util::run_stdout(&mut command)?;
+        return tagged(&text);
+    };
+    let hosts = TwoHosts::new(Some(rate))?;
+    let mut children = Vec::new();
+    for (node, ns) in hosts.names.iter().enumerate() {
+        let mut command = Command::new("ip");
+        command.args(["netns", "exec", ns]).arg(bin.join("ddprun"));
+        command.args(["--nnodes", "2", "--node-rank", &node.to_string()]);
+        command.args(["--nproc-per-node", "1", "--master-addr", TwoHosts::ADDRS[0]]);
+        command.args(["--master-port", "29578", "--"]);
+        bench_args(&mut command);
+        command.env("DDP_TRANSPORT", "tcp");
+        command.env("DDP_HOST_ID", format!("overlap-host-{node}"));
+        command.stdout(std::process::Stdio::piped());
+        eprintln!("$ {}", util::command_line(&command));
+        children.push(command.spawn().context("starting ddprun in a namespace")?);
+    }
+    let mut text = String::new();
+    for child in children {
+        let output = child.wait_with_output()?;
+        if !output.status.success() {
+            bail!("ddprun on a simulated host failed ({})", output.status);
+        }
+        text += &String::from_utf8_lossy(&output.stdout);
+    }
+    drop(hosts);
+    tagged(&text)
+}
+
+/// The `ZERO_BENCH` line of rank 0 in `text`.
+fn tagged(text: &str) -> Result<Run> {
+    let json = text
+        .lines()
+        .find_map(|l| l.split_once("ZERO_BENCH ").map(|(_, j)| j.trim()))
+        .with_context(|| format!("no ZERO_BENCH line in:\n{text}"))?;
+    serde_json::from_str(json).with_context(|| format!("parsing {json}"))
+}
