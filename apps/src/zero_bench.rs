@@ -18,13 +18,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
+use burn::module::Module;
 use burn::optim::{AdamConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use ddp::{
     DdpConfig, DistributedDataParallel, ProcessGroup, ReduceOp, ShardOptimizer, ShardedAdamConfig,
     ShardedDataParallel, ZeroConfig, ZeroStage,
 };
-use burn::module::Module;
 use ddp_models::{Classifier, DeepMlpConfig, MnistCnnConfig, MnistMlpConfig};
 use serde::Serialize;
 
@@ -186,7 +186,7 @@ fn run_model<M: Module + Classifier<4>>(
         } else {
             ZeroStage::Two
         };
-        let adam = ShardOptimizer::Adam(ShardedAdamConfig::new().with_epsilon(eps as f32));
+        let adam = ShardOptimizer::Adam(ShardedAdamConfig::new().with_epsilon(eps));
         let (mut model, mut zero) =
             ShardedDataParallel::new(model, pg.clone(), ZeroConfig::new(stage), adam)?;
         for step in 0..args.warmup + args.steps {

@@ -151,3 +151,56 @@ pub(crate) fn plan_buckets(params: &[ParamInfo], config: &DdpConfig) -> Vec<Buck
     }
     buckets
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::params::ParamKind;
+
+    fn info(name: &str, numel: usize) -> ParamInfo {
+        ParamInfo {
+            name: name.into(),
+            id: burn::module::ParamId::new(),
+            shape: vec![numel],
+            dtype: burn::tensor::DType::F32,
+            kind: ParamKind::Trainable,
+        }
+    }
+
+    #[test]
+    fn buffers_get_no_bucket() {
+        let mut buffer = info("running_mean", 4);
+        buffer.kind = ParamKind::Buffer;
+        let params = vec![info("w", 4), buffer, info("b", 2)];
+        let buckets = plan_buckets(&params, &DdpConfig::default());
+        assert_eq!(buckets.len(), 1);
+        assert_eq!(buckets[0].params, vec![2, 0]);
+    }
+
+    #[test]
+    fn buckets_are_in_reverse_order_with_a_small_first_bucket() {
+        let mib = 1024 * 1024 / 4; // f32 elements in one MiB
+        let params = vec![
+            info("a", mib),
+            info("b", 2 * mib),
+            info("c", mib / 2),
+            info("d", mib / 2),
+            info("e", 3 * mib),
+        ];
+        let config = DdpConfig {
+            bucket_cap_mb: 3.0,
+            first_bucket_mb: 1.0,
+            ..DdpConfig::default()
+        };
+        let buckets = plan_buckets(&params, &config);
+        let names: Vec<Vec<&str>> = buckets
+            .iter()
+            .map(|b| b.params.iter().map(|&i| params[i].name.as_str()).collect())
+            .collect();
+        // e alone (bigger than the first bucket), then d+c+b (3 MiB), then a.
+        assert_eq!(names, vec![vec!["e"], vec!["d", "c", "b"], vec!["a"]]);
+        assert_eq!(buckets[1].offsets, vec![0, mib / 2, mib]);
+        // Gradients, 3 presence slots, 2 failure slots.
+        assert_eq!(buckets[1].len(), 3 * mib + 5);
+    }
+}

@@ -27,9 +27,11 @@
 //! ranks. Divide the loss by the number of micro-steps to get the gradient of the mean over all
 //! their samples.
 //!
-//! burn 0.22's autodiff offers no public hook that fires when one parameter's gradient is ready
-//! during backward (see docs/burn-notes.md), so communication starts after backward returns and
-//! overlaps packing and unpacking, not backward itself.
+//! By default communication starts after backward returns and overlaps packing and unpacking,
+//! not backward itself: burn 0.22's autodiff offers no public hook that fires when one
+//! parameter's gradient is ready (docs/burn-notes.md). With [`DdpConfig::overlap`], `prepare`
+//! and [`DistributedDataParallel::backward`] make such hooks (`overlap.rs`): each bucket's
+//! all-reduce then starts during backward, as in PyTorch.
 //!
 //! Reproducibility: the bucket layout depends only on the parameter list and the config, and the
 //! process group reduces every element in a fixed order, so the same seed gives bit-identical
@@ -937,16 +939,6 @@ fn verify_same_params(pg: &ProcessGroup, params: &[ParamInfo]) -> Result<(), Ddp
 mod tests {
     use super::*;
 
-    fn info(name: &str, numel: usize) -> ParamInfo {
-        ParamInfo {
-            name: name.into(),
-            id: burn::module::ParamId::new(),
-            shape: vec![numel],
-            dtype: burn::tensor::DType::F32,
-            kind: ParamKind::Trainable,
-        }
-    }
-
     #[test]
     fn diverged_ranks_blames_a_majority_only_when_there_is_one() {
         assert_eq!(diverged_ranks(&[1, 1, 1]), None);
@@ -978,42 +970,5 @@ mod tests {
             text.contains("sync #3") && text.contains("rank 2 failed"),
             "{text}"
         );
-    }
-
-    #[test]
-    fn buffers_get_no_bucket() {
-        let mut buffer = info("running_mean", 4);
-        buffer.kind = ParamKind::Buffer;
-        let params = vec![info("w", 4), buffer, info("b", 2)];
-        let buckets = plan_buckets(&params, &DdpConfig::default());
-        assert_eq!(buckets.len(), 1);
-        assert_eq!(buckets[0].params, vec![2, 0]);
-    }
-
-    #[test]
-    fn buckets_are_in_reverse_order_with_a_small_first_bucket() {
-        let mib = 1024 * 1024 / 4; // f32 elements in one MiB
-        let params = vec![
-            info("a", mib),
-            info("b", 2 * mib),
-            info("c", mib / 2),
-            info("d", mib / 2),
-            info("e", 3 * mib),
-        ];
-        let config = DdpConfig {
-            bucket_cap_mb: 3.0,
-            first_bucket_mb: 1.0,
-            ..DdpConfig::default()
-        };
-        let buckets = plan_buckets(&params, &config);
-        let names: Vec<Vec<&str>> = buckets
-            .iter()
-            .map(|b| b.params.iter().map(|&i| params[i].name.as_str()).collect())
-            .collect();
-        // e alone (bigger than the first bucket), then d+c+b (3 MiB), then a.
-        assert_eq!(names, vec![vec!["e"], vec!["d", "c", "b"], vec!["a"]]);
-        assert_eq!(buckets[1].offsets, vec![0, mib / 2, mib]);
-        // Gradients, 3 presence slots, 2 failure slots.
-        assert_eq!(buckets[1].len(), 3 * mib + 5);
     }
 }

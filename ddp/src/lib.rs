@@ -2,10 +2,11 @@
 //!
 //! Construct a [`DistributedDataParallel`] from a model and a [`ddp_comm::ProcessGroup`]; it
 //! checks that every rank holds the same parameter list and broadcasts rank 0's values. After
-//! each backward pass, [`DistributedDataParallel::sync`] averages the gradients across ranks with
-//! bucketed, asynchronous all-reduce, and the loop stays a burn loop. [`ShardedDataParallel`] shards the optimizer state (ZeRO stage
-//! 1) and the gradients (stage 2) instead, stepping each rank's shard with burn's Adam or SGD
-//! math. See the crate README.
+//! each backward pass, [`DistributedDataParallel::sync`] averages the gradients across ranks
+//! with bucketed, asynchronous all-reduce, and the loop stays a burn loop.
+//! [`ShardedDataParallel`] shards the optimizer state (ZeRO stage one) and the gradients
+//! (stage two) instead, stepping each rank's shard with burn's Adam or SGD math. See the crate
+//! README.
 
 #![warn(missing_docs)]
 

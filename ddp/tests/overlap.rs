@@ -168,13 +168,9 @@ fn overlap_over_tcp_gives_the_same_bits() {
     for world in [2, 3] {
         let off = train(world, false, 1, 4, Transport::Tcp);
         let on = train(world, true, 1, 4, Transport::Tcp);
-        for r in 0..world {
-            assert_bit_identical(
-                &on[r].0,
-                &off[0].0,
-                &format!("tcp, world {world}, rank {r}"),
-            );
-            assert!(on[r].1.iter().all(|&e| e));
+        for (r, (params, early)) in on.iter().enumerate() {
+            assert_bit_identical(params, &off[0].0, &format!("tcp, world {world}, rank {r}"));
+            assert!(early.iter().all(|&e| e));
         }
     }
 }
