@@ -132,6 +132,15 @@ target/pyenv/bin/pip install --quiet --disable-pip-version-check tensorboard
 target/pyenv/bin/python xtask/py/check_tensorboard.py target/ci-run/metrics --min-points 4
 cargo xtask trace-mnist --out target/ci-trace --data-dir "$MNIST"
 
+step "ZeRO stage 2 and overlap: 2 ranks of train-mnist, 200 steps each"
+# Sharded optimizer state and gradients must train the CNN as DDP does (apps/tests/zero.rs checks
+# bit-identical weights on the MLP); then a trace of the all-reduces during backward over TCP,
+# whose share inside backward is printed (a figure, not a check: it depends on the machine).
+cargo xtask train-mnist --nproc 2 --epochs 1 --out target/ci-run-zero --min-accuracy 0.95 \
+  --max-steps 200 --log-interval 100 --zero-stage 2
+DDP_TRANSPORT=tcp cargo xtask trace-mnist --out target/ci-trace-overlap --data-dir "$MNIST" \
+  --overlap --bucket-cap-mb 1
+
 step "slurm: the example job scripts on a real one-node Slurm cluster: sbatch (srun), qsub (mpirun)"
 bash ci/slurm.sh target/ci-slurm
 

@@ -1,5 +1,8 @@
-//! `--zero-stage` end to end: the trainer as real processes under `ddprun`, on the real MNIST.
+//! `--zero-stage` and `--overlap` end to end: the trainer as real processes under `ddprun`, on
+//! the real MNIST.
 //!
+//! - `--overlap` (all-reduces during backward) ends with the very weights of the default path,
+//!   for the MLP and the CNN, over shared memory and TCP;
 //! - stages 1 and 2 end with the very weights of plain DDP (stage 0): the same parameter hash
 //!   and byte-identical exported safetensors;
 //! - a sharded checkpoint written by 2 ranks resumes on 1 rank (another world size, allowed
@@ -196,5 +199,51 @@ fn a_rank_killed_during_sharded_training_is_named() {
     assert!(
         all.contains("between rank 0 and rank 1 closed unexpectedly"),
         "{all}"
+    );
+}
+
+#[test]
+fn overlap_ends_with_the_weights_of_the_default_path() {
+    for (model, transport) in [("mlp", "shm"), ("cnn", "tcp")] {
+        let args = [
+            "--model",
+            model,
+            "--train-samples",
+            "1200",
+            "--test-samples",
+            "200",
+            "--batch-size",
+            "50",
+            "--epochs",
+            "1",
+            "--bucket-cap-mb",
+            "1",
+        ];
+        let env = [("DDP_TRANSPORT", transport)];
+        let plain = summary(&train(2, &args, &env));
+        let out = train(2, &[&args[..], &["--overlap"]].concat(), &env);
+        assert!(
+            text(&out).contains("DDP (all-reduces during backward)"),
+            "{}",
+            text(&out)
+        );
+        let overlapped = summary(&out);
+        assert_eq!(plain["steps"], overlapped["steps"]);
+        assert_eq!(
+            plain["params_hash"], overlapped["params_hash"],
+            "{model} over {transport}"
+        );
+    }
+    // Not with a sharded stage: an error naming both flags.
+    let out = train(
+        1,
+        &["--overlap", "--zero-stage", "1", "--max-steps", "1"],
+        &[],
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("--overlap applies to plain DDP"),
+        "{}",
+        text(&out)
     );
 }
