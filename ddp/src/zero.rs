@@ -65,7 +65,7 @@ use crate::config::DdpConfig;
 use crate::ddp::{peer_failed, DistributedDataParallel};
 use crate::params::{load_with, read_pieces, take_grad, ParamInfo};
 use crate::shard_optim::ShardOptimizer;
-use crate::zero_state::{decode, encode, StateHeader};
+use crate::zero_state::{decode, encode, ShardHeader, StateHeader};
 use crate::DdpError;
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -486,7 +486,42 @@ impl ShardedDataParallel {
                 .map(|&i| (self.params()[i].name.clone(), self.params()[i].numel()))
                 .collect(),
             times: self.times.clone(),
+            shard: None,
         }
+    }
+
+    /// This rank's shard of the optimizer state, encoded like the consolidated state with the
+    /// shard's place in its header: what each rank saves on its own, without gathering (1/N of
+    /// the state per rank). It loads back ([`load_shard_state`](Self::load_shard_state)) only
+    /// into the same rank of a run with the same world size and layout; to change the world
+    /// size, consolidate ([`consolidated_state`](Self::consolidated_state)).
+    pub fn shard_state(&self) -> Result<Vec<u8>, DdpError> {
+        encode(&self.shard_header(), &self.state)
+    }
+
+    /// Loads this rank's own shard written by [`shard_state`](Self::shard_state); another
+    /// rank's, another world size's or layout's, or a consolidated state is an error naming
+    /// the field, and nothing is changed. `name` names the source in errors.
+    pub fn load_shard_state(&mut self, bytes: &[u8], name: &str) -> Result<(), DdpError> {
+        let (header, vectors) = decode(bytes, &self.shard_header(), name)?;
+        self.state = vectors;
+        self.times = header.times;
+        Ok(())
+    }
+
+    /// The header of this rank's shard of the state.
+    fn shard_header(&self) -> StateHeader {
+        let mut header = self.state_header();
+        header.shard = Some(ShardHeader {
+            world: self.process_group().world_size(),
+            rank: self.process_group().rank(),
+            ranges: self
+                .buckets
+                .iter()
+                .map(|b| (b.mine.start, b.mine.end))
+                .collect(),
+        });
+        header
     }
 
     /// The whole optimizer state in one piece (PyTorch's `consolidate_state_dict(to=0)`): every

@@ -29,11 +29,29 @@ pub(crate) struct StateHeader {
     pub params: Vec<(String, usize)>,
     /// Step count of every trainable parameter.
     pub times: Vec<u64>,
+    /// Set when the vectors hold one rank's shard only (what that rank saves on its own);
+    /// absent in a consolidated state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<ShardHeader>,
+}
+
+/// Which shard a per-rank state holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct ShardHeader {
+    /// The world size of the run that wrote it.
+    pub world: usize,
+    /// The rank that wrote it.
+    pub rank: usize,
+    /// The shard's ranges of the flat trainable vector, in shard order.
+    pub ranges: Vec<(usize, usize)>,
 }
 
 impl StateHeader {
-    /// Elements of one state vector: the flat trainable vector's length.
+    /// Elements of one state vector: the flat trainable vector's length, or the shard's.
     pub fn total(&self) -> usize {
+        if let Some(shard) = &self.shard {
+            return shard.ranges.iter().map(|(a, b)| b.saturating_sub(*a)).sum();
+        }
         self.params.iter().map(|(_, n)| n).sum()
     }
 }
@@ -92,6 +110,26 @@ pub(crate) fn decode(
             format!(
                 "field `vectors` is {}, this run's optimizer keeps {}",
                 header.vectors, expected.vectors
+            ),
+        ));
+    }
+    if header.shard != expected.shard {
+        let what = |s: &Option<ShardHeader>| match s {
+            None => "the consolidated state".to_string(),
+            Some(s) => format!(
+                "rank {}'s shard of a {}-rank run ({} ranges)",
+                s.rank,
+                s.world,
+                s.ranges.len()
+            ),
+        };
+        return Err(fail(
+            name,
+            format!(
+                "field `shard`: it holds {}, this rank needs {} (a per-rank shard loads only \
+                 into the same rank of the same layout; consolidate to change the world size)",
+                what(&header.shard),
+                what(&expected.shard)
             ),
         ));
     }
@@ -160,6 +198,7 @@ mod tests {
             vectors: 2,
             params: vec![("w".into(), 3), ("b".into(), 1)],
             times: vec![4, 3],
+            shard: None,
         }
     }
 
@@ -185,5 +224,20 @@ mod tests {
         assert!(e.contains("ck.ddpck") && e.contains("expected 32"), "{e}");
         let e = decode(b"burn record", &h, "f").unwrap_err().to_string();
         assert!(e.contains("DDPZERO1"), "{e}");
+
+        // A shard loads only where the same shard is expected.
+        let mut shard = h.clone();
+        shard.shard = Some(ShardHeader {
+            world: 2,
+            rank: 1,
+            ranges: vec![(2, 4)],
+        });
+        let bytes = encode(&shard, &[vec![3.0, 4.0], vec![7.0, 8.0]]).unwrap();
+        assert_eq!(decode(&bytes, &shard, "s").unwrap().1[1], vec![7.0, 8.0]);
+        let e = decode(&bytes, &h, "s").unwrap_err().to_string();
+        assert!(
+            e.contains("rank 1's shard of a 2-rank run") && e.contains("the consolidated state"),
+            "{e}"
+        );
     }
 }

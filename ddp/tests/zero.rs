@@ -470,6 +470,43 @@ fn a_sharded_checkpoint_file_resumes_at_another_world_size() {
 }
 
 #[test]
+fn each_rank_saves_and_reloads_its_own_shard() {
+    let start = flatten_params(&Net::new(0.0)).unwrap();
+    let out = run_ranks(3, |pg| {
+        let model = load_flat_params(Net::new(0.0), &start).unwrap();
+        let config = ZeroConfig::new(ZeroStage::Two).with_bucket_cap_mb(SMALL_BUCKETS_MB);
+        let (mut model, mut zero) =
+            ShardedDataParallel::new(model, pg.clone(), config.clone(), Opt::Adam.sharded())
+                .unwrap();
+        for step in 0..2 {
+            let (x, y) = data(step, 0, pg.rank());
+            let grads = GradientsParams::from_grads(model.loss(x, y, true).backward(), &model);
+            model = zero.step(LR, model, grads).unwrap();
+        }
+        let mine = zero.shard_state().unwrap();
+        let consolidated = zero.consolidated_state().unwrap();
+        // A fresh wrapper takes this rank's shard back: the same consolidated state.
+        let (_, mut fresh) =
+            ShardedDataParallel::new(model, pg.clone(), config, Opt::Adam.sharded()).unwrap();
+        fresh.load_shard_state(&mine, "mine").unwrap();
+        let again = fresh.consolidated_state().unwrap();
+        // A shard is not a consolidated state: refused, naming the field.
+        let refused = fresh
+            .load_consolidated(&mine, "mine")
+            .unwrap_err()
+            .to_string();
+        (mine.len(), consolidated, again, refused)
+    });
+    let total: usize = out.iter().map(|o| o.0).sum();
+    let (_, consolidated, again, refused) = &out[0];
+    assert_eq!(again, consolidated, "a reloaded shard gives the same state");
+    assert!(refused.contains("field `shard`"), "{refused}");
+    // Each shard is about a third of the whole (plus its header).
+    let whole = consolidated.as_ref().unwrap().len();
+    assert!(out.iter().all(|o| o.0 < whole / 2), "{total} vs {whole}");
+}
+
+#[test]
 fn each_rank_keeps_a_quarter_of_the_state_at_four_ranks() {
     let memories = run_ranks(4, |pg| {
         let one = ShardedDataParallel::new(
