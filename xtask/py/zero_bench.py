@@ -5,7 +5,8 @@ lr 1e-4), a fixed synthetic batch per rank, 1 compute thread per rank. Stage 0: 
 torch.optim.Adam; stage 1: DDP and ZeroRedundancyOptimizer(Adam) (PyTorch's ZeRO stage 1:
 DDP's all-reduce, then each rank steps its parameters and broadcasts them). A step's time is the
 slowest rank's, from a barrier to the end of the optimizer step; the median is reported.
-Rank 0 prints `TORCH_ZERO {json}`: the optimizer state bytes of rank 0, every rank's peak RSS
+Rank 0 prints `TORCH_ZERO {json}`: the largest rank's optimizer state bytes (and every rank's:
+ZeroRedundancyOptimizer partitions whole parameters, so the shares differ), every rank's peak RSS
 (getrusage, MiB) and the median step time.
 
     python -m torch.distributed.run --nproc-per-node 2 zero_bench.py STAGE HIDDEN BATCH WARMUP STEPS
@@ -55,13 +56,19 @@ state_bytes = sum(
     for t in s.values()
     if torch.is_tensor(t)
 )
+# ZeroRedundancyOptimizer assigns whole parameters to ranks, so the ranks' shares differ:
+# every rank's is gathered, and the largest reported.
+all_state = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+dist.all_gather(all_state, torch.tensor([float(state_bytes)], dtype=torch.float64))
 rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
 all_rss = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
 dist.all_gather(all_rss, rss)
 if rank == 0:
     med = sorted(slowest.tolist())[len(times) // 2]
     print("TORCH_ZERO " + json.dumps({
-        "stage": stage, "world": world, "optimizer_bytes": state_bytes,
+        "stage": stage, "world": world,
+        "optimizer_bytes": int(max(t.item() for t in all_state)),
+        "optimizer_bytes_per_rank": [int(t.item()) for t in all_state],
         "peak_rss_mib": [r.item() for r in all_rss], "step_s": med,
     }), flush=True)
 dist.barrier()
