@@ -17,6 +17,8 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 mod common;
+
+use common::text;
 mod mnist;
 
 /// A generous bound against hangs (the commands fail within a second when they work).
@@ -28,14 +30,6 @@ fn standalone(bin: &str, args: &[&str]) -> Output {
     common::clear_launcher_env(&mut command);
     command.args(args);
     common::output_with_deadline(&mut command, DEADLINE)
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 /// The error `--backend cuda` must end with on this machine.

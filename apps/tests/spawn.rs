@@ -6,19 +6,13 @@ use std::process::Command;
 use std::time::Duration;
 
 mod common;
+
+use common::text;
 mod mnist;
 
 /// The longest one trainer run in these tests may take on a loaded 2-core machine (a deadline
 /// against hangs, not a speed check).
 const DEADLINE: Duration = Duration::from_secs(600);
-
-fn text(out: &std::process::Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
 
 #[test]
 fn nproc_per_node_starts_two_ranks_that_learn() {

@@ -7,6 +7,10 @@ use std::time::Duration;
 
 mod common;
 mod mnist;
+mod trainer;
+
+use common::text;
+use trainer::summary;
 
 /// The longest one trainer run in these tests may take on a loaded 2-core machine (a deadline
 /// against hangs, not a speed check: speed is measured by the benches).
@@ -32,25 +36,6 @@ fn ddprun_mnist(nproc: usize, args: &[&str]) -> Output {
         .arg(mnist_dir())
         .args(["--threads", "1", "--json"])
         .args(args))
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-/// The JSON summary rank 0 prints at the end.
-fn summary(out: &Output) -> Value {
-    let all = text(out);
-    assert!(out.status.success(), "run failed:\n{all}");
-    let line = all
-        .lines()
-        .find_map(|l| l.split_once("DDP_SUMMARY ").map(|(_, j)| j.to_string()))
-        .unwrap_or_else(|| panic!("no summary in:\n{all}"));
-    serde_json::from_str(&line).unwrap()
 }
 
 /// The run of [`two_ranks_learn_mnist`] also checks observability (issue 14): TensorBoard

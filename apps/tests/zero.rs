@@ -15,10 +15,12 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use serde_json::Value;
-
 mod common;
 mod mnist;
+mod trainer;
+
+use common::text;
+use trainer::summary;
 
 /// A deadline against hangs, not a speed check.
 const DEADLINE: Duration = Duration::from_secs(900);
@@ -64,25 +66,6 @@ fn train(nproc: usize, args: &[&str], env: &[(&str, &str)]) -> Output {
         command.env(k, v);
     }
     common::output_with_deadline(&mut command, DEADLINE)
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-/// The JSON summary rank 0 prints at the end.
-fn summary(out: &Output) -> Value {
-    let all = text(out);
-    assert!(out.status.success(), "run failed:\n{all}");
-    let line = all
-        .lines()
-        .find_map(|l| l.split_once("DDP_SUMMARY ").map(|(_, j)| j.to_string()))
-        .unwrap_or_else(|| panic!("no summary in:\n{all}"));
-    serde_json::from_str(&line).unwrap()
 }
 
 #[test]

@@ -92,10 +92,11 @@ struct Step {
 /// The overlap machinery of one wrapper.
 pub(crate) struct OverlapState {
     pg: Arc<ProcessGroup>,
-    params: Vec<ParamInfo>,
-    buckets: Vec<Bucket>,
+    /// Shared with each step's hooks (no copy per step).
+    params: Arc<[ParamInfo]>,
+    buckets: Arc<[Bucket]>,
     /// For each parameter: its bucket and slot (`None`: not trainable).
-    place: Vec<Option<(usize, usize)>>,
+    place: Arc<[Option<(usize, usize)>]>,
     compression: Compression,
     /// The loss depth measured by the first overlapped pass.
     loss_depth: Arc<Mutex<Option<usize>>>,
@@ -125,9 +126,9 @@ impl OverlapState {
         }
         Self {
             pg,
-            params: params.to_vec(),
-            buckets: buckets.to_vec(),
-            place,
+            params: params.into(),
+            buckets: buckets.into(),
+            place: place.into(),
             compression,
             loss_depth: Arc::new(Mutex::new(None)),
             step: Arc::new(Mutex::new(Step {
@@ -172,13 +173,9 @@ impl OverlapState {
             carriers.push(c.clone());
         }
         let shared = Arc::clone(&self.step);
-        let places = self.place.clone();
-        let names: Vec<(String, usize)> = self
-            .params
-            .iter()
-            .map(|p| (p.name.clone(), p.numel()))
-            .collect();
-        let buckets = self.buckets.clone();
+        let places = Arc::clone(&self.place);
+        let params = Arc::clone(&self.params);
+        let buckets = Arc::clone(&self.buckets);
         let (pg, compression) = (Arc::clone(&self.pg), self.compression);
         let sink = Arc::new(move |index: usize, data: Option<TensorData>| {
             let mut step = lock(&shared);
@@ -188,10 +185,10 @@ impl OverlapState {
             let Some((b, slot)) = places[index] else {
                 return;
             };
-            let (name, numel) = &names[index];
+            let (name, numel) = (&params[index].name, params[index].numel());
             let start = Instant::now();
             let values = match data {
-                Some(d) => to_f32(d, name, "gradient", *numel),
+                Some(d) => to_f32(d, name, "gradient", numel),
                 None => Err(DdpError::Conversion {
                     name: name.clone(),
                     what: "gradient",

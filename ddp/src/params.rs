@@ -353,13 +353,19 @@ pub(crate) fn flatten_where<M: Module>(
     module.visit(&mut reader);
     match reader.error {
         None => Ok(reader.out),
-        Some((index, reason)) => Err(DdpError::Conversion {
-            name: visited_infos(module)
-                .get(index)
-                .map_or_else(|| format!("#{index}"), |p| p.name.clone()),
-            what: "values",
-            reason,
-        }),
+        Some((index, reason)) => Err(unreadable_values(module, index, reason)),
+    }
+}
+
+/// The error for float tensor `index` of `module` (visiting order) whose values could not be
+/// read as `f32`, naming it.
+fn unreadable_values<M: Module>(module: &M, index: usize, reason: String) -> DdpError {
+    DdpError::Conversion {
+        name: visited_infos(module)
+            .get(index)
+            .map_or_else(|| format!("#{index}"), |p| p.name.clone()),
+        what: "values",
+        reason,
     }
 }
 
@@ -411,13 +417,7 @@ pub(crate) fn read_pieces<M: Module>(
     module.visit(&mut reader);
     match reader.error {
         None => Ok(reader.out),
-        Some((index, reason)) => Err(DdpError::Conversion {
-            name: visited_infos(module)
-                .get(index)
-                .map_or_else(|| format!("#{index}"), |p| p.name.clone()),
-            what: "values",
-            reason,
-        }),
+        Some((index, reason)) => Err(unreadable_values(module, index, reason)),
     }
 }
 

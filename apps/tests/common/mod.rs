@@ -194,3 +194,12 @@ pub fn clear_launcher_env(command: &mut Command) -> &mut Command {
     }
     command
 }
+
+/// A finished process's stdout and stderr, in that order, as text.
+pub fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
