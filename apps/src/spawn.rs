@@ -1,7 +1,8 @@
 //! `--nproc-per-node N` of the trainers: the trainer starts N ranks of itself on this host and
 //! waits for them (PyTorch's `mp.spawn`, through [`ddp_launch::spawn`]), instead of needing a
 //! launcher. A process that already is a rank (a launcher's variables are set) refuses the
-//! flag with an error: the launcher decides how many ranks there are.
+//! flag with an error: the launcher decides how many ranks there are. The batch script of a
+//! Slurm job is no rank, although Slurm's variables are set in it: there the flag works.
 
 use std::ffi::{OsStr, OsString};
 
@@ -18,7 +19,8 @@ pub struct SpawnArgs {
     /// Start N ranks of this trainer on this host and wait for them, without a launcher (as
     /// `ddprun --nproc-per-node N` would; PyTorch's mp.spawn). Their output comes out prefixed
     /// with [rank R]; when one fails the others are stopped and the first failure is named.
-    /// Refused in a process that a launcher (ddprun, torchrun, mpirun, srun) already started.
+    /// Refused in a process that a launcher (ddprun, torchrun, mpirun, srun) already started
+    /// as one rank of several; allowed in a Slurm batch script (sbatch).
     #[arg(long, value_name = "N")]
     pub nproc_per_node: Option<usize>,
 }

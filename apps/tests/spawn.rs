@@ -1,6 +1,6 @@
 //! `--nproc-per-node N`: a trainer started without a launcher starts its own ranks
-//! (`ddp_launch::spawn`, PyTorch's `mp.spawn`), on the real MNIST; and a trainer that already
-//! is a rank refuses the flag.
+//! (`ddp_launch::spawn`, PyTorch's `mp.spawn`), on the real MNIST, also as the batch script of a
+//! Slurm job; and a trainer that already is a rank refuses the flag.
 
 use std::process::Command;
 use std::time::Duration;
@@ -65,4 +65,52 @@ fn a_rank_refuses_nproc_per_node() {
         "{all}"
     );
     assert!(!all.contains("training cnn"), "it trained:\n{all}");
+}
+
+/// In an sbatch script (the batch step of a job of 2 tasks: SLURM_PROCID 0, SLURM_NTASKS 2,
+/// SLURM_STEP_ID batch) no rank exists yet: the trainer starts its 2 ranks, as mp.spawn would.
+/// Inside a step of 2 tasks (srun -n 2) the same flag is refused.
+#[test]
+fn nproc_per_node_works_in_an_sbatch_script_and_not_in_a_step() {
+    let batch = [
+        ("SLURM_JOB_ID", "4242"),
+        ("SLURM_JOB_NODELIST", "localhost"),
+        ("SLURM_NODEID", "0"),
+        ("SLURM_LOCALID", "0"),
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_TASKS_PER_NODE", "2"),
+        ("SLURM_STEP_ID", "batch"),
+    ];
+    let mut command = Command::new(env!("CARGO_BIN_EXE_train-mnist"));
+    command
+        .args(["--nproc-per-node", "2", "--epochs", "1", "--max-steps", "3"])
+        .args(["--threads", "1", "--test-samples", "200", "--json"])
+        .arg("--data-dir")
+        .arg(mnist::real_mnist());
+    common::clear_launcher_env(&mut command);
+    command.envs(batch);
+    let out = common::output_with_deadline(&mut command, DEADLINE);
+    let all = text(&out);
+    assert!(out.status.success(), "run failed:\n{all}");
+    assert!(
+        all.contains("[rank 0] training cnn: world 2 (launcher: torchrun;"),
+        "{all}"
+    );
+    let mut command = Command::new(env!("CARGO_BIN_EXE_train-mnist"));
+    command.args(["--nproc-per-node", "2", "--max-steps", "1"]);
+    common::clear_launcher_env(&mut command);
+    command.envs(batch).envs([
+        ("SLURM_STEP_ID", "0"),
+        ("SLURM_PROCID", "1"),
+        ("SLURM_LOCALID", "1"),
+        ("RUST_BACKTRACE", "0"),
+    ]);
+    let out = common::output_with_deadline(&mut command, Duration::from_secs(60));
+    let all = text(&out);
+    assert!(!out.status.success(), "accepted:\n{all}");
+    assert!(
+        all.contains("--nproc-per-node 2: this process is already rank 1 of 2 (started by slurm)"),
+        "{all}"
+    );
 }

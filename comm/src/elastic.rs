@@ -1,7 +1,8 @@
 //! What a launched rank shares with its launcher (ddprun, in the `ddp-launch` crate, or
-//! torchrun): the variables the launcher sets, the listening socket ddprun hands rank 0 for the
-//! rendezvous store ([`STORE_FD_ENV`]), and the error file through which a rank that fails
-//! tells the launcher why and whom it blames ([`record_error`], [`finish`], [`read_error_file`]).
+//! torchrun): the variables the launcher sets (among them [`USE_AGENT_STORE_ENV`]: the launcher
+//! hosts the rendezvous store), the listening socket a launcher may hand rank 0 for the store
+//! instead ([`STORE_FD_ENV`]), and the error file through which a rank that fails tells the
+//! launcher why and whom it blames ([`record_error`], [`finish`], [`read_error_file`]).
 //! Kept here, not in the launcher's crate, because every rank needs it and no rank needs the
 //! launcher.
 
@@ -27,10 +28,17 @@ pub const RESTART_COUNT_ENV: &str = "TORCHELASTIC_RESTART_COUNT";
 /// torchrun names it.
 pub const MAX_RESTARTS_ENV: &str = "TORCHELASTIC_MAX_RESTARTS";
 
+/// The variable with which torchrun (and ddprun) tells every rank that the launcher hosts a
+/// PyTorch `TCPStore` on `MASTER_ADDR:MASTER_PORT` (value `True`): no rank binds the port, every
+/// rank (rank 0 too) connects to the launcher's store as a client, PyTorch's
+/// `init_process_group` as well as ddp-comm's ranks (see `GroupConfig::torch_agent_store`).
+pub const USE_AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
+
 /// The variable with which a launcher hands rank 0 an inherited descriptor: a TCP socket already
 /// bound to `MASTER_PORT` and listening, on which rank 0 hosts the rendezvous store instead of
 /// binding the port itself. The launcher chose the port by binding it and never let go of it, so
-/// no other process can take it in between (ddprun does this when it picks the port).
+/// no other process can take it in between. ddprun does not use it (it hosts the store itself,
+/// [`USE_AGENT_STORE_ENV`]); a launcher of ddp-comm ranks only, or a test, may.
 pub const STORE_FD_ENV: &str = "DDP_STORE_FD";
 
 /// The key of [`read_error_file`]'s blamed rank in an error file's `extraInfo`.

@@ -10,7 +10,7 @@
 //! | --- | --- | --- |
 //! | torchrun (ddprun, Kubeflow PyTorchJob) | `RANK` or `WORLD_SIZE` | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` |
 //! | Open MPI (`mpirun`) | `OMPI_COMM_WORLD_RANK` and `_SIZE` | `OMPI_COMM_WORLD_RANK`, `_SIZE`, `_LOCAL_RANK`, `_LOCAL_SIZE` |
-//! | MPICH, Intel MPI (Hydra `mpiexec`) | `PMI_RANK` and `PMI_SIZE` | `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` |
+//! | MPICH, Intel MPI (Hydra `mpiexec`), `srun --mpi=pmi2` | `PMI_RANK` and `PMI_SIZE` | `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS`; else Slurm's `SLURM_LOCALID`, `SLURM_TASKS_PER_NODE`/`SLURM_NODEID` when `SLURM_PROCID` and `SLURM_NTASKS` match (srun's pmi2 sets no local variables); else an error when the world is over 1 |
 //! | Slurm (`srun`) | `SLURM_PROCID` and `SLURM_NTASKS` | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_TASKS_PER_NODE`/`SLURM_NODEID` |
 //!
 //! MPI comes before Slurm because an `mpirun` inside a Slurm batch script inherits the batch
@@ -31,8 +31,8 @@
 //! `DDP_TRACE_DIR`, `DDP_TOKEN`, `DDP_JOB_ID`, `DDP_SEGMENT_BYTES`, `DDP_SMALL_ALLREDUCE_BYTES`,
 //! `DDP_TRANSPORT` and `DDP_HOST_ID` apply in every case.
 //!
-//! torchrun's elastic agent hosts a PyTorch `TCPStore` on `MASTER_ADDR:MASTER_PORT` itself and
-//! says so with `TORCHELASTIC_USE_AGENT_STORE=True`: then no rank hosts a store, every rank
+//! torchrun's elastic agent (and ddprun) hosts a PyTorch `TCPStore` on `MASTER_ADDR:MASTER_PORT`
+//! itself and says so with `TORCHELASTIC_USE_AGENT_STORE=True`: then no rank hosts a store, every rank
 //! connects to the agent's (see [`GroupConfig::torch_agent_store`]), and the keys go under
 //! torch's worker prefix for `TORCHELASTIC_RESTART_COUNT`.
 //!
@@ -353,6 +353,22 @@ fn ranks(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Ranks, Com
     } else {
         None
     };
+    // `srun --mpi=pmi2` (or `MpiDefault=pmi2`): PMI_RANK and PMI_SIZE without MPICH's local
+    // variables, beside the Slurm step's own, which then describe the same tasks.
+    let pmi_under_srun = mpich && slurm_step_is(env, rank.value, world.value);
+    let (pmi_local_world, pmi_local_rank) = if pmi_under_srun {
+        let local_world = match given.local_world_size {
+            None => slurm_tasks_on_this_node(env)?,
+            Some(_) => None,
+        };
+        let local_rank = match given.local_rank {
+            None => parse_var::<usize>(env, "SLURM_LOCALID", "a non-negative integer")?,
+            Some(_) => None,
+        };
+        (local_world, local_rank)
+    } else {
+        (None, None)
+    };
     // Started directly in a Kubeflow pod: RANK and WORLD_SIZE without LOCAL_WORLD_SIZE.
     let pod_local_world =
         if torch && given.local_world_size.is_none() && env("LOCAL_WORLD_SIZE").is_none() {
@@ -381,10 +397,28 @@ fn ranks(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Ranks, Com
                 "MPI_LOCALNRANKS",
             ),
             (slurm_local_world, "SLURM_TASKS_PER_NODE"),
+            (pmi_local_world, "SLURM_TASKS_PER_NODE"),
             (pod_local_world, "PET_NPROC_PER_NODE"),
         ],
-    )
-    .unwrap_or(FromVar::new(world.value, "LOCAL_WORLD_SIZE"));
+    );
+    let local_world = match local_world {
+        Some(l) => l,
+        None if mpich && world.value > 1 => {
+            return Err(CommError::config(
+                "MPI_LOCALNRANKS",
+                format!(
+                    "PMI_RANK={} and PMI_SIZE={} say who this rank is, but nothing says how many \
+                     ranks run on this host: neither MPI_LOCALNRANKS and MPI_LOCALRANKID (set by \
+                     MPICH's and Intel MPI's mpiexec) nor, under srun --mpi=pmi2, Slurm's \
+                     SLURM_TASKS_PER_NODE and SLURM_LOCALID beside a matching SLURM_PROCID and \
+                     SLURM_NTASKS are set; without them each rank would take the whole host for \
+                     its own (all its cores, and GPU {} as if it were alone)",
+                    rank.value, world.value, rank.value
+                ),
+            ))
+        }
+        None => FromVar::new(world.value, "LOCAL_WORLD_SIZE"),
+    };
     let local_rank = first_given(
         given.local_rank,
         "local_rank",
@@ -409,6 +443,7 @@ fn ranks(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Ranks, Com
                 read(given.local_rank.is_some(), "SLURM_LOCALID", slurm)?,
                 "SLURM_LOCALID",
             ),
+            (pmi_local_rank, "SLURM_LOCALID"),
         ],
     )
     .unwrap_or(FromVar::new(
@@ -659,6 +694,8 @@ fn parse_seconds(env: Lookup, var: &str) -> Result<Option<Duration>, CommError> 
 /// `True`; `true` and `1` in any case are accepted too, `False`, `0` or empty mean no) and then
 /// `TORCHELASTIC_RESTART_COUNT` (0 if unset). Any other value is an error naming the variable.
 fn agent_store_from_env(env: Lookup) -> Result<Option<u32>, CommError> {
+    // `crate::elastic::USE_AGENT_STORE_ENV` (spelled out: elastic.rs reads variables through
+    // this file).
     const USE: &str = "TORCHELASTIC_USE_AGENT_STORE";
     let Some(raw) = env(USE) else {
         return Ok(None);
@@ -675,6 +712,14 @@ fn agent_store_from_env(env: Lookup) -> Result<Option<u32>, CommError> {
     }
     let restart = parse_var::<u32>(env, "TORCHELASTIC_RESTART_COUNT", "a restart count")?;
     Ok(Some(restart.unwrap_or(0)))
+}
+
+/// Whether a Slurm step's variables describe the ranks `rank` of `world` too: `SLURM_PROCID` and
+/// `SLURM_NTASKS` are set and equal them (so that its local variables are this rank's; an
+/// `mpiexec` inside a batch script inherits the batch step's, which describe something else).
+fn slurm_step_is(env: Lookup, rank: usize, world: usize) -> bool {
+    let number = |var: &str| env(var).and_then(|v| v.trim().parse::<usize>().ok());
+    number("SLURM_PROCID") == Some(rank) && number("SLURM_NTASKS") == Some(world)
 }
 
 /// Number of tasks on this node under Slurm, from `SLURM_TASKS_PER_NODE` (e.g. `2(x3),1`) and

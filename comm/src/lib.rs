@@ -24,7 +24,9 @@
 //!   node lists and task counts), `builder.rs` ([`GroupBuilder`]);
 //! - rendezvous: `store_server.rs` (the store rank 0 hosts, [`StoreHost`]), `store.rs` (its
 //!   client [`Store`]), `torch_store.rs` (the client side of PyTorch's `TCPStore` protocol, for
-//!   torchrun's agent store), `handshake.rs` (connecting with retries, the handshake of every
+//!   torchrun's and ddprun's agent store), `torch_store_server.rs` (its server side,
+//!   [`TorchStoreHost`], which ddprun hosts) and `torch_store_request.rs` (its requests, as the
+//!   server reads them), `handshake.rs` (connecting with retries, the handshake of every
 //!   connection), `connect.rs` (the full mesh of peer connections);
 //! - the wire format: `wire.rs` (handshake, frame header, store protocol);
 //! - the TCP transport: `transport.rs` (the running mesh of connections to every peer),
@@ -41,7 +43,8 @@
 //! - `flight.rs`: the flight recorder (the last collectives, dumped on failure, timeout or
 //!   SIGUSR1) and the hang report merged from the ranks' dumps;
 //! - `elastic.rs`: what a rank shares with its launcher (ddprun in `ddp-launch`, or torchrun):
-//!   the error file, the restart variables, the store socket ddprun hands rank 0;
+//!   the error file, the restart variables, the agent-store variable, the store socket a
+//!   launcher may hand rank 0;
 //! - `clock.rs`: deadlines and wall-clock stamps; `hash.rs`: FNV-1a; `size.rs`: byte sizes as
 //!   people write them;
 //! - `nccl/` (feature `nccl`): `nccl::NcclGroup`, collectives on CUDA buffers through NCCL.
@@ -78,6 +81,8 @@ mod store;
 mod store_server;
 mod topology;
 mod torch_store;
+mod torch_store_request;
+mod torch_store_server;
 mod transport;
 mod wire;
 #[cfg(test)]
@@ -99,6 +104,7 @@ pub use group::ProcessGroup;
 pub use slurm::first_host;
 pub use store::Store;
 pub use store_server::StoreHost;
+pub use torch_store_server::TorchStoreHost;
 pub use wire::MAX_TOKEN_BYTES;
 pub use work::Work;
 

@@ -14,7 +14,8 @@
 //! one byte of query type followed by its arguments; a string or byte vector is a `u64` length
 //! then the bytes; a list of keys is a `u64` count then the strings. The query types are
 //! `VALIDATE 0, SET 1, COMPARE_SET 2, GET 3, ADD 4, CHECK 5, WAIT 6, GETNUMKEYS 7, DELETE_KEY 8,
-//! APPEND 9, MULTI_GET 10, MULTI_SET 11, CANCEL_WAIT 12, PING 13`.
+//! APPEND 9, MULTI_GET 10, MULTI_SET 11, CANCEL_WAIT 12, PING 13, QUEUE_PUSH 14, QUEUE_POP 15,
+//! QUEUE_LEN 16`. The server side is `torch_store_server.rs` (ddprun hosts it).
 //!
 //! - On connect the client sends `VALIDATE` with the `u32` magic `0x3C85F7CE` (no answer; a
 //!   server closes a connection whose first query is anything else), then `PING` with a `u32`
@@ -60,7 +61,6 @@ const CANCEL_MARGIN: Duration = Duration::from_secs(10);
 /// The query types of torch's `QueryType` enum (one byte on the wire).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
-#[allow(dead_code)] // the full enum documents the codes; GETNUMKEYS, DELETE_KEY, APPEND are unused
 pub(crate) enum Query {
     Validate = 0,
     Set = 1,
@@ -76,16 +76,45 @@ pub(crate) enum Query {
     MultiSet = 11,
     CancelWait = 12,
     Ping = 13,
+    QueuePush = 14,
+    QueuePop = 15,
+    QueueLen = 16,
+}
+
+impl Query {
+    /// The query of a code, `None` for a code torch does not know.
+    pub(crate) fn from_code(code: u8) -> Option<Query> {
+        const ALL: [Query; 17] = [
+            Query::Validate,
+            Query::Set,
+            Query::CompareSet,
+            Query::Get,
+            Query::Add,
+            Query::Check,
+            Query::Wait,
+            Query::GetNumKeys,
+            Query::DeleteKey,
+            Query::Append,
+            Query::MultiGet,
+            Query::MultiSet,
+            Query::CancelWait,
+            Query::Ping,
+            Query::QueuePush,
+            Query::QueuePop,
+            Query::QueueLen,
+        ];
+        ALL.get(code as usize).copied()
+    }
 }
 
 /// CHECK's answer when every key is set.
-const CHECK_READY: u8 = 0;
+pub(crate) const CHECK_READY: u8 = 0;
 /// CHECK's answer when some key is missing.
-const CHECK_NOT_READY: u8 = 1;
+pub(crate) const CHECK_NOT_READY: u8 = 1;
 /// WAIT's answer once every key is set.
-const STOP_WAITING: u8 = 0;
+pub(crate) const STOP_WAITING: u8 = 0;
 /// The answer to CANCEL_WAIT.
-const WAIT_CANCELED: u8 = 1;
+pub(crate) const WAIT_CANCELED: u8 = 1;
 
 /// The key prefix of torch's workers under torchrun's agent store for restart `restart_count`
 /// (`TORCHELASTIC_RESTART_COUNT`): TCPStore's `/`, then `PrefixStore`'s

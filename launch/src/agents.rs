@@ -214,10 +214,37 @@ impl Agents {
     }
 
     /// Before a restart: says this node's ranks of round `round` have ended and waits until
-    /// every node's have.
-    pub fn wait_stopped(&self, round: u64) -> Result<(), LaunchError> {
-        self.count_and_wait(&format!("stopped/{round}"), None)
-            .map(drop)
+    /// every node's have; then node 0 runs `renew` (it renews the ranks' rendezvous store,
+    /// which no rank of the old round can write to any more) and says so (`renewed/<r>`), and
+    /// the other nodes wait for that before they start their ranks of the next round.
+    pub fn wait_stopped(
+        &self,
+        round: u64,
+        renew: impl FnOnce() -> Result<(), LaunchError>,
+    ) -> Result<(), LaunchError> {
+        self.count_and_wait(&format!("stopped/{round}"), None)?;
+        let key = format!("renewed/{round}");
+        if self.node == 0 {
+            renew()?;
+            return self
+                .store
+                .set(&key, b"1")
+                .map_err(|e| store_error("saying the store is renewed", e));
+        }
+        let what = format!("waiting for node 0 to renew the ranks' store ({key})");
+        loop {
+            if let Some(why) = self.lost() {
+                return Err(LaunchError::Agents { message: why });
+            }
+            if self
+                .store
+                .check(&[&key])
+                .map_err(|e| store_error(&what, e))?
+            {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// After this node's ranks all succeeded in round `round`: `Ok(true)` once every node's

@@ -55,12 +55,12 @@ pub(crate) type OtherNodes<'a> = &'a dyn Fn() -> Option<Result<(), String>>;
 /// Starts the local ranks of `attempt` once, watches them until all have ended and reports how.
 pub(crate) fn run_attempt(
     config: &LaunchConfig,
-    mut attempt: Attempt<'_>,
+    attempt: Attempt<'_>,
     mut signals: Option<&mut SignalForwarding>,
     other_nodes: OtherNodes,
 ) -> Outcome {
     let (done_tx, done_rx) = mpsc::channel::<()>();
-    let ranks = match start_ranks(config, &mut attempt, &done_tx) {
+    let ranks = match start_ranks(config, &attempt, &done_tx) {
         Ok(ranks) => ranks,
         Err(error) => {
             return Outcome {

@@ -4,7 +4,7 @@
 use std::ffi::OsString;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use ddp_comm::elastic::{MAX_RESTARTS_ENV, RESTART_COUNT_ENV};
+use ddp_comm::elastic::{MAX_RESTARTS_ENV, RESTART_COUNT_ENV, USE_AGENT_STORE_ENV};
 
 /// The grace period between `SIGTERM` and `SIGKILL` when no other is configured.
 pub const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(5);
@@ -24,9 +24,11 @@ pub struct LaunchConfig {
     /// Address of the node that runs rank 0, where the rendezvous store listens. Required when
     /// `nnodes > 1`; on a single node it defaults to [`DEFAULT_MASTER_ADDR`].
     pub master_addr: Option<String>,
-    /// Port of the rendezvous store. Required when `nnodes > 1`; on a single node, when it is
-    /// `None`, the launcher binds a free port for each attempt and hands the bound socket to
-    /// local rank 0 ([`ddp_comm::elastic::STORE_FD_ENV`]), so no other process can take it.
+    /// Port of the rendezvous store, which node 0's launcher hosts (a PyTorch `TCPStore`,
+    /// [`ddp_comm::TorchStoreHost`]) and keeps for the whole job. Required when `nnodes > 1`; on
+    /// a single node, when it is `None`, the launcher binds a free port for each attempt and
+    /// hosts that attempt's store on it. Either way the launcher holds the port from the moment
+    /// it chose it, so no other process can take it.
     pub master_port: Option<u16>,
     /// An identifier shared by all ranks of the job, exported as `DDP_JOB_ID`. When `None`, a
     /// single-node launch generates one and a multi-node launch exports none (every node would
@@ -78,7 +80,9 @@ impl LaunchConfig {
 /// The environment variables that local rank `local_rank` is started with on attempt `restart`
 /// (0 for the first start): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
 /// `GROUP_RANK` (the node rank, as torchrun names it), `MASTER_ADDR`, `MASTER_PORT`,
-/// [`RESTART_COUNT_ENV`] and [`MAX_RESTARTS_ENV`], and `DDP_JOB_ID` when `job_id` is given.
+/// [`RESTART_COUNT_ENV`], [`MAX_RESTARTS_ENV`] and [`USE_AGENT_STORE_ENV`]` = True` (node 0's
+/// launcher hosts the store on `MASTER_PORT`: no rank binds it), and `DDP_JOB_ID` when `job_id`
+/// is given.
 pub fn rank_env(
     config: &LaunchConfig,
     local_rank: usize,
@@ -97,6 +101,7 @@ pub fn rank_env(
         ("MASTER_PORT", master_port.to_string()),
         (RESTART_COUNT_ENV, restart.to_string()),
         (MAX_RESTARTS_ENV, config.max_restarts.to_string()),
+        (USE_AGENT_STORE_ENV, "True".to_string()),
     ];
     if let Some(id) = job_id {
         env.push(("DDP_JOB_ID", id.to_string()));

@@ -258,11 +258,25 @@ pub enum LaunchError {
     /// The launcher variables of this process are invalid (see `ddp_comm::GroupConfig::from_env`).
     #[error("{0}")]
     Environment(String),
-    /// No free port could be found for the rendezvous store.
+    /// No free port could be found (or served) for the rendezvous store.
     #[error("could not bind a free port for the rendezvous store on {addr}: {source}")]
     FreePort {
         /// The address that was tried.
         addr: String,
+        /// The error from binding.
+        #[source]
+        source: io::Error,
+    },
+    /// The given port could not be bound (or served) for the rendezvous store.
+    #[error(
+        "could not host the rendezvous store on {addr} port {port}: {source} (is another job or \
+         a leftover process holding it? give another --master-port)"
+    )]
+    StorePort {
+        /// The address that was tried.
+        addr: String,
+        /// The port (`--master-port`).
+        port: u16,
         /// The error from binding.
         #[source]
         source: io::Error,

@@ -7,16 +7,17 @@
 //! then `SIGKILL` after the grace period, and everything they started killed) and fewer than
 //! `max_restarts` restarts were used, and no `SIGINT`/`SIGTERM` reached the launcher meanwhile
 //! (a user who stops the job means it), the launcher starts all local ranks again as a new
-//! rendezvous round: a fresh free `MASTER_PORT` on a single node (the same one when it was
-//! given) and a new `DDP_JOB_ID`, so that a straggler of the old group can neither reach the new
-//! store nor pass the new group's handshake. Files of the old attempt in the trace directory are
+//! rendezvous round: a new store on a fresh free `MASTER_PORT` on a single node (the same store
+//! and port when the port was given, the round's keys under the attempt's prefix; see
+//! `rendezvous.rs`) and a new `DDP_JOB_ID`, so that a straggler of the old group can neither
+//! reach the new store nor pass the new group's handshake. Files of the old attempt in the trace
+//! directory are
 //! cleared first, so the new attempt's report is its own. Any other ending (a failure with the
 //! budget spent, an interruption, a launcher error) ends the job with that attempt's result,
 //! exactly as without restarts. On several nodes the launchers agree on every round through
 //! node 0's store (`agents.rs`) and meet again at the fixed `MASTER_PORT`.
 
 use std::ffi::OsString;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 
 use crate::agents::Agents;
@@ -25,7 +26,7 @@ use crate::config::{attempt_job_id, LaunchConfig};
 use crate::error::{signal_name, LaunchError, LaunchReport, RankFailure};
 use crate::output::notice;
 use crate::ranks::Attempt;
-use crate::rendezvous::Rendezvous;
+use crate::rendezvous::{AttemptStore, Rendezvous};
 use crate::report::failure_line;
 use crate::signals::SignalForwarding;
 
@@ -48,9 +49,8 @@ struct Job<'a> {
     program: &'a OsString,
     args: &'a [OsString],
     rendezvous: Rendezvous,
-    /// This attempt's port, and its bound socket for local rank 0 when the launcher chose it.
-    master_port: u16,
-    store_listener: Option<TcpListener>,
+    /// This attempt's port, and the store this launcher hosts on it (node 0).
+    store: AttemptStore,
     job_id: Option<String>,
     signals: Option<SignalForwarding>,
     /// Several nodes with restarts: this node's launcher among the others.
@@ -64,12 +64,13 @@ struct Job<'a> {
 
 impl<'a> Job<'a> {
     /// Step 1: checks the configuration, settles the rendezvous (binding the first attempt's
-    /// port when the launcher chooses it), installs the signal handlers and joins the other
-    /// nodes' launchers.
+    /// port and hosting the store on it, on node 0), installs the signal handlers and joins the
+    /// other nodes' launchers.
     fn start(config: &'a LaunchConfig) -> Result<Job<'a>, LaunchError> {
         let (program, args) = check(config)?;
         let rendezvous = Rendezvous::settle(config)?;
-        let (master_port, store_listener) = rendezvous.next_port()?;
+        let store = rendezvous.first_store()?;
+        let master_port = store.port;
         let job_id = attempt_job_id(config, 0, master_port);
         let signals = match config.forward_signals {
             true => Some(SignalForwarding::install()?),
@@ -82,8 +83,7 @@ impl<'a> Job<'a> {
             program,
             args,
             rendezvous,
-            master_port,
-            store_listener,
+            store,
             job_id,
             signals,
             agents,
@@ -99,8 +99,7 @@ impl<'a> Job<'a> {
             program: self.program,
             args: self.args,
             master_addr: &self.rendezvous.addr,
-            master_port: self.master_port,
-            store_listener: self.store_listener.take(),
+            master_port: self.store.port,
             job_id: self.job_id.as_deref(),
             restart: self.restarts,
             trace_dir: &self.trace_dir.0,
@@ -197,16 +196,14 @@ impl<'a> Job<'a> {
                 first_failure: first,
             });
         }
-        if let Some(a) = &self.agents {
-            a.wait_stopped(self.restarts as u64)?;
-        }
+        self.renew_store(self.restarts as u64)?;
         self.restarts += 1;
         notice(&format!(
             "{first}; restarting this node's {} ranks (restart {} of {})",
             self.config.nproc_per_node, self.restarts, self.config.max_restarts
         ));
         self.refuse_if_signalled()?;
-        self.job_id = attempt_job_id(self.config, self.restarts, self.master_port);
+        self.job_id = attempt_job_id(self.config, self.restarts, self.store.port);
         Ok(())
     }
 
@@ -245,12 +242,20 @@ impl<'a> Job<'a> {
         }
         // A stop request that arrived while the old group was going away.
         self.refuse_if_signalled()?;
-        if let Some(a) = &self.agents {
-            a.wait_stopped(round)?;
-        }
-        (self.master_port, self.store_listener) = self.rendezvous.next_port()?;
-        self.job_id = attempt_job_id(self.config, self.restarts, self.master_port);
+        self.renew_store(round)?;
+        self.job_id = attempt_job_id(self.config, self.restarts, self.store.port);
         Ok(())
+    }
+
+    /// Once every rank of round `round` has ended (on every node: the launchers agree on it),
+    /// gives the next round a store of its own (`rendezvous.rs`): node 0's launcher renews its
+    /// store, and only then do the other nodes' launchers go on to start their ranks.
+    fn renew_store(&mut self, round: u64) -> Result<(), LaunchError> {
+        let (rendezvous, store) = (&self.rendezvous, &mut self.store);
+        match &self.agents {
+            Some(a) => a.wait_stopped(round, || rendezvous.renew(store)),
+            None => rendezvous.renew(store),
+        }
     }
 
     /// A `SIGINT`/`SIGTERM` received since the last look ends the job instead of a restart.

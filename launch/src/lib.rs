@@ -5,10 +5,13 @@
 //! [`LaunchConfig`], calls it, and prints [`root_cause_box`] when a rank failed. What it does,
 //! in order:
 //!
-//! 1. Checks the configuration and, on a single node with no port given, binds a free port for
-//!    the rendezvous store and hands the listening socket to local rank 0, which hosts the store
-//!    on it (`DDP_STORE_FD`), so that two jobs on one host need no configuration and no other
-//!    process can take the port in between.
+//! 1. Checks the configuration and hosts the rendezvous store, as torchrun's agent does: a
+//!    PyTorch `TCPStore` ([`ddp_comm::TorchStoreHost`]) on `MASTER_PORT` (on node 0; on a single
+//!    node with no port given, a free port it binds itself), which every rank reaches as a
+//!    client (`TORCHELASTIC_USE_AGENT_STORE=True`): a PyTorch program's `init_process_group`
+//!    as well as ddp-comm's ranks. No rank binds the port, two jobs on one host need no
+//!    configuration, and no other process can take the port between the launcher's choice and
+//!    the ranks' rendezvous.
 //! 2. Starts `nproc_per_node` copies of the command, each with the variables that
 //!    `torchrun` sets (see [`rank_env`]) and in a process group of its own, so that stopping a
 //!    rank stops everything it started. Their standard input is `/dev/null`. On Linux each rank
@@ -38,7 +41,8 @@
 //! 6. With [`LaunchConfig::max_restarts`] above 0 (`ddprun --max-restarts N`, torchrun's flag),
 //!    a failure does not end the job while restarts are left: once the old ranks are stopped as
 //!    in step 4, all local ranks start again as a new rendezvous round (a fresh `MASTER_PORT` on
-//!    a single node, the same one when given; a new `DDP_JOB_ID`), with
+//!    a single node with its own new store, the same port and store when given; a new
+//!    `DDP_JOB_ID`), with
 //!    `TORCHELASTIC_RESTART_COUNT` counting the restarts (0 on the first start) and
 //!    `TORCHELASTIC_MAX_RESTARTS` set, as torchrun sets them; a trainer with checkpoints resumes
 //!    from its last one. A `SIGINT`/`SIGTERM` to the launcher never leads to a restart. On
@@ -57,7 +61,8 @@
 //! address and port), `report.rs` (the root cause and its box), `hang.rs` (where every rank
 //! is), `agents.rs` (several nodes), `config.rs` ([`LaunchConfig`], each rank's environment),
 //! `error.rs` ([`LaunchError`], [`RankFailure`], [`RankExit`]), `pet.rs` (ddprun's defaults from
-//! torchrun's `PET_*` variables), `spawn.rs` ([`spawn`]).
+//! torchrun's `PET_*` variables), `devices.rs` (the CPUs and GPUs that `--nproc-per-node auto`,
+//! `cpu` and `gpu` count), `spawn.rs` ([`spawn`]).
 //!
 //! Unix only: it relies on process groups and signals.
 #![cfg(unix)]
@@ -66,6 +71,7 @@
 mod agents;
 mod attempt;
 mod config;
+mod devices;
 mod error;
 mod hang;
 mod launch;
@@ -81,9 +87,10 @@ pub use config::{rank_env, LaunchConfig, DEFAULT_GRACE_PERIOD, DEFAULT_MASTER_AD
 pub use ddp_comm::elastic::{
     finish, record_error, ERROR_FILE_ENV, MAX_RESTARTS_ENV, RESTART_COUNT_ENV,
 };
+pub use devices::nproc_per_node;
 pub use error::{signal_name, BlamedRank, LaunchError, LaunchReport, RankExit, RankFailure};
 pub use launch::launch;
-pub use pet::PetDefaults;
+pub use pet::{GivenFlags, PetDefaults};
 pub use rendezvous::bind_free_port;
 pub use report::root_cause_box;
 pub use spawn::{spawn, SpawnOptions};

@@ -1,17 +1,22 @@
 //! [`PetDefaults`]: the defaults of ddprun's options from torchrun's `PET_*` variables, which is
 //! how Kubeflow's PyTorchJob passes torchrun its options (torchrun reads `PET_<OPTION>` as the
-//! default of every `--<option>`; a flag on the command line wins).
+//! default of every `--<option>`). A flag on the command line wins, and its variable is then not
+//! read at all ([`GivenFlags`]), as in torchrun: the training operator sets
+//! `PET_NPROC_PER_NODE=auto` in every pod by default, and `--nproc-per-node 2` beside it must
+//! simply mean 2.
 
+use crate::devices::nproc_per_node;
 use crate::error::LaunchError;
 
 /// ddprun's options as `PET_*` variables give them: `PET_NNODES`, `PET_NPROC_PER_NODE`,
 /// `PET_NODE_RANK`, `PET_MASTER_ADDR`, `PET_MASTER_PORT` (and `PET_MAX_RESTARTS`), each `None`
-/// when unset or empty. A flag given on ddprun's command line wins over its variable.
+/// when unset or empty, or when its flag was given ([`GivenFlags`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PetDefaults {
     /// `PET_NNODES`: a count, or torchrun's elastic `MIN:MAX` with `MIN = MAX`.
     pub nnodes: Option<usize>,
-    /// `PET_NPROC_PER_NODE`: a count, or torchrun's `cpu` (this host's cores).
+    /// `PET_NPROC_PER_NODE`: a count, or torchrun's `auto`, `cpu` or `gpu` (see
+    /// [`crate::nproc_per_node`]).
     pub nproc_per_node: Option<usize>,
     /// `PET_NODE_RANK`.
     pub node_rank: Option<usize>,
@@ -23,20 +28,44 @@ pub struct PetDefaults {
     pub max_restarts: Option<usize>,
 }
 
+/// Which of ddprun's options were given on its command line: their `PET_*` variables are not
+/// read (neither used nor checked).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GivenFlags {
+    /// `--nnodes` (`PET_NNODES`).
+    pub nnodes: bool,
+    /// `--nproc-per-node` (`PET_NPROC_PER_NODE`).
+    pub nproc_per_node: bool,
+    /// `--node-rank` (`PET_NODE_RANK`).
+    pub node_rank: bool,
+    /// `--master-addr` (`PET_MASTER_ADDR`).
+    pub master_addr: bool,
+    /// `--master-port` (`PET_MASTER_PORT`).
+    pub master_port: bool,
+    /// `--max-restarts` (`PET_MAX_RESTARTS`).
+    pub max_restarts: bool,
+}
+
 impl PetDefaults {
-    /// Reads the variables from the process environment.
-    pub fn from_env() -> Result<PetDefaults, LaunchError> {
-        PetDefaults::from_vars(|var| {
+    /// Reads the variables of the options not `given` from the process environment.
+    pub fn from_env(given: &GivenFlags) -> Result<PetDefaults, LaunchError> {
+        PetDefaults::from_vars(given, |var| {
             std::env::var_os(var).map(|v| v.to_string_lossy().into_owned())
         })
     }
 
-    /// Reads the variables through `lookup`. A value ddprun cannot use is
-    /// [`LaunchError::Variable`] naming the variable: a count that is not a number (or is 0), an
-    /// elastic range (`PET_NNODES=1:4`: ddprun has no elastic membership), `PET_NPROC_PER_NODE`
-    /// of `auto` or `gpu` (give `--nproc-per-node`: ddprun does not count GPUs).
-    pub fn from_vars(lookup: impl Fn(&str) -> Option<String>) -> Result<PetDefaults, LaunchError> {
-        let get = |var: &str| {
+    /// Reads the variables of the options not `given` through `lookup`. A value ddprun cannot
+    /// use is [`LaunchError::Variable`] naming the variable: a count that is not a number (or is
+    /// 0), an elastic range (`PET_NNODES=1:4`: ddprun has no elastic membership),
+    /// `PET_NPROC_PER_NODE=gpu` on a host without GPUs.
+    pub fn from_vars(
+        given: &GivenFlags,
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<PetDefaults, LaunchError> {
+        let get = |var: &str, flag_given: bool| {
+            if flag_given {
+                return None;
+            }
             lookup(var)
                 .map(|v| v.trim().to_string())
                 .filter(|v| !v.is_empty())
@@ -46,8 +75,11 @@ impl PetDefaults {
             value: value.to_string(),
             why: why.to_string(),
         };
-        let count = |var: &'static str, min: usize| -> Result<Option<usize>, LaunchError> {
-            match get(var) {
+        let count = |var: &'static str,
+                     flag_given: bool,
+                     min: usize|
+         -> Result<Option<usize>, LaunchError> {
+            match get(var, flag_given) {
                 None => Ok(None),
                 Some(v) => match v.parse::<usize>() {
                     Ok(n) if n >= min => Ok(Some(n)),
@@ -56,7 +88,7 @@ impl PetDefaults {
                 },
             }
         };
-        let nnodes = match get("PET_NNODES") {
+        let nnodes = match get("PET_NNODES", given.nnodes) {
             Some(v) if v.contains(':') => {
                 let (min, max) = v.split_once(':').unwrap_or_default();
                 match (min.trim().parse::<usize>(), max.trim().parse::<usize>()) {
@@ -71,20 +103,19 @@ impl PetDefaults {
                     }
                 }
             }
-            _ => count("PET_NNODES", 1)?,
+            _ => count("PET_NNODES", given.nnodes, 1)?,
         };
-        let nproc_per_node = match get("PET_NPROC_PER_NODE").as_deref() {
-            Some("cpu") => Some(std::thread::available_parallelism().map_or(1, |n| n.get())),
-            Some(word @ ("auto" | "gpu")) => {
-                return Err(bad(
+        let nproc_per_node = match get("PET_NPROC_PER_NODE", given.nproc_per_node) {
+            None => None,
+            Some(v) => Some(nproc_per_node(&v).map_err(|why| {
+                bad(
                     "PET_NPROC_PER_NODE",
-                    word,
-                    "ddprun does not count GPUs: give --nproc-per-node N (one rank per GPU)",
-                ))
-            }
-            _ => count("PET_NPROC_PER_NODE", 1)?,
+                    &v,
+                    &format!("{why} (or give --nproc-per-node N)"),
+                )
+            })?),
         };
-        let master_port = match get("PET_MASTER_PORT") {
+        let master_port = match get("PET_MASTER_PORT", given.master_port) {
             None => None,
             Some(v) => match v.parse::<u16>() {
                 Ok(p) if p > 0 => Some(p),
@@ -94,10 +125,10 @@ impl PetDefaults {
         Ok(PetDefaults {
             nnodes,
             nproc_per_node,
-            node_rank: count("PET_NODE_RANK", 0)?,
-            master_addr: get("PET_MASTER_ADDR"),
+            node_rank: count("PET_NODE_RANK", given.node_rank, 0)?,
+            master_addr: get("PET_MASTER_ADDR", given.master_addr),
             master_port,
-            max_restarts: count("PET_MAX_RESTARTS", 0)?,
+            max_restarts: count("PET_MAX_RESTARTS", given.max_restarts, 0)?,
         })
     }
 }
@@ -112,7 +143,7 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        PetDefaults::from_vars(move |k: &str| map.get(k).cloned())
+        PetDefaults::from_vars(&GivenFlags::default(), move |k: &str| map.get(k).cloned())
     }
 
     #[test]
@@ -154,8 +185,7 @@ mod tests {
             ("PET_NNODES", "1:4"),
             ("PET_NNODES", "0"),
             ("PET_NNODES", "two"),
-            ("PET_NPROC_PER_NODE", "auto"),
-            ("PET_NPROC_PER_NODE", "gpu"),
+            ("PET_NPROC_PER_NODE", "xpu"),
             ("PET_NPROC_PER_NODE", "0"),
             ("PET_NODE_RANK", "-1"),
             ("PET_MASTER_PORT", "70000"),
@@ -167,5 +197,69 @@ mod tests {
             assert!(msg.starts_with(&format!("{var}=")), "{var}={value}: {msg}");
             assert_eq!(e.exit_code(), 2, "{msg}");
         }
+    }
+
+    /// A flag wins over its variable: the variable is not even read, so a value ddprun could
+    /// not use (Kubeflow's default `auto` on a host without GPUs is usable; an elastic range is
+    /// not) is no error beside its flag.
+    #[test]
+    fn a_given_flag_leaves_its_variable_unread() {
+        let pod = [
+            ("PET_NNODES", "1:4"),
+            ("PET_NPROC_PER_NODE", "xpu"),
+            ("PET_NODE_RANK", "-1"),
+            ("PET_MASTER_ADDR", "job-master-0"),
+            ("PET_MASTER_PORT", "0"),
+            ("PET_MAX_RESTARTS", "x"),
+        ];
+        let lookup = |k: &str| {
+            pod.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        };
+        let all = GivenFlags {
+            nnodes: true,
+            nproc_per_node: true,
+            node_rank: true,
+            master_addr: true,
+            master_port: true,
+            max_restarts: true,
+        };
+        assert_eq!(
+            PetDefaults::from_vars(&all, lookup).unwrap(),
+            PetDefaults::default()
+        );
+        // Each flag alone leaves only its own variable unread.
+        let only_nproc = GivenFlags {
+            nproc_per_node: true,
+            ..all
+        };
+        let some = PetDefaults::from_vars(
+            &GivenFlags {
+                nproc_per_node: false,
+                ..all
+            },
+            |k: &str| (k == "PET_NPROC_PER_NODE").then(|| "3".to_string()),
+        )
+        .unwrap();
+        assert_eq!(some.nproc_per_node, Some(3));
+        let e = PetDefaults::from_vars(
+            &GivenFlags {
+                nnodes: false,
+                ..only_nproc
+            },
+            lookup,
+        )
+        .unwrap_err();
+        assert!(e.to_string().starts_with("PET_NNODES="), "{e}");
+    }
+
+    #[test]
+    fn auto_and_cpu_count_this_host() {
+        let cpus = std::thread::available_parallelism().unwrap().get();
+        let n = |v: &str| from(&[("PET_NPROC_PER_NODE", v)]).unwrap().nproc_per_node;
+        assert_eq!(n("cpu"), Some(cpus));
+        let gpus = crate::devices::gpu_count();
+        assert_eq!(n("auto"), Some(if gpus > 0 { gpus } else { cpus }));
     }
 }

@@ -3,16 +3,13 @@
 //! Each rank runs the command with the variables that torchrun sets ([`rank_env`]), in a
 //! process group of its own (so that stopping a rank stops everything it started), with its
 //! standard input on `/dev/null`, its output forwarded line by line (`output.rs`), and on Linux
-//! `SIGKILL` if the launcher dies without stopping it (`PR_SET_PDEATHSIG`). Local rank 0 also
-//! inherits the rendezvous store's listening socket when the launcher bound the port itself
-//! ([`ddp_comm::elastic::STORE_FD_ENV`]): the port was never free between the launcher's choice
-//! and rank 0's store.
+//! `SIGKILL` if the launcher dies without stopping it (`PR_SET_PDEATHSIG`). The rendezvous store
+//! is the launcher's (`rendezvous.rs`): no rank binds `MASTER_PORT`, and none inherits a socket
+//! of the launcher's.
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::io;
-use std::net::TcpListener;
-use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -46,9 +43,6 @@ pub(crate) struct Attempt<'a> {
     pub args: &'a [OsString],
     pub master_addr: &'a str,
     pub master_port: u16,
-    /// The bound, listening socket of `master_port`, for local rank 0 to host the store on
-    /// (`None` when the port was given: rank 0 binds it).
-    pub store_listener: Option<TcpListener>,
     pub job_id: Option<&'a str>,
     /// Restarts before this attempt (0 on the first).
     pub restart: usize,
@@ -61,21 +55,16 @@ pub(crate) fn error_file(dir: &Path, rank: usize) -> PathBuf {
 }
 
 /// Starts every local rank of `attempt`, each with two threads forwarding its output (they
-/// send on `done` when their stream closes). The store socket goes to local rank 0 and is
-/// closed here once it has it. If a rank cannot start, the ranks already started are killed.
+/// send on `done` when their stream closes). If a rank cannot start, the ranks already started
+/// are killed.
 pub(crate) fn start_ranks(
     config: &LaunchConfig,
-    attempt: &mut Attempt<'_>,
+    attempt: &Attempt<'_>,
     done: &mpsc::Sender<()>,
 ) -> Result<Vec<Rank>, LaunchError> {
     let mut ranks: Vec<Rank> = Vec::with_capacity(config.nproc_per_node);
     for local_rank in 0..config.nproc_per_node {
-        let listener = if local_rank == 0 {
-            attempt.store_listener.take()
-        } else {
-            None
-        };
-        match start_rank(config, attempt, local_rank, listener.as_ref(), done) {
+        match start_rank(config, attempt, local_rank, done) {
             Ok(rank) => ranks.push(rank),
             Err(error) => {
                 for started in &mut ranks {
@@ -89,12 +78,12 @@ pub(crate) fn start_ranks(
     Ok(ranks)
 }
 
-/// Starts local rank `local_rank`, handing it `store_listener` when given.
+/// Starts local rank `local_rank`. A [`STORE_FD_ENV`] this launcher inherited is not passed on:
+/// the descriptor is not the ranks' (and is closed on exec anyway).
 fn start_rank(
     config: &LaunchConfig,
     attempt: &Attempt<'_>,
     local_rank: usize,
-    store_listener: Option<&TcpListener>,
     done: &mpsc::Sender<()>,
 ) -> Result<Rank, LaunchError> {
     let rank = config.global_rank(local_rank);
@@ -117,9 +106,6 @@ fn start_rank(
         .stderr(Stdio::piped())
         .process_group(0);
     die_with_parent(&mut command);
-    if let Some(listener) = store_listener {
-        inherit(&mut command, listener);
-    }
     let mut child = command.spawn().map_err(|source| LaunchError::Spawn {
         rank,
         program: attempt.program.to_string_lossy().into_owned(),
@@ -146,23 +132,6 @@ fn start_rank(
         signalled: false,
         tail,
     })
-}
-
-/// Lets the child inherit `listener` (its descriptor, close-on-exec cleared in the child only)
-/// and tells it so ([`STORE_FD_ENV`]).
-fn inherit(command: &mut Command, listener: &TcpListener) {
-    let fd = listener.as_raw_fd();
-    command.env(STORE_FD_ENV, fd.to_string());
-    // SAFETY: fcntl is async-signal-safe, and the closure allocates nothing; it clears
-    // close-on-exec on a descriptor this process owns, in the child only (between fork and exec).
-    unsafe {
-        command.pre_exec(move || {
-            if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
-        })
-    };
 }
 
 impl Rank {

@@ -1,8 +1,15 @@
 //! [`spawn`]: PyTorch's `torch.multiprocessing.spawn(fn, nprocs=N)` for a Rust program: the
 //! program starts N copies of itself as the local ranks of a one-node job and waits for them,
-//! with everything [`crate::launch`] does (torchrun's variables, a free port whose socket local
-//! rank 0 inherits, output prefixed with `[rank R]`, the others stopped when one fails and the
-//! first failure named as the root cause, restarts).
+//! with everything [`crate::launch`] does (torchrun's variables, a free port on which the
+//! launching process hosts the rendezvous store, output prefixed with `[rank R]`, the others
+//! stopped when one fails and the first failure named as the root cause, restarts).
+//!
+//! A process that a launcher started as a rank of a larger job refuses: the launcher decides how
+//! many ranks there are. One exception, as for PyTorch's `mp.spawn`: the batch step of a Slurm
+//! job (the script `sbatch` runs) carries `SLURM_PROCID` and `SLURM_NTASKS` although it is no
+//! rank of anything, so a single-task step (`SLURM_NTASKS=1`) or the batch step itself
+//! (`SLURM_STEP_ID=batch`) may start its ranks; a task of a real multi-task step (`srun -n 2`)
+//! may not.
 
 use std::ffi::OsString;
 use std::time::Duration;
@@ -57,12 +64,16 @@ impl Default for SpawnOptions {
 /// Returns the ranks' report when all exited 0, else [`crate::launch`]'s error: for a failed
 /// rank [`LaunchError::RankFailed`], naming the root cause (print it with
 /// [`crate::root_cause_box`]) after the other ranks were stopped. A process that already is a
-/// rank (a launcher's variables say so: torchrun's, MPI's, Slurm's) gets
-/// [`LaunchError::AlreadyARank`] and starts nothing; `nprocs` 0 is [`LaunchError::Zero`].
+/// rank (a launcher's variables say so: torchrun's, MPI's, a Slurm step's of several tasks) gets
+/// [`LaunchError::AlreadyARank`] and starts nothing; a Slurm batch script or single-task step may
+/// spawn (see the module documentation); `nprocs` 0 is [`LaunchError::Zero`].
 pub fn spawn(nprocs: usize, options: &SpawnOptions) -> Result<LaunchReport, LaunchError> {
     let group = ddp_comm::GroupConfig::from_env()
         .map_err(|e| LaunchError::Environment(format!("cannot start ranks: {e}")))?;
-    if group.launcher != "none" {
+    let step_id = std::env::var("SLURM_STEP_ID")
+        .or_else(|_| std::env::var("SLURM_STEPID"))
+        .ok();
+    if group.launcher != "none" && !single_task_slurm_step(&group, step_id.as_deref()) {
         return Err(LaunchError::AlreadyARank {
             rank: group.rank,
             world_size: group.world_size,
@@ -83,4 +94,10 @@ pub fn spawn(nprocs: usize, options: &SpawnOptions) -> Result<LaunchReport, Laun
     config.max_restarts = options.max_restarts;
     config.grace_period = options.grace_period;
     crate::launch(&config)
+}
+
+/// Whether `group` was read from a Slurm step that runs a single task: one task in all, or the
+/// batch step (`step_id` `batch`: the script sbatch runs, whose `SLURM_NTASKS` is the job's).
+fn single_task_slurm_step(group: &ddp_comm::GroupConfig, step_id: Option<&str>) -> bool {
+    group.launcher == "slurm" && (group.world_size == 1 || step_id.map(str::trim) == Some("batch"))
 }

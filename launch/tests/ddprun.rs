@@ -416,6 +416,117 @@ fn pet_variables_are_the_defaults_of_the_options() {
     );
 }
 
+/// The ranks a ddprun started, from their `[rank R]` lines of `PRINT_ENV`.
+fn ranks_started(stdout: &str) -> usize {
+    stdout.lines().filter(|l| l.contains("] RANK=")).count()
+}
+
+/// The GPUs the NVIDIA driver shows on this host, counted here apart from ddprun: its device
+/// nodes `/dev/nvidia<N>`, else its list `/proc/driver/nvidia/gpus`.
+fn gpus_here() -> usize {
+    let count = |dir: &str, node: bool| {
+        std::fs::read_dir(dir).map_or(0, |d| {
+            d.flatten()
+                .filter(|e| {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    !node
+                        || name
+                            .strip_prefix("nvidia")
+                            .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
+                })
+                .count()
+        })
+    };
+    match count("/dev", true) {
+        0 => count("/proc/driver/nvidia/gpus", false),
+        n => n,
+    }
+}
+
+/// In a Kubeflow pod the training operator sets PET_NPROC_PER_NODE=auto by default (and an
+/// elastic job PET_NNODES=MIN:MAX): a flag given beside such a variable wins, and the variable
+/// is not even read, as in torchrun; `auto`, `cpu` and `gpu` mean what they mean to torchrun,
+/// as the variable and as the flag.
+#[test]
+fn a_flag_wins_over_kubeflow_s_auto_and_an_elastic_range() {
+    let pod = |command: &mut Command, vars: &[(&str, &str)]| {
+        common::clear_launcher_env(command);
+        command
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .envs(vars.iter().copied());
+    };
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    command.args(["--nproc-per-node", "2", "--", "sh", "-c", PRINT_ENV]);
+    pod(&mut command, &[("PET_NPROC_PER_NODE", "auto")]);
+    let done = run(command);
+    assert!(done.status.success(), "stderr:\n{}", done.stderr);
+    assert_eq!(ranks_started(&done.stdout), 2, "{}", done.stdout);
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    command.args([
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        PRINT_ENV,
+    ]);
+    pod(
+        &mut command,
+        &[("PET_NNODES", "1:4"), ("PET_NPROC_PER_NODE", "gpu")],
+    );
+    let done = run(command);
+    assert!(done.status.success(), "stderr:\n{}", done.stderr);
+    assert_eq!(ranks_started(&done.stdout), 1, "{}", done.stdout);
+    // Without the flag, `auto` is this host's GPUs, else its CPUs; `cpu` its CPUs; `gpu` its
+    // GPUs; as the flag too.
+    let (cpus, gpus) = (
+        std::thread::available_parallelism().unwrap().get(),
+        gpus_here(),
+    );
+    let auto = if gpus > 0 { gpus } else { cpus };
+    let mut cases = vec![
+        (None, "auto", auto),
+        (None, "cpu", cpus),
+        (Some("auto"), "", auto),
+        (Some("cpu"), "", cpus),
+    ];
+    if gpus > 0 {
+        cases.extend([(None, "gpu", gpus), (Some("gpu"), "", gpus)]);
+    }
+    for (flag, var, want) in cases {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+        if let Some(flag) = flag {
+            command.args(["--nproc-per-node", flag]);
+        }
+        command.args(["--", "sh", "-c", PRINT_ENV]);
+        pod(&mut command, &[("PET_NPROC_PER_NODE", var)]);
+        let done = run(command);
+        assert!(done.status.success(), "{flag:?} {var:?}: {}", done.stderr);
+        assert_eq!(ranks_started(&done.stdout), want, "{flag:?} {var:?}");
+    }
+    // `gpu` where the driver shows none: an error naming the variable, or the flag.
+    if gpus == 0 {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+        command.args(["--", "true"]);
+        pod(&mut command, &[("PET_NPROC_PER_NODE", "gpu")]);
+        let done = run(command);
+        assert_eq!(done.status.code(), Some(2), "{}", done.stderr);
+        assert!(
+            done.stderr.contains("PET_NPROC_PER_NODE=\"gpu\"") && done.stderr.contains("GPU"),
+            "{}",
+            done.stderr
+        );
+        let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+        command.args(["--nproc-per-node", "gpu", "--", "true"]);
+        pod(&mut command, &[]);
+        let done = run(command);
+        assert_eq!(done.status.code(), Some(2), "{}", done.stderr);
+        assert!(done.stderr.contains("--nproc-per-node"), "{}", done.stderr);
+    }
+}
+
 #[test]
 fn multi_node_without_master_is_refused() {
     let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
@@ -485,24 +596,70 @@ fn output_lines_are_prefixed_and_never_torn() {
     }
 }
 
-/// Two jobs at once get different ports, and each port is held from the moment ddprun chose it:
-/// ddprun binds it and hands the listening socket to local rank 0 (`DDP_STORE_FD`), so while
-/// the job runs nobody else can bind it (ddprun used to probe a free port, close it, and leave
-/// rank 0 to bind it again, a window in which another job could take it).
+/// The processes that hold a TCP socket listening on `port` (from `/proc/net/tcp*` and every
+/// process's descriptors).
+fn listening_pids(port: u16) -> Vec<u32> {
+    let mut inodes = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let text = std::fs::read_to_string(table).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let local_port = fields[1].rsplit(':').next().unwrap();
+            if u16::from_str_radix(local_port, 16) == Ok(port) && fields[3] == "0A" {
+                inodes.push(format!("socket:[{}]", fields[9]));
+            }
+        }
+    }
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else {
+            continue;
+        };
+        let holds = fds.flatten().any(|fd| {
+            std::fs::read_link(fd.path())
+                .is_ok_and(|link| inodes.iter().any(|i| link.as_os_str() == i.as_str()))
+        });
+        if holds {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Whether a PyTorch `TCPStore` answers on `port` (VALIDATE, then PING echoed).
+fn torch_store_answers(port: u16) -> bool {
+    use std::io::Write;
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut hello = vec![0u8];
+    hello.extend(0x3C85_F7CEu32.to_le_bytes());
+    hello.push(13);
+    hello.extend(4242u32.to_le_bytes());
+    let mut echo = [0u8; 4];
+    s.write_all(&hello).is_ok() && s.read_exact(&mut echo).is_ok() && echo == 4242u32.to_le_bytes()
+}
+
+/// Two jobs at once get different ports, and each port is held from the moment ddprun chose it,
+/// by ddprun itself, which hosts the rendezvous store there (a PyTorch TCPStore, as torchrun's
+/// agent does) and says so to every rank (`TORCHELASTIC_USE_AGENT_STORE=True`): while the job
+/// runs nobody else can bind the port, and no rank needs to (ddprun used to probe a free port,
+/// close it, and leave rank 0 to bind it again, a window in which another job could take it;
+/// then it handed rank 0 the bound socket, which a PyTorch rank 0 cannot use).
 #[test]
-fn two_jobs_at_once_get_different_ports_that_rank_0_holds() {
-    // Each job's rank 0 prints its MASTER_PORT and what its DDP_STORE_FD descriptor is, then
-    // keeps running, so both jobs are alive while the ports are checked. Rank 1 must not have
-    // the variable.
-    let script = r#"if [ "$RANK" = 0 ]; then
-                        echo "port $MASTER_PORT fd $(readlink /proc/$$/fd/$DDP_STORE_FD)"
-                    else
-                        echo "rank 1 fd ${DDP_STORE_FD:-none}"
-                    fi; sleep 2"#;
+fn two_jobs_at_once_get_different_ports_that_ddprun_holds() {
+    // Each job's ranks print what they were told, then keep running, so both jobs are alive
+    // while the ports are checked. No rank gets a socket of ddprun's.
+    let script = r#"echo "port $MASTER_PORT agent store $TORCHELASTIC_USE_AGENT_STORE fd ${DDP_STORE_FD:-none}"; sleep 3"#;
     let jobs: Vec<Guarded> = (0..2)
         .map(|_| {
             Guarded::spawn(
                 ddprun(2, script)
+                    .env("DDP_STORE_FD", "9")
                     .stdin(Stdio::null())
                     .stdout(Stdio::piped())
                     .stderr(Stdio::null()),
@@ -513,27 +670,23 @@ fn two_jobs_at_once_get_different_ports_that_rank_0_holds() {
     let mut ports = Vec::new();
     for mut job in jobs {
         let mut out = BufReader::new(job.stdout.take().unwrap());
-        let (mut port, mut rank_1) = (None, None);
-        while port.is_none() || rank_1.is_none() {
+        let mut seen = Vec::new();
+        while seen.len() < 2 {
             let mut line = String::new();
             assert!(out.read_line(&mut line).unwrap() > 0, "the job ended early");
-            if let Some(rest) = line.trim().strip_prefix("[rank 0] port ") {
-                let (p, fd) = rest.split_once(" fd ").unwrap();
-                assert!(fd.starts_with("socket:"), "rank 0's DDP_STORE_FD is {fd:?}");
-                port = Some(p.parse::<u16>().unwrap());
-            } else if let Some(rest) = line.trim().strip_prefix("[rank 1] ") {
-                rank_1 = Some(rest.to_string());
-            }
+            let (_, told) = line.trim().split_once("] port ").unwrap();
+            seen.push(told.to_string());
         }
-        assert_eq!(rank_1.as_deref(), Some("rank 1 fd none"));
-        ports.push((port.unwrap(), job));
+        assert_eq!(seen[0], seen[1], "both ranks are told the same");
+        let (port, rest) = seen[0].split_once(' ').unwrap();
+        assert_eq!(rest, "agent store True fd none", "{seen:?}");
+        ports.push((port.parse::<u16>().unwrap(), job));
     }
     assert_ne!(
         ports[0].0, ports[1].0,
         "two concurrent jobs got the same port"
     );
-    // The ports are taken while the jobs run: rank 0 holds the socket ddprun bound.
-    for (port, _) in &ports {
+    for (port, job) in &ports {
         let err = TcpListener::bind(("0.0.0.0", *port))
             .expect_err("MASTER_PORT is free while the job runs: nothing holds it");
         assert_eq!(
@@ -541,9 +694,19 @@ fn two_jobs_at_once_get_different_ports_that_rank_0_holds() {
             std::io::ErrorKind::AddrInUse,
             "port {port}: {err}"
         );
+        assert_eq!(
+            listening_pids(*port),
+            [job.id()],
+            "port {port} is held by ddprun (pid {}) alone",
+            job.id()
+        );
+        assert!(
+            torch_store_answers(*port),
+            "no PyTorch store on port {port}"
+        );
     }
     for (_, job) in ports {
-        job.wait();
+        assert!(job.wait().success());
     }
 }
 

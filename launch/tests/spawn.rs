@@ -57,7 +57,8 @@ fn main() {
     two_ranks_get_torchrun_s_variables();
     a_failing_rank_is_named_and_the_other_stopped();
     a_rank_cannot_spawn();
-    println!("spawn test: 3 passed");
+    a_slurm_batch_script_can_spawn_a_task_of_a_step_cannot();
+    println!("spawn test: 4 passed");
 }
 
 /// A rank: records its variables, then ends as asked.
@@ -164,4 +165,71 @@ fn a_rank_cannot_spawn() {
         "no rank was started"
     );
     println!("spawn test: a rank is refused");
+}
+
+/// Runs `f` with `vars` set in this process's environment, then removes them.
+fn with_env<T>(vars: &[(&str, &str)], f: impl FnOnce() -> T) -> T {
+    for (k, v) in vars {
+        std::env::set_var(k, v);
+    }
+    let result = f();
+    for (k, _) in vars {
+        std::env::remove_var(k);
+    }
+    result
+}
+
+/// Inside an sbatch script the batch step's SLURM_PROCID and SLURM_NTASKS are set although no
+/// rank exists yet (as PyTorch's mp.spawn allows): the batch step of a job of several tasks, or a
+/// step of one task, may spawn; a task of a step of several (srun -n 2) may not.
+fn a_slurm_batch_script_can_spawn_a_task_of_a_step_cannot() {
+    let job = [
+        ("SLURM_JOB_ID", "77"),
+        ("SLURM_JOB_NODELIST", "localhost"),
+        ("SLURM_NODEID", "0"),
+        ("SLURM_LOCALID", "0"),
+        ("SLURM_PROCID", "0"),
+    ];
+    for (step, ntasks) in [("batch", "4"), ("0", "1")] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut vars = job.to_vec();
+        vars.extend([
+            ("SLURM_STEP_ID", step),
+            ("SLURM_NTASKS", ntasks),
+            ("SLURM_TASKS_PER_NODE", ntasks),
+        ]);
+        let report = with_env(&vars, || spawn(2, &options(dir.path(), "none")))
+            .unwrap_or_else(|e| panic!("step {step} of {ntasks} tasks: {e}"));
+        assert_eq!(report.exits.len(), 2);
+        for rank in 0..2 {
+            let got = recorded(dir.path(), rank);
+            assert_eq!(got[0].1, rank.to_string(), "step {step}: RANK");
+            assert_eq!(got[1].1, "2", "step {step}: WORLD_SIZE");
+        }
+    }
+    // A task of `srun -n 2`: a rank already.
+    let dir = tempfile::tempdir().unwrap();
+    let mut vars = job.to_vec();
+    vars.extend([
+        ("SLURM_STEP_ID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_TASKS_PER_NODE", "2"),
+    ]);
+    vars.retain(|(k, _)| *k != "SLURM_PROCID" && *k != "SLURM_LOCALID");
+    vars.extend([("SLURM_PROCID", "1"), ("SLURM_LOCALID", "1")]);
+    match with_env(&vars, || spawn(2, &options(dir.path(), "none"))) {
+        Err(error @ LaunchError::AlreadyARank { .. }) => {
+            let msg = error.to_string();
+            assert!(
+                msg.contains("rank 1 of 2") && msg.contains("slurm"),
+                "{msg}"
+            );
+        }
+        other => panic!("expected AlreadyARank, got {other:?}"),
+    }
+    assert!(
+        !dir.path().join("rank0.txt").exists(),
+        "no rank was started"
+    );
+    println!("spawn test: a Slurm batch script spawns, a task of a step does not");
 }

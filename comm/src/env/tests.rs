@@ -204,6 +204,60 @@ fn mpich_variables_and_mpi_inside_slurm() {
     assert_eq!(err_var(e), "PMI_RANK");
 }
 
+/// `srun --mpi=pmi2` (or Slurm's `MpiDefault=pmi2`) sets PMI_RANK and PMI_SIZE but not MPICH's
+/// local variables: the local rank and size come from the step's Slurm variables, and without
+/// any the ranks are refused rather than each taking the host for its own.
+#[test]
+fn srun_pmi2_takes_the_local_ranks_from_slurm() {
+    // srun --mpi=pmi2 -N 2 -n 4: rank 3 is the second task on the second node.
+    let step = [
+        ("PMI_RANK", "3"),
+        ("PMI_SIZE", "4"),
+        ("SLURM_PROCID", "3"),
+        ("SLURM_NTASKS", "4"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_NODEID", "1"),
+        ("SLURM_TASKS_PER_NODE", "2(x2)"),
+        ("SLURM_JOB_NODELIST", "gpu[1-2]"),
+        ("SLURM_JOB_ID", "5"),
+    ];
+    let c = GroupConfig::from_vars(vars(&step)).unwrap();
+    assert_eq!(
+        (c.rank, c.world_size, c.local_rank, c.local_world_size),
+        (3, 4, 1, 2)
+    );
+    assert_eq!(c.launcher, "mpich");
+    assert_eq!((c.master_addr.as_str(), c.master_port), ("gpu1", 20005));
+    // MPICH's own local variables win where they are set.
+    let mut with_mpich = step.to_vec();
+    with_mpich.extend([("MPI_LOCALRANKID", "0"), ("MPI_LOCALNRANKS", "1")]);
+    let c = GroupConfig::from_vars(vars(&with_mpich)).unwrap();
+    assert_eq!((c.local_rank, c.local_world_size), (0, 1));
+    // Nothing says how many ranks share the host: refused, naming the variables.
+    let refused = |pairs: &[(&str, &str)]| {
+        let e = GroupConfig::from_vars(vars(pairs)).unwrap_err();
+        let msg = e.to_string();
+        for var in ["MPI_LOCALNRANKS", "SLURM_LOCALID", "SLURM_TASKS_PER_NODE"] {
+            assert!(msg.contains(var), "{var} not named: {msg}");
+        }
+        assert_eq!(err_var(e), "MPI_LOCALNRANKS");
+    };
+    refused(&[("PMI_RANK", "1"), ("PMI_SIZE", "2")]);
+    // A Slurm step's variables that describe other tasks (an mpiexec inside a batch script of
+    // one task) are not taken for this rank's.
+    refused(&[
+        ("PMI_RANK", "1"),
+        ("PMI_SIZE", "2"),
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "1"),
+        ("SLURM_LOCALID", "0"),
+        ("SLURM_TASKS_PER_NODE", "1"),
+    ]);
+    // One rank needs no local variables.
+    let c = GroupConfig::from_vars(vars(&[("PMI_RANK", "0"), ("PMI_SIZE", "1")])).unwrap();
+    assert_eq!((c.local_rank, c.local_world_size), (0, 1));
+}
+
 #[test]
 fn a_pbs_job_gives_rank_0_s_host_and_the_port() {
     let file = std::env::temp_dir().join(format!("ddp-nodefile-{}", std::process::id()));
@@ -222,6 +276,8 @@ fn a_pbs_job_gives_rank_0_s_host_and_the_port() {
     let e = GroupConfig::from_vars(vars(&[
         ("PMI_RANK", "0"),
         ("PMI_SIZE", "2"),
+        ("MPI_LOCALRANKID", "0"),
+        ("MPI_LOCALNRANKS", "1"),
         ("PBS_NODEFILE", "/nonexistent/ddp-nodefile"),
     ]))
     .unwrap_err();
@@ -249,6 +305,8 @@ fn a_pbs_job_needs_no_node_file() {
     let c = GroupConfig::from_vars(vars(&[
         ("PMI_RANK", "0"),
         ("PMI_SIZE", "2"),
+        ("MPI_LOCALRANKID", "0"),
+        ("MPI_LOCALNRANKS", "2"),
         ("PBS_JOBID", "job-x"),
     ]))
     .unwrap();

@@ -15,7 +15,10 @@
 //! `--checkpoint-dir` then resume from their last checkpoint.
 //! Like torchrun, ddprun takes `PET_NNODES`, `PET_NPROC_PER_NODE`, `PET_NODE_RANK`,
 //! `PET_MASTER_ADDR`, `PET_MASTER_PORT` and `PET_MAX_RESTARTS` (what Kubeflow's PyTorchJob sets)
-//! as the defaults of the flags not given.
+//! as the defaults of the flags not given (a given flag's variable is not read), and
+//! `--nproc-per-node auto`, `cpu` or `gpu` as torchrun does. Like torchrun's agent, it hosts the
+//! rendezvous store on `MASTER_PORT` itself (`TORCHELASTIC_USE_AGENT_STORE=True`), so that a
+//! PyTorch program starts under it as under torchrun.
 //! All the work is in the `ddp_launch` library; this binary only parses arguments.
 
 use std::ffi::OsString;
@@ -23,7 +26,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use ddp_launch::{self as launch, LaunchConfig, LaunchError, PetDefaults};
+use ddp_launch::{self as launch, GivenFlags, LaunchConfig, LaunchError, PetDefaults};
 
 /// Start N local ranks of a distributed job with the torchrun environment variables set.
 #[derive(Debug, Parser)]
@@ -33,8 +36,10 @@ use ddp_launch::{self as launch, LaunchConfig, LaunchError, PetDefaults};
     override_usage = "ddprun [OPTIONS] -- <CMD>..."
 )]
 struct Args {
-    /// Ranks to start on this node [default: PET_NPROC_PER_NODE, else 1].
-    #[arg(long, alias = "nproc_per_node", value_name = "N")]
+    /// Ranks to start on this node: a number, or torchrun's `auto` (one per GPU, else one per
+    /// CPU), `cpu` (one per CPU this process may use) or `gpu` (one per GPU; an error without
+    /// any) [default: PET_NPROC_PER_NODE, else 1].
+    #[arg(long, alias = "nproc_per_node", value_name = "N", value_parser = launch::nproc_per_node)]
     nproc_per_node: Option<usize>,
     /// Nodes in the job; more than 1 needs --master-addr and --master-port [default:
     /// PET_NNODES, else 1].
@@ -88,20 +93,23 @@ fn main() -> ExitCode {
         }
     };
     // torchrun's options as PET_* variables (Kubeflow's PyTorchJob sets them): the defaults of
-    // the flags not given, as torchrun takes them.
-    let mut pet = match PetDefaults::from_env() {
+    // the flags not given, as torchrun takes them; a given flag's variable is not read at all.
+    // --standalone stands for one node with a free port, so it counts as giving those flags.
+    let given = GivenFlags {
+        nnodes: args.nnodes.is_some() || args.standalone,
+        nproc_per_node: args.nproc_per_node.is_some(),
+        node_rank: args.node_rank.is_some() || args.standalone,
+        master_addr: args.master_addr.is_some() || args.standalone,
+        master_port: args.master_port.is_some() || args.standalone,
+        max_restarts: args.max_restarts.is_some(),
+    };
+    let pet = match PetDefaults::from_env(&given) {
         Ok(pet) => pet,
         Err(error) => {
             report(&error);
             return ExitCode::from(2);
         }
     };
-    // --standalone asks for one node with a free port (clap refuses it beside a multi-node
-    // flag), whatever the variables say.
-    if args.standalone {
-        (pet.nnodes, pet.node_rank) = (None, None);
-        (pet.master_addr, pet.master_port) = (None, None);
-    }
     let config = LaunchConfig {
         nproc_per_node: args.nproc_per_node.or(pet.nproc_per_node).unwrap_or(1),
         nnodes: args.nnodes.or(pet.nnodes).unwrap_or(1),
