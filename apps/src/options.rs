@@ -369,6 +369,33 @@ impl TrainConfig {
             LrScaling::Sqrt => self.lr * (world_size as f64).sqrt(),
         }
     }
+
+    /// The learning rate for `world_size` ranks and how it came about, for the trainers' first
+    /// line: `lr 1e-3 (not scaled)`, `lr 2e-3 (--lr 1e-3 × 2 ranks, linear scaling)`.
+    pub fn describe_lr(&self, world_size: usize) -> String {
+        let lr = self.scaled_lr(world_size);
+        let base = self.lr;
+        match self.lr_scaling {
+            LrScaling::None => format!("lr {lr:e} (not scaled)"),
+            LrScaling::Linear => {
+                format!("lr {lr:e} (--lr {base:e} × {world_size} ranks, linear scaling)")
+            }
+            LrScaling::Sqrt => {
+                format!("lr {lr:e} (--lr {base:e} × √{world_size} ranks, sqrt scaling)")
+            }
+        }
+    }
+
+    /// The optimizer as the first line names it: `adam`, or `sgd (momentum 0.9)`.
+    pub fn describe_optimizer(&self) -> String {
+        match self.optimizer {
+            OptimizerKind::Adam => "adam".into(),
+            OptimizerKind::Sgd if self.momentum > 0.0 => {
+                format!("sgd (momentum {})", self.momentum)
+            }
+            OptimizerKind::Sgd => "sgd".into(),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -434,5 +461,29 @@ mod tests {
         assert_eq!(cfg.scaled_lr(4), 4e-3);
         cfg.lr_scaling = LrScaling::Sqrt;
         assert_eq!(cfg.scaled_lr(4), 2e-3);
+    }
+
+    #[test]
+    fn the_first_line_names_the_learning_rate_and_optimizer_in_words() {
+        let mut cfg = Cli::parse_from(["t", "--lr", "0.001"])
+            .args
+            .resolve(&defaults())
+            .unwrap();
+        assert_eq!(cfg.describe_lr(2), "lr 1e-3 (not scaled)");
+        cfg.lr_scaling = LrScaling::Linear;
+        assert_eq!(
+            cfg.describe_lr(2),
+            "lr 2e-3 (--lr 1e-3 × 2 ranks, linear scaling)"
+        );
+        cfg.lr_scaling = LrScaling::Sqrt;
+        assert_eq!(
+            cfg.describe_lr(4),
+            "lr 2e-3 (--lr 1e-3 × √4 ranks, sqrt scaling)"
+        );
+        cfg.optimizer = OptimizerKind::Sgd;
+        cfg.momentum = 0.9;
+        assert_eq!(cfg.describe_optimizer(), "sgd (momentum 0.9)");
+        cfg.optimizer = OptimizerKind::Adam;
+        assert_eq!(cfg.describe_optimizer(), "adam");
     }
 }

@@ -116,12 +116,15 @@ impl Stepper {
         Ok((model, Stepper::Zero(zero)))
     }
 
-    /// What the first line says about the step: `DDP` or `ZeRO stage N`.
-    pub(crate) fn describe(&self) -> String {
+    /// What the first line says about the step of `model`: `DDP`, with `--overlap` whether the
+    /// all-reduces really start during backward (and why not where they cannot), or `ZeRO
+    /// stage N`.
+    pub(crate) fn describe<M: Module>(&self, model: &M) -> String {
         match self {
-            Stepper::Ddp { ddp, .. } if ddp.config().overlap => {
-                "DDP (all-reduces during backward)".into()
-            }
+            Stepper::Ddp { ddp, .. } if ddp.config().overlap => match ddp.why_no_overlap(model) {
+                None => "DDP (all-reduces during backward)".into(),
+                Some(why) => format!("DDP (--overlap is off: {why})"),
+            },
             Stepper::Ddp { .. } => "DDP".into(),
             Stepper::Zero(z) => {
                 let m = z.memory();
@@ -188,10 +191,10 @@ impl Stepper {
                 let z = zero.take_stats();
                 SyncStats {
                     steps: z.steps,
-                    pack: Default::default(),
                     wait: z.reduce + z.gather,
                     unpack: z.update,
                     bytes: z.bytes,
+                    ..SyncStats::default()
                 }
             }
         }

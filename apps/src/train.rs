@@ -54,6 +54,10 @@ pub struct RunSummary {
     pub wait_seconds: f64,
     /// Of which: turning reduced buckets back into gradient tensors.
     pub unpack_seconds: f64,
+    /// Gradient buckets all-reduced on this rank (DDP: every bucket of every step).
+    pub buckets: u64,
+    /// Of which: all-reduces started during backward (`--overlap`); 0 where overlap is off.
+    pub buckets_during_backward: u64,
     /// Wall time of this process's run, in seconds.
     pub wall_seconds: f64,
     /// Peak resident memory of each rank in MiB, in rank order.
@@ -368,15 +372,15 @@ where
     say.line(format!(
         "training {name}: world {world} (launcher: {}; {} compute threads per rank), \
          {train_len} training samples ({} per rank, {} steps per epoch), {test_len} test \
-         samples, batch {} per rank, lr {lr:e} ({:?} scaling), {:?}, {}, {} epochs from epoch {}",
+         samples, batch {} per rank, {}, {}, {}, {} epochs from epoch {}",
         pg.config().launcher,
         rayon::current_num_threads(),
         train_feed.num_samples(),
         steps_per_epoch,
         cfg.batch_size,
-        cfg.lr_scaling,
-        cfg.optimizer,
-        stepper.describe(),
+        cfg.describe_lr(world),
+        cfg.describe_optimizer(),
+        stepper.describe(&model),
         cfg.epochs,
         start_epoch + 1
     ));
@@ -399,6 +403,8 @@ where
         pack_seconds: 0.0,
         wait_seconds: 0.0,
         unpack_seconds: 0.0,
+        buckets: 0,
+        buckets_during_backward: 0,
         wall_seconds: 0.0,
         peak_rss_mib: Vec::new(),
         params_hash: String::new(),
@@ -533,6 +539,8 @@ where
         summary.pack_seconds += comm.pack.as_secs_f64();
         summary.wait_seconds += comm.wait.as_secs_f64();
         summary.unpack_seconds += comm.unpack.as_secs_f64();
+        summary.buckets += comm.buckets;
+        summary.buckets_during_backward += comm.buckets_during_backward;
 
         let (correct, total, test_loss) = evaluate(&model, &test_feed, &pg)?;
         let accuracy = correct as f64 / total.max(1) as f64;
@@ -682,6 +690,8 @@ fn add_stats(a: &mut SyncStats, b: &SyncStats) {
     a.wait += b.wait;
     a.unpack += b.unpack;
     a.bytes += b.bytes;
+    a.buckets += b.buckets;
+    a.buckets_during_backward += b.buckets_during_backward;
 }
 
 /// Records one step's spans: the loop's phases from `marks` (data, forward, backward, sync,

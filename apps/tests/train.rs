@@ -541,3 +541,75 @@ fn a_checkpoint_of_another_world_size_is_refused_unless_allowed() {
     assert_eq!(s["world_size"], 2);
     assert_eq!(s["epochs"], 1);
 }
+
+/// `train-pima ARGS` as one process (world size 1, the bundled CSV), without launcher variables.
+fn pima_alone(args: &[&str]) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_train-pima"));
+    command.args(["--threads", "1", "--json"]).args(args);
+    common::clear_launcher_env(&mut command);
+    run(&mut command)
+}
+
+/// Issue 36 item 8: `--help` opens with the trainer's own description (not the apps crate's),
+/// and the first line names the learning rate, the optimizer and the overlap in words (no
+/// Debug values), saying that `--overlap` is off, and why, where it cannot work.
+#[test]
+fn help_and_first_line_speak_for_the_trainer() {
+    for (bin, first) in [
+        (
+            env!("CARGO_BIN_EXE_train-mnist"),
+            "Train a classifier on MNIST with data parallelism across ranks",
+        ),
+        (
+            env!("CARGO_BIN_EXE_train-pima"),
+            "Train the Pima diabetes classifier with data parallelism across ranks",
+        ),
+    ] {
+        let mut command = Command::new(bin);
+        common::clear_launcher_env(command.arg("--help"));
+        let out = run(&mut command);
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{}", text(&out));
+        assert!(
+            help.lines().next().is_some_and(|l| l.starts_with(first)),
+            "{bin} --help:\n{help}"
+        );
+    }
+
+    let out = pima_alone(&["--epochs", "1", "--max-steps", "2", "--overlap"]);
+    let s = summary(&out);
+    let all = text(&out);
+    let line = all
+        .lines()
+        .find(|l| l.contains("training pima-mlp"))
+        .unwrap_or_else(|| panic!("no first line in:\n{all}"));
+    assert!(
+        line.contains("(not scaled), adam, DDP (--overlap is off: "),
+        "{line}"
+    );
+    assert!(line.contains("one rank"), "{line}");
+    assert!(
+        !line.contains("scaling)") && !line.contains("Adam"),
+        "{line}"
+    );
+    assert_eq!(s["buckets_during_backward"], 0, "{s}");
+
+    let out = pima_alone(&[
+        "--epochs",
+        "1",
+        "--max-steps",
+        "1",
+        "--lr-scaling",
+        "linear",
+        "--optimizer",
+        "sgd",
+        "--momentum",
+        "0.5",
+    ]);
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    assert!(
+        all.contains("× 1 ranks, linear scaling), sgd (momentum 0.5), DDP, "),
+        "{all}"
+    );
+}

@@ -2,7 +2,8 @@
 //! the real MNIST.
 //!
 //! - `--overlap` (all-reduces during backward) ends with the very weights of the default path,
-//!   for the MLP and the CNN, over shared memory and TCP;
+//!   for the MLP and the CNN, over shared memory and TCP, and its all-reduces did start during
+//!   backward (the JSON summary counts them; none without it);
 //! - stages 1 and 2 end with the very weights of plain DDP (stage 0): the same parameter hash
 //!   and byte-identical exported safetensors;
 //! - a sharded checkpoint written by 2 ranks resumes on 1 rank (another world size, allowed
@@ -213,6 +214,15 @@ fn overlap_ends_with_the_weights_of_the_default_path() {
         );
         let overlapped = summary(&out);
         assert_eq!(plain["steps"], overlapped["steps"]);
+        // The all-reduces started during backward: bucket 0 at least, at every step.
+        let steps = overlapped["steps"].as_u64().unwrap();
+        let early = overlapped["buckets_during_backward"].as_u64().unwrap();
+        assert!(
+            steps > 0 && early >= steps && early <= overlapped["buckets"].as_u64().unwrap(),
+            "{model} over {transport}: {overlapped}"
+        );
+        assert_eq!(plain["buckets_during_backward"], 0, "{plain}");
+        assert_eq!(plain["buckets"], overlapped["buckets"]);
         assert_eq!(
             plain["params_hash"], overlapped["params_hash"],
             "{model} over {transport}"

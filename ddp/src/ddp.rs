@@ -47,6 +47,7 @@ use ddp_comm::{ProcessGroup, ReduceOp};
 
 use ddp_comm::bytes::fnv1a;
 
+use crate::agree::{diverged_ranks, verify_same_params};
 use crate::buckets::{complete_bucket, plan_buckets, submit_bucket, Bucket, InFlight};
 use crate::config::{Compression, DdpConfig};
 use crate::overlap::{Early, OverlapState};
@@ -76,6 +77,11 @@ pub struct SyncStats {
     pub unpack: Duration,
     /// Bytes all-reduced (as sent on the wire, after compression).
     pub bytes: u64,
+    /// Bucket all-reduces across ranks (none at world size 1).
+    pub buckets: u64,
+    /// Of which: started during backward, by the hooks of [`DdpConfig::overlap`] (0 where
+    /// overlap is off: see [`DistributedDataParallel::why_no_overlap`]).
+    pub buckets_during_backward: u64,
 }
 
 impl SyncStats {
@@ -358,11 +364,12 @@ impl DistributedDataParallel {
         let done = overlap.disarm();
         self.buffers = done.buffers;
         self.stats.bytes += done.bytes;
+        self.stats.buckets_during_backward += done.early.len() as u64;
         if let Some(e) = done.error {
             local_error.get_or_insert(e);
         }
         let grads = GradientsParams::from_grads(grads, model);
-        self.sync_rest(grads, local_error, done.early, &done.packed)
+        self.sync_rest(grads, local_error, done.early, &done.packed, true)
     }
 
     /// A copy of `model` for the forward pass of the next [`backward`](Self::backward), whose
@@ -383,20 +390,41 @@ impl DistributedDataParallel {
     /// and [`sync`](Self::sync) (or [`accumulate`](Self::accumulate)) trains as without
     /// overlap.
     pub fn prepare<M: Module>(&mut self, model: &M) -> M {
-        let Some(overlap) = self.overlap.as_mut() else {
-            return model.clone();
-        };
-        let Some(device) = model.devices().into_iter().next() else {
-            return model.clone();
-        };
-        let on_flex = matches!(
-            device.clone().inner().as_dispatch(),
-            burn::backend::DispatchDevice::Flex(_)
-        );
-        if !on_flex || !device.is_autodiff() {
+        if self.why_no_overlap(model).is_some() {
             return model.clone();
         }
-        overlap.hook_model(model, &device)
+        match (self.overlap.as_mut(), model.devices().into_iter().next()) {
+            (Some(overlap), Some(device)) => overlap.hook_model(model, &device),
+            _ => model.clone(),
+        }
+    }
+
+    /// Why the all-reduces of `model`'s gradients cannot start during backward, or `None`
+    /// when [`prepare`](Self::prepare) and [`backward`](Self::backward) do start them (with
+    /// [`DdpConfig::overlap`], more than one rank, gradients through the host, burn's CPU
+    /// backend with autodiff). For banners: [`SyncStats::buckets_during_backward`] counts what
+    /// really went out during backward.
+    pub fn why_no_overlap<M: Module>(&self, model: &M) -> Option<&'static str> {
+        if !self.config.overlap {
+            return Some("DdpConfig::overlap is not set");
+        }
+        if self.pg.world_size() == 1 {
+            return Some("one rank, nothing to all-reduce");
+        }
+        if self.gradients_on_device() {
+            return Some("gradients are all-reduced on the GPU through NCCL, after backward");
+        }
+        if self.overlap.is_none() {
+            return Some("no trainable parameters");
+        }
+        let on_cpu_autodiff = model.devices().into_iter().next().is_some_and(|device| {
+            device.is_autodiff()
+                && matches!(
+                    device.inner().as_dispatch(),
+                    burn::backend::DispatchDevice::Flex(_)
+                )
+        });
+        (!on_cpu_autodiff).then_some("the model is not on burn's CPU backend with autodiff")
     }
 
     /// When the last [`backward`](Self::backward) ran its backward pass (start and end), for
@@ -461,22 +489,26 @@ impl DistributedDataParallel {
         grads: GradientsParams,
     ) -> Result<GradientsParams, DdpError> {
         let local_error = self.begin_sync(model)?;
-        self.sync_rest(grads, local_error, Vec::new(), &[])
+        self.sync_rest(grads, local_error, Vec::new(), &[], false)
     }
 
     /// The gradient part of a sync, after [`begin_sync`](Self::begin_sync): packs and
     /// all-reduces the buckets not already submitted during backward (`early`, a prefix of
-    /// the bucket order), waits for all of them in order and unpacks them. With `early`
-    /// buckets, a last small all-reduce carries this rank's local failure (the early buckets
-    /// went out before it could be known).
+    /// the bucket order), waits for all of them in order and unpacks them.
+    ///
+    /// After an overlapped backward (`overlapped`), a last small all-reduce carries this
+    /// rank's local failure: the early buckets went out before it could be known. Every rank
+    /// sends it, whether or not it submitted buckets during backward: that depends on the
+    /// rank's own gradients (a parameter without a gradient here holds its bucket, and every
+    /// later one, back until now), while every rank must issue the same collectives.
     fn sync_rest(
         &mut self,
         mut grads: GradientsParams,
         mut local_error: Option<DdpError>,
         early: Vec<Early>,
         packed: &[bool],
+        overlapped: bool,
     ) -> Result<GradientsParams, DdpError> {
-        let overlapped = !early.is_empty();
         let mut early = early.into_iter();
         if self.pg.world_size() == 1 && self.micro_steps == 0 {
             // Averaging over one rank and one micro-step is the identity: skip the copies.
@@ -487,6 +519,9 @@ impl DistributedDataParallel {
             }
             self.stats.steps += 1;
             return Ok(grads);
+        }
+        if self.pg.world_size() > 1 {
+            self.stats.buckets += self.buckets.len() as u64;
         }
         #[cfg(feature = "cuda")]
         if self.device_path.is_some() {
@@ -864,94 +899,9 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
-/// Which ranks' hashes differ, given every rank's: `None` when all agree; otherwise the ranks
-/// outside a strict majority (`true`), or, when no strict majority exists, the ranks that
-/// differ from rank 0 (`false`: with two ranks, or a tie, nobody can tell which is wrong).
-fn diverged_ranks(hashes: &[i64]) -> Option<(Vec<usize>, bool)> {
-    let first = *hashes.first()?;
-    if hashes.iter().all(|h| *h == first) {
-        return None;
-    }
-    let count = |v: i64| hashes.iter().filter(|h| **h == v).count();
-    let majority = hashes
-        .iter()
-        .copied()
-        .find(|h| 2 * count(*h) > hashes.len());
-    let (reference, against_majority) = match majority {
-        Some(m) => (m, true),
-        None => (first, false),
-    };
-    let ranks = (0..hashes.len())
-        .filter(|&r| hashes[r] != reference)
-        .collect();
-    Some((ranks, against_majority))
-}
-
-/// All-gathers a hash of the parameter list; when the hashes differ, all-gathers the lists
-/// themselves and names the first rank that differs from rank 0 and how.
-fn verify_same_params(pg: &ProcessGroup, params: &[ParamInfo]) -> Result<(), DdpError> {
-    if pg.world_size() == 1 {
-        return Ok(());
-    }
-    let text = params
-        .iter()
-        .map(ParamInfo::describe)
-        .collect::<Vec<_>>()
-        .join("\n");
-    let hashes = pg.all_gather(vec![fnv1a(text.as_bytes()) as i64])?;
-    let Some(bad) = hashes.iter().position(|h| *h != hashes[0]) else {
-        return Ok(());
-    };
-    let lens = pg.all_gather(vec![text.len() as i64])?;
-    let max = lens.iter().copied().max().unwrap_or(0) as usize;
-    let mut bytes = text.into_bytes();
-    bytes.resize(max, 0);
-    let all = pg.all_gather(bytes)?;
-    let list = |r: usize| -> Vec<String> {
-        let start = r * max;
-        String::from_utf8_lossy(&all[start..start + lens[r] as usize])
-            .lines()
-            .map(str::to_string)
-            .collect()
-    };
-    let (reference, theirs) = (list(0), list(bad));
-    let n = reference.len().max(theirs.len());
-    let at = (0..n)
-        .find(|&i| reference.get(i) != theirs.get(i))
-        .unwrap_or(n);
-    let show = |l: Option<&String>| l.cloned().unwrap_or_else(|| "nothing".into());
-    let others: Vec<usize> = (0..hashes.len())
-        .filter(|&r| hashes[r] != hashes[0])
-        .collect();
-    Err(DdpError::ParamMismatch(format!(
-        "rank {bad} differs from rank 0 at parameter #{at}: rank 0 has `{}`, rank {bad} has `{}` \
-         (rank 0 has {} parameters, rank {bad} has {}; ranks differing from rank 0: {others:?}; \
-         this is rank {})",
-        show(reference.get(at)),
-        show(theirs.get(at)),
-        reference.len(),
-        theirs.len(),
-        pg.rank()
-    )))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn diverged_ranks_blames_a_majority_only_when_there_is_one() {
-        assert_eq!(diverged_ranks(&[1, 1, 1]), None);
-        // Two ranks: no majority, so rank 1 is named as differing from rank 0, not blamed.
-        assert_eq!(diverged_ranks(&[1, 2]), Some((vec![1], false)));
-        // Rank 0 is the odd one out of three: the majority names it.
-        assert_eq!(diverged_ranks(&[2, 1, 1]), Some((vec![0], true)));
-        assert_eq!(diverged_ranks(&[1, 1, 2]), Some((vec![2], true)));
-        // A 2-2 tie: no majority.
-        assert_eq!(diverged_ranks(&[1, 2, 1, 2]), Some((vec![1, 3], false)));
-        // All different: no majority.
-        assert_eq!(diverged_ranks(&[1, 2, 3]), Some((vec![1, 2], false)));
-    }
 
     #[test]
     fn a_peer_failure_names_the_rank_when_exactly_one_failed() {

@@ -10,6 +10,7 @@
 
 #![warn(missing_docs)]
 
+mod agree;
 mod buckets;
 pub mod checkpoint;
 mod config;

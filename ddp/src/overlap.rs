@@ -24,6 +24,7 @@
 //! backward and the first layers' late. A model whose fields are not in forward order still
 //! gets correct results, with less overlap.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -65,8 +66,6 @@ pub(crate) struct Disarmed {
 
 /// What the hooks share with the wrapper during one overlapped backward pass.
 struct Step {
-    /// Whether hooks pack and submit (only inside `DistributedDataParallel::backward`).
-    armed: bool,
     /// Whether the buffers start afresh (no micro-step accumulated since the last sync).
     fresh: bool,
     /// The bucket buffers, lent by the wrapper for the pass.
@@ -100,6 +99,9 @@ pub(crate) struct OverlapState {
     compression: Compression,
     /// The loss depth measured by the first overlapped pass.
     loss_depth: Arc<Mutex<Option<usize>>>,
+    /// Whether the hooks read, pack and submit (only inside `DistributedDataParallel::
+    /// backward`): disarmed, they copy nothing.
+    armed: Arc<AtomicBool>,
     step: Arc<Mutex<Step>>,
     /// Whether the model of the coming pass was hooked.
     prepared: bool,
@@ -131,8 +133,8 @@ impl OverlapState {
             place: place.into(),
             compression,
             loss_depth: Arc::new(Mutex::new(None)),
+            armed: Arc::new(AtomicBool::new(false)),
             step: Arc::new(Mutex::new(Step {
-                armed: false,
                 fresh: true,
                 buffers: Vec::new(),
                 pending: Vec::new(),
@@ -179,9 +181,6 @@ impl OverlapState {
         let (pg, compression) = (Arc::clone(&self.pg), self.compression);
         let sink = Arc::new(move |index: usize, data: Option<TensorData>| {
             let mut step = lock(&shared);
-            if !step.armed {
-                return;
-            }
             let Some((b, slot)) = places[index] else {
                 return;
             };
@@ -241,6 +240,7 @@ impl OverlapState {
             params: &self.params,
             carriers: &carriers,
             depth_of: &depth_of,
+            armed: &self.armed,
             sink,
             index: 0,
             trainable: 0,
@@ -269,7 +269,6 @@ impl OverlapState {
         }
         {
             let mut step = lock(&self.step);
-            step.armed = true;
             step.fresh = fresh;
             step.buffers = buffers;
             step.pending = pending;
@@ -281,6 +280,7 @@ impl OverlapState {
             step.packed = vec![false; self.params.len()];
             step.bytes = 0;
         }
+        self.armed.store(true, Ordering::Release);
         if lock(&self.loss_depth).is_some() {
             return loss;
         }
@@ -296,8 +296,8 @@ impl OverlapState {
     /// Disarms the hooks after the pass and returns what it did.
     pub(crate) fn disarm(&mut self) -> Disarmed {
         self.prepared = false;
+        self.armed.store(false, Ordering::Release);
         let mut step = lock(&self.step);
-        step.armed = false;
         Disarmed {
             buffers: std::mem::take(&mut step.buffers),
             early: std::mem::take(&mut step.early),
@@ -318,6 +318,7 @@ struct Hooker<'a> {
     params: &'a [ParamInfo],
     carriers: &'a [Tensor<1>],
     depth_of: &'a dyn Fn(usize) -> usize,
+    armed: &'a Arc<AtomicBool>,
     sink: Arc<dyn Fn(usize, Option<TensorData>) + Send + Sync>,
     /// Visiting index of the next float tensor.
     index: usize,
@@ -338,6 +339,7 @@ impl ModuleMapper for Hooker<'_> {
         let carrier = self.carriers[(self.depth_of)(t).min(self.carriers.len() - 1)].clone();
         let hook = GradHook {
             index,
+            armed: Arc::clone(self.armed),
             sink: Arc::clone(&self.sink),
         };
         let hooked = Tensor::from_dispatch(Dispatch::ddp_grad_hook(

@@ -3,9 +3,9 @@
 //!
 //! - `ddp_grad_hook(param, carrier, hook)` is the identity on `param` (a hooked copy of the
 //!   model uses its result in place of the parameter). Its backward step consumes the gradient
-//!   of its output, which by then is complete (see below), hands it to `hook`, and passes it on
-//!   to the parameter, as any identity would. The second parent, `carrier`, only sets the
-//!   step's place in backward.
+//!   of its output, which by then is complete (see below), hands a copy of it to `hook` when
+//!   the hook is armed (a disarmed hook copies nothing), and passes it on to the parameter, as
+//!   any identity would. The second parent, `carrier`, only sets the step's place in backward.
 //! - `ddp_depth_probe(loss, probe)` is the identity on the loss; its backward step, the first
 //!   of the pass, records the depth of the graph.
 //!
@@ -22,6 +22,7 @@
 //! does not hook (calling an extension on an unlisted backend panics).
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -34,11 +35,14 @@ use burn::backend::{backend_extension, Autodiff, Backend, TensorMetadata};
 use burn::tensor::{Shape, TensorData};
 
 /// What a hook's backward step calls with its parameter's complete gradient (`None` when the
-/// gradient could not be read).
+/// gradient could not be read), while `armed`.
 #[derive(Clone)]
 pub struct GradHook {
     /// The parameter's index in the wrapper's parameter list.
     pub index: usize,
+    /// Whether the gradient is wanted: when not, the step reads nothing and calls nobody
+    /// (accumulation micro-steps, a prepared model through plain `backward` and `sync`).
+    pub armed: Arc<AtomicBool>,
     /// The receiver.
     pub sink: Arc<dyn Fn(usize, Option<TensorData>) + Send + Sync>,
 }
@@ -101,9 +105,11 @@ impl<B: Backend> Backward<B, 2> for HookBackward {
             let zeros = B::float_zeros(Shape::new([1]), &grad.device(), grad.dtype().into());
             grads.register::<B>(carrier.id, zeros);
         }
-        let data =
-            burn::tensor::try_read_sync(B::float_into_data(grad.clone())).and_then(Result::ok);
-        (ops.state.sink)(ops.state.index, data);
+        if ops.state.armed.load(Ordering::Acquire) {
+            let data =
+                burn::tensor::try_read_sync(B::float_into_data(grad.clone())).and_then(Result::ok);
+            (ops.state.sink)(ops.state.index, data);
+        }
         // On to the parameter (a leaf), as any identity: `GradientsParams::from_grads` on the
         // unhooked model finds it there.
         if let Some(param) = param {
@@ -154,5 +160,60 @@ impl<B: OverlapOps, C: CheckpointStrategy> OverlapOps for Autodiff<B, C> {
             OpsKind::Tracked(prep) => prep.finish(probe, loss.into_primitive()),
             OpsKind::UnTracked(prep) => prep.finish(loss.into_primitive()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Mutex;
+
+    use burn::backend::Dispatch;
+    use burn::tensor::{Device, Tensor};
+
+    use super::*;
+
+    #[test]
+    fn a_disarmed_hook_reads_no_gradient_and_the_parameter_gets_it_either_way() {
+        let device = Device::flex().autodiff();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let armed = Arc::new(AtomicBool::new(false));
+        let (c, v) = (Arc::clone(&calls), Arc::clone(&seen));
+        let hook = GradHook {
+            index: 7,
+            armed: Arc::clone(&armed),
+            sink: Arc::new(move |index, data| {
+                c.fetch_add(1, Ordering::SeqCst);
+                let values = data.map(|d| d.try_to_vec::<f32>().unwrap());
+                v.lock().unwrap().push((index, values));
+            }),
+        };
+        let param =
+            Tensor::<1>::from_data(TensorData::new(vec![1.0f32, 2.0], [2]), &device).require_grad();
+        let pass = |param: &Tensor<1>| {
+            let carrier = Tensor::<1>::zeros([1], &device);
+            let hooked = Tensor::<1>::from_dispatch(Dispatch::ddp_grad_hook(
+                param.clone().into_dispatch(),
+                carrier.into_dispatch(),
+                hook.clone(),
+            ));
+            let grads = hooked.mul_scalar(3.0).sum().backward();
+            let grad = param.grad(&grads).expect("the parameter's gradient");
+            grad.into_data().try_to_vec::<f32>().unwrap()
+        };
+        assert_eq!(pass(&param), vec![3.0, 3.0]);
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            0,
+            "a disarmed hook was called"
+        );
+        armed.store(true, Ordering::Release);
+        assert_eq!(pass(&param), vec![3.0, 3.0]);
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![(7, Some(vec![3.0, 3.0]))],
+            "an armed hook gets the gradient"
+        );
     }
 }

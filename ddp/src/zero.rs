@@ -65,7 +65,9 @@ use crate::config::DdpConfig;
 use crate::ddp::{peer_failed, DistributedDataParallel};
 use crate::params::{load_with, read_pieces, take_grad, ParamInfo};
 use crate::shard_optim::ShardOptimizer;
-use crate::zero_state::{decode, encode, ShardHeader, StateHeader};
+use crate::zero_state::{
+    check_shards_agree, decode, encode, shard_report, ShardHeader, StateHeader,
+};
 use crate::DdpError;
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -187,6 +189,13 @@ pub struct ShardedDataParallel {
     presence: Vec<f32>,
     micro_steps: usize,
     stats: ZeroStats,
+    /// Steps taken, the ones of a loaded state included: recorded in the saved states, so
+    /// that shard files of different checkpoints are told apart.
+    steps: u64,
+    /// This run's id, the same on every rank (rank 0's, broadcast at construction; a loaded
+    /// state's run once loaded): recorded in the saved states, so that another run's shard
+    /// files are told apart.
+    run: u64,
 }
 
 impl ShardedDataParallel {
@@ -252,6 +261,9 @@ impl ShardedDataParallel {
             }
         }
         let state = vec![vec![0.0; shard_len]; optimizer.state_vectors()];
+        let run = ddp
+            .process_group()
+            .broadcast(vec![new_run_id() as i64], 0)?[0] as u64;
         let numels = trainable.iter().map(|&i| params[i].numel()).collect();
         let zero = Self {
             numels,
@@ -273,6 +285,8 @@ impl ShardedDataParallel {
             grad: Vec::new(),
             micro_steps: 0,
             stats: ZeroStats::default(),
+            steps: 0,
+            run,
         };
         Ok((model, zero))
     }
@@ -453,6 +467,7 @@ impl ShardedDataParallel {
         });
         self.stats.gather += updated.elapsed();
         self.stats.steps += 1;
+        self.steps += 1;
         Ok(model)
     }
 
@@ -486,6 +501,8 @@ impl ShardedDataParallel {
                 .map(|&i| (self.params()[i].name.clone(), self.params()[i].numel()))
                 .collect(),
             times: self.times.clone(),
+            step: self.steps,
+            run: self.run,
             shard: None,
         }
     }
@@ -501,11 +518,22 @@ impl ShardedDataParallel {
 
     /// Loads this rank's own shard written by [`shard_state`](Self::shard_state); another
     /// rank's, another world size's or layout's, or a consolidated state is an error naming
-    /// the field, and nothing is changed. `name` names the source in errors.
+    /// the field. A collective: every rank calls it at the same point with its own file, and
+    /// the shards load only together, when every rank's file is of the same run and step (one
+    /// checkpoint). Otherwise every rank fails, naming the ranks out of line and their steps
+    /// (a save that stopped part-way leaves one rank's file older), and nothing is changed.
+    /// `name` names the source in errors.
     pub fn load_shard_state(&mut self, bytes: &[u8], name: &str) -> Result<(), DdpError> {
-        let (header, vectors) = decode(bytes, &self.shard_header(), name)?;
+        let decoded = decode(bytes, &self.shard_header(), name);
+        let all = self
+            .process_group()
+            .all_gather(shard_report(decoded.as_ref().ok().map(|(h, _)| h)))?;
+        let (header, vectors) = decoded?;
+        check_shards_agree(&all, name)?;
         self.state = vectors;
         self.times = header.times;
+        self.steps = header.step;
+        self.run = header.run;
         Ok(())
     }
 
@@ -524,24 +552,31 @@ impl ShardedDataParallel {
         header
     }
 
-    /// The whole optimizer state in one piece (PyTorch's `consolidate_state_dict(to=0)`): every
-    /// rank's shard is all-gathered and rank 0 returns the encoded state, independent of the
-    /// world size (the others `None`). A collective: every rank calls it at the same point.
-    /// Rank 0 briefly holds the whole state.
+    /// The whole optimizer state in one piece (PyTorch's `consolidate_state_dict(to=0)`): rank
+    /// 0 returns the encoded state, independent of the world size, the others `None`. A
+    /// collective: every rank calls it at the same point.
+    ///
+    /// Each rank's shard of each state vector travels in a broadcast from that rank (the
+    /// process group has no gather to one rank): every rank receives it, but only rank 0 keeps
+    /// it, so that the others never hold more than one shard at a time. Rank 0 briefly holds
+    /// the whole state.
     pub fn consolidated_state(&self) -> Result<Option<Vec<u8>>, DdpError> {
         let pg = self.process_group();
         let (world, rank) = (pg.world_size(), pg.rank());
         let mut vectors = Vec::with_capacity(self.state.len());
         for v in &self.state {
-            let mut mine = v.clone();
-            mine.resize(self.max_shard_len, 0.0);
-            let all = pg.all_gather(mine)?;
-            if rank != 0 {
-                continue;
-            }
-            let mut full = vec![0.0; self.total];
+            let mut full = if rank == 0 {
+                vec![0.0; self.total]
+            } else {
+                Vec::new()
+            };
             for r in 0..world {
-                let block = &all[r * self.max_shard_len..(r + 1) * self.max_shard_len];
+                let mut block = if r == rank { v.clone() } else { Vec::new() };
+                block.resize(self.max_shard_len, 0.0);
+                let block = pg.broadcast(block, r)?;
+                if rank != 0 {
+                    continue;
+                }
                 let mut offset = 0;
                 for b in &self.plans[r] {
                     full[b.mine.clone()].copy_from_slice(&block[offset..offset + b.mine.len()]);
@@ -571,6 +606,11 @@ impl ShardedDataParallel {
         }
         self.state = state;
         self.times = header.times;
+        self.steps = header.step;
+        if header.run != 0 {
+            // The same run, resumed (every rank loads the same bytes: the ranks still agree).
+            self.run = header.run;
+        }
         Ok(())
     }
 
@@ -743,6 +783,19 @@ enum GradSource<'a> {
     Flat(&'a [f32]),
     /// Each trainable parameter's gradient, as taken from burn's `GradientsParams`.
     Params(&'a [Option<Vec<f32>>]),
+}
+
+/// A fresh run id: random (std's randomly keyed hasher over the time and the process id), never
+/// 0 (which stands for "not recorded").
+fn new_run_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    h.write_u128(now);
+    h.write_u32(std::process::id());
+    h.finish() | 1
 }
 
 /// The buckets of a flat vector of `total` elements (contiguous ranges of at most `cap`

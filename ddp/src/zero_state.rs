@@ -9,11 +9,15 @@
 //! ```
 //!
 //! The JSON header names the optimizer, the number of state vectors, every trainable parameter
-//! (name and element count, in visiting order) and every parameter's step count. Decoding
-//! checks each against what the loading run expects and names the first field that differs.
+//! (name and element count, in visiting order), every parameter's step count, the wrapper's
+//! step count and its run. Decoding checks the first four against what the loading run
+//! expects and names the first field that differs. A per-rank shard also names its place; the
+//! ranks' shards load only together, when every rank's file is of the same run and step
+//! ([`check_shards_agree`]).
 
 use serde::{Deserialize, Serialize};
 
+use crate::agree::diverged_ranks;
 use crate::DdpError;
 
 const MAGIC: &[u8; 8] = b"DDPZERO1";
@@ -29,6 +33,13 @@ pub(crate) struct StateHeader {
     pub params: Vec<(String, usize)>,
     /// Step count of every trainable parameter.
     pub times: Vec<u64>,
+    /// Steps the writing wrapper had taken, the ones it loaded included (0 in files of older
+    /// versions).
+    #[serde(default)]
+    pub step: u64,
+    /// The writing run's id, the same on all of its ranks (0 in files of older versions).
+    #[serde(default)]
+    pub run: u64,
     /// Set when the vectors hold one rank's shard only (what that rank saves on its own);
     /// absent in a consolidated state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -59,6 +70,99 @@ impl StateHeader {
 /// A [`DdpError::Checkpoint`] about the state named `what`.
 fn fail(what: &str, text: impl std::fmt::Display) -> DdpError {
     DdpError::Checkpoint(format!("sharded optimizer state ({what}): {text}"))
+}
+
+/// What every rank reports of the shard file it read, for [`check_shards_agree`]: whether it
+/// could read it, then its step and run (as `i64`, the process group's integer element).
+pub(crate) fn shard_report(read: Option<&StateHeader>) -> Vec<i64> {
+    match read {
+        Some(h) => vec![1, h.step as i64, h.run as i64],
+        None => vec![0, 0, 0],
+    }
+}
+
+/// Whether every rank's shard file (`all`: each rank's [`shard_report`], in rank order) is of
+/// one run and one step, so that together they are one checkpoint; else an error for this
+/// rank (which read `name`), naming the ranks out of line and their steps. Shard files of two
+/// checkpoints happen when a save stopped part-way (a crash): one rank's file is still the
+/// older one, and loading it would step that rank's slice with old moments and an old step
+/// count, silently, since the replicas stay identical.
+pub(crate) fn check_shards_agree(all: &[i64], name: &str) -> Result<(), DdpError> {
+    let world = all.len() / 3;
+    let (read, step, run) = (
+        |r: usize| all[3 * r] == 1,
+        |r: usize| all[3 * r + 1] as u64,
+        |r: usize| all[3 * r + 2],
+    );
+    let list = |ranks: &[usize]| match ranks {
+        [one] => format!("rank {one}"),
+        [init @ .., last] => format!(
+            "ranks {} and {last}",
+            init.iter()
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        [] => "no rank".into(),
+    };
+    let unread: Vec<usize> = (0..world).filter(|&r| !read(r)).collect();
+    if !unread.is_empty() {
+        return Err(fail(
+            name,
+            format!(
+                "{} could not load its shard file (its own error says why): nothing was loaded",
+                list(&unread)
+            ),
+        ));
+    }
+    let runs: Vec<i64> = (0..world).map(run).collect();
+    if let Some((odd, against_majority)) = diverged_ranks(&runs) {
+        let reference = if against_majority {
+            (0..world).find(|r| !odd.contains(r)).unwrap_or(0)
+        } else {
+            0
+        };
+        let theirs: Vec<String> = odd
+            .iter()
+            .map(|&r| {
+                format!(
+                    "rank {r}'s is of another run ({:016x}, step {})",
+                    runs[r],
+                    step(r)
+                )
+            })
+            .collect();
+        return Err(fail(
+            name,
+            format!(
+                "the shard files are not of one run: {}, rank {reference}'s of run {:016x}                  (step {}); nothing was loaded",
+                theirs.join(", "),
+                runs[reference],
+                step(reference)
+            ),
+        ));
+    }
+    let mut steps: Vec<u64> = (0..world).map(step).collect();
+    steps.sort_unstable();
+    steps.dedup();
+    if steps.len() > 1 {
+        let groups: Vec<String> = steps
+            .iter()
+            .rev()
+            .map(|&s| {
+                let ranks: Vec<usize> = (0..world).filter(|&r| step(r) == s).collect();
+                format!("{} at step {s}", list(&ranks))
+            })
+            .collect();
+        return Err(fail(
+            name,
+            format!(
+                "the shard files are of different checkpoints: {} (a save that did not finish                  on every rank leaves a file older than the others); nothing was loaded",
+                groups.join(", ")
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Encodes a consolidated state: `vectors[k]` is state vector k over the whole flat vector.
@@ -198,6 +302,8 @@ mod tests {
             vectors: 2,
             params: vec![("w".into(), 3), ("b".into(), 1)],
             times: vec![4, 3],
+            step: 4,
+            run: 0x5eed,
             shard: None,
         }
     }
@@ -239,5 +345,42 @@ mod tests {
             e.contains("rank 1's shard of a 2-rank run") && e.contains("the consolidated state"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn shards_load_only_as_one_checkpoint_of_one_run() {
+        let report = |step: u64, run: u64| {
+            let mut h = header();
+            (h.step, h.run) = (step, run);
+            shard_report(Some(&h))
+        };
+        let all = |reports: &[Vec<i64>]| reports.concat();
+        assert!(check_shards_agree(&all(&[report(3, 9), report(3, 9)]), "f").is_ok());
+        // Rank 1's file is a checkpoint older.
+        let e = check_shards_agree(&all(&[report(3, 9), report(2, 9), report(3, 9)]), "s1")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("ranks 0 and 2 at step 3, rank 1 at step 2") && e.contains("(s1)"),
+            "{e}"
+        );
+        // Rank 2's file is another run's (the majority tells), at two ranks rank 0's is the
+        // reference.
+        let e = check_shards_agree(&all(&[report(3, 9), report(3, 9), report(3, 8)]), "f")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rank 2's is of another run (0000000000000008, step 3)"),
+            "{e}"
+        );
+        let e = check_shards_agree(&all(&[report(3, 9), report(3, 8)]), "f")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rank 1's is of another run"), "{e}");
+        // A rank that could not read its file: the others name it.
+        let e = check_shards_agree(&all(&[report(3, 9), shard_report(None)]), "f")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rank 1 could not load"), "{e}");
     }
 }

@@ -1,14 +1,29 @@
 //! Gradient all-reduces started during backward (`DdpConfig::overlap`, `prepare` and
 //! `backward`), against the same runs without overlap, the reference: one thread per rank,
-//! each with its own process group.
+//! each with its own process group over real sockets (shared memory or TCP).
 //!
 //! - results are bit-identical with overlap on and off, at world sizes 1 to 4, over shared
 //!   memory and TCP, with a layer used only in some steps (its bucket waits for the sync) and
 //!   a layer used twice in one forward pass (its hook fires once both uses are in);
-//! - overlap happens: after the first step (which measures the graph's depth), buckets are
-//!   submitted before backward returns;
+//! - a parameter with a gradient on some ranks only (an auxiliary head declared last, so in
+//!   the first bucket, whose loss only rank 1 adds): every rank issues the same collectives,
+//!   and the result is bit-identical to DDP without overlap at 2 and 3 ranks, over shared
+//!   memory and TCP, with one bucket and with several;
+//! - overlap happens where it should: after the first step (which measures the graph's
+//!   depth), bucket 0 (the last layer's gradients) goes out before backward has reached the
+//!   first layer (an observer on the first layer's output records when it does);
 //! - accumulation (`no_sync` micro-steps on a prepared model) is unchanged.
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::flex::Flex;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{backend_extension, Autodiff, Backend, Dispatch};
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamConfig, GradientsParams};
@@ -18,7 +33,7 @@ use ddp::{flatten_params, load_flat_params, DdpConfig, DistributedDataParallel, 
 use ddp_comm::Transport;
 
 mod common;
-use common::{device, run_ranks_over};
+use common::{device, run_ranks, run_ranks_over};
 
 const IN: usize = 13;
 const HIDDEN: usize = 9;
@@ -52,7 +67,23 @@ impl Net {
     }
 
     fn loss(&self, x: Tensor<2>, y: Tensor<2>, use_extra: bool) -> Tensor<1> {
-        let h = relu(self.a.forward(x));
+        self.observed_loss(x, y, use_extra, None)
+    }
+
+    /// The loss, with `observer` (when given) on the first layer's output: its backward step
+    /// runs when backward reaches the first layer.
+    fn observed_loss(
+        &self,
+        x: Tensor<2>,
+        y: Tensor<2>,
+        use_extra: bool,
+        observer: Option<Observer>,
+    ) -> Tensor<1> {
+        let mut h = self.a.forward(x);
+        if let Some(observer) = observer {
+            h = Tensor::from_dispatch(Dispatch::observe(h.into_dispatch(), observer));
+        }
+        let h = relu(h);
         let h = relu(self.mid.forward(relu(self.mid.forward(h))));
         let mut out = self.b.forward(h.clone());
         if use_extra {
@@ -182,4 +213,228 @@ fn accumulation_with_overlap_gives_the_same_bits() {
     let on = train(2, true, 3, 4, Transport::Auto);
     assert_bit_identical(&on[0].0, &off[0].0, "3 micro-steps");
     assert_bit_identical(&on[1].0, &off[0].0, "3 micro-steps, rank 1");
+}
+
+/// What the test's observer op calls when backward reaches it.
+#[derive(Clone)]
+pub struct Observer {
+    /// The receiver.
+    pub sink: Arc<dyn Fn() + Send + Sync>,
+}
+
+impl fmt::Debug for Observer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Observer")
+    }
+}
+
+/// An identity whose backward step reports when it runs: the test's own window on the order
+/// of burn's backward pass (the same extension mechanism as the wrapper's hooks).
+#[backend_extension(Flex, Autodiff)]
+pub trait ObserveOps: Backend {
+    /// The identity; on `Autodiff`, a backward step that calls `observer`.
+    fn observe(x: FloatTensor<Self>, observer: Observer) -> FloatTensor<Self> {
+        let _ = observer;
+        x
+    }
+}
+
+impl ObserveOps for Flex {}
+
+#[derive(Debug)]
+struct ObserveBackward;
+
+impl<B: Backend> Backward<B, 1> for ObserveBackward {
+    type State = Observer;
+
+    fn backward(self, ops: Ops<Observer, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        (ops.state.sink)();
+        let grad = grads.consume::<B>(&ops.node);
+        let [x] = ops.parents;
+        if let Some(x) = x {
+            grads.register::<B>(x.id, grad);
+        }
+    }
+}
+
+impl<B: ObserveOps, C: CheckpointStrategy> ObserveOps for Autodiff<B, C> {
+    fn observe(x: FloatTensor<Self>, observer: Observer) -> FloatTensor<Self> {
+        match ObserveBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(observer, x.into_primitive()),
+            OpsKind::UnTracked(prep) => prep.finish(x.into_primitive()),
+        }
+    }
+}
+
+#[test]
+fn bucket_0_goes_out_before_backward_reaches_the_first_layer() {
+    let out = run_ranks(2, |pg| {
+        let rank = pg.rank();
+        let config = DdpConfig::new()
+            .with_bucket_cap_mb(SMALL_BUCKETS_MB)
+            .with_first_bucket_mb(SMALL_BUCKETS_MB)
+            .with_overlap(true);
+        let (mut model, mut ddp) = DistributedDataParallel::new(Net::new(0.0), pg, config).unwrap();
+        assert_eq!(ddp.bucket_layout()[0], vec!["b.bias".to_string()]);
+        ddp.record_spans(true);
+        let mut optim = AdamConfig::new().init();
+        // Per step after the first: when bucket 0 was submitted, and when backward reached
+        // the first layer's output.
+        let mut seen = Vec::new();
+        for step in 0..5 {
+            let reached: Arc<Mutex<Option<Instant>>> = Arc::default();
+            let at = Arc::clone(&reached);
+            let observer = Observer {
+                sink: Arc::new(move || {
+                    at.lock().unwrap().get_or_insert_with(Instant::now);
+                }),
+            };
+            let hooked = ddp.prepare(&model);
+            let (x, y) = data(step, 0, rank);
+            let loss = hooked.observed_loss(x, y, true, Some(observer));
+            let grads = ddp.backward(&model, loss).unwrap();
+            let submitted = ddp
+                .take_spans()
+                .iter()
+                .find(|s| s.phase == SyncPhase::Pack && s.bucket == 0)
+                .map(|s| s.end)
+                .expect("bucket 0 was packed");
+            let reached = reached.lock().unwrap().expect("the observer ran");
+            if step > 0 {
+                seen.push(submitted < reached);
+            }
+            model = optim.step(1e-2, model, grads);
+        }
+        seen
+    });
+    for (rank, seen) in out.iter().enumerate() {
+        assert_eq!(seen.len(), 4);
+        assert!(
+            seen.iter().all(|&before| before),
+            "rank {rank}: bucket 0 before the first layer's backward, per step: {seen:?}"
+        );
+    }
+}
+
+/// A trunk, the main head, and an auxiliary head declared last: in visiting order it comes
+/// last, so its parameters lead the first bucket of backward order.
+#[derive(Module, Debug)]
+struct AuxNet {
+    trunk: Linear,
+    head: Linear,
+    aux: Linear,
+}
+
+const AUX_OUT: usize = 2;
+
+impl AuxNet {
+    fn new(rank_offset: f32) -> AuxNet {
+        let device = device();
+        let net = AuxNet {
+            trunk: LinearConfig::new(IN, HIDDEN).init(&device),
+            head: LinearConfig::new(HIDDEN, OUT).init(&device),
+            aux: LinearConfig::new(HIDDEN, AUX_OUT).init(&device),
+        };
+        let n = flatten_params(&net).unwrap().len();
+        let values: Vec<f32> = (0..n)
+            .map(|i| ((i * 53 + 7) % 103) as f32 / 103.0 - 0.5 + rank_offset)
+            .collect();
+        load_flat_params(net, &values).unwrap()
+    }
+
+    /// The main loss, plus the auxiliary head's when this rank's batch has that task.
+    fn loss(&self, x: Tensor<2>, y: Tensor<2>, with_aux: bool) -> Tensor<1> {
+        let h = relu(self.trunk.forward(x));
+        let main = (self.head.forward(h.clone()) - y.clone())
+            .powi_scalar(2)
+            .mean();
+        if !with_aux {
+            return main;
+        }
+        let target = y.slice([0..4, 0..AUX_OUT]);
+        main + (self.aux.forward(h) - target).powi_scalar(2).mean()
+    }
+}
+
+/// `steps` steps of Adam on `world` ranks where only rank 1 adds the auxiliary loss;
+/// `bucket_mb` sizes every bucket. Per rank: the final parameters, and for each step after
+/// the first whether some bucket went out during backward.
+fn train_aux(
+    world: usize,
+    overlap: bool,
+    bucket_mb: f64,
+    steps: usize,
+    t: Transport,
+) -> Vec<Outcome> {
+    run_ranks_over(world, t, |pg| {
+        let rank = pg.rank();
+        let config = DdpConfig::new()
+            .with_bucket_cap_mb(bucket_mb)
+            .with_first_bucket_mb(bucket_mb)
+            .with_overlap(overlap);
+        let (mut model, mut ddp) =
+            DistributedDataParallel::new(AuxNet::new(rank as f32), pg, config).unwrap();
+        assert_eq!(
+            ddp.bucket_layout()[0][0],
+            "aux.bias",
+            "the auxiliary head leads bucket 0"
+        );
+        ddp.record_spans(true);
+        let mut optim = AdamConfig::new().init();
+        let mut early = Vec::new();
+        for step in 0..steps {
+            let hooked = ddp.prepare(&model);
+            let (x, y) = data(step, 0, rank);
+            let loss = hooked.loss(x, y, rank == 1);
+            let grads = ddp
+                .backward(&model, loss)
+                .unwrap_or_else(|e| panic!("rank {rank}, step {step}: {e}"));
+            let spans = ddp.take_spans();
+            if let (Some((_, backward_end)), true) = (ddp.last_backward(), step > 0) {
+                early.push(
+                    spans
+                        .iter()
+                        .any(|s| s.phase == SyncPhase::Pack && s.end < backward_end),
+                );
+            }
+            model = optim.step(1e-2, model, grads);
+        }
+        (flatten_params(&model).unwrap(), early)
+    })
+}
+
+#[test]
+fn a_gradient_on_some_ranks_only_gives_the_same_bits_with_overlap() {
+    let start = flatten_params(&AuxNet::new(0.0)).unwrap();
+    let aux = {
+        let n = start.len();
+        n - (HIDDEN * AUX_OUT + AUX_OUT)..n
+    };
+    for transport in [Transport::Auto, Transport::Tcp] {
+        for world in [2, 3] {
+            // One bucket for everything, and buckets of 40 elements (several per step).
+            for bucket_mb in [25.0, SMALL_BUCKETS_MB] {
+                let what = format!("{transport:?}, world {world}, buckets of {bucket_mb} MiB");
+                let off = train_aux(world, false, bucket_mb, 4, transport);
+                let on = train_aux(world, true, bucket_mb, 4, transport);
+                assert!(
+                    off[0].0[aux.clone()]
+                        .iter()
+                        .zip(&start[aux.clone()])
+                        .any(|(a, b)| a != b),
+                    "{what}: rank 1's auxiliary gradient reaches every replica"
+                );
+                // Rank 1 has every gradient, so its buckets go out during backward, while
+                // rank 0's bucket 0 waits for the sync: the ranks' paths differ.
+                assert!(on[1].1.iter().all(|&e| e), "{what}: {:?}", on[1].1);
+                for (r, (params, _)) in on.iter().enumerate() {
+                    assert_bit_identical(params, &off[0].0, &format!("{what}, rank {r}"));
+                }
+            }
+        }
+    }
 }

@@ -8,10 +8,15 @@
 //!   them, and a layer that gets no gradient in some steps; replicas stay bit-identical;
 //! - accumulation (`no_sync`): stage 1 bit-identical to DDP's, stage 2 within 1e-5 with SGD (it
 //!   sums over ranks per micro-step, then over micro-steps: another rounding order);
-//! - a local failure fails the step on every rank naming the rank, and changes nothing; a peer
-//!   that died is named by the survivors;
+//! - a local failure fails the step on every rank naming the rank, and changes nothing (the
+//!   optimizer state and step counts, byte for byte, and the next step); a peer that died is
+//!   named by the survivors;
 //! - the consolidated optimizer state resumes at another world size and continues
 //!   bit-identically; through a checkpoint file too;
+//! - each rank saves and reloads its own shard; shard files of different checkpoints (one
+//!   rank's older: a crash during a save) or of another run are refused on every rank, naming
+//!   the rank and the steps, and nothing is loaded;
+//! - consolidating hands no rank more than one shard at a time;
 //! - each rank's optimizer state is 1/N of the whole, the gradient too at stage 2.
 
 use std::time::Duration;
@@ -268,10 +273,17 @@ fn a_local_failure_fails_the_step_on_every_rank_and_changes_nothing() {
     let results = run_ranks(3, |pg| {
         let rank = pg.rank();
         let config = ZeroConfig::new(ZeroStage::Two);
-        let (model, mut zero) =
+        let (mut model, mut zero) =
             ShardedDataParallel::new(Net::new(0.0), pg, config, Opt::Adam.sharded()).unwrap();
-        let before = flatten_params(&model).unwrap();
+        // One good step first, so that there are moments and step counts to lose.
         let (x, y) = data(0, 0, rank);
+        let grads = GradientsParams::from_grads(model.loss(x, y, true).backward(), &model);
+        model = zero.step(LR, model, grads).unwrap();
+        let before = flatten_params(&model).unwrap();
+        // What a step changes: this rank's optimizer state and every parameter's step count
+        // (and, through them, the next step, checked below).
+        let state_before = zero.shard_state().unwrap();
+        let (x, y) = data(0, 1, rank);
         let grads = if rank == 1 {
             // Gradients of another module: ids the wrapper does not know.
             let other = Net::new(0.0);
@@ -280,23 +292,30 @@ fn a_local_failure_fails_the_step_on_every_rank_and_changes_nothing() {
             GradientsParams::from_grads(model.loss(x, y, true).backward(), &model)
         };
         let failed = zero.step(LR, model.clone(), grads);
-        let after_failure = flatten_params(&model).unwrap();
+        let state_after = zero.shard_state().unwrap();
+        assert!(
+            state_after == state_before,
+            "rank {rank}: a failed step changes no optimizer state or step count"
+        );
         // The next step works on every rank.
         let (x, y) = data(1, 0, rank);
         let grads = GradientsParams::from_grads(model.loss(x, y, true).backward(), &model);
         let next = zero
             .step(LR, model.clone(), grads)
             .map(|m| flatten_params(&m).unwrap());
-        // The same first step with a fresh wrapper: the failed step left no optimizer state
-        // or step count behind.
+        // The same two good steps by a wrapper that never saw the failure: the failed step
+        // left no optimizer state, step count or gradient behind.
         let pg = zero.process_group().clone();
         let (model, mut fresh) = ShardedDataParallel::new(
-            model,
+            Net::new(0.0),
             pg,
             ZeroConfig::new(ZeroStage::Two),
             Opt::Adam.sharded(),
         )
         .unwrap();
+        let (x, y) = data(0, 0, rank);
+        let grads = GradientsParams::from_grads(model.loss(x, y, true).backward(), &model);
+        let model = fresh.step(LR, model, grads).unwrap();
         let (x, y) = data(1, 0, rank);
         let grads = GradientsParams::from_grads(model.loss(x, y, true).backward(), &model);
         let reference = flatten_params(&fresh.step(LR, model, grads).unwrap()).unwrap();
@@ -305,15 +324,14 @@ fn a_local_failure_fails_the_step_on_every_rank_and_changes_nothing() {
             &reference,
             "the step after a failure",
         );
-        (rank, failed.err(), before, after_failure, next)
+        (rank, failed.err(), before, next)
     });
-    for (rank, error, before, after, next) in results {
+    for (rank, error, before, next) in results {
         match (rank, error) {
             (1, Some(DdpError::ParamsChanged { .. })) => {}
             (_, Some(DdpError::PeerFailed { rank: Some(1), .. })) if rank != 1 => {}
             (r, other) => panic!("rank {r}: {other:?}"),
         }
-        assert_bit_identical(&before, &after, "a failed step changes nothing");
         let next = next.expect("the step after a failure works");
         assert!(next.iter().zip(&before).any(|(a, b)| a != b));
     }
@@ -504,6 +522,127 @@ fn each_rank_saves_and_reloads_its_own_shard() {
     // Each shard is about a third of the whole (plus its header).
     let whole = consolidated.as_ref().unwrap().len();
     assert!(out.iter().all(|o| o.0 < whole / 2), "{total} vs {whole}");
+}
+
+/// Trains `steps` steps of Adam at stage 2 on 3 ranks from `Net::new(offset)` and returns each
+/// rank's shard file after every step (index k: after k + 1 steps).
+fn shard_files(offset: f32, steps: usize) -> Vec<Vec<Vec<u8>>> {
+    run_ranks(3, |pg| {
+        let config = ZeroConfig::new(ZeroStage::Two).with_bucket_cap_mb(SMALL_BUCKETS_MB);
+        let (mut model, mut zero) =
+            ShardedDataParallel::new(Net::new(offset), pg.clone(), config, Opt::Adam.sharded())
+                .unwrap();
+        let mut files = Vec::new();
+        for step in 0..steps {
+            let (x, y) = data(step, 0, pg.rank());
+            let grads = GradientsParams::from_grads(model.loss(x, y, true).backward(), &model);
+            model = zero.step(LR, model, grads).unwrap();
+            files.push(zero.shard_state().unwrap());
+        }
+        files
+    })
+}
+
+#[test]
+fn a_stale_or_foreign_shard_is_refused_on_every_rank() {
+    // files[rank][k]: rank's shard after k + 1 steps.
+    let files = shard_files(0.0, 3);
+    // Another run of the same model and layout: its shards fit, but are not this run's.
+    let foreign = shard_files(0.25, 3);
+    let out = run_ranks(3, |pg| {
+        let rank = pg.rank();
+        let config = ZeroConfig::new(ZeroStage::Two).with_bucket_cap_mb(SMALL_BUCKETS_MB);
+        let (_, mut zero) =
+            ShardedDataParallel::new(Net::new(0.0), pg.clone(), config, Opt::Adam.sharded())
+                .unwrap();
+        let untouched = zero.shard_state().unwrap();
+        let name = format!("shard-{rank}.bin");
+        // A crash during the save of step 3: rank 1's file is still step 2's.
+        let stale = if rank == 1 {
+            &files[rank][1]
+        } else {
+            &files[rank][2]
+        };
+        let stale = zero
+            .load_shard_state(stale, &name)
+            .map_err(|e| e.to_string());
+        let after_stale = zero.shard_state().unwrap();
+        // Rank 2's file is the other run's step 3.
+        let mixed = if rank == 2 {
+            &foreign[rank][2]
+        } else {
+            &files[rank][2]
+        };
+        let mixed = zero
+            .load_shard_state(mixed, &name)
+            .map_err(|e| e.to_string());
+        let after_foreign = zero.shard_state().unwrap();
+        // One checkpoint's files: loaded, and saved again they are the same bytes.
+        zero.load_shard_state(&files[rank][2], &name).unwrap();
+        let loaded = zero.shard_state().unwrap();
+        (
+            stale.err(),
+            mixed.err(),
+            untouched == after_stale && untouched == after_foreign,
+            loaded == files[rank][2],
+        )
+    });
+    for (rank, (stale, foreign, unchanged, loaded)) in out.into_iter().enumerate() {
+        let stale = stale.unwrap_or_else(|| panic!("rank {rank} loaded a stale shard"));
+        assert!(
+            stale.contains("rank 1") && stale.contains("step 2") && stale.contains("step 3"),
+            "rank {rank}: {stale}"
+        );
+        let foreign = foreign.unwrap_or_else(|| panic!("rank {rank} loaded a foreign shard"));
+        assert!(
+            foreign.contains("rank 2") && foreign.contains("another run"),
+            "rank {rank}: {foreign}"
+        );
+        if rank == 1 {
+            // The stale rank names its own file too.
+            assert!(stale.contains("shard-1.bin"), "rank {rank}: {stale}");
+        }
+        assert!(unchanged, "rank {rank}: a refused load changed the state");
+        assert!(loaded, "rank {rank}: one checkpoint's shards load");
+    }
+}
+
+#[test]
+fn consolidating_hands_no_rank_more_than_one_shard_at_a_time() {
+    let out = run_ranks(3, |pg| {
+        let config = ZeroConfig::new(ZeroStage::One);
+        let (_, zero) =
+            ShardedDataParallel::new(Net::new(0.0), pg.clone(), config, Opt::Adam.sharded())
+                .unwrap();
+        let last = pg.flight_records().last().and_then(|r| r.seq);
+        let state = zero.consolidated_state().unwrap();
+        // What each collective handed this rank, in elements (an all-gather: every rank's).
+        let received: Vec<u64> = pg
+            .flight_records()
+            .iter()
+            .filter(|r| r.seq > last)
+            .map(|r| match r.op.as_str() {
+                "all_gather" => r.count * 3,
+                _ => r.count,
+            })
+            .collect();
+        (
+            zero.memory().longest_shard as u64,
+            received,
+            state.is_some(),
+        )
+    });
+    for (rank, (longest, received, has_state)) in out.into_iter().enumerate() {
+        assert_eq!(has_state, rank == 0, "rank 0 alone returns the state");
+        assert!(
+            !received.is_empty(),
+            "rank {rank}: consolidating communicates"
+        );
+        assert!(
+            received.iter().all(|&n| n <= longest),
+            "rank {rank}: a collective handed it {received:?} elements, a shard is {longest}"
+        );
+    }
 }
 
 #[test]

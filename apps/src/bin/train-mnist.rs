@@ -28,7 +28,7 @@ enum ModelKind {
 
 /// Train a classifier on MNIST with data parallelism across ranks.
 #[derive(Debug, Parser)]
-#[command(version, about, args_override_self = true)]
+#[command(version, args_override_self = true)]
 struct Cli {
     /// The network.
     #[arg(long, value_enum, default_value = "cnn")]

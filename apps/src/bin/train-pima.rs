@@ -20,7 +20,7 @@ use ddp_models::PimaMlpConfig;
 
 /// Train the Pima diabetes classifier with data parallelism across ranks.
 #[derive(Debug, Parser)]
-#[command(version, about, args_override_self = true)]
+#[command(version, args_override_self = true)]
 struct Cli {
     /// CSV file (8 features and the label, no header); the bundled copy when absent.
     #[arg(long)]

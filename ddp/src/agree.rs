@@ -1,0 +1,99 @@
+//! What the ranks must agree on, checked collectively: the parameter list when the wrapper is
+//! made (`verify_same_params`), and one value per rank, such as a hash of the replica's
+//! parameters or the run and step of a shard file (`diverged_ranks` says who is out of line).
+
+use ddp_comm::bytes::fnv1a;
+use ddp_comm::ProcessGroup;
+
+use crate::params::ParamInfo;
+use crate::DdpError;
+
+/// Which ranks' hashes differ, given every rank's: `None` when all agree; otherwise the ranks
+/// outside a strict majority (`true`), or, when no strict majority exists, the ranks that
+/// differ from rank 0 (`false`: with two ranks, or a tie, nobody can tell which is wrong).
+pub(crate) fn diverged_ranks(hashes: &[i64]) -> Option<(Vec<usize>, bool)> {
+    let first = *hashes.first()?;
+    if hashes.iter().all(|h| *h == first) {
+        return None;
+    }
+    let count = |v: i64| hashes.iter().filter(|h| **h == v).count();
+    let majority = hashes
+        .iter()
+        .copied()
+        .find(|h| 2 * count(*h) > hashes.len());
+    let (reference, against_majority) = match majority {
+        Some(m) => (m, true),
+        None => (first, false),
+    };
+    let ranks = (0..hashes.len())
+        .filter(|&r| hashes[r] != reference)
+        .collect();
+    Some((ranks, against_majority))
+}
+
+/// All-gathers a hash of the parameter list; when the hashes differ, all-gathers the lists
+/// themselves and names the first rank that differs from rank 0 and how.
+pub(crate) fn verify_same_params(pg: &ProcessGroup, params: &[ParamInfo]) -> Result<(), DdpError> {
+    if pg.world_size() == 1 {
+        return Ok(());
+    }
+    let text = params
+        .iter()
+        .map(ParamInfo::describe)
+        .collect::<Vec<_>>()
+        .join("\n");
+    let hashes = pg.all_gather(vec![fnv1a(text.as_bytes()) as i64])?;
+    let Some(bad) = hashes.iter().position(|h| *h != hashes[0]) else {
+        return Ok(());
+    };
+    let lens = pg.all_gather(vec![text.len() as i64])?;
+    let max = lens.iter().copied().max().unwrap_or(0) as usize;
+    let mut bytes = text.into_bytes();
+    bytes.resize(max, 0);
+    let all = pg.all_gather(bytes)?;
+    let list = |r: usize| -> Vec<String> {
+        let start = r * max;
+        String::from_utf8_lossy(&all[start..start + lens[r] as usize])
+            .lines()
+            .map(str::to_string)
+            .collect()
+    };
+    let (reference, theirs) = (list(0), list(bad));
+    let n = reference.len().max(theirs.len());
+    let at = (0..n)
+        .find(|&i| reference.get(i) != theirs.get(i))
+        .unwrap_or(n);
+    let show = |l: Option<&String>| l.cloned().unwrap_or_else(|| "nothing".into());
+    let others: Vec<usize> = (0..hashes.len())
+        .filter(|&r| hashes[r] != hashes[0])
+        .collect();
+    Err(DdpError::ParamMismatch(format!(
+        "rank {bad} differs from rank 0 at parameter #{at}: rank 0 has `{}`, rank {bad} has `{}` \
+         (rank 0 has {} parameters, rank {bad} has {}; ranks differing from rank 0: {others:?}; \
+         this is rank {})",
+        show(reference.get(at)),
+        show(theirs.get(at)),
+        reference.len(),
+        theirs.len(),
+        pg.rank()
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn diverged_ranks_blames_a_majority_only_when_there_is_one() {
+        assert_eq!(diverged_ranks(&[1, 1, 1]), None);
+        // Two ranks: no majority, so rank 1 is named as differing from rank 0, not blamed.
+        assert_eq!(diverged_ranks(&[1, 2]), Some((vec![1], false)));
+        // Rank 0 is the odd one out of three: the majority names it.
+        assert_eq!(diverged_ranks(&[2, 1, 1]), Some((vec![0], true)));
+        assert_eq!(diverged_ranks(&[1, 1, 2]), Some((vec![2], true)));
+        // A 2-2 tie: no majority.
+        assert_eq!(diverged_ranks(&[1, 2, 1, 2]), Some((vec![1, 3], false)));
+        // All different: no majority.
+        assert_eq!(diverged_ranks(&[1, 2, 3]), Some((vec![1, 2], false)));
+    }
+}

@@ -1,0 +1,67 @@
+//! docs/guide.md tells a user which burn features to depend on, and that `ddp` adds only
+//! `extension` to them: checked here against the burn features ddp/Cargo.toml really turns on
+//! (through the workspace's set where it says `burn.workspace = true`).
+
+use std::path::Path;
+
+/// The quoted words of the `features = [...]` list on `line`.
+fn features_of(line: &str) -> Vec<String> {
+    let Some(start) = line.find("features") else {
+        return Vec::new();
+    };
+    let rest = &line[start..];
+    let (Some(open), Some(close)) = (rest.find('['), rest.find(']')) else {
+        return Vec::new();
+    };
+    rest[open + 1..close]
+        .split(',')
+        .map(|f| f.trim().trim_matches('"').to_string())
+        .filter(|f| !f.is_empty())
+        .collect()
+}
+
+/// The first line of `text` that declares the `burn` dependency.
+fn burn_line(text: &str) -> Option<&str> {
+    text.lines()
+        .find(|l| l.trim_start().starts_with("burn ") || l.trim_start().starts_with("burn."))
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+#[test]
+fn ddp_turns_on_only_the_burn_features_the_guide_names() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let manifest = read(&Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"));
+    let line = burn_line(&manifest).expect("ddp/Cargo.toml declares burn");
+    let ddp_features = if line.contains("workspace = true") || line.contains(".workspace") {
+        let workspace = read(&root.join("Cargo.toml"));
+        let deps = workspace
+            .split("[workspace.dependencies]")
+            .nth(1)
+            .expect("the workspace has dependencies");
+        features_of(burn_line(deps).expect("the workspace declares burn"))
+    } else {
+        features_of(line)
+    };
+    assert!(
+        ddp_features.iter().any(|f| f == "extension"),
+        "the overlap hooks need burn's `extension`: {ddp_features:?}"
+    );
+
+    let guide = read(&root.join("docs/guide.md"));
+    let user = features_of(burn_line(&guide).expect("the guide shows a burn dependency"));
+    assert!(!user.is_empty(), "the guide's burn line names its features");
+    let added: Vec<&String> = ddp_features.iter().filter(|f| !user.contains(f)).collect();
+    assert_eq!(
+        added,
+        vec!["extension"],
+        "ddp turns on {ddp_features:?}; the guide's burn line has {user:?} and says that ddp \
+         adds only `extension`"
+    );
+    assert!(
+        guide.contains("`extension`"),
+        "the guide says that ddp turns on `extension`"
+    );
+}
