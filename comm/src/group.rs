@@ -319,6 +319,13 @@ impl ProcessGroup {
         self.store.as_ref()
     }
 
+    /// The group's failure state (`None` at world size 1), for the NCCL layer: it reports its
+    /// own failures through it and watches it for its peers' (`nccl/work.rs`).
+    #[cfg(feature = "nccl")]
+    pub(crate) fn health(&self) -> Option<&Arc<GroupHealth>> {
+        self.health.as_ref()
+    }
+
     /// Queues `f` for the communication thread; `what` describes it for a wait's timeout.
     /// `op`, `dtype` and `count` go to the flight recorder.
     fn submit<R: Send + 'static>(

@@ -1,13 +1,14 @@
 //! Which GPU a rank uses ([`pick_device`]) and opening it ([`open_device`]): rank `LOCAL_RANK`
 //! uses GPU `LOCAL_RANK` (its primary context, the one burn's CUDA backend also uses, so device
 //! pointers are shared); a process that sees exactly one GPU through `CUDA_VISIBLE_DEVICES`
-//! uses it.
+//! uses it. [`check_same_gpu`] refuses a model on another GPU than NCCL's.
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream};
 
-use super::library::{check_driver, guard, nccl_missing_message, nccl_present};
+use super::api::{nccl, NcclLibrary};
+use super::library::{check_driver, guard};
 
 /// The GPU ordinal for a rank: `local_rank` when every local rank has a GPU of its own; 0 when
 /// the process sees exactly one GPU because `CUDA_VISIBLE_DEVICES` names one (a launcher gave
@@ -41,22 +42,70 @@ pub fn pick_device(
     ))
 }
 
+/// How a device ordinal reads for a user: `GPU 1`, and with `CUDA_VISIBLE_DEVICES` set, the
+/// device it names (`GPU 1 (CUDA_VISIBLE_DEVICES entry "3")`).
+pub fn describe_gpu(ordinal: usize, cuda_visible_devices: Option<&str>) -> String {
+    let entry = cuda_visible_devices.and_then(|v| {
+        v.split(',')
+            .map(str::trim)
+            .filter(|d| !d.is_empty())
+            .nth(ordinal)
+            .map(str::to_string)
+    });
+    match entry {
+        Some(entry) => format!("GPU {ordinal} (CUDA_VISIBLE_DEVICES entry {entry:?})"),
+        None => format!("GPU {ordinal}"),
+    }
+}
+
+/// Refuses a model on another GPU than the one NCCL uses: the gradients NCCL reduces must live
+/// on its own device. Both ordinals count the GPUs this process sees (after
+/// `CUDA_VISIBLE_DEVICES`); the error names both, and the devices they stand for.
+pub fn check_same_gpu(
+    model: usize,
+    nccl: usize,
+    local_rank: usize,
+    cuda_visible_devices: Option<&str>,
+) -> Result<(), String> {
+    if model == nccl {
+        return Ok(());
+    }
+    Err(format!(
+        "the model is on {} but NCCL uses {} (LOCAL_RANK {local_rank}'s GPU): put the model on \
+         Device::cuda({nccl}) (ddp_comm::nccl::pick_device gives each local rank its GPU), or \
+         give each rank one GPU through CUDA_VISIBLE_DEVICES",
+        describe_gpu(model, cuda_visible_devices),
+        describe_gpu(nccl, cuda_visible_devices),
+    ))
+}
+
+/// This rank's GPU, opened: its context and a stream for NCCL, its ordinal, and NCCL.
+pub(super) struct OpenedDevice {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub ordinal: usize,
+    pub nccl: &'static NcclLibrary,
+}
+
 /// Opens this rank's GPU: driver, NCCL library, device choice, context and stream.
 pub(super) fn open_device(
     local_rank: usize,
     local_world_size: usize,
-) -> Result<(Arc<CudaContext>, Arc<CudaStream>, usize), String> {
+) -> Result<OpenedDevice, String> {
     let visible = check_driver()?;
-    if !nccl_present() {
-        return Err(nccl_missing_message());
-    }
+    let nccl = nccl()?;
     let mask = std::env::var("CUDA_VISIBLE_DEVICES").ok();
     let ordinal = pick_device(local_rank, local_world_size, visible, mask.as_deref())?;
     let ctx = guard(|| CudaContext::new(ordinal))?
         .map_err(|e| format!("cannot open GPU {ordinal}: {e:?}"))?;
     let stream = guard(|| ctx.new_stream())?
         .map_err(|e| format!("cannot create a CUDA stream on GPU {ordinal}: {e:?}"))?;
-    Ok((ctx, stream, ordinal))
+    Ok(OpenedDevice {
+        ctx,
+        stream,
+        ordinal,
+        nccl,
+    })
 }
 
 #[cfg(test)]
@@ -87,5 +136,24 @@ mod tests {
         assert!(pick_device(0, 4, 2, None).is_err());
         let e = pick_device(0, 1, 0, Some("")).unwrap_err();
         assert!(e.contains("reports no GPU"), "{e}");
+    }
+
+    #[test]
+    fn a_model_on_another_gpu_than_nccls_is_refused_naming_both() {
+        assert_eq!(check_same_gpu(1, 1, 1, None), Ok(()));
+        let e = check_same_gpu(0, 2, 2, None).unwrap_err();
+        assert!(
+            e.contains("the model is on GPU 0 but NCCL uses GPU 2"),
+            "{e}"
+        );
+        assert!(e.contains("LOCAL_RANK 2"), "{e}");
+        let e = check_same_gpu(1, 0, 0, Some("4, 6")).unwrap_err();
+        assert!(
+            e.contains(
+                "the model is on GPU 1 (CUDA_VISIBLE_DEVICES entry \"6\") but NCCL uses GPU 0 \
+                 (CUDA_VISIBLE_DEVICES entry \"4\")"
+            ),
+            "{e}"
+        );
     }
 }

@@ -1,22 +1,40 @@
 //! [`NcclGroup`]: the NCCL communicator of a process group's ranks, made through the TCP group
 //! (every rank opens its GPU, the ranks agree through an all-gather that all could, rank 0's
-//! NCCL unique id travels through the store), and its collectives, each enqueued on the group's
-//! own CUDA stream.
+//! NCCL unique id travels through the store, and the communicator is created under the group's
+//! deadline, `init.rs`), and its collectives, each enqueued on the group's own CUDA stream.
 
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
-use cudarc::nccl::sys as nc;
 
-use super::device::open_device;
-use super::library::{check, guard, nccl_dtype, nccl_error_text, nccl_op, CUDA_VAR, NCCL_VAR};
-use super::work::{CommState, Communicator, NcclWork};
+use super::api::{ok, NcclLibrary, NcclResult, RawComm, RawStream, UniqueId};
+use super::device::{open_device, OpenedDevice};
+use super::init::{init_with_deadline, RealInit};
+use super::library::{guard, CUDA_VAR, NCCL_VAR};
+use super::work::{CommState, Communicator, NcclWork, Seen};
 use crate::algorithms::chunk_range;
 use crate::element::{DType, Element, ReduceOp};
 use crate::error::CommError;
 use crate::group::ProcessGroup;
+use crate::store::Store;
+
+/// How often a rank polls NCCL while its communicator is being created.
+const INIT_POLL: Duration = Duration::from_millis(2);
+
+/// A device buffer of bytes (the result of [`NcclGroup::submit_all_reduce_bytes`]), kept alive
+/// until its collective has finished.
+pub struct DeviceBytes(pub CudaSlice<u8>);
+
+impl std::fmt::Debug for DeviceBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBytes({} bytes)", self.0.len())
+    }
+}
+
+/// What one NCCL call of a collective returned: `Ok` with `SUCCESS` or `IN_PROGRESS`, or the
+/// error code and the function's name.
+type Launched = Result<NcclResult, (NcclResult, &'static str)>;
 
 /// A NCCL communicator over the ranks of a [`ProcessGroup`], one GPU per rank (GPU
 /// `LOCAL_RANK`), with its own CUDA stream. See the [module documentation](super).
@@ -67,45 +85,59 @@ impl NcclGroup {
                 ));
             }
         }
-        let (ctx, stream, ordinal) = opened
+        let OpenedDevice {
+            ctx,
+            stream,
+            ordinal,
+            nccl,
+        } = opened
             .map_err(|message| CommError::config(CUDA_VAR, format!("rank {rank}: {message}")))?;
 
-        let id = exchange_unique_id(pg)?;
+        // The n-th NCCL group made from this process group uses the n-th keys (every rank makes
+        // them in the same order).
+        let n = match pg.store() {
+            Some(store) => store.add(&format!("ddp/nccl/groups/{rank}"), 1)?,
+            None => 0,
+        };
+        let id = exchange_unique_id(pg, nccl, n)?;
         ctx.bind_to_thread().map_err(|e| {
             CommError::config(
                 CUDA_VAR,
                 format!("rank {rank}: cannot use GPU {ordinal}: {e:?}"),
             )
         })?;
-        let mut comm: nc::ncclComm_t = std::ptr::null_mut();
-        // SAFETY: comm receives the new communicator; id is the job's unique id; rank < world.
-        let r = guard(|| unsafe {
-            nc::ncclCommInitRank(
-                &mut comm,
-                world as std::ffi::c_int,
-                id,
-                rank as std::ffi::c_int,
-            )
-        })
-        .map_err(|m| CommError::config(NCCL_VAR, format!("rank {rank}: {m}")))?;
-        if let Err(code) = check(r) {
-            return Err(CommError::config(
-                NCCL_VAR,
-                format!(
-                    "rank {rank}: ncclCommInitRank ({world} ranks, GPU {ordinal}) failed: {}",
-                    nccl_error_text(code, None)
-                ),
-            ));
+        if let Some(store) = pg.store() {
+            // Who arrived: the deadline's error names the ranks that did not.
+            store.set(&arrived_key(n, rank), b"1")?;
         }
+        let init = RealInit {
+            nccl,
+            world,
+            rank,
+            id,
+        };
+        let timeout = pg.config().timeout;
+        let missing = || match pg.store() {
+            Some(store) => missing_ranks(store, n, world),
+            None => Vec::new(),
+        };
+        let comm = init_with_deadline(&init, timeout, INIT_POLL, &missing).map_err(|failure| {
+            CommError::config(
+                NCCL_VAR,
+                format!("rank {rank} ({world} ranks, GPU {ordinal}): {failure}"),
+            )
+        })?;
         tracing::debug!("rank {rank}: NCCL communicator of {world} ranks on GPU {ordinal}");
         Ok(NcclGroup {
             inner: Arc::new(Communicator {
                 rank,
                 world_size: world,
                 ordinal,
-                timeout: pg.config().timeout,
+                timeout,
+                nccl,
                 ctx,
                 stream,
+                group: pg.health().cloned(),
                 state: Mutex::new(CommState {
                     comm,
                     seq: 0,
@@ -177,8 +209,26 @@ impl NcclGroup {
         )
     }
 
+    /// Gives up on the group from this rank, with `reason` as the cause: aborts the
+    /// communicator (every later collective here fails with `reason`) and fails the TCP process
+    /// group naming this rank, so that the peers stop waiting for it at once. For a failure
+    /// that no collective can carry any more (the DDP device path's, see `ddp`'s
+    /// `device_step.rs`). Returns the error this rank reports.
+    pub fn abandon(&self, reason: &str) -> CommError {
+        let inner = &self.inner;
+        let mut state = inner.lock();
+        let cause = CommError::config(NCCL_VAR, format!("rank {}: {reason}", inner.rank));
+        inner.fail(&mut state, "abandoned", Seen::Local(cause))
+    }
+
+    /// The NCCL library in use.
+    pub fn library(&self) -> &'static NcclLibrary {
+        self.inner.nccl
+    }
+
     /// Enqueues one collective: numbers it, refuses it when the group failed, runs `f` (which
-    /// calls NCCL on the stream) and records the event that [`NcclWork::wait`] waits for.
+    /// calls NCCL on the stream), waits for a non-blocking enqueue to finish, and records the
+    /// event that [`NcclWork::wait`] waits for.
     fn launch<T>(
         &self,
         kind: &str,
@@ -186,7 +236,7 @@ impl NcclGroup {
         dtype: DType,
         extra: &str,
         mut value: T,
-        f: impl FnOnce(&mut T, &Arc<CudaStream>, nc::ncclComm_t) -> Result<(), String>,
+        f: impl FnOnce(&mut T, &Arc<CudaStream>, RawComm, &NcclLibrary) -> Launched,
     ) -> NcclWork<T> {
         let inner = &self.inner;
         let mut state = inner.lock();
@@ -196,22 +246,40 @@ impl NcclGroup {
             return NcclWork::ready(op, Err(e));
         }
         if let Err(e) = inner.ctx.bind_to_thread() {
-            let cause =
-                CommError::config(CUDA_VAR, format!("binding GPU {}: {e:?}", inner.ordinal));
-            let e = inner.fail(&mut state, &op, cause);
+            let cause = CommError::config(
+                CUDA_VAR,
+                format!("rank {}: binding GPU {}: {e:?}", inner.rank, inner.ordinal),
+            );
+            let e = inner.fail(&mut state, &op, Seen::Local(cause));
             return NcclWork::ready(op, Err(e));
         }
         let comm = state.comm;
-        let launched = guard(|| f(&mut value, &inner.stream, comm)).and_then(|r| r);
-        if let Err(message) = launched {
-            let e = inner.fail(&mut state, &op, CommError::config(NCCL_VAR, message));
-            return NcclWork::ready(op, Err(e));
+        let nccl = inner.nccl;
+        let launched = match guard(|| f(&mut value, &inner.stream, comm, nccl)) {
+            Ok(Ok(code)) => Ok(code),
+            Ok(Err((code, name))) => Err(inner.nccl_failure(code, comm, name)),
+            Err(panic) => Err(Seen::Local(CommError::config(NCCL_VAR, panic))),
+        };
+        match launched {
+            Err(seen) => {
+                let e = inner.fail(&mut state, &op, seen);
+                return NcclWork::ready(op, Err(e));
+            }
+            Ok(NcclResult::IN_PROGRESS) => {
+                if let Err(e) = inner.settle_enqueue(&mut state, &op) {
+                    return NcclWork::ready(op, Err(e));
+                }
+            }
+            Ok(_) => {}
         }
         match inner.stream.record_event(None) {
             Ok(event) => NcclWork::launched(inner.clone(), event, value, op),
             Err(e) => {
-                let cause = CommError::config(CUDA_VAR, format!("recording an event: {e:?}"));
-                let e = inner.fail(&mut state, &op, cause);
+                let cause = CommError::config(
+                    CUDA_VAR,
+                    format!("rank {}: recording an event: {e:?}", inner.rank),
+                );
+                let e = inner.fail(&mut state, &op, Seen::Local(cause));
                 NcclWork::ready(op, Err(e))
             }
         }
@@ -256,25 +324,15 @@ impl NcclGroup {
             T::DTYPE,
             &extra,
             buf,
-            |buf, stream, comm| {
+            |buf, stream, comm, nccl| {
                 if count == 0 {
-                    return Ok(());
+                    return Ok(NcclResult::SUCCESS);
                 }
                 let (ptr, _record) = buf.device_ptr_mut(stream);
                 // SAFETY: ptr holds count elements of T on this device; in place is allowed.
-                let r = unsafe {
-                    nc::ncclAllReduce(
-                        ptr as *const c_void,
-                        ptr as *mut c_void,
-                        count,
-                        nccl_dtype(T::DTYPE),
-                        nccl_op(op),
-                        comm,
-                        stream.cu_stream() as nc::cudaStream_t,
-                    )
-                };
-                check(r)
-                    .map_err(|code| format!("ncclAllReduce: {}", nccl_error_text(code, Some(comm))))
+                let r =
+                    unsafe { nccl.all_reduce(ptr, ptr, count, T::DTYPE, op, comm, raw(stream)) };
+                ok(r).map_err(|code| (code, "ncclAllReduce"))
             },
         )
     }
@@ -305,26 +363,136 @@ impl NcclGroup {
             dtype,
             &extra,
             keep,
-            |_, stream, comm| {
+            |_, stream, comm, nccl| {
                 if count == 0 {
-                    return Ok(());
+                    return Ok(NcclResult::SUCCESS);
                 }
                 // SAFETY: the caller's promises above.
-                let r = unsafe {
-                    nc::ncclAllReduce(
-                        ptr as *const c_void,
-                        ptr as *mut c_void,
-                        count,
-                        nccl_dtype(dtype),
-                        nccl_op(op),
-                        comm,
-                        stream.cu_stream() as nc::cudaStream_t,
-                    )
-                };
-                check(r)
-                    .map_err(|code| format!("ncclAllReduce: {}", nccl_error_text(code, Some(comm))))
+                let r = unsafe { nccl.all_reduce(ptr, ptr, count, dtype, op, comm, raw(stream)) };
+                ok(r).map_err(|code| (code, "ncclAllReduce"))
             },
         )
+    }
+
+    /// Queues a broadcast of `root`'s `count` elements of `dtype` at the raw device address
+    /// `ptr`, in place; `keep` is handed back by [`NcclWork::wait`].
+    ///
+    /// # Safety
+    ///
+    /// As for [`NcclGroup::submit_all_reduce_ptr`].
+    pub unsafe fn submit_broadcast_ptr<K>(
+        &self,
+        ptr: u64,
+        count: usize,
+        dtype: DType,
+        root: usize,
+        keep: K,
+    ) -> NcclWork<K> {
+        let world = self.inner.world_size;
+        if root >= world {
+            return self.invalid(
+                "broadcast",
+                format!("root {root} is not below the world size {world}"),
+            );
+        }
+        let extra = format!(", root {root}");
+        self.launch(
+            "broadcast",
+            count,
+            dtype,
+            &extra,
+            keep,
+            |_, stream, comm, nccl| {
+                if count == 0 {
+                    return Ok(NcclResult::SUCCESS);
+                }
+                // SAFETY: the caller's promises above.
+                let r = unsafe { nccl.broadcast(ptr, ptr, count, dtype, root, comm, raw(stream)) };
+                ok(r).map_err(|code| (code, "ncclBroadcast"))
+            },
+        )
+    }
+
+    /// Queues an in-place all-reduce of `host`'s bytes, copied to a new device buffer and read
+    /// as elements of `dtype` (its length must be a multiple of the element size). For a rank
+    /// that must still take part in a collective whose own buffer it could not produce (the
+    /// device sync path's stand-in for a failed bucket).
+    pub fn submit_all_reduce_bytes(
+        &self,
+        host: &[u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> NcclWork<DeviceBytes> {
+        self.submit_bytes(host, dtype, Err(op))
+    }
+
+    /// Queues an in-place broadcast from `root` of `host`'s bytes, copied to a new device buffer
+    /// and read as elements of `dtype`; see [`NcclGroup::submit_all_reduce_bytes`].
+    pub fn submit_broadcast_bytes(
+        &self,
+        host: &[u8],
+        dtype: DType,
+        root: usize,
+    ) -> NcclWork<DeviceBytes> {
+        self.submit_bytes(host, dtype, Ok(root))
+    }
+
+    /// [`NcclGroup::submit_all_reduce_bytes`] (`Err(op)`) or
+    /// [`NcclGroup::submit_broadcast_bytes`] (`Ok(root)`).
+    fn submit_bytes(
+        &self,
+        host: &[u8],
+        dtype: DType,
+        what: Result<usize, ReduceOp>,
+    ) -> NcclWork<DeviceBytes> {
+        let (kind, extra) = match what {
+            Ok(root) => ("broadcast", format!(", root {root}")),
+            Err(op) => ("all_reduce", format!(", {}", op.name())),
+        };
+        if !host.len().is_multiple_of(dtype.size()) {
+            let message = format!("{} bytes are no whole number of {dtype}", host.len());
+            return self.invalid(kind, message);
+        }
+        match what {
+            Ok(root) if root >= self.inner.world_size => {
+                let world = self.inner.world_size;
+                let message = format!("root {root} is not below the world size {world}");
+                return self.invalid(kind, message);
+            }
+            _ => {}
+        }
+        let buf = match self.to_device(host) {
+            Ok(buf) => buf,
+            Err(e) => return NcclWork::ready(format!("nccl {kind}"), Err(e)),
+        };
+        let count = host.len() / dtype.size();
+        self.launch(
+            kind,
+            count,
+            dtype,
+            &extra,
+            buf,
+            |buf, stream, comm, nccl| {
+                if count == 0 {
+                    return Ok(NcclResult::SUCCESS);
+                }
+                let (ptr, _record) = buf.device_ptr_mut(stream);
+                // SAFETY: ptr holds count elements of dtype (its bytes); in place is allowed.
+                let r = unsafe {
+                    match what {
+                        Ok(root) => nccl.broadcast(ptr, ptr, count, dtype, root, comm, raw(stream)),
+                        Err(op) => nccl.all_reduce(ptr, ptr, count, dtype, op, comm, raw(stream)),
+                    }
+                };
+                let name = if what.is_ok() {
+                    "ncclBroadcast"
+                } else {
+                    "ncclAllReduce"
+                };
+                ok(r).map_err(|code| (code, name))
+            },
+        )
+        .map(DeviceBytes)
     }
 
     /// Queues a broadcast of `root`'s `buf` to every rank, in place (same length everywhere).
@@ -348,25 +516,15 @@ impl NcclGroup {
             T::DTYPE,
             &extra,
             buf,
-            |buf, stream, comm| {
+            |buf, stream, comm, nccl| {
                 if count == 0 {
-                    return Ok(());
+                    return Ok(NcclResult::SUCCESS);
                 }
                 let (ptr, _record) = buf.device_ptr_mut(stream);
                 // SAFETY: ptr holds count elements of T on this device; in place is allowed.
-                let r = unsafe {
-                    nc::ncclBroadcast(
-                        ptr as *const c_void,
-                        ptr as *mut c_void,
-                        count,
-                        nccl_dtype(T::DTYPE),
-                        root as std::ffi::c_int,
-                        comm,
-                        stream.cu_stream() as nc::cudaStream_t,
-                    )
-                };
-                check(r)
-                    .map_err(|code| format!("ncclBroadcast: {}", nccl_error_text(code, Some(comm))))
+                let r =
+                    unsafe { nccl.broadcast(ptr, ptr, count, T::DTYPE, root, comm, raw(stream)) };
+                ok(r).map_err(|code| (code, "ncclBroadcast"))
             },
         )
     }
@@ -394,25 +552,15 @@ impl NcclGroup {
             T::DTYPE,
             "",
             (buf, out),
-            |(buf, out), stream, comm| {
+            |(buf, out), stream, comm, nccl| {
                 if count == 0 {
-                    return Ok(());
+                    return Ok(NcclResult::SUCCESS);
                 }
                 let (src, _read) = buf.device_ptr(stream);
                 let (dst, _write) = out.device_ptr_mut(stream);
                 // SAFETY: src holds count elements, dst world * count.
-                let r = unsafe {
-                    nc::ncclAllGather(
-                        src as *const c_void,
-                        dst as *mut c_void,
-                        count,
-                        nccl_dtype(T::DTYPE),
-                        comm,
-                        stream.cu_stream() as nc::cudaStream_t,
-                    )
-                };
-                check(r)
-                    .map_err(|code| format!("ncclAllGather: {}", nccl_error_text(code, Some(comm))))
+                let r = unsafe { nccl.all_gather(src, dst, count, T::DTYPE, comm, raw(stream)) };
+                ok(r).map_err(|code| (code, "ncclAllGather"))
             },
         )
         .map(|(_, out)| out)
@@ -440,7 +588,6 @@ impl NcclGroup {
             }
         };
         let extra = format!(", {}", op.name());
-        let (dt, red) = (nccl_dtype(T::DTYPE), nccl_op(op));
         let size = T::DTYPE.size() as u64;
         self.launch(
             "reduce_scatter",
@@ -448,62 +595,47 @@ impl NcclGroup {
             T::DTYPE,
             &extra,
             (buf, out),
-            |(buf, out), stream, comm| {
+            |(buf, out), stream, comm, nccl| {
+                if len == 0 {
+                    return Ok(NcclResult::SUCCESS);
+                }
                 let (src, _read) = buf.device_ptr(stream);
                 let (dst, _write) = out.device_ptr_mut(stream);
-                let s = stream.cu_stream() as nc::cudaStream_t;
-                let err =
-                    |name: &str, code| format!("{name}: {}", nccl_error_text(code, Some(comm)));
-                if len == 0 {
-                    return Ok(());
-                }
+                let s = raw(stream);
                 if len.is_multiple_of(world) {
                     // SAFETY: src holds len elements, dst len / world.
                     let r = unsafe {
-                        nc::ncclReduceScatter(
-                            src as *const c_void,
-                            dst as *mut c_void,
-                            len / world,
-                            dt,
-                            red,
-                            comm,
-                            s,
-                        )
+                        nccl.reduce_scatter(src, dst, len / world, T::DTYPE, op, comm, s)
                     };
-                    return check(r).map_err(|c| err("ncclReduceScatter", c));
+                    return ok(r).map_err(|code| (code, "ncclReduceScatter"));
                 }
-                // SAFETY: group start/end bracket the reduces below.
-                check(unsafe { nc::ncclGroupStart() }).map_err(|c| err("ncclGroupStart", c))?;
+                ok(nccl.group_start()).map_err(|code| (code, "ncclGroupStart"))?;
                 let mut first_error = None;
                 for r in 0..world {
                     let chunk = chunk_range(len, world, r);
                     if chunk.is_empty() {
                         continue;
                     }
-                    let recv = if r == rank {
-                        dst as *mut c_void
-                    } else {
-                        std::ptr::null_mut()
-                    };
+                    let recv = if r == rank { dst } else { 0 };
                     // SAFETY: the chunk lies inside src; recv holds it on the root.
                     let result = unsafe {
-                        nc::ncclReduce(
-                            (src + chunk.start as u64 * size) as *const c_void,
+                        nccl.reduce(
+                            src + chunk.start as u64 * size,
                             recv,
                             chunk.len(),
-                            dt,
-                            red,
-                            r as std::ffi::c_int,
+                            T::DTYPE,
+                            op,
+                            r,
                             comm,
                             s,
                         )
                     };
-                    if let Err(c) = check(result) {
-                        first_error.get_or_insert(err("ncclReduce", c));
+                    if let Err(code) = ok(result) {
+                        first_error.get_or_insert((code, "ncclReduce"));
                     }
                 }
-                // SAFETY: closes the group opened above.
-                let end = check(unsafe { nc::ncclGroupEnd() }).map_err(|c| err("ncclGroupEnd", c));
+                // Closes the group opened above, whatever happened inside it.
+                let end = ok(nccl.group_end()).map_err(|code| (code, "ncclGroupEnd"));
                 match first_error {
                     Some(e) => Err(e),
                     None => end,
@@ -569,41 +701,62 @@ impl NcclGroup {
     }
 }
 
-/// Rank 0 creates NCCL's unique id and publishes it in `pg`'s store; the others read it.
-fn exchange_unique_id(pg: &ProcessGroup) -> Result<nc::ncclUniqueId, CommError> {
+/// The raw handle of a cudarc stream, for NCCL.
+fn raw(stream: &CudaStream) -> RawStream {
+    stream.cu_stream() as RawStream
+}
+
+/// The store key rank `rank` sets just before it enters the creation of NCCL group `n`.
+fn arrived_key(n: i64, rank: usize) -> String {
+    format!("ddp/nccl/{n}/arrived/{rank}")
+}
+
+/// The ranks that have not announced (in `store`) that they entered the creation of NCCL
+/// group `n` of `world` ranks. A rank whose key cannot be checked counts as arrived (the
+/// error must not name a rank without evidence).
+fn missing_ranks(store: &Store, n: i64, world: usize) -> Vec<usize> {
+    (0..world)
+        .filter(|&r| matches!(store.check(&[arrived_key(n, r).as_str()]), Ok(false)))
+        .collect()
+}
+
+/// Rank 0 creates NCCL's unique id for NCCL group `n` and publishes it in `pg`'s store; the
+/// others read it.
+fn exchange_unique_id(
+    pg: &ProcessGroup,
+    nccl: &NcclLibrary,
+    n: i64,
+) -> Result<UniqueId, CommError> {
     let rank = pg.rank();
-    let create = || -> Result<nc::ncclUniqueId, String> {
-        let mut id = nc::ncclUniqueId { internal: [0; 128] };
-        // SAFETY: ncclGetUniqueId writes one id.
-        let r = guard(|| unsafe { nc::ncclGetUniqueId(&mut id) })?;
-        check(r)
-            .map_err(|code| format!("ncclGetUniqueId failed: {}", nccl_error_text(code, None)))?;
-        Ok(id)
+    let create = || -> Result<UniqueId, String> {
+        nccl.unique_id()
+            .map_err(|code| format!("ncclGetUniqueId failed: {}", nccl.error_text(code, None)))
     };
     let Some(store) = pg.store() else {
         // World size 1: nobody to share it with.
         return create().map_err(|m| CommError::config(NCCL_VAR, format!("rank {rank}: {m}")));
     };
-    // The n-th NCCL group made from this process group uses the n-th key (every rank makes
-    // them in the same order).
-    let n = store.add(&format!("ddp/nccl/groups/{rank}"), 1)?;
     let key = format!("ddp/nccl/unique_id/{n}");
     if rank == 0 {
         match create() {
             Ok(id) => {
-                let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
-                store.set(&key, &bytes)?;
+                store.set(&key, &id.internal)?;
                 Ok(id)
             }
             Err(m) => {
-                // Tell the others at once instead of letting them wait for the key.
-                let _ = store.set(&key, format!("error: {m}").as_bytes());
+                // Tell the others at once instead of letting them wait for the key (never 128
+                // bytes, the length of an id).
+                let mut text = format!("error: {m}");
+                if text.len() == 128 {
+                    text.push('.');
+                }
+                let _ = store.set(&key, text.as_bytes());
                 Err(CommError::config(NCCL_VAR, format!("rank 0: {m}")))
             }
         }
     } else {
         let bytes = store.get(&key)?;
-        if bytes.len() != 128 {
+        let Ok(internal) = <[u8; 128]>::try_from(bytes.as_slice()) else {
             return Err(CommError::config(
                 NCCL_VAR,
                 format!(
@@ -611,12 +764,8 @@ fn exchange_unique_id(pg: &ProcessGroup) -> Result<nc::ncclUniqueId, CommError> 
                     String::from_utf8_lossy(&bytes)
                 ),
             ));
-        }
-        let mut id = nc::ncclUniqueId { internal: [0; 128] };
-        for (d, s) in id.internal.iter_mut().zip(bytes) {
-            *d = s as std::ffi::c_char;
-        }
-        Ok(id)
+        };
+        Ok(UniqueId { internal })
     }
 }
 
@@ -625,6 +774,47 @@ mod tests {
     use super::*;
     use crate::nccl::library::{device_count, driver_present};
     use std::panic::{catch_unwind, AssertUnwindSafe};
+
+    /// Two ranks of a real TCP group: only rank 0 announces that it entered the creation of
+    /// NCCL group 3; the store names rank 1 as missing, and nobody once both have.
+    #[test]
+    fn the_store_names_the_ranks_that_did_not_arrive() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let mut listener = Some(listener);
+        let timeout = Duration::from_secs(20);
+        std::thread::scope(|s| {
+            for rank in 0..2 {
+                let mut b = ProcessGroup::builder()
+                    .no_env()
+                    .rank(rank)
+                    .world_size(2)
+                    .master_addr("127.0.0.1")
+                    .master_port(port)
+                    .timeout(timeout)
+                    .connect_timeout(timeout);
+                if rank == 0 {
+                    b = b.master_listener(listener.take().unwrap());
+                }
+                s.spawn(move || {
+                    let pg = b.build().unwrap();
+                    let store = pg.store().unwrap();
+                    if rank == 0 {
+                        store.set(&arrived_key(3, 0), b"1").unwrap();
+                        assert_eq!(missing_ranks(store, 3, 2), [1]);
+                        assert_eq!(missing_ranks(store, 4, 2), [0, 1]);
+                    }
+                    pg.barrier().unwrap();
+                    if rank == 1 {
+                        store.set(&arrived_key(3, 1), b"1").unwrap();
+                    }
+                    pg.barrier().unwrap();
+                    assert_eq!(missing_ranks(store, 3, 2), Vec::<usize>::new());
+                    pg.barrier().unwrap();
+                });
+            }
+        });
+    }
 
     #[test]
     fn no_driver_is_an_error_not_a_panic() {

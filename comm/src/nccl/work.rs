@@ -1,22 +1,40 @@
 //! [`NcclWork`], the handle of a submitted NCCL collective, and what a group and its handles
-//! share ([`Communicator`]): the NCCL communicator, its CUDA stream, and the group's first
-//! failure. NCCL itself hangs when a peer dies; [`NcclWork::wait`] polls the collective's event
-//! and `ncclCommGetAsyncError` and gives up at the group's deadline, aborting the communicator
-//! so that the stuck kernels end.
+//! share ([`Communicator`]): the NCCL communicator, its CUDA stream, the group's first failure,
+//! and the TCP process group's health.
+//!
+//! Waiting. NCCL itself hangs when a peer dies. [`NcclWork::wait`] polls the collective's
+//! event, the TCP group and `ncclCommGetAsyncError` ([`wait_loop`]) and gives up at the group's
+//! deadline, aborting the communicator so that the stuck kernels end.
+//!
+//! Blame ([`settle`]). NCCL does not say which rank is at fault, and the rank that notices
+//! first is usually a healthy one: its collective times out, or NCCL reports a remote error,
+//! because a peer is gone. The TCP process group does know (its sockets see a process die at
+//! once, its heartbeats see one freeze, and a failing rank sends an ABORT that names the rank
+//! it blames). So the NCCL layer and the TCP group share one verdict:
+//!
+//! - an error of this rank's own (a CUDA error, NCCL's internal or usage errors) fails the TCP
+//!   group with that cause: every peer gets an ABORT naming this rank;
+//! - a failure that points elsewhere (NCCL's remote or system error, or the deadline) first
+//!   asks the TCP group for its verdict (waiting for it a moment, as lost connections do) and
+//!   reports the rank the group blames; only when the group saw nothing wrong does this rank's
+//!   own account (the timeout) go to the peers;
+//! - while waiting, a failure of the TCP group (a peer's ABORT, a lost connection) ends the wait
+//!   at once, with the group's root cause, instead of at this rank's own deadline.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
-use cudarc::nccl::sys as nc;
 
-use super::library::{check, guard, nccl_error_text, CUDA_VAR, NCCL_VAR};
+use super::api::{NcclLibrary, NcclResult, RawComm};
+use super::library::{guard, CUDA_VAR, NCCL_VAR};
 use crate::error::CommError;
+use crate::health::GroupHealth;
 
 /// The communicator and what changes with every collective.
 pub(super) struct CommState {
     /// Null once destroyed or aborted.
-    pub comm: nc::ncclComm_t,
+    pub comm: RawComm,
     /// Number of the next collective (for messages).
     pub seq: u64,
     /// The first failure; every later collective fails with it.
@@ -35,9 +53,89 @@ pub(super) struct Communicator {
     pub ordinal: usize,
     /// The deadline of every wait.
     pub timeout: Duration,
+    pub nccl: &'static NcclLibrary,
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
+    /// The TCP process group's health (`None` at world size 1).
+    pub group: Option<Arc<GroupHealth>>,
     pub state: Mutex<CommState>,
+}
+
+/// A failure seen on the device, before it is blamed on a rank (see [`settle`]).
+#[derive(Debug, Clone)]
+pub(crate) enum Seen {
+    /// This rank's own (a CUDA error, NCCL's internal or usage errors).
+    Local(CommError),
+    /// One that points at another rank: NCCL's remote or system errors, the deadline.
+    Elsewhere(CommError),
+    /// The TCP group failed (its root cause).
+    Group(CommError),
+}
+
+/// Turns a failure seen on the device into the error to report, sharing it with the TCP group
+/// (see the module documentation): a local one fails the group with this rank as the cause;
+/// one that points elsewhere takes the group's verdict, and fails the group with this rank's
+/// account only when the group saw nothing.
+pub(crate) fn settle(seen: Seen, group: Option<&GroupHealth>) -> CommError {
+    let Some(group) = group else {
+        return match seen {
+            Seen::Local(e) | Seen::Elsewhere(e) | Seen::Group(e) => e,
+        };
+    };
+    match seen {
+        Seen::Group(root) => root,
+        Seen::Local(cause) => {
+            group.fail(cause.clone());
+            group.error().unwrap_or(cause)
+        }
+        Seen::Elsewhere(account) => {
+            let root = group.verdict(account.clone());
+            group.fail(root.clone());
+            group.error().unwrap_or(root)
+        }
+    }
+}
+
+/// What one look at a collective in flight finds.
+#[derive(Debug, Clone)]
+pub(crate) enum Progress {
+    /// It has finished.
+    Done,
+    /// Not yet.
+    Pending,
+    /// It failed (not yet blamed).
+    Failed(Seen),
+}
+
+/// Polls `look` until the collective is done, it fails, the TCP group fails, or `timeout`
+/// passes (then `timed_out` describes it); yields, then sleeps briefly, between looks.
+pub(crate) fn wait_loop(
+    timeout: Duration,
+    group: Option<&GroupHealth>,
+    mut look: impl FnMut() -> Progress,
+    timed_out: impl FnOnce() -> CommError,
+) -> Result<(), Seen> {
+    let start = Instant::now();
+    let mut polls: u32 = 0;
+    loop {
+        match look() {
+            Progress::Done => return Ok(()),
+            Progress::Failed(seen) => return Err(seen),
+            Progress::Pending => {}
+        }
+        if let Some(root) = group.and_then(GroupHealth::error) {
+            return Err(Seen::Group(root));
+        }
+        if start.elapsed() >= timeout {
+            return Err(Seen::Elsewhere(timed_out()));
+        }
+        polls = polls.saturating_add(1);
+        if polls < 200 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(if polls < 2000 { 20 } else { 200 }));
+        }
+    }
 }
 
 impl Communicator {
@@ -46,21 +144,32 @@ impl Communicator {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Records `cause` as the group's failure (unless one is recorded already), aborts the
-    /// communicator so that its kernels end, and returns the error for `op`.
-    pub fn fail(&self, state: &mut CommState, op: &str, cause: CommError) -> CommError {
-        if state.failed.is_none() {
-            state.failed = Some(cause.clone());
-        }
-        if !state.comm.is_null() {
-            let comm = std::mem::replace(&mut state.comm, std::ptr::null_mut());
-            // SAFETY: comm is a live communicator, never used again.
-            let _ = guard(|| unsafe { nc::ncclCommAbort(comm) });
-        }
+    /// Records the failure `seen` (unless one is recorded already), aborts the communicator so
+    /// that its kernels end, shares the failure with the TCP group ([`settle`]) and returns the
+    /// error for `op`.
+    pub fn fail(&self, state: &mut CommState, op: &str, seen: Seen) -> CommError {
+        self.abort(state);
+        let cause = match &state.failed {
+            Some(first) => first.clone(),
+            None => {
+                let cause = settle(seen, self.group.as_deref());
+                state.failed = Some(cause.clone());
+                cause
+            }
+        };
         CommError::Collective {
             rank: self.rank,
             op: op.to_string(),
             cause: Box::new(cause),
+        }
+    }
+
+    /// Aborts the communicator, if still live.
+    fn abort(&self, state: &mut CommState) {
+        if !state.comm.is_null() {
+            let comm = std::mem::replace(&mut state.comm, std::ptr::null_mut());
+            let nccl = self.nccl;
+            let _ = guard(|| nccl.abort(comm));
         }
     }
 
@@ -79,62 +188,91 @@ impl Communicator {
         })
     }
 
-    /// Blocks until `event` has completed, NCCL reports an error, or the deadline passes.
-    fn wait_event(&self, event: &CudaEvent, op: &str) -> Result<(), CommError> {
-        let start = Instant::now();
-        let mut polls: u32 = 0;
-        loop {
-            match event.try_is_complete() {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => {
-                    let mut state = self.lock();
-                    let cause = CommError::config(CUDA_VAR, format!("CUDA error: {e:?}"));
-                    return Err(self.fail(&mut state, op, cause));
-                }
-            }
-            {
-                let mut state = self.lock();
-                if let Some(e) = self.refused(&state, op) {
-                    return Err(e);
-                }
-                let mut async_error = nc::ncclResult_t::ncclSuccess;
-                // SAFETY: comm is live (checked by `refused`); writes one enum.
-                let r =
-                    guard(|| unsafe { nc::ncclCommGetAsyncError(state.comm, &mut async_error) });
-                let bad = match r {
-                    Ok(r) if check(r).is_err() => Some(r),
-                    Ok(_) if check(async_error).is_err() => Some(async_error),
-                    Ok(_) => None,
-                    Err(m) => {
-                        let cause = CommError::config(NCCL_VAR, m);
-                        return Err(self.fail(&mut state, op, cause));
-                    }
-                };
-                if let Some(code) = bad {
-                    let message = format!(
-                        "NCCL reported an error (a peer may have died): {}",
-                        nccl_error_text(code, Some(state.comm))
-                    );
-                    return Err(self.fail(&mut state, op, CommError::config(NCCL_VAR, message)));
-                }
-                if start.elapsed() >= self.timeout {
-                    let message = format!(
-                        "rank {} waited {:?} for the collective to finish on GPU {}; a peer has \
-                         probably died, stalled or submitted different collectives (NCCL does \
-                         not say which rank); the communicator is aborted",
-                        self.rank, self.timeout, self.ordinal
-                    );
-                    return Err(self.fail(&mut state, op, CommError::config(NCCL_VAR, message)));
-                }
-            }
-            polls = polls.saturating_add(1);
-            if polls < 200 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(if polls < 2000 { 20 } else { 200 }));
-            }
+    /// The failure NCCL's `code` stands for: this rank's own, or one pointing elsewhere.
+    pub fn nccl_failure(&self, code: NcclResult, comm: RawComm, what: &str) -> Seen {
+        let text = self.nccl.error_text(code, Some(comm));
+        let message = format!("rank {}: {what}: {text}", self.rank);
+        let error = CommError::config(NCCL_VAR, message);
+        if code.points_elsewhere() {
+            Seen::Elsewhere(error)
+        } else {
+            Seen::Local(error)
         }
+    }
+
+    /// After a non-blocking NCCL call answered `ncclInProgress`: waits (up to the deadline)
+    /// until NCCL has finished enqueueing it, since nothing else may be called on the
+    /// communicator before, and an event recorded earlier would not follow the collective.
+    pub fn settle_enqueue(&self, state: &mut CommState, op: &str) -> Result<(), CommError> {
+        let comm = state.comm;
+        let nccl = self.nccl;
+        let result = wait_loop(
+            self.timeout,
+            self.group.as_deref(),
+            || match nccl.async_error(comm) {
+                NcclResult::SUCCESS => Progress::Done,
+                NcclResult::IN_PROGRESS => Progress::Pending,
+                code => Progress::Failed(self.nccl_failure(code, comm, "enqueueing")),
+            },
+            || self.timeout_error("enqueueing the collective"),
+        );
+        result.map_err(|seen| self.fail(state, op, seen))
+    }
+
+    /// The account of a wait that reached the deadline.
+    fn timeout_error(&self, what: &str) -> CommError {
+        CommError::config(
+            NCCL_VAR,
+            format!(
+                "rank {} waited {:?} for {what} on GPU {}: a peer has probably died, stalled \
+                 or submitted different collectives, and the TCP group saw no rank fail; the \
+                 communicator is aborted",
+                self.rank, self.timeout, self.ordinal
+            ),
+        )
+    }
+
+    /// Blocks until `event` has completed, NCCL reports an error, the TCP group fails, or the
+    /// deadline passes.
+    fn wait_event(&self, event: &CudaEvent, op: &str) -> Result<(), CommError> {
+        let result = wait_loop(
+            self.timeout,
+            self.group.as_deref(),
+            || {
+                match event.try_is_complete() {
+                    Ok(true) => return Progress::Done,
+                    Ok(false) => {}
+                    Err(e) => {
+                        let cause = CommError::config(
+                            CUDA_VAR,
+                            format!(
+                                "rank {}: CUDA error on GPU {}: {e:?}",
+                                self.rank, self.ordinal
+                            ),
+                        );
+                        return Progress::Failed(Seen::Local(cause));
+                    }
+                }
+                let state = self.lock();
+                if let Some(e) = self.refused(&state, op) {
+                    return Progress::Failed(Seen::Group(e));
+                }
+                match self.nccl.async_error(state.comm) {
+                    code if code.is_error() => {
+                        Progress::Failed(self.nccl_failure(code, state.comm, "NCCL reported"))
+                    }
+                    _ => Progress::Pending,
+                }
+            },
+            || self.timeout_error("the collective to finish"),
+        );
+        result.map_err(|seen| {
+            let mut state = self.lock();
+            if let Seen::Group(refused @ CommError::GroupFailed { .. }) = &seen {
+                return refused.clone();
+            }
+            self.fail(&mut state, op, seen)
+        })
     }
 }
 
@@ -145,34 +283,43 @@ impl Drop for Communicator {
             return;
         }
         let comm = std::mem::replace(&mut state.comm, std::ptr::null_mut());
-        let ctx = self.ctx.clone();
-        let stream = self.stream.clone();
-        let timeout = self.timeout;
+        let (ctx, stream, timeout, nccl) = (
+            self.ctx.clone(),
+            self.stream.clone(),
+            self.timeout,
+            self.nccl,
+        );
         let _ = guard(move || {
             let _ = ctx.bind_to_thread();
-            // Let submitted work finish (bounded), then destroy; abort if it does not.
-            let done = match stream.record_event(None) {
-                Ok(event) => {
-                    let start = Instant::now();
-                    loop {
-                        match event.try_is_complete() {
-                            Ok(true) => break true,
-                            Ok(false) if start.elapsed() < timeout => {
-                                std::thread::sleep(Duration::from_micros(100))
-                            }
-                            _ => break false,
+            // Let submitted work finish and flush (bounded), then destroy; abort if it does not.
+            let start = Instant::now();
+            let drained = match stream.record_event(None) {
+                Ok(event) => loop {
+                    match event.try_is_complete() {
+                        Ok(true) => break true,
+                        Ok(false) if start.elapsed() < timeout => {
+                            std::thread::sleep(Duration::from_micros(100))
                         }
+                        _ => break false,
                     }
-                }
+                },
                 Err(_) => false,
             };
-            // SAFETY: comm is live and used by nothing else any more.
-            unsafe {
-                if done {
-                    nc::ncclCommDestroy(comm);
-                } else {
-                    nc::ncclCommAbort(comm);
-                }
+            let finalized = drained
+                && !nccl.finalize(comm).is_error()
+                && loop {
+                    match nccl.async_error(comm) {
+                        NcclResult::SUCCESS => break true,
+                        NcclResult::IN_PROGRESS if start.elapsed() < timeout => {
+                            std::thread::sleep(Duration::from_micros(100))
+                        }
+                        _ => break false,
+                    }
+                };
+            if finalized {
+                let _ = nccl.destroy(comm);
+            } else {
+                nccl.abort(comm);
             }
         });
     }
@@ -226,7 +373,8 @@ impl<T> NcclWork<T> {
     }
 
     /// Blocks the host until the collective has finished on the GPU and returns the buffer (or
-    /// what was handed in to keep alive), or the error. Never blocks past the group's deadline.
+    /// what was handed in to keep alive), or the error. Never blocks past the group's deadline;
+    /// a failure of the TCP process group ends it at once.
     pub fn wait(self) -> Result<T, CommError> {
         let value = self.value?;
         if let (Some(inner), Some(event)) = (&self.inner, &self.event) {
@@ -267,5 +415,111 @@ impl<T> NcclWork<T> {
             value: self.value.map(f),
             op: self.op,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ProcessGroup;
+
+    /// Two ranks of a real TCP group (threads on 127.0.0.1), each given its group.
+    fn two_ranks<R: Send>(f: impl Fn(usize, ProcessGroup) -> R + Sync) -> Vec<R> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let mut listener = Some(listener);
+        let timeout = Duration::from_secs(20);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let mut b = ProcessGroup::builder()
+                        .no_env()
+                        .rank(rank)
+                        .world_size(2)
+                        .master_addr("127.0.0.1")
+                        .master_port(port)
+                        .timeout(timeout)
+                        .connect_timeout(timeout);
+                    if rank == 0 {
+                        b = b.master_listener(listener.take().unwrap());
+                    }
+                    let f = &f;
+                    s.spawn(move || f(rank, b.build().unwrap()))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// Rank 1's GPU fails (a local error); rank 0 waits on a collective that never ends. Rank
+    /// 0's wait ends long before its own deadline, blaming rank 1, and rank 1 blames itself.
+    #[test]
+    fn a_local_device_error_reaches_the_peers_through_the_tcp_group() {
+        let results = two_ranks(|rank, pg| {
+            let health = pg.health().unwrap().clone();
+            if rank == 1 {
+                // Let rank 0 start waiting first.
+                std::thread::sleep(Duration::from_millis(300));
+                let cause = CommError::config(CUDA_VAR, "rank 1: CUDA error: illegal address");
+                let e = settle(Seen::Local(cause), Some(&health));
+                return (e, Duration::ZERO);
+            }
+            let start = Instant::now();
+            let seen = wait_loop(
+                Duration::from_secs(60),
+                Some(&health),
+                || Progress::Pending,
+                || CommError::config(NCCL_VAR, "rank 0 timed out"),
+            )
+            .unwrap_err();
+            (settle(seen, Some(&health)), start.elapsed())
+        });
+        let (e0, waited) = &results[0];
+        assert!(*waited < Duration::from_secs(10), "{waited:?}");
+        assert_eq!(e0.peer(), Some(1), "{e0}");
+        assert!(e0.to_string().contains("illegal address"), "{e0}");
+        let (e1, _) = &results[1];
+        assert!(e1.to_string().contains("illegal address"), "{e1}");
+        assert_eq!(e1.peer(), None, "rank 1 blames no peer: {e1}");
+    }
+
+    /// Rank 1 fails on its own; rank 0's NCCL reports a remote error a moment before rank 1's
+    /// ABORT arrives. Rank 0 blames rank 1, as its TCP group does, not itself.
+    #[test]
+    fn a_remote_nccl_error_takes_the_tcp_groups_verdict() {
+        let results = two_ranks(|rank, pg| {
+            let health = pg.health().unwrap().clone();
+            if rank == 1 {
+                std::thread::sleep(Duration::from_millis(300));
+                let cause = CommError::config(CUDA_VAR, "rank 1: out of memory");
+                return settle(Seen::Local(cause), Some(&health));
+            }
+            let account = CommError::config(NCCL_VAR, "rank 0: ncclRemoteError");
+            settle(Seen::Elsewhere(account), Some(&health))
+        });
+        assert_eq!(results[0].peer(), Some(1), "{}", results[0]);
+        assert!(
+            results[0].to_string().contains("out of memory"),
+            "{}",
+            results[0]
+        );
+    }
+
+    /// Nobody fails on the TCP side: the deadline ends the wait with this rank's account.
+    #[test]
+    fn the_deadline_ends_a_wait_that_nothing_else_ends() {
+        let start = Instant::now();
+        let seen = wait_loop(
+            Duration::from_millis(200),
+            None,
+            || Progress::Pending,
+            || CommError::config(NCCL_VAR, "rank 0 timed out"),
+        )
+        .unwrap_err();
+        assert!(start.elapsed() >= Duration::from_millis(200));
+        let Seen::Elsewhere(e) = seen else {
+            panic!("{seen:?}")
+        };
+        assert!(e.to_string().contains("rank 0 timed out"), "{e}");
     }
 }
