@@ -203,16 +203,6 @@ impl DistributedDataParallel {
         check_dtypes(&params)?;
         verify_same_params(&pg, &params)?;
 
-        let mut model = model;
-        if pg.world_size() > 1 {
-            // Merge any pending RunningState update into its value before reading it.
-            drop(model.valid());
-            let flat = pg.broadcast(flatten_params(&model)?, 0)?;
-            if pg.rank() != 0 {
-                model = load_flat_params(model, &flat)?;
-            }
-        }
-
         let has_buffers = params.iter().any(|p| p.kind == ParamKind::Buffer);
         let buckets = if buckets {
             plan_buckets(&params, &config)
@@ -229,6 +219,27 @@ impl DistributedDataParallel {
             .inner();
         #[cfg(feature = "cuda")]
         let device_path = cuda::DevicePath::detect(&pg, &device, buckets.len())?;
+
+        let mut model = model;
+        if pg.world_size() > 1 {
+            // Merge any pending RunningState update into its value before reading it.
+            drop(model.valid());
+            // On the GPU path rank 0's values reach every rank through NCCL, on the device.
+            #[cfg(feature = "cuda")]
+            let on_device = device_path.is_some();
+            #[cfg(feature = "cuda")]
+            if let Some(dp) = device_path.as_ref() {
+                model = dp.broadcast_module(model, &|_| true)?;
+            }
+            #[cfg(not(feature = "cuda"))]
+            let on_device = false;
+            if !on_device {
+                let flat = pg.broadcast(flatten_params(&model)?, 0)?;
+                if pg.rank() != 0 {
+                    model = load_flat_params(model, &flat)?;
+                }
+            }
+        }
         let overlap = (config.overlap && pg.world_size() > 1 && !buckets.is_empty())
             .then(|| OverlapState::new(pg.clone(), &params, &buckets, config.compression));
         #[cfg(feature = "cuda")]
@@ -751,6 +762,10 @@ impl DistributedDataParallel {
     fn broadcast_buffers<M: Module>(&self, model: &M, readable: bool) -> Result<(), DdpError> {
         if self.pg.world_size() == 1 || !self.has_buffers || !self.config.broadcast_buffers {
             return Ok(());
+        }
+        #[cfg(feature = "cuda")]
+        if self.device_path.is_some() {
+            return self.broadcast_buffers_on_device(model, readable);
         }
         let is_buffer = |i: usize| self.params[i].kind == ParamKind::Buffer;
         let len: usize = self

@@ -15,6 +15,9 @@ mod buckets;
 pub mod checkpoint;
 mod config;
 mod ddp;
+// The GPU path's sequence of collectives (used by `cuda.rs`; tested on the CPU with a fake).
+#[cfg(any(feature = "cuda", test))]
+mod device_step;
 mod error;
 mod overlap;
 mod overlap_ops;
