@@ -1,16 +1,29 @@
 //! `--backend cuda` (feature `cuda`): burn's CUDA backend on the GPU of `LOCAL_RANK` (gradients
 //! of more than one rank are all-reduced on the GPU through NCCL by the `ddp` crate).
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, Result};
 use burn::tensor::Device;
 use ddp_comm::ProcessGroup;
 
 /// burn's CUDA device for this rank: GPU `LOCAL_RANK` (or the one GPU `CUDA_VISIBLE_DEVICES`
-/// leaves visible). The driver and the number of GPUs are checked first, so that a machine
-/// without an NVIDIA driver, or with fewer GPUs than local ranks, gets a clear error here
-/// instead of a panic inside burn.
+/// leaves visible).
+///
+/// First, before burn touches CUDA, the libraries are loaded: the NVIDIA driver, NVRTC (burn
+/// compiles its kernels with it) and, for more than one rank, NCCL (unless `DDP_NCCL=0`), found
+/// under their real names in `LD_LIBRARY_PATH`, the active venv's NVIDIA wheels and the system
+/// folders (`ddp_comm::nccl::load_cuda_libraries`). The first rank of each host prints which
+/// files were loaded, as the run's first line. A missing library, a machine without a driver,
+/// or fewer GPUs than local ranks is a clear error here (naming the library, the names tried
+/// and the folders searched) instead of a panic inside burn.
 pub fn cuda_device(pg: &ProcessGroup) -> Result<Device> {
-    let count = ddp_comm::nccl::device_count().context("--backend cuda")?;
+    let nccl = pg.world_size() > 1 && !std::env::var("DDP_NCCL").is_ok_and(|v| v.trim() == "0");
+    let libraries = ddp_comm::nccl::load_cuda_libraries(true, nccl)
+        .map_err(|e| anyhow!("--backend cuda: rank {}: {e}", pg.rank()))?;
+    if pg.local_rank() == 0 {
+        eprintln!("rank {}: {libraries}", pg.rank());
+    }
+    let count = ddp_comm::nccl::device_count()
+        .map_err(|e| anyhow!("--backend cuda: rank {}: {e}", pg.rank()))?;
     let mask = std::env::var("CUDA_VISIBLE_DEVICES").ok();
     let ordinal = ddp_comm::nccl::pick_device(
         pg.local_rank(),

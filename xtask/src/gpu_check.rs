@@ -3,17 +3,20 @@
 //! 1. The driver: `nvidia-smi -L` must list GPUs; otherwise it stops at once with
 //!    "no NVIDIA driver found" (before building anything).
 //! 2. Builds `ddprun`, `ddp-nccl-bench` and `train-mnist` with the `cuda` feature of `ddp-apps`
-//!    and asks `ddp-nccl-bench --probe` for the GPU count and the NCCL version. When NCCL is only
-//!    present as `libnccl.so.2` (pip's nvidia-nccl-cu12, which PyTorch uses), it links it as
-//!    `libnccl.so` under the output folder and puts that on `LD_LIBRARY_PATH`.
+//!    and asks `ddp-nccl-bench --probe` which driver and NCCL files it loaded (found under their
+//!    real names, `libnccl.so.2` from pip's nvidia-nccl-cu12 included, with no symlink), the GPU
+//!    count and the NCCL version.
 //! 3. NCCL at every world size the GPUs allow (1 to the GPU count, or `--max-gpus`):
 //!    `ddprun --nproc-per-node N -- ddp-nccl-bench`, which checks every collective's result
 //!    exactly and times all-reduce per size (algbw, busbw as nccl-tests defines them).
-//! 4. `train-mnist --backend cuda` for one epoch on one GPU (and on all of them when there are
-//!    several: gradients then go through NCCL on the GPU): test accuracy and samples/s.
-//! 5. The same epoch in PyTorch on the same GPU (`xtask/scripts/torch_mnist_epoch.py`) when a
-//!    python with torch and CUDA is at hand (`$DDP_PYTHON`, else `~/.cache/torchenv/bin/python`, else `python3`), and the
-//!    ratio of our samples/s to PyTorch's.
+//! 4. `train-mnist --backend cuda` on one GPU (and on all of them when there are several:
+//!    gradients then go through NCCL on the GPU): a warm-up epoch, in which burn's autotune
+//!    benchmarks its kernels and NVRTC compiles them, then the timed epoch; samples/s is the
+//!    timed epoch's (from the trainer's `metrics.csv`), the test accuracy the one after both.
+//! 5. The same in PyTorch on the same GPU (`xtask/scripts/torch_mnist_epoch.py --warmup-epochs
+//!    1`: its own warm-up epoch, untimed, then the timed one) when a python with torch and CUDA is
+//!    at hand (`$DDP_PYTHON`, else `~/.cache/torchenv/bin/python`, else `python3`), and the ratio
+//!    of our samples/s to PyTorch's.
 //!
 //! Results go to `target/gpu-check/` (or `--out`): `gpu-check.md` (printed at the end) and
 //! `gpu-check.json`. Any failed check fails the task.
@@ -83,10 +86,16 @@ struct Epoch {
     samples_per_sec: f64,
 }
 
+/// Untimed epochs before the timed one, ours and PyTorch's (burn's autotune and NVRTC's
+/// compilation happen in the first; cuDNN's and the caching allocator's warm-up in PyTorch's).
+const WARMUP_EPOCHS: usize = 1;
+
 /// What `gpu-check.json` holds.
 #[derive(Debug, Serialize)]
 struct Report {
     gpus: Vec<String>,
+    /// The probe's line naming the driver and NCCL files loaded.
+    libraries: String,
     nccl_version: String,
     allreduce: Vec<BenchReport>,
     mnist: Vec<Epoch>,
@@ -110,7 +119,8 @@ pub fn run(args: Args) -> Result<()> {
         &["ddp-apps/cuda"],
     )?;
 
-    let (gpus, nccl_version) = probe(&bin_dir, &out)?;
+    let (gpus, nccl_version, libraries) = probe(&bin_dir)?;
+    eprintln!("{libraries}");
     let max = args.max_gpus.unwrap_or(gpus).min(gpus).max(1);
     eprintln!("{gpus} GPU(s) visible, NCCL {nccl_version}; using up to {max}");
 
@@ -146,23 +156,30 @@ pub fn run(args: Args) -> Result<()> {
         worlds.push(max);
     }
     for &world in &worlds {
+        let metrics = out.join(format!("mnist-metrics-{world}"));
+        let _ = std::fs::remove_dir_all(&metrics);
         let trainer_args: Vec<String> = vec![
             "--backend".into(),
             "cuda".into(),
             "--epochs".into(),
-            "1".into(),
+            (WARMUP_EPOCHS + 1).to_string(),
             "--batch-size".into(),
             args.batch_size.to_string(),
             "--data-dir".into(),
             data_dir.display().to_string(),
+            "--metrics-dir".into(),
+            metrics.display().to_string(),
         ];
         let s = train::launch(&bin_dir, "train-mnist", world, &trainer_args)
             .with_context(|| format!("train-mnist --backend cuda on {world} GPU(s)"))?;
+        let csv = metrics.join("metrics.csv");
+        let csv =
+            std::fs::read_to_string(&csv).with_context(|| format!("reading {}", csv.display()))?;
         mnist.push(Epoch {
             implementation: "ddp-rs (burn-cuda)".into(),
             gpus: world,
             test_accuracy: s.test_accuracy,
-            samples_per_sec: s.samples_per_sec,
+            samples_per_sec: epoch_rate(&csv, WARMUP_EPOCHS + 1)?,
         });
     }
 
@@ -181,6 +198,7 @@ pub fn run(args: Args) -> Result<()> {
 
     let report = Report {
         gpus: listed,
+        libraries,
         nccl_version,
         allreduce,
         mnist,
@@ -230,90 +248,72 @@ fn nvidia_gpus() -> Result<Vec<String>> {
     Ok(gpus)
 }
 
-/// GPU count and NCCL version from `ddp-nccl-bench --probe`; links pip's `libnccl.so.2` as
-/// `libnccl.so` (and puts it on `LD_LIBRARY_PATH` for everything after) when that is what it
-/// takes.
-fn probe(bin_dir: &Path, out: &Path) -> Result<(usize, String)> {
-    let attempt = || -> Result<std::result::Result<(usize, String), String>> {
-        let output = Command::new(bin_dir.join("ddp-nccl-bench"))
-            .arg("--probe")
-            .output()
-            .context("running ddp-nccl-bench --probe")?;
-        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-        if !output.status.success() {
-            return Ok(Err(format!(
-                "{}{}",
-                stdout,
-                String::from_utf8_lossy(&output.stderr)
-            )));
-        }
-        let words: Vec<&str> = stdout.split_whitespace().collect();
-        match words.as_slice() {
-            ["gpus", n, "nccl", version] => Ok(Ok((n.parse()?, version.to_string()))),
-            _ => bail!("unexpected probe output {stdout:?}"),
-        }
-    };
-    let message = match attempt()? {
-        Ok(found) => return Ok(found),
-        Err(message) => message,
-    };
-    if !message.contains("NCCL library could not be loaded") {
-        bail!("{}", message.trim());
+/// GPU count, NCCL version and the libraries line from `ddp-nccl-bench --probe` (which finds
+/// `libnccl.so.2` in the active venv's NVIDIA wheels or the system folders by itself).
+fn probe(bin_dir: &Path) -> Result<(usize, String, String)> {
+    let output = Command::new(bin_dir.join("ddp-nccl-bench"))
+        .arg("--probe")
+        .output()
+        .context("running ddp-nccl-bench --probe")?;
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    if !output.status.success() {
+        bail!("ddp-nccl-bench --probe failed: {}{}", stdout, stderr.trim());
     }
-    let Some(lib) = find_libnccl2() else {
-        bail!("{}", message.trim());
-    };
-    let link_dir = out.join("nccl-lib");
-    std::fs::create_dir_all(&link_dir)?;
-    let link = link_dir.join("libnccl.so");
-    let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(&lib, &link)
-        .with_context(|| format!("linking {} to {}", link.display(), lib.display()))?;
-    let path = match std::env::var("LD_LIBRARY_PATH") {
-        Ok(old) if !old.is_empty() => format!("{}:{old}", link_dir.display()),
-        _ => link_dir.display().to_string(),
-    };
-    eprintln!(
-        "NCCL is only there as {}: linked it as {} and put {} on LD_LIBRARY_PATH",
-        lib.display(),
-        link.display(),
-        link_dir.display()
-    );
-    // Single-threaded at this point; every command from here on inherits it.
-    std::env::set_var("LD_LIBRARY_PATH", path);
-    match attempt()? {
-        Ok(found) => Ok(found),
-        Err(message) => bail!("{}", message.trim()),
+    parse_probe(&stdout, &stderr)
+}
+
+/// The probe's answer: `gpus N nccl X.Y.Z` on stdout, the libraries line on stderr.
+fn parse_probe(stdout: &str, stderr: &str) -> Result<(usize, String, String)> {
+    let libraries = stderr
+        .lines()
+        .find(|l| l.starts_with("CUDA libraries: "))
+        .with_context(|| format!("the probe named no libraries: {stderr:?}"))?
+        .to_string();
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("gpus "))
+        .with_context(|| format!("unexpected probe output {stdout:?}"))?;
+    let words: Vec<&str> = line.split_whitespace().collect();
+    match words.as_slice() {
+        ["gpus", n, "nccl", version] => Ok((n.parse()?, version.to_string(), libraries)),
+        _ => bail!("unexpected probe output {line:?}"),
     }
 }
 
-/// A `libnccl.so.2` from pip's nvidia-nccl package or the usual library folders.
-fn find_libnccl2() -> Option<PathBuf> {
-    let mut dirs: Vec<PathBuf> = Vec::new();
-    let python = util::torch_python().display().to_string();
-    if let Ok(output) = Command::new(&python)
-        .args([
-            "-c",
-            "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))",
-        ])
-        .output()
-    {
-        if output.status.success() {
-            dirs.push(String::from_utf8_lossy(&output.stdout).trim().into());
+/// The samples/s of epoch `epoch` in a trainer's `metrics.csv` (columns as
+/// `ddp_apps::metrics::CSV_COLUMNS`: `epoch` first, `samples_per_sec` by name).
+fn epoch_rate(csv: &str, epoch: usize) -> Result<f64> {
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines
+        .next()
+        .context("metrics.csv is empty")?
+        .split(',')
+        .collect();
+    let column = |name: &str| {
+        header
+            .iter()
+            .position(|h| h.trim() == name)
+            .with_context(|| format!("metrics.csv has no {name} column: {header:?}"))
+    };
+    let (epoch_col, rate_col) = (column("epoch")?, column("samples_per_sec")?);
+    for line in lines {
+        let fields: Vec<&str> = line.split(',').collect();
+        if fields
+            .get(epoch_col)
+            .and_then(|e| e.trim().parse::<usize>().ok())
+            == Some(epoch)
+        {
+            let rate = fields
+                .get(rate_col)
+                .context("a short metrics.csv row")?
+                .trim();
+            return rate
+                .parse::<f64>()
+                .with_context(|| format!("samples_per_sec {rate:?} of epoch {epoch}"));
         }
     }
-    dirs.extend(
-        [
-            "/usr/lib/x86_64-linux-gnu",
-            "/usr/lib64",
-            "/usr/local/cuda/lib64",
-            "/usr/local/nccl/lib",
-        ]
-        .map(PathBuf::from),
-    );
-    dirs.into_iter()
-        .map(|d| d.join("libnccl.so.2"))
-        .find(|p| p.exists())
+    bail!("metrics.csv has no row for epoch {epoch} (the timed epoch after the warm-up)")
 }
 
 /// PyTorch's epoch on GPU 0, or why it was skipped.
@@ -339,6 +339,7 @@ fn torch_epoch(data_dir: &Path, batch_size: usize) -> Result<std::result::Result
         .arg("--data-dir")
         .arg(data_dir)
         .args(["--device", "cuda:0", "--epochs", "1"])
+        .args(["--warmup-epochs", &WARMUP_EPOCHS.to_string()])
         .args(["--batch-size", &batch_size.to_string()]);
     eprintln!("$ {}", util::command_line(&command));
     let output = command.output().context("running the PyTorch epoch")?;
@@ -379,6 +380,7 @@ fn markdown(report: &Report) -> String {
     for gpu in &report.gpus {
         let _ = writeln!(md, "- {gpu}");
     }
+    let _ = writeln!(md, "- {}", report.libraries);
     let _ = writeln!(md, "- NCCL {}\n", report.nccl_version);
     let _ = writeln!(md, "## NCCL all-reduce (f32, sum; every result checked)\n");
     let _ = writeln!(
@@ -398,7 +400,10 @@ fn markdown(report: &Report) -> String {
             );
         }
     }
-    let _ = writeln!(md, "\n## MNIST CNN, one epoch\n");
+    let _ = writeln!(
+        md,
+        "\n## MNIST CNN, one epoch timed after {WARMUP_EPOCHS} warm-up epoch(s)\n"
+    );
     let _ = writeln!(
         md,
         "| implementation | GPUs | test accuracy | samples/s |\n| --- | ---: | ---: | ---: |"
@@ -426,4 +431,32 @@ fn markdown(report: &Report) -> String {
         (None, None) => {}
     }
     md
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_timed_epoch_is_the_one_after_the_warm_up() {
+        let csv = "epoch,step,train_loss,test_accuracy,test_loss,samples_per_sec,learning_rate,\
+                   comm_seconds\n1,938,0.2,0.97,0.1,4100.5,0.001,0\n2,1876,0.1,0.98,0.05,9800.25,\
+                   0.001,0\n";
+        assert_eq!(epoch_rate(csv, 2).unwrap(), 9800.25);
+        assert_eq!(epoch_rate(csv, 1).unwrap(), 4100.5);
+        let e = epoch_rate(csv, 3).unwrap_err().to_string();
+        assert!(e.contains("no row for epoch 3"), "{e}");
+        assert!(epoch_rate("epoch,step\n2,5\n", 2).is_err());
+    }
+
+    #[test]
+    fn the_probe_gives_the_gpus_the_version_and_the_libraries_line() {
+        let stderr = "CUDA libraries: driver (CUDA 12.4) /usr/lib/libcuda.so.1 [system]; NCCL \
+                      (2.21.5) /v/libnccl.so.2 [VIRTUAL_ENV=/v]\n";
+        let (gpus, version, libraries) = parse_probe("gpus 4 nccl 2.21.5\n", stderr).unwrap();
+        assert_eq!((gpus, version.as_str()), (4, "2.21.5"));
+        assert!(libraries.ends_with("[VIRTUAL_ENV=/v]"), "{libraries}");
+        assert!(parse_probe("gpus 4 nccl 2.21.5\n", "").is_err());
+        assert!(parse_probe("gpus four\n", stderr).is_err());
+    }
 }

@@ -5,8 +5,13 @@
 //!
 //! ```text
 //! ddprun --nproc-per-node 4 -- target/release/ddp-nccl-bench --sizes 4K,1M,64M --json out.json
-//! ddp-nccl-bench --probe        # prints the GPU count and the NCCL version, or why not
+//! ddp-nccl-bench --probe        # which driver and NCCL files, the GPU count, the NCCL version
 //! ```
+//!
+//! Its first line names the files of the NVIDIA driver and NCCL that were loaded (found under
+//! their real names in `LD_LIBRARY_PATH`, the active venv's NVIDIA wheels and the system
+//! folders; `ddp_comm::nccl::load_cuda_libraries`), on stderr; a missing one is an error naming
+//! it, the names tried and the folders searched.
 //!
 //! (`cargo xtask gpu-check` does that for every world size the GPUs allow.)
 //!
@@ -56,7 +61,8 @@ struct Args {
     /// Where rank 0 writes the results as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Only report the driver, the GPU count and the NCCL version (no group, no ddprun needed).
+    /// Only report the libraries loaded, the GPU count and the NCCL version (no group, no
+    /// ddprun needed): `gpus N nccl X.Y.Z` on stdout.
     #[arg(long)]
     probe: bool,
 }
@@ -73,14 +79,16 @@ struct Report {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let (major, minor, patch) = if args.probe {
+    let libraries = ddp_comm::nccl::load_cuda_libraries(false, true)?;
+    if args.probe || local_rank_zero() {
+        eprintln!("{libraries}");
+    }
+    let (major, minor, patch) = ddp_comm::nccl::nccl_version()?;
+    if args.probe {
         let gpus = ddp_comm::nccl::device_count()?;
-        let (major, minor, patch) = ddp_comm::nccl::nccl_version()?;
         println!("gpus {gpus} nccl {major}.{minor}.{patch}");
         return Ok(());
-    } else {
-        ddp_comm::nccl::nccl_version()?
-    };
+    }
     if args.iters == 0 || args.batch == 0 {
         bail!("--iters and --batch must be at least 1");
     }
@@ -128,6 +136,12 @@ fn main() -> Result<()> {
     nccl.barrier().context("final NCCL barrier")?;
     pg.barrier().context("final barrier")?;
     Ok(())
+}
+
+/// Whether this process is the first of its host (`LOCAL_RANK` 0 or unset), which prints the
+/// libraries line.
+fn local_rank_zero() -> bool {
+    std::env::var("LOCAL_RANK").map_or(true, |v| v.trim() == "0")
 }
 
 /// Runs every collective once on small buffers and compares with the exact expected values.
