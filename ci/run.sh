@@ -71,6 +71,15 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 ip -V
 
+step "NVIDIA's NCCL and NVRTC pip wheels (no GPU needed): the loader's real-library tests"
+# The root step below runs the ignored tests that open these wheels' real libnccl.so.2 and
+# libnvrtc.so.12 (found in the venv, ncclGetVersion answered, a kernel compiled by NVRTC); they
+# fail, not skip, when DDP_CUDA_WHEELS is set and nothing is found there.
+python3 -m venv target/cuda-wheels
+target/cuda-wheels/bin/pip install --quiet --disable-pip-version-check nvidia-nccl-cu12 \
+  nvidia-cuda-nvrtc-cu12
+export DDP_CUDA_WHEELS="$PWD/target/cuda-wheels"
+
 step "tests that need root: network namespaces and nftables (ignored in a plain cargo test)"
 # Every ignored test but the GPU ones (ignored here: CI has no GPU).
 cargo test --release --workspace --features "$FEATURES" -- --ignored --skip gpu
