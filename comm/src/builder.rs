@@ -73,7 +73,7 @@ impl GroupBuilder {
         self
     }
     /// Liveness deadline: a peer silent this long, heartbeats included, is declared dead
-    /// (overrides `DDP_PEER_TIMEOUT`; default 10 s).
+    /// (overrides `DDP_PEER_TIMEOUT`; default 7 s).
     pub fn peer_timeout(mut self, timeout: Duration) -> Self {
         self.given.peer_timeout = Some(timeout);
         self

@@ -9,8 +9,9 @@ use crate::error::CommError;
 /// Default deadline of every wait on a peer (a peer silent this long fails the group): 300 s.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default liveness deadline: a peer from which nothing (not even a heartbeat) arrives for this
-/// long is declared dead, whatever the collective deadline: 10 s.
-pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(10);
+/// long is declared dead, whatever the collective deadline: 7 s, so that a frozen rank or a cut
+/// link is named on every survivor within 10 s (see `liveness.rs` for why not shorter).
+pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(7);
 /// Default deadline for reaching the rendezvous store and the peers at start-up: 300 s.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default master port when neither `MASTER_PORT` nor Slurm gives one (torchrun's default).

@@ -1,14 +1,33 @@
 //! Liveness: a thread of each group sends a HEARTBEAT on every link every `peer_timeout / 5`
-//! (20 ms to 1 s) and looks at when each peer was last heard from ([`LastHeard`], stamped by the
-//! link's reader with every frame). A peer silent for `peer_timeout` (no frame at all: its own
-//! liveness thread would have sent several) is lost ([`CommError::PeerSilent`], through
-//! `GroupHealth::peer_lost` like a closed socket).
+//! (20 ms to 500 ms) and, as often, looks at when each peer was last heard from ([`LastHeard`],
+//! stamped by the link's reader with every frame header and every 256 KiB of a payload). A peer
+//! silent for `peer_timeout` (no byte at all: its own liveness thread would have sent many
+//! heartbeats) is lost ([`CommError::PeerSilent`], through `GroupHealth::peer_lost` like a
+//! closed socket).
 //!
 //! Why a thread of its own: liveness must not depend on the training loop. A rank busy in a long
 //! step keeps sending heartbeats and is never declared dead; a rank that is frozen (SIGSTOP, a
 //! hung kernel call) or cut off by the network sends nothing, and is named within
-//! `peer_timeout` instead of at the collective deadline (minutes). A peer that is alive but
-//! never enters a collective (a desync) is still caught by the collective deadline.
+//! `peer_timeout` plus a tick instead of at the collective deadline (minutes). A peer that is
+//! alive but never enters a collective (a desync) is still caught by the collective deadline.
+//!
+//! Why a heartbeat never waits behind data for long: it is queued to the link's writer, behind
+//! the DATA frames already queued, but a live link needs no heartbeat while data moves. The
+//! peer's reader stamps every header and every 256 KiB of payload it reads, so a large transfer
+//! is itself the proof of life (even a single 64 MiB frame on a slow link). Data stops moving
+//! only when the writer waits for credit (the peer is busy: the writer then sends heartbeats
+//! itself, `writer.rs`) or when the peer's kernel takes nothing more (the peer's reader, which
+//! reads whatever arrives, is not running: frozen, or the network is cut). Over shared memory the
+//! link carries nothing but the heartbeats, and a peer busy reducing still runs its own liveness
+//! thread. So silence means a frozen process or a dead network, not a busy one.
+//!
+//! The default deadline ([`crate::config::DEFAULT_PEER_TIMEOUT`], 7 s) names a frozen rank or a
+//! cut link within about 8 s (deadline, a tick, the attribution grace of `health.rs`), and is
+//! not shorter because of lossy networks: TCP retransmits a lost segment 0.2, 0.6, 1.4, 3.0 and
+//! 6.2 s after it was sent (the retransmission timer doubles from its 200 ms floor), and
+//! everything behind it waits. With 10 % loss, one lost segment in ten thousand is lost four
+//! more times and stalls its connection for 6.2 s, with nothing wrong; 7 s outlasts that stall
+//! plus a heartbeat interval, and the next one (12.6 s) takes a sixth loss in a row.
 //!
 //! The same thread answers SIGUSR1 by dumping the flight recorder (see [`crate::flight`]), and
 //! dumps it once more when the group fails.
@@ -72,9 +91,11 @@ impl WatchedPeer {
     }
 }
 
-/// How often heartbeats go out: a fifth of the peer timeout, 20 ms to 1 s.
+/// How often heartbeats go out, and how often the liveness thread looks for a silent peer: a
+/// fifth of the peer timeout, 20 ms to 500 ms (so a silent peer is named at most half a second
+/// after its deadline).
 pub(crate) fn heartbeat_interval(peer_timeout: Duration) -> Duration {
-    (peer_timeout / 5).clamp(Duration::from_millis(20), Duration::from_secs(1))
+    (peer_timeout / 5).clamp(Duration::from_millis(20), Duration::from_millis(500))
 }
 
 /// Starts the liveness thread of `rank` over `watched` (see the module documentation). It ends

@@ -6,7 +6,8 @@
 //! that rank 3 died). On EOF, an I/O error, a malformed frame or an ABORT, the reader marks the
 //! whole group failed (`health.rs`; a lost connection is evidence for the attribution there).
 //! It checks every header and every length before it reads a payload, stamps the link's
-//! liveness with every frame, counts the peer's DATA frames against the credit this rank gave
+//! liveness with every frame header and every [`STAMP_BYTES`] of a payload (a long frame on a
+//! slow link is progress, not silence: see `liveness.rs`), counts the peer's DATA frames against the credit this rank gave
 //! (a peer that ignores flow control is named in a protocol error), raises this rank's own send
 //! credit on a CREDIT frame, and answers a GOODBYE by half-closing its side, so that both
 //! readers reach EOF and the connection closes without resets.
@@ -49,6 +50,18 @@ pub(crate) struct ReaderLink {
     pub pool: Arc<BufferPool>,
     /// The largest DATA payload the peer may send (the segment size).
     pub max_frame: usize,
+}
+
+/// How much of a payload the reader reads between two liveness stamps.
+const STAMP_BYTES: usize = 256 << 10;
+
+/// Reads exactly `dst.len()` bytes, stamping `heard` after every [`STAMP_BYTES`] of them.
+fn read_payload(reader: &mut impl Read, dst: &mut [u8], heard: &LastHeard) -> io::Result<()> {
+    for piece in dst.chunks_mut(STAMP_BYTES) {
+        reader.read_exact(piece)?;
+        heard.stamp();
+    }
+    Ok(())
 }
 
 pub(crate) fn reader_loop(stream: TcpStream, link: ReaderLink, tx: Sender<Incoming>) {
@@ -106,7 +119,7 @@ pub(crate) fn reader_loop(stream: TcpStream, link: ReaderLink, tx: Sender<Incomi
                     // SAFETY: the poster keeps this memory alive and untouched until the loan
                     // (dropped right after the read) is returned; nobody else took the post.
                     let dst = unsafe { std::slice::from_raw_parts_mut(p.ptr, p.len) };
-                    let read = reader.read_exact(dst);
+                    let read = read_payload(&mut reader, dst, &heard);
                     drop(p);
                     if let Err(e) = read {
                         break Some(read_error(rank, peer, e));
@@ -115,7 +128,7 @@ pub(crate) fn reader_loop(stream: TcpStream, link: ReaderLink, tx: Sender<Incomi
                     Incoming::Landed
                 } else {
                     let mut buf = pool.buf(len);
-                    if let Err(e) = reader.read_exact(buf.as_bytes_mut()) {
+                    if let Err(e) = read_payload(&mut reader, buf.as_bytes_mut(), &heard) {
                         break Some(read_error(rank, peer, e));
                     }
                     Incoming::Data(header, buf)

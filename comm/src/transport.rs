@@ -251,18 +251,39 @@ impl Mesh {
         }
     }
 
+    /// Whether nothing has come from the peer of `link` for three heartbeat intervals: a live
+    /// peer's liveness thread would have sent three heartbeats, and its reader would have read
+    /// whatever this rank sent, so it is frozen, dead or cut off. After a failure, nothing is
+    /// waited for on such a link (see [`Mesh::flush_aborts`] and [`Mesh::settle`]): its socket is
+    /// shut down at once, so that the error reaches the caller within the liveness deadline's
+    /// promise instead of seconds later.
+    fn presumed_dead(&self, link: &Link) -> bool {
+        !link.goodbye.load(Ordering::Acquire)
+            && link.heard.silent_for() >= heartbeat_interval(self.peer_timeout) * 3
+    }
+
     /// After a failure: waits (at most [`ABORT_FLUSH`]) until every writer has put its ABORT on
     /// the wire, so that a process that exits right after the error has still told every peer
-    /// why. Writers end after their ABORT; a writer stuck on a dead peer's full socket ends at
-    /// its write timeout, which this does not wait for.
+    /// why. Writers end after their ABORT; a writer stuck on a full socket ends at its write
+    /// timeout, which this does not wait for, and one stuck on the socket of a peer presumed dead
+    /// ([`Mesh::presumed_dead`]: it would read nothing anyway) is freed at once by shutting that
+    /// socket down.
     pub fn flush_aborts(&self) {
         let deadline = Instant::now() + ABORT_FLUSH;
+        let mut shut = vec![false; self.links.len()];
         while Instant::now() < deadline {
-            let pending = self
-                .links
-                .iter()
-                .flatten()
-                .any(|l| l.writer.as_ref().is_some_and(|w| !w.is_finished()));
+            let mut pending = false;
+            for (peer, link) in self.links.iter().enumerate() {
+                let Some(link) = link else { continue };
+                if link.writer.as_ref().is_none_or(|w| w.is_finished()) {
+                    continue;
+                }
+                pending = true;
+                if !shut[peer] && self.presumed_dead(link) {
+                    let _ = link.stream.shutdown(Shutdown::Both);
+                    shut[peer] = true;
+                }
+            }
             if !pending {
                 return;
             }
@@ -444,9 +465,10 @@ impl Mesh {
     /// waits for them while the peers make progress, at most the group's timeout (then the
     /// group fails with a timeout naming the peer). After an error the group fails first (its
     /// writers drop their queued frames and send the ABORT); a thread that still holds a loan
-    /// [`ABORT_FLUSH`] later is blocked in a send to or a receive from a stuck peer, and
-    /// shutting that link's socket down ends the blocked call at once (a shut-down socket
-    /// fails every send and ends every receive), so every loan comes back promptly.
+    /// [`ABORT_FLUSH`] later (at once where the peer is presumed dead, [`Mesh::presumed_dead`])
+    /// is blocked in a send to or a receive from a stuck peer, and shutting that link's socket
+    /// down ends the blocked call at once (a shut-down socket fails every send and ends every
+    /// receive), so every loan comes back promptly.
     /// Returns `outcome`, or the timeout.
     pub fn settle(&self, desc: &OpDesc, outcome: Result<(), CommError>) -> Result<(), CommError> {
         if let Err(e) = &outcome {
@@ -463,7 +485,7 @@ impl Mesh {
                 let now = Instant::now();
                 if self.health.is_failed() {
                     let since = *failed_at.get_or_insert(now);
-                    if !shut && now >= since + ABORT_FLUSH {
+                    if !shut && (now >= since + ABORT_FLUSH || self.presumed_dead(link)) {
                         let _ = link.stream.shutdown(Shutdown::Both);
                         shut = true;
                     }
@@ -584,16 +606,17 @@ mod tests {
     }
 
     fn mesh(rank: usize, streams: Vec<Option<TcpStream>>, timeout: Duration) -> Mesh {
+        mesh_with_liveness(rank, streams, timeout, Duration::from_secs(10))
+    }
+
+    fn mesh_with_liveness(
+        rank: usize,
+        streams: Vec<Option<TcpStream>>,
+        timeout: Duration,
+        peer_timeout: Duration,
+    ) -> Mesh {
         let flight = FlightRecorder::new(rank, 2, None);
-        Mesh::start(
-            rank,
-            streams,
-            timeout,
-            Duration::from_secs(10),
-            64 << 20,
-            flight,
-        )
-        .unwrap()
+        Mesh::start(rank, streams, timeout, peer_timeout, 64 << 20, flight).unwrap()
     }
 
     /// Two meshes (ranks 0 and 1) joined by one real TCP connection.
@@ -688,33 +711,101 @@ mod tests {
         );
     }
 
-    /// A lent send to a peer that never reads: once the group fails, the writer blocked in
-    /// `sendmsg` on the full socket gives the memory back within a few seconds (the link is shut
-    /// down after the ABORT had its chance), not at the write timeout.
+    /// Liveness counts bytes, not frames: one 4 MiB frame that takes 3.2 s to arrive (64 KiB
+    /// every 50 ms, as over a slow or congested link), with no other frame meanwhile, keeps a
+    /// peer with a 1 s liveness deadline alive, and arrives whole. (A peer was declared silent
+    /// after a frame's header, mid-payload, when only headers were stamped.)
+    #[test]
+    fn a_long_frame_on_a_slow_link_is_progress_not_silence() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut peer, _) = listener.accept().unwrap();
+        let m0 = mesh_with_liveness(
+            0,
+            vec![None, Some(a)],
+            Duration::from_secs(30),
+            Duration::from_secs(1),
+        );
+        let data: Vec<u8> = (0..4u32 << 20).map(|i| (i * 13 % 251) as u8).collect();
+        let started = Instant::now();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                use std::io::Write;
+                peer.write_all(&Header::data(&desc(0), data.len()).encode())
+                    .unwrap();
+                for piece in data.chunks(64 << 10) {
+                    std::thread::sleep(Duration::from_millis(50));
+                    peer.write_all(piece).unwrap();
+                }
+            });
+            let got = m0.recv(1, &desc(0), data.len());
+            let got = got.unwrap_or_else(|e| panic!("after {:?}: {e}", started.elapsed()));
+            assert!(got.as_bytes() == &data[..]);
+        });
+        assert!(started.elapsed() >= Duration::from_secs(3));
+        assert!(m0.health().error().is_none(), "{:?}", m0.health().error());
+        drop(peer);
+    }
+
+    /// Rank 0 lends 64 MiB to its writer for rank 1, a bare socket that never reads (so the
+    /// writer blocks in `sendmsg` on the full socket), and which sends heartbeats or not
+    /// (`alive`); then the group fails, and this returns how long the settle took.
+    fn settle_with_a_writer_stuck_on_a_full_socket(alive: bool) -> Duration {
+        let (m0, peer) = rank_0_and_socket(Duration::from_secs(120));
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            if alive {
+                s.spawn(|| {
+                    let heartbeat = Header::control(crate::wire::FrameKind::Heartbeat, 0);
+                    while !stop.load(Ordering::Relaxed) {
+                        if crate::wire::write_frame(&mut &peer, &heartbeat, &[]).is_err() {
+                            return;
+                        }
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                });
+            }
+            let data = vec![3u8; 64 << 20];
+            // 64 frames of 1 MiB: the first 16 have credit, far more than the socket buffers
+            // hold.
+            for chunk in data.chunks(1 << 20) {
+                // SAFETY: `data` outlives the settle below.
+                unsafe { m0.send_lent(1, &desc(0), chunk).unwrap() };
+            }
+            // Past three heartbeat intervals (1.5 s at the 10 s peer timeout).
+            std::thread::sleep(Duration::from_secs(2));
+            let started = Instant::now();
+            let err = CommError::Internal {
+                rank: 0,
+                message: "test failure".into(),
+            };
+            let settled = m0.settle(&desc(0), Err(err));
+            let took = started.elapsed();
+            assert!(settled.is_err());
+            stop.store(true, Ordering::Relaxed);
+            drop(data);
+            took
+        })
+    }
+
+    /// A lent send to a live peer that never reads (it sends heartbeats): once the group fails,
+    /// the writer blocked in `sendmsg` on the full socket gives the memory back within a few
+    /// seconds (the link is shut down after the ABORT had its chance), not at the write timeout.
     #[test]
     fn a_failed_group_takes_back_memory_lent_to_a_writer_stuck_on_a_full_socket() {
-        // Rank 1 is a bare socket that never reads.
-        let (m0, peer) = rank_0_and_socket(Duration::from_secs(120));
-        let data = vec![3u8; 64 << 20];
-        // 64 frames of 1 MiB: the first 16 have credit, far more than the socket buffers hold.
-        for chunk in data.chunks(1 << 20) {
-            // SAFETY: `data` outlives the settle below.
-            unsafe { m0.send_lent(1, &desc(0), chunk).unwrap() };
-        }
-        std::thread::sleep(Duration::from_millis(500));
-        let started = Instant::now();
-        let err = CommError::Internal {
-            rank: 0,
-            message: "test failure".into(),
-        };
-        let settled = m0.settle(&desc(0), Err(err));
-        let took = started.elapsed();
-        assert!(settled.is_err());
+        let took = settle_with_a_writer_stuck_on_a_full_socket(true);
         assert!(
             took >= ABORT_FLUSH && took < ABORT_FLUSH + Duration::from_secs(5),
             "settling took {took:?}"
         );
-        drop(data);
-        drop(peer);
+    }
+
+    /// The same with a peer that has sent nothing for three heartbeat intervals (frozen, dead or
+    /// cut off): the ABORT would never be read, so the link is shut down at once, and the
+    /// memory comes back long before [`ABORT_FLUSH`].
+    #[test]
+    fn memory_lent_to_a_writer_stuck_on_a_silent_peer_comes_back_at_once() {
+        let took = settle_with_a_writer_stuck_on_a_full_socket(false);
+        assert!(took < ABORT_FLUSH / 4, "settling took {took:?}");
     }
 }

@@ -16,6 +16,10 @@
 //! the listening socket its launcher (or test) hands it through `DDP_STORE_FD`, when it has one
 //! (`ddp_comm::elastic::STORE_FD_ENV`), so that a test needs no free-port guess.
 //!
+//! `PEER_SECONDS=S` (with `PEER_STEPS=0`): steps until S seconds have passed since the group
+//! formed, on any rank's clock; the ranks agree on the last step through a one-float all-reduce
+//! (max) after each step, so every rank runs the same number of collectives.
+//!
 //! `PEER_EXIT_RANK=R` with `PEER_EXIT_STEP=N`: rank R exits with code 7 after step N (on the
 //! first attempt only, unless `PEER_EXIT_ALWAYS=1`). `PEER_STOP_RANK=R` with `PEER_STOP_STEP=N`:
 //! rank R stops itself with SIGSTOP after step N (a frozen rank: its sockets stay open, it sends
@@ -72,6 +76,11 @@ fn main() {
     .then(|| var("PEER_EXIT_STEP", 0));
     let stop_at = (std::env::var("PEER_STOP_RANK").ok() == Some(rank.to_string()))
         .then(|| var("PEER_STOP_STEP", 0));
+    let seconds = std::env::var("PEER_SECONDS")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .map(Duration::from_secs_f64);
+    let started = std::time::Instant::now();
     let mut step = 0u64;
     while steps == 0 || step < steps {
         let result = if op == "barrier" {
@@ -96,8 +105,19 @@ fn main() {
                 }
             })
         };
-        match result {
-            Ok(()) => println!("rank {rank} step {step} ok"),
+        // Time's up on some rank's clock: every rank stops after this step.
+        let result = result.and_then(|()| match seconds {
+            None => Ok(false),
+            Some(s) => {
+                let over = f32::from(u8::from(started.elapsed() >= s));
+                pg.all_reduce(vec![over], ReduceOp::Max).map(|v| v[0] > 0.0)
+            }
+        });
+        let last = match result {
+            Ok(last) => {
+                println!("rank {rank} step {step} ok");
+                last
+            }
             Err(e) => {
                 let blamed = e
                     .peer()
@@ -107,8 +127,11 @@ fn main() {
                 let _ = std::io::stdout().flush();
                 std::process::exit(3);
             }
-        }
+        };
         let _ = std::io::stdout().flush();
+        if last {
+            break;
+        }
         if exit_at == Some(step) {
             println!("rank {rank} exits with code 7 at step {step} (PEER_EXIT_RANK)");
             let _ = std::io::stdout().flush();
