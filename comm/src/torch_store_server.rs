@@ -526,9 +526,14 @@ impl Server {
                     self.conns.push(Conn::new(stream, Instant::now()));
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                // WouldBlock: none left. Anything else (EMFILE, ECONNABORTED): try again at
-                // the next poll rather than spin.
-                Err(_) => return,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                // Out of descriptors, say: try again at the next poll, after a pause, rather
+                // than spin on a listener that stays readable.
+                Err(e) => {
+                    tracing::warn!("PyTorch store on port {}: accept failed: {e}", self.port);
+                    std::thread::sleep(Duration::from_millis(10));
+                    return;
+                }
             }
         }
     }
@@ -595,17 +600,19 @@ impl Server {
                 }
             }
             Wake::Pushed(key) => {
-                let waiter = self
-                    .conns
-                    .iter_mut()
-                    .find(|c| c.waiting.as_ref().is_some_and(|m| m.contains(&key)));
-                if let Some(c) = waiter {
-                    let missing = c.waiting.as_mut().expect("found waiting");
-                    missing.remove(&key);
+                for c in &mut self.conns {
+                    let Some(missing) = &mut c.waiting else {
+                        continue;
+                    };
+                    if !missing.remove(&key) {
+                        continue;
+                    }
                     if missing.is_empty() {
                         c.waiting = None;
                         c.answer(&[STOP_WAITING]);
                     }
+                    // One waiter of the key takes the pushed value.
+                    return;
                 }
             }
         }
