@@ -6,6 +6,7 @@
 use super::*;
 use crate::torch_store::Query;
 use std::net::Shutdown;
+use std::os::fd::AsRawFd;
 
 /// A connection speaking the protocol by hand, every read with a deadline.
 struct Client(TcpStream);
@@ -204,16 +205,14 @@ fn a_wait_ends_when_another_connection_sets_the_last_key() {
         waiter.silent_for(Duration::from_millis(200)),
         "a cancelled wait is not woken"
     );
-    // A queue push wakes one waiter of its key, not both.
+    // A queue push wakes one waiter of its key, not both. (A PING on each waiting connection
+    // is answered once its WAIT is registered: a connection's requests run in order.)
     let mut other = Client::valid(h.port());
-    waiter.send(&req(Query::Wait).keys(&[b"jobs"]).0);
-    other.send(&req(Query::Wait).keys(&[b"jobs"]).0);
-    setter.send(&req(Query::Ping).u32(1).0);
-    assert_eq!(
-        setter.read(4),
-        1u32.to_le_bytes(),
-        "both waits are registered"
-    );
+    for c in [&mut waiter, &mut other] {
+        c.send(&req(Query::Wait).keys(&[b"jobs"]).0);
+        c.send(&req(Query::Ping).u32(2).0);
+        assert_eq!(c.read(4), 2u32.to_le_bytes(), "the wait is registered");
+    }
     setter.send(&req(Query::QueuePush).b(b"jobs").b(b"j").0);
     let first = !waiter.silent_for(Duration::from_millis(300));
     let second = !other.silent_for(Duration::from_millis(300));
@@ -305,19 +304,86 @@ fn deadlines_and_the_store_s_size_close_connections() {
         let _ = greedy.0.set_write_timeout(Some(Duration::from_secs(10)));
         let t = Instant::now();
         while t.elapsed() < Duration::from_secs(20) {
-            if greedy.0.write_all(&burst).is_err() {
-                return true;
+            if let Err(e) = greedy.0.write_all(&burst) {
+                return Some(e.kind());
             }
         }
-        false
+        None
     });
+    // Closed by the server (its write deadline), not ended by the client's own write timeout.
+    let ended = writer.join().unwrap();
     assert!(
-        writer.join().unwrap(),
-        "the server kept reading a client that reads nothing"
+        matches!(
+            ended,
+            Some(io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset)
+        ),
+        "the server did not close a client that reads nothing: {ended:?}"
     );
     let mut after = Client::valid(port);
     after.send(&req(Query::Ping).u32(5).0);
     assert_eq!(after.read(4), 5u32.to_le_bytes());
+}
+
+/// Sets small socket buffers on `fd`, so that what the kernel holds in flight is small.
+fn small_buffers(fd: i32) {
+    let size: libc::c_int = 64 << 10;
+    for opt in [libc::SO_RCVBUF, libc::SO_SNDBUF] {
+        // SAFETY: setsockopt reads `size` (a c_int, of the length given) on a socket we own.
+        let r = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                opt,
+                (&size as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(r, 0, "{}", io::Error::last_os_error());
+    }
+}
+
+/// A client that sends requests and reads no answers: once its unread answers pass the high
+/// water mark the server reads no more from it (so they cannot grow without bound), and reads
+/// again once the client takes them.
+#[test]
+fn unread_answers_stop_the_reading_until_they_are_taken() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    small_buffers(listener.as_raw_fd());
+    let h = TorchStoreHost::start_with(listener, Limits::default()).unwrap();
+    let mut c = Client::valid(h.port());
+    small_buffers(c.0.as_raw_fd());
+    c.send(&req(Query::Set).b(b"k").b(b"v").0);
+    // GET k: 18 bytes asked, 9 answered.
+    let burst: Vec<u8> = (0..10_000)
+        .flat_map(|_| req(Query::Get).b(b"k").0)
+        .collect();
+    c.0.set_write_timeout(Some(Duration::from_secs(1))).unwrap();
+    let mut written = 0usize;
+    let limit = 32 << 20;
+    while written < limit {
+        match c.0.write(&burst) {
+            Ok(n) => written += n,
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::TimedOut =>
+            {
+                break
+            }
+            Err(e) => panic!("the server closed the connection: {e}"),
+        }
+    }
+    assert!(
+        written < limit,
+        "the server read {written} bytes of requests whose answers nobody reads"
+    );
+    // Taking the answers lets the server read on.
+    let mut answers = 0usize;
+    let mut buf = vec![0u8; 1 << 20];
+    while answers < 4 << 20 {
+        let n = c.0.read(&mut buf).unwrap();
+        assert!(n > 0);
+        answers += n;
+    }
+    c.0.write_all(&burst).unwrap();
 }
 
 #[test]
