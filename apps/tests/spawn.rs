@@ -67,9 +67,10 @@ fn a_rank_refuses_nproc_per_node() {
     assert!(!all.contains("training cnn"), "it trained:\n{all}");
 }
 
-/// In an sbatch script (the batch step of a job of 2 tasks: SLURM_PROCID 0, SLURM_NTASKS 2,
-/// SLURM_STEP_ID batch) no rank exists yet: the trainer starts its 2 ranks, as mp.spawn would.
-/// Inside a step of 2 tasks (srun -n 2) the same flag is refused.
+/// In an sbatch script (the batch step of a job of 2 tasks: SLURM_PROCID 0, SLURM_NTASKS 2 and
+/// no step number, as Slurm 22.05 sets them there) no rank exists yet: the trainer starts its 2
+/// ranks, as mp.spawn would. Inside a step of 2 tasks (srun -n 2: SLURM_STEP_ID 0) the same flag
+/// is refused.
 #[test]
 fn nproc_per_node_works_in_an_sbatch_script_and_not_in_a_step() {
     let batch = [
@@ -80,7 +81,6 @@ fn nproc_per_node_works_in_an_sbatch_script_and_not_in_a_step() {
         ("SLURM_PROCID", "0"),
         ("SLURM_NTASKS", "2"),
         ("SLURM_TASKS_PER_NODE", "2"),
-        ("SLURM_STEP_ID", "batch"),
     ];
     let mut command = Command::new(env!("CARGO_BIN_EXE_train-mnist"));
     command
@@ -89,7 +89,10 @@ fn nproc_per_node_works_in_an_sbatch_script_and_not_in_a_step() {
         .arg("--data-dir")
         .arg(mnist::real_mnist());
     common::clear_launcher_env(&mut command);
-    command.envs(batch);
+    command
+        .env_remove("SLURM_STEP_ID")
+        .env_remove("SLURM_STEPID")
+        .envs(batch);
     let out = common::output_with_deadline(&mut command, DEADLINE);
     let all = text(&out);
     assert!(out.status.success(), "run failed:\n{all}");

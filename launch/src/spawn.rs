@@ -6,10 +6,12 @@
 //!
 //! A process that a launcher started as a rank of a larger job refuses: the launcher decides how
 //! many ranks there are. One exception, as for PyTorch's `mp.spawn`: the batch step of a Slurm
-//! job (the script `sbatch` runs) carries `SLURM_PROCID` and `SLURM_NTASKS` although it is no
-//! rank of anything, so a single-task step (`SLURM_NTASKS=1`) or the batch step itself
-//! (`SLURM_STEP_ID=batch`) may start its ranks; a task of a real multi-task step (`srun -n 2`)
-//! may not.
+//! job (the script `sbatch` runs) carries the job's `SLURM_PROCID` (0) and `SLURM_NTASKS`
+//! although it is no rank of anything, so it may start its ranks; so may a step of one task.
+//! Only `srun` starts steps, and it sets the step's number (`SLURM_STEP_ID`, older Slurm
+//! `SLURM_STEPID`), which the batch step lacks (Slurm 22.05 sets neither there; a Slurm that
+//! names the batch step sets `batch`). So a task of a real step of several tasks (`srun -n 2`)
+//! is refused, and the batch step is not.
 
 use std::ffi::OsString;
 use std::time::Duration;
@@ -97,7 +99,12 @@ pub fn spawn(nprocs: usize, options: &SpawnOptions) -> Result<LaunchReport, Laun
 }
 
 /// Whether `group` was read from a Slurm step that runs a single task: one task in all, or the
-/// batch step (`step_id` `batch`: the script sbatch runs, whose `SLURM_NTASKS` is the job's).
+/// batch step (no step number, `step_id` unset or `batch`: the script sbatch runs, whose
+/// `SLURM_NTASKS` is the job's).
 fn single_task_slurm_step(group: &ddp_comm::GroupConfig, step_id: Option<&str>) -> bool {
-    group.launcher == "slurm" && (group.world_size == 1 || step_id.map(str::trim) == Some("batch"))
+    let batch_step = match step_id.map(str::trim) {
+        None | Some("batch") => true,
+        Some(_) => false,
+    };
+    group.launcher == "slurm" && (group.world_size == 1 || batch_step)
 }

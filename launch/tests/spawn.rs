@@ -46,6 +46,8 @@ fn main() {
         "OMPI_COMM_WORLD_RANK",
         "PMI_RANK",
         "SLURM_PROCID",
+        "SLURM_STEP_ID",
+        "SLURM_STEPID",
     ] {
         std::env::remove_var(var);
     }
@@ -180,8 +182,9 @@ fn with_env<T>(vars: &[(&str, &str)], f: impl FnOnce() -> T) -> T {
 }
 
 /// Inside an sbatch script the batch step's SLURM_PROCID and SLURM_NTASKS are set although no
-/// rank exists yet (as PyTorch's mp.spawn allows): the batch step of a job of several tasks, or a
-/// step of one task, may spawn; a task of a step of several (srun -n 2) may not.
+/// rank exists yet (as PyTorch's mp.spawn allows): the batch step of a job of several tasks (no
+/// step number: Slurm 22.05 sets none there; or one named `batch`), or a step of one task, may
+/// spawn; a task of a step of several (srun -n 2, which sets the step's number) may not.
 fn a_slurm_batch_script_can_spawn_a_task_of_a_step_cannot() {
     let job = [
         ("SLURM_JOB_ID", "77"),
@@ -190,21 +193,20 @@ fn a_slurm_batch_script_can_spawn_a_task_of_a_step_cannot() {
         ("SLURM_LOCALID", "0"),
         ("SLURM_PROCID", "0"),
     ];
-    for (step, ntasks) in [("batch", "4"), ("0", "1")] {
+    for (step, ntasks) in [(None, "4"), (Some("batch"), "4"), (Some("0"), "1")] {
         let dir = tempfile::tempdir().unwrap();
         let mut vars = job.to_vec();
-        vars.extend([
-            ("SLURM_STEP_ID", step),
-            ("SLURM_NTASKS", ntasks),
-            ("SLURM_TASKS_PER_NODE", ntasks),
-        ]);
+        vars.extend([("SLURM_NTASKS", ntasks), ("SLURM_TASKS_PER_NODE", ntasks)]);
+        if let Some(step) = step {
+            vars.push(("SLURM_STEP_ID", step));
+        }
         let report = with_env(&vars, || spawn(2, &options(dir.path(), "none")))
-            .unwrap_or_else(|e| panic!("step {step} of {ntasks} tasks: {e}"));
+            .unwrap_or_else(|e| panic!("step {step:?} of {ntasks} tasks: {e}"));
         assert_eq!(report.exits.len(), 2);
         for rank in 0..2 {
             let got = recorded(dir.path(), rank);
-            assert_eq!(got[0].1, rank.to_string(), "step {step}: RANK");
-            assert_eq!(got[1].1, "2", "step {step}: WORLD_SIZE");
+            assert_eq!(got[0].1, rank.to_string(), "step {step:?}: RANK");
+            assert_eq!(got[1].1, "2", "step {step:?}: WORLD_SIZE");
         }
     }
     // A task of `srun -n 2`: a rank already.
@@ -212,6 +214,7 @@ fn a_slurm_batch_script_can_spawn_a_task_of_a_step_cannot() {
     let mut vars = job.to_vec();
     vars.extend([
         ("SLURM_STEP_ID", "0"),
+        ("SLURM_STEPID", "0"),
         ("SLURM_NTASKS", "2"),
         ("SLURM_TASKS_PER_NODE", "2"),
     ]);
