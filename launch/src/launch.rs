@@ -7,12 +7,11 @@
 //! then `SIGKILL` after the grace period, and everything they started killed) and fewer than
 //! `max_restarts` restarts were used, and no `SIGINT`/`SIGTERM` reached the launcher meanwhile
 //! (a user who stops the job means it), the launcher starts all local ranks again as a new
-//! rendezvous round: a new store on a fresh free `MASTER_PORT` on a single node (the same store
-//! and port when the port was given, the round's keys under the attempt's prefix; see
-//! `rendezvous.rs`) and a new `DDP_JOB_ID`, so that a straggler of the old group can neither
-//! reach the new store nor pass the new group's handshake. Files of the old attempt in the trace
-//! directory are
-//! cleared first, so the new attempt's report is its own. Any other ending (a failure with the
+//! rendezvous round: a new store on a fresh free `MASTER_PORT` on a single node (the same port
+//! and store, emptied, when the port was given; see `rendezvous.rs`) and a new `DDP_JOB_ID`, so
+//! that a straggler of the old group can neither reach the new store nor pass the new group's
+//! handshake. Files of the old attempt in the trace directory are cleared first, so the new
+//! attempt's report is its own. Any other ending (a failure with the
 //! budget spent, an interruption, a launcher error) ends the job with that attempt's result,
 //! exactly as without restarts. On several nodes the launchers agree on every round through
 //! node 0's store (`agents.rs`) and meet again at the fixed `MASTER_PORT`.

@@ -40,10 +40,10 @@
 //! 5. When every rank has exited 0, returns `Ok` with each rank's status.
 //! 6. With [`LaunchConfig::max_restarts`] above 0 (`ddprun --max-restarts N`, torchrun's flag),
 //!    a failure does not end the job while restarts are left: once the old ranks are stopped as
-//!    in step 4, all local ranks start again as a new rendezvous round (a fresh `MASTER_PORT` on
-//!    a single node with its own new store, the same port and store when given; a new
-//!    `DDP_JOB_ID`), with
-//!    `TORCHELASTIC_RESTART_COUNT` counting the restarts (0 on the first start) and
+//!    in step 4, all local ranks start again as a new rendezvous round (a new store on a fresh
+//!    `MASTER_PORT` on a single node, the same port and store, emptied, when the port was given;
+//!    a new `DDP_JOB_ID`), with `TORCHELASTIC_RESTART_COUNT` counting the restarts (0 on the
+//!    first start) and
 //!    `TORCHELASTIC_MAX_RESTARTS` set, as torchrun sets them; a trainer with checkpoints resumes
 //!    from its last one. A `SIGINT`/`SIGTERM` to the launcher never leads to a restart. On
 //!    several nodes the launchers coordinate through a store that node 0's launcher hosts on

@@ -229,11 +229,7 @@ mod tests {
             PetDefaults::from_vars(&all, lookup).unwrap(),
             PetDefaults::default()
         );
-        // Each flag alone leaves only its own variable unread.
-        let only_nproc = GivenFlags {
-            nproc_per_node: true,
-            ..all
-        };
+        // Only the variables of the flags not given are read: each one still counts.
         let some = PetDefaults::from_vars(
             &GivenFlags {
                 nproc_per_node: false,
@@ -246,7 +242,7 @@ mod tests {
         let e = PetDefaults::from_vars(
             &GivenFlags {
                 nnodes: false,
-                ..only_nproc
+                ..all
             },
             lookup,
         )
