@@ -413,12 +413,16 @@ fn ring_all_gather<T: Element>(
 // ---------------------------------------------------------------------------------------------
 // reduce_scatter
 
-/// Reduces `buf` across ranks and returns this rank's chunk, `chunk_range(len, N, rank)`.
-pub(crate) fn reduce_scatter<T: Element>(
+/// Reduces `buf` across ranks into this rank's chunk of it, `chunk_range(len, N, rank)`, in
+/// place (the rest of `buf` is left unspecified): the ring's reduce-scatter above the
+/// small-buffer threshold, a direct exchange below it. The frames are the same either way, so
+/// a rank that wants a copy of its chunk and one that keeps it in place
+/// run the same collective (`collectives::reduce_scatter` copies the chunk out).
+pub(crate) fn reduce_scatter_in_place<T: Element>(
     cx: &Ctx,
     buf: &mut [T],
     op: ReduceOp,
-) -> Result<Vec<T>, CommError> {
+) -> Result<(), CommError> {
     let n = cx.size();
     let r = cx.index();
     let len = buf.len();
@@ -426,11 +430,11 @@ pub(crate) fn reduce_scatter<T: Element>(
     if bytes_of::<T>(len) > cx.small_bytes {
         // Shift by N-1 so that rank r ends with chunk r.
         let view = View::new(buf);
-        cx.lending(|| ring_reduce_scatter(cx, view, op, n - 1, false))?;
-        return Ok(buf[mine].to_vec());
+        return cx.lending(|| ring_reduce_scatter(cx, view, op, n - 1, false));
     }
-    // Every rank sends each peer its chunk of `buf` (lent: `buf` is not written again) and
-    // accumulates its own chunk in `acc`, starting from rank 0's contribution.
+    // Every rank sends each peer its chunk of `buf` (lent: `buf` is not written until the
+    // collective settled) and accumulates its own chunk in `acc`, starting from rank 0's
+    // contribution.
     let mut acc: Vec<T> = buf[mine.clone()].to_vec();
     let own = &buf[mine.clone()];
     let seg = cx.seg_elems::<T>();
@@ -464,7 +468,8 @@ pub(crate) fn reduce_scatter<T: Element>(
     if op == ReduceOp::Avg {
         T::divide(&mut acc, n);
     }
-    Ok(acc)
+    buf[mine].copy_from_slice(&acc);
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -502,6 +507,37 @@ pub(crate) fn all_gather<T: Element>(cx: &Ctx, input: &[T]) -> Result<Vec<T>, Co
         Ok(())
     })?;
     Ok(out)
+}
+
+/// The all-gather of a buffer cut into the reduce-scatter's chunks, in place: every member
+/// holds its own chunk `chunk_range(len, N, index)` of `buf` (chunks differ by at most one
+/// element), and ends with every member's chunk in its place. This is the second half of the
+/// ring all-reduce: the ring above the small-buffer threshold, a direct exchange below it.
+/// ZeRO's all-gather of updated parameters writes straight into the parameters' memory with it.
+pub(crate) fn all_gather_chunks<T: Element>(cx: &Ctx, buf: &mut [T]) -> Result<(), CommError> {
+    let (n, r, len) = (cx.size(), cx.index(), buf.len());
+    let block = |c: usize| chunk_range(len, n, c);
+    let view = View::new(buf);
+    if bytes_of::<T>(len) > cx.small_bytes {
+        return cx.lending(|| ring_all_gather(cx, view, block, r, false));
+    }
+    let seg = cx.seg_elems::<T>();
+    cx.lending(|| {
+        for p in cx.peers() {
+            for s in segments(block(r), seg) {
+                // SAFETY: our own chunk, only read until the collective settles.
+                unsafe { cx.lend(p, view.get(s))? };
+            }
+        }
+        for p in cx.peers() {
+            for s in segments(block(p), seg) {
+                // SAFETY: peer p's chunk, disjoint from ours (lent) and from every other
+                // peer's; `buf` outlives the `lending` and is not touched after an error.
+                unsafe { cx.recv_into(p, view.get_mut(s))? };
+            }
+        }
+        Ok(())
+    })
 }
 
 // ---------------------------------------------------------------------------------------------

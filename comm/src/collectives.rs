@@ -83,10 +83,35 @@ pub(crate) fn reduce_scatter<T: Element>(
     buf: &mut [T],
     op: ReduceOp,
 ) -> Result<Vec<T>, CommError> {
+    reduce_scatter_in_place(t, buf, op)?;
+    let cx = &t.tcp;
+    Ok(buf[algorithms::chunk_range(buf.len(), cx.mesh.world, cx.mesh.rank)].to_vec())
+}
+
+/// Reduces `buf` across every rank into this rank's chunk of it, `chunk_range(len, N, rank)`,
+/// in place; the rest of `buf` is left unspecified.
+pub(crate) fn reduce_scatter_in_place<T: Element>(
+    t: &Transports,
+    buf: &mut [T],
+    op: ReduceOp,
+) -> Result<(), CommError> {
     let cx = &t.tcp;
     match t.flat_shm() {
-        Some(s) => shm::reduce_scatter(s, cx.mesh, &cx.desc, buf, op),
-        None => algorithms::reduce_scatter(cx, buf, op),
+        Some(s) => shm::reduce_scatter_in_place(s, cx.mesh, &cx.desc, buf, op),
+        None => algorithms::reduce_scatter_in_place(cx, buf, op),
+    }
+}
+
+/// Every rank's chunk `chunk_range(len, N, rank)` of `buf` into every rank's `buf`, in place
+/// (the second half of a ring all-reduce).
+pub(crate) fn all_gather_chunks<T: Element>(
+    t: &Transports,
+    buf: &mut [T],
+) -> Result<(), CommError> {
+    let cx = &t.tcp;
+    match t.flat_shm() {
+        Some(s) => shm::all_gather_chunks(s, cx.mesh, &cx.desc, buf),
+        None => algorithms::all_gather_chunks(cx, buf),
     }
 }
 

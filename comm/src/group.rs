@@ -440,6 +440,53 @@ impl ProcessGroup {
         })
     }
 
+    /// Queues a reduce-scatter that keeps its result in `buf`: `buf` (same length on every
+    /// rank) is reduced with `op` into this rank's chunk `chunk_range(len, world_size, rank)`
+    /// of it, and comes back whole (the other chunks' contents unspecified). The same
+    /// collective as [`submit_reduce_scatter`](Self::submit_reduce_scatter), without the copy
+    /// of the chunk: for a caller that keeps the buffer, such as ZeRO's adopted gradients.
+    pub fn submit_reduce_scatter_in_place<T: Element>(
+        &self,
+        mut buf: Vec<T>,
+        op: ReduceOp,
+    ) -> Work<Vec<T>> {
+        if self.world_size() == 1 {
+            return Work::ready(self.rank(), Ok(buf));
+        }
+        let what = format!("reduce_scatter of {} {}", buf.len(), T::DTYPE);
+        let rec = (OpKind::ReduceScatter, T::DTYPE, buf.len());
+        self.submit(what, rec, move |e| {
+            e.run(
+                OpKind::ReduceScatter,
+                T::DTYPE,
+                buf.len(),
+                op.to_wire(),
+                |t| collectives::reduce_scatter_in_place(t, &mut buf, op),
+            )?;
+            Ok(buf)
+        })
+    }
+
+    /// Queues the in-place all-gather of the reduce-scatter's chunks: every rank passes a
+    /// buffer of the same length holding its own chunk `chunk_range(len, world_size, rank)`
+    /// (chunks differ by at most one element), and gets it back with every rank's chunk in its
+    /// place (the second half of a ring all-reduce; the buffer is the result, no other is
+    /// allocated).
+    pub fn submit_all_gather_in_place<T: Element>(&self, mut buf: Vec<T>) -> Work<Vec<T>> {
+        if self.world_size() == 1 {
+            return Work::ready(self.rank(), Ok(buf));
+        }
+        let what = format!("all_gather in place of {} {}", buf.len(), T::DTYPE);
+        let rec = (OpKind::AllGather, T::DTYPE, buf.len());
+        // `arg` 1 tells it from the all-gather of equal blocks (arg 0) in the fingerprint.
+        self.submit(what, rec, move |e| {
+            e.run(OpKind::AllGather, T::DTYPE, buf.len(), 1, |t| {
+                collectives::all_gather_chunks(t, &mut buf)
+            })?;
+            Ok(buf)
+        })
+    }
+
     /// Queues a barrier: completes once every rank has reached it.
     pub fn submit_barrier(&self) -> Work<()> {
         if self.world_size() == 1 {

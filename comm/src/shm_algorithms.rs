@@ -15,8 +15,9 @@
 //! * Both give every element the sum ((x_0 + x_1) + x_2) + ... in rank order, whoever computes
 //!   it, so results are bit-identical across runs, ranks and piece sizes. `Avg` divides once.
 //! * Broadcast: the root writes, the others copy. All-gather: everyone writes its block, everyone
-//!   copies all blocks. Reduce-scatter: everyone writes, rank r reduces its chunk. Barrier: one
-//!   empty piece.
+//!   copies all blocks (in place, of the reduce-scatter's chunks: the same per piece of the
+//!   longest chunk). Reduce-scatter: everyone writes, rank r reduces its chunk in place.
+//!   Barrier: one empty piece.
 //!
 //! The hierarchical collectives across hosts (`collectives.rs`) use these inside each host.
 
@@ -179,22 +180,23 @@ pub(crate) fn all_gather<T: Element>(
 }
 
 /// Reduce-scatter over shared memory (one host): per piece everyone writes the piece; rank r
-/// reduces, in rank order, the part of the piece that falls in its chunk. Returns chunk `rank`.
-pub(crate) fn reduce_scatter<T: Element>(
+/// reduces, in rank order, the part of the piece that falls in its chunk, straight into `buf`
+/// (its copy of the piece is in its slot). Leaves chunk `rank` reduced in place; the rest of
+/// `buf` is left as it was.
+pub(crate) fn reduce_scatter_in_place<T: Element>(
     shm: &ShmGroup,
     mesh: &Mesh,
     desc: &OpDesc,
-    input: &[T],
+    buf: &mut [T],
     op: ReduceOp,
-) -> Result<Vec<T>, CommError> {
+) -> Result<(), CommError> {
     let acc_op = op.accumulator();
     let (me, world) = (shm.me(), shm.local_world());
-    let mine = chunk_range(input.len(), world, me);
-    let mut out = input[mine.clone()].to_vec();
-    for piece in pieces(input.len(), shm.piece_elems::<T>()) {
+    let mine = chunk_range(buf.len(), world, me);
+    for piece in pieces(buf.len(), shm.piece_elems::<T>()) {
         let (epoch, slot) = shm.next_piece();
         // SAFETY: our slot, as in all_reduce.
-        unsafe { shm.own_slot::<T>(slot, 0, piece.len()) }.copy_from_slice(&input[piece.clone()]);
+        unsafe { shm.own_slot::<T>(slot, 0, piece.len()) }.copy_from_slice(&buf[piece.clone()]);
         shm.publish(slot, epoch, desc);
         shm.wait_peers(mesh, slot, epoch, false, desc)?;
         let lo = mine.start.max(piece.start);
@@ -203,7 +205,7 @@ pub(crate) fn reduce_scatter<T: Element>(
             continue;
         }
         let at = lo - piece.start;
-        let dst = &mut out[lo - mine.start..hi - mine.start];
+        let dst = &mut buf[lo..hi];
         // SAFETY: every slot holds piece `epoch` until everyone publishes epoch + 1.
         dst.copy_from_slice(unsafe { shm.slot::<T>(0, slot, at, hi - lo) });
         for r in 1..world {
@@ -213,7 +215,41 @@ pub(crate) fn reduce_scatter<T: Element>(
             T::divide(dst, world);
         }
     }
-    Ok(out)
+    Ok(())
+}
+
+/// All-gather of the reduce-scatter's chunks over shared memory (one host), in place: every
+/// rank holds its chunk `chunk_range(len, N, rank)` of `buf`; per piece of the longest chunk,
+/// everyone writes that piece of its chunk (one element shorter, or empty, for the shorter
+/// chunks) and copies the peers'.
+pub(crate) fn all_gather_chunks<T: Element>(
+    shm: &ShmGroup,
+    mesh: &Mesh,
+    desc: &OpDesc,
+    buf: &mut [T],
+) -> Result<(), CommError> {
+    let (me, world, len) = (shm.me(), shm.local_world(), buf.len());
+    let longest = chunk_range(len, world, 0).len();
+    // Piece `p` of chunk `c`, in `buf`'s coordinates.
+    let part = |c: usize, p: &Range<usize>| {
+        let chunk = chunk_range(len, world, c);
+        (chunk.start + p.start).min(chunk.end)..(chunk.start + p.end).min(chunk.end)
+    };
+    for piece in pieces(longest, shm.piece_elems::<T>()) {
+        let (epoch, slot) = shm.next_piece();
+        let own = part(me, &piece);
+        // SAFETY: our slot, as in all_reduce.
+        unsafe { shm.own_slot::<T>(slot, 0, own.len()) }.copy_from_slice(&buf[own]);
+        shm.publish(slot, epoch, desc);
+        shm.wait_peers(mesh, slot, epoch, false, desc)?;
+        for r in (0..world).filter(|&r| r != me) {
+            let theirs = part(r, &piece);
+            let n = theirs.len();
+            // SAFETY: rank r's slot holds its piece until everyone publishes epoch + 1.
+            buf[theirs].copy_from_slice(unsafe { shm.slot::<T>(r, slot, 0, n) });
+        }
+    }
+    Ok(())
 }
 
 /// A barrier of this host's ranks over shared memory: one empty piece.

@@ -254,12 +254,39 @@ fn check_dtype<T: TestElem>(
                 &reference_reduce_scatter(&xs, op, direct, rank),
                 &what,
             );
+
+            // In place: the same chunk, where it lies in the buffer that comes back.
+            let what = format!("{what} in place");
+            let out = pg
+                .submit_reduce_scatter_in_place(xs[rank].clone(), op)
+                .wait()
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(out.len(), len, "{what}: the whole buffer comes back");
+            assert_bits(
+                &out[chunk_range(len, n, rank)],
+                &reference_reduce_scatter(&xs, op, direct, rank),
+                &what,
+            );
         }
         let what = format!("world {n} rank {rank}: all_gather {len} {name}");
         let out = pg
             .all_gather(xs[rank].clone())
             .unwrap_or_else(|e| panic!("{what}: {e}"));
         assert_bits(&out, &xs.concat(), &what);
+        // In place, of the reduce-scatter's chunks: rank r contributes chunk r of its own
+        // input (the rest of its buffer is garbage), everyone ends with every rank's chunk.
+        let what = format!("world {n} rank {rank}: all_gather in place {len} {name}");
+        let mut mine = inputs::<T>(1, len, seed + 1000 + rank as u64).remove(0);
+        let own = chunk_range(len, n, rank);
+        mine[own.clone()].copy_from_slice(&xs[rank][own]);
+        let out = pg
+            .submit_all_gather_in_place(mine)
+            .wait()
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let want: Vec<T> = (0..n)
+            .flat_map(|r| xs[r][chunk_range(len, n, r)].to_vec())
+            .collect();
+        assert_bits(&out, &want, &what);
         for root in 0..n {
             let what = format!("world {n} rank {rank}: broadcast {len} {name} from {root}");
             let out = pg
@@ -427,6 +454,16 @@ fn large_buffers_use_the_pipelined_ring_and_are_bit_identical() {
                 let rs = pg.reduce_scatter(xs[rank].clone(), ReduceOp::Sum).unwrap();
                 let g = pg.all_gather(xs[rank][..100_000].to_vec()).unwrap();
                 let bc = pg.broadcast(xs[rank].clone(), 3).unwrap();
+                // In place, through the ring: every chunk as the reduce-scatter sums it.
+                let buf = pg
+                    .submit_reduce_scatter_in_place(xs[rank].clone(), ReduceOp::Sum)
+                    .wait()
+                    .unwrap();
+                let buf = pg.submit_all_gather_in_place(buf).wait().unwrap();
+                let want: Vec<f32> = (0..4)
+                    .flat_map(|c| reference_reduce_scatter(&xs, ReduceOp::Sum, false, c))
+                    .collect();
+                assert_bits(&buf, &want, "reduce_scatter + all_gather in place, ring");
                 (a, b, h, rs, g, bc)
             },
         );
@@ -470,6 +507,19 @@ fn large_buffers_over_shared_memory_are_bit_identical() {
                 let rs = pg.reduce_scatter(xs[rank].clone(), ReduceOp::Sum).unwrap();
                 let g = pg.all_gather(xs[rank][..1_200_000].to_vec()).unwrap();
                 let bc = pg.broadcast(xs[rank].clone(), 2).unwrap();
+                // In place: the reduced chunk where it lies, then every chunk gathered back.
+                let mut buf = pg
+                    .submit_reduce_scatter_in_place(xs[rank].clone(), ReduceOp::Sum)
+                    .wait()
+                    .unwrap();
+                assert_bits(
+                    &buf[chunk_range(len, 3, rank)],
+                    &rs,
+                    "reduce_scatter in place",
+                );
+                buf = pg.submit_all_gather_in_place(buf).wait().unwrap();
+                let whole = pg.all_reduce(xs[rank].clone(), ReduceOp::Sum).unwrap();
+                assert_bits(&buf, &whole, "reduce_scatter + all_gather in place");
                 (a, b, h, m, rs, g, bc)
             },
         );
