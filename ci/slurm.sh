@@ -114,6 +114,26 @@ python3 -c "import sys; a=float('${accuracy:-0}'); print(f'slurm job {sys.argv[1
 test -s "$out/run/model.safetensors" || { echo "slurm: no exported model" >&2; exit 1; }
 echo "slurm: OK"
 
+# The trainer's own --nproc-per-node (PyTorch's mp.spawn) inside an sbatch script: the batch
+# step's SLURM_PROCID/SLURM_NTASKS describe no rank yet, so spawning is allowed there.
+printf '#!/bin/bash\ntarget/release/train-mnist --nproc-per-node 2 --epochs 1 --max-steps 20 --threads 1 --test-samples 1000\n' \
+  >"$out/spawn.sh"
+timeout 600 sbatch --wait --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 \
+  --output="$out/spawn.out" "$out/spawn.sh" ||
+  { cat "$out/spawn.out" >&2 || true; echo "slurm: spawn in a batch script failed" >&2; exit 1; }
+cat "$out/spawn.out"
+grep -q "\[rank 0\] training cnn: world 2 (launcher: torchrun" "$out/spawn.out" ||
+  { echo "slurm: spawn in a batch script did not train on world 2" >&2; exit 1; }
+echo "slurm spawn: OK"
+
+# srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE without MPICH's local variables: the ranks take their
+# local rank and size from Slurm's.
+timeout 600 srun --mpi=pmi2 -N1 -n2 --cpus-per-task=1 target/release/train-mnist --epochs 1 \
+  --max-steps 20 --test-samples 1000 | tee "$out/pmi2.out"
+grep -q "world 2 (launcher: mpich; 1 compute threads per rank)" "$out/pmi2.out" ||
+  { echo "slurm: srun --mpi=pmi2 did not form world 2 through PMI" >&2; exit 1; }
+echo "slurm pmi2: OK"
+
 # The PBS script as written, through Slurm's qsub (slurm-wlm-torque: it turns the job into an
 # sbatch job, and sbatch reads the #PBS lines), on the same cluster: mpirun starts the 2 ranks.
 # -j oe -o: one output file of our choosing (the wrapper reads no #PBS line itself);
