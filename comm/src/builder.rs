@@ -120,6 +120,13 @@ impl GroupBuilder {
         self.given.torch_agent_store = Some(restart_count);
         self
     }
+    /// Puts this group's keys under `scope` in the agent store (see
+    /// [`GroupConfig::store_scope`]); needs [`torch_agent_store`](Self::torch_agent_store) (or
+    /// `TORCHELASTIC_USE_AGENT_STORE`).
+    pub fn store_scope(mut self, scope: impl Into<String>) -> Self {
+        self.given.store_scope = Some(scope.into());
+        self
+    }
     /// Rank 0 only: host the rendezvous store on this already bound listener instead of binding
     /// `MASTER_PORT` (its port becomes the master port). Lets tests and launchers pick a free
     /// port with no race.

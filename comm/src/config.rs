@@ -83,6 +83,11 @@ pub struct GroupConfig {
     /// `/worker/attempt_{restart count}/` as torch's own workers' keys do. `None`: rank 0 hosts
     /// ddp-comm's own store.
     pub torch_agent_store: Option<u32>,
+    /// A scope for this group's keys in an agent store ([`GroupConfig::torch_agent_store`]):
+    /// every key goes under `/worker/attempt_{N}/{scope}` instead of `/worker/attempt_{N}/`, so
+    /// that several groups can form one after another in one store without reading each
+    /// other's keys (the generations of an elastic job, `elastic_group.rs`). `None`: no scope.
+    pub store_scope: Option<String>,
     /// What carries the collectives (`DDP_TRANSPORT`: `auto`, the default, uses shared memory
     /// between the ranks that share a host, confirmed by mapping each other's segments, and TCP
     /// between hosts; `tcp`; `shm`, an error when shared memory cannot be set up).
@@ -118,6 +123,7 @@ impl Default for GroupConfig {
             small_allreduce_bytes: DEFAULT_SMALL_ALLREDUCE_BYTES,
             transport: Transport::Auto,
             torch_agent_store: None,
+            store_scope: None,
             host_id: None,
             launcher: "none".to_string(),
         }

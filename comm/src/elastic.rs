@@ -41,6 +41,12 @@ pub const USE_AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
 /// [`USE_AGENT_STORE_ENV`]); a launcher of ddp-comm ranks only, or a test, may.
 pub const STORE_FD_ENV: &str = "DDP_STORE_FD";
 
+/// The exit code of a rank whose elastic job stopped below its minimum of ranks
+/// ([`CommError::ElasticStopped`]), as [`finish`] gives it: a launcher in elastic mode restarts
+/// the whole job (from its last checkpoint) on it, where it would only restart the rank on
+/// another failure. 75 is `EX_TEMPFAIL`.
+pub const ELASTIC_STOP_EXIT: u8 = 75;
+
 /// The key of [`read_error_file`]'s blamed rank in an error file's `extraInfo`.
 const BLAMED_RANK_KEY: &str = "blamed_rank";
 
@@ -76,7 +82,8 @@ pub fn record_error(message: &str) {
 /// Ends a program's `main` the way a launched rank should: on an error, prints it with its
 /// causes (`Error: {error:?}`, as Rust does for a `main` that returns `Err`), records it with
 /// [`record_error`] (its `{error:#}` form: one line with the causes, as `anyhow` writes it) and
-/// exits with code 1.
+/// exits with code 1, or [`ELASTIC_STOP_EXIT`] when this process's elastic job stopped below
+/// its minimum of ranks.
 ///
 /// ```no_run
 /// fn main() -> std::process::ExitCode {
@@ -94,6 +101,9 @@ pub fn finish<E: std::fmt::Debug + std::fmt::Display>(
         Err(error) => {
             eprintln!("Error: {error:?}");
             record_error(&format!("{error:#}"));
+            if ELASTIC_STOPPED.load(Ordering::Acquire) {
+                return std::process::ExitCode::from(ELASTIC_STOP_EXIT);
+            }
             std::process::ExitCode::FAILURE
         }
     }
@@ -141,6 +151,15 @@ static GROUP_FAILURE: AtomicU64 = AtomicU64::new(0);
 pub(crate) fn note_group_failure(blamed: Option<usize>) {
     let code = blamed.map_or(1, |r| r as u64 + 2);
     let _ = GROUP_FAILURE.compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
+}
+
+/// Whether this process's elastic job stopped below its minimum (see [`finish`]).
+static ELASTIC_STOPPED: AtomicBool = AtomicBool::new(false);
+
+/// Notes that this process's elastic job stopped below its minimum of ranks, for [`finish`]'s
+/// exit code.
+pub(crate) fn note_elastic_stop() {
+    ELASTIC_STOPPED.store(true, Ordering::Release);
 }
 
 /// `Some(blamed)` once a group of this process has failed.

@@ -73,6 +73,7 @@ pub(crate) struct Explicit {
     pub segment_bytes: Option<usize>,
     pub small_allreduce_bytes: Option<usize>,
     pub torch_agent_store: Option<u32>,
+    pub store_scope: Option<String>,
     pub transport: Option<Transport>,
     pub host_id: Option<String>,
 }
@@ -220,6 +221,7 @@ pub(crate) fn resolve(given: &Explicit, env: Lookup) -> Result<GroupConfig, Comm
         segment_bytes,
         small_allreduce_bytes,
         torch_agent_store,
+        store_scope: given.store_scope.clone(),
         transport,
         host_id,
         launcher: if given.rank.is_some() && given.world_size.is_some() {

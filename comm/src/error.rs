@@ -247,6 +247,29 @@ pub enum CommError {
         /// This rank.
         rank: usize,
     },
+    /// An elastic job refused this process (`elastic_group.rs`): another job, another world
+    /// range, another model, or the job at its maximum. The job itself goes on.
+    #[error("slot {slot} on {host} was refused by the elastic job at {addr}: {reason}")]
+    ElasticRefused {
+        /// This process's slot (its launch `RANK`).
+        slot: usize,
+        /// This process's host.
+        host: String,
+        /// The job's store.
+        addr: String,
+        /// Why, naming both values of the field that differs.
+        reason: String,
+    },
+    /// An elastic job stopped: fewer ranks remain than its minimum (the message names the
+    /// ranks lost). The launcher restarts the job from its last checkpoint if its restarts
+    /// allow (see [`crate::elastic::finish`]).
+    #[error("slot {slot}: the elastic job stops: {message}")]
+    ElasticStopped {
+        /// This process's slot.
+        slot: usize,
+        /// Why, naming the ranks lost.
+        message: String,
+    },
     /// A bug in ddp-comm (for example a panic on the communication thread).
     #[error("rank {rank}: internal error in ddp-comm: {message}")]
     Internal {

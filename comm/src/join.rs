@@ -58,6 +58,14 @@ pub(crate) fn join(
     let rank = config.rank;
     let deadline = Instant::now() + config.connect_timeout;
 
+    if config.store_scope.is_some() && config.torch_agent_store.is_none() {
+        return Err(CommError::config(
+            "store_scope",
+            "a store scope needs an agent store (TORCHELASTIC_USE_AGENT_STORE=True, or the \
+             builder's torch_agent_store)",
+        ));
+    }
+
     // 1.
     let named_job = config.job_id.as_deref().map(wire::job_id_from_name);
     let server = if rank == 0 && config.torch_agent_store.is_none() {
@@ -90,7 +98,11 @@ pub(crate) fn join(
             rank,
             &config.master_addr,
             config.master_port,
-            agent_key_prefix(restart),
+            format!(
+                "{}{}",
+                agent_key_prefix(restart),
+                config.store_scope.as_deref().unwrap_or("")
+            ),
             deadline,
             config.timeout,
         )?,

@@ -45,6 +45,9 @@
 //! - `elastic.rs`: what a rank shares with its launcher (ddprun in `ddp-launch`, or torchrun):
 //!   the error file, the restart variables, the agent-store variable, the store socket a
 //!   launcher may hand rank 0;
+//! - elastic membership: `elastic_group.rs` ([`ElasticGroup`]: a group whose ranks leave and
+//!   join while the job runs, through the launcher's store), `membership.rs` (its records and
+//!   decisions: who is in each generation, from which step it continues);
 //! - `clock.rs`: deadlines and wall-clock stamps; `hash.rs`: FNV-1a; `size.rs`: byte sizes as
 //!   people write them;
 //! - `nccl/` (feature `nccl`): `nccl::NcclGroup`, collectives on CUDA buffers through NCCL.
@@ -58,6 +61,7 @@ mod collectives;
 mod config;
 mod connect;
 pub mod elastic;
+mod elastic_group;
 mod element;
 mod env;
 mod error;
@@ -70,6 +74,7 @@ mod join;
 mod kubeflow;
 mod link;
 mod liveness;
+pub mod membership;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod reader;
@@ -96,6 +101,10 @@ pub use config::{
     default_small_allreduce_bytes, GroupConfig, Transport, DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_MASTER_PORT, DEFAULT_PEER_TIMEOUT, DEFAULT_SEGMENT_BYTES,
     DEFAULT_SMALL_ALLREDUCE_BYTES, DEFAULT_TIMEOUT, MAX_SEGMENT_BYTES,
+};
+pub use elastic_group::{
+    parse_range, Change, Continue, ElasticConfig, ElasticGroup, StepStatus, Vote,
+    DEFAULT_LAST_CALL, DEFAULT_POLL, ELASTIC_ENV,
 };
 pub use element::{DType, Element, ReduceOp};
 pub use error::CommError;

@@ -1,0 +1,126 @@
+//! Test helper: an elastic rank ([`ddp_comm::ElasticGroup`], from `DDP_ELASTIC` and the
+//! launcher's variables) that runs steps of one all-reduce and the commit vote, going on
+//! through the failures and joins of its job, printing one line per event:
+//!
+//! - `elastic slot S gen G rank R world W step N at T`: step N committed;
+//! - `elastic slot S reformed gen G rank R world W from N action A healed H at T`: a new
+//!   generation;
+//! - `elastic slot S done at T` (every step done), `elastic slot S error: <message>`.
+//!
+//! T is the wall clock in milliseconds since the Unix epoch. Each step all-reduces
+//! `PEER_ELEMS` (default 1000) ones and checks that every element is the world size. Variables
+//! of its own: `PEER_STEPS` (steps to commit, default 50), `PEER_SLEEP_MS` (pause per step,
+//! default 20), `PEER_COMPAT` (the terms' `compat`, default `peer`). Exits 0 when done, 1 on
+//! an error, [`ddp_comm::elastic::ELASTIC_STOP_EXIT`] when the job fell below its minimum.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use ddp_comm::{Continue, ElasticConfig, ElasticGroup, ReduceOp, StepStatus, Vote};
+
+fn var(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn now_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
+fn main() -> std::process::ExitCode {
+    let result = run();
+    if let Err(e) = &result {
+        println!("elastic error: {e}");
+    }
+    ddp_comm::elastic::finish(result)
+}
+
+fn run() -> Result<(), ddp_comm::CommError> {
+    let steps = var("PEER_STEPS", 50);
+    let elems = var("PEER_ELEMS", 1000) as usize;
+    let sleep = Duration::from_millis(var("PEER_SLEEP_MS", 20));
+    let compat = std::env::var("PEER_COMPAT").unwrap_or_else(|_| "peer".into());
+    let config = ElasticConfig::from_env(&compat)?.ok_or_else(|| ddp_comm::CommError::Config {
+        var: ddp_comm::ELASTIC_ENV.into(),
+        message: "ddp-elastic-peer needs DDP_ELASTIC".into(),
+    })?;
+    let slot = config.slot;
+    let Some(mut group) = ElasticGroup::join(config)? else {
+        println!("elastic slot {slot} done at {}", now_ms());
+        return Ok(());
+    };
+    let mut committed = group.generation().step;
+    if group.joined_running() {
+        println!(
+            "elastic slot {slot} reformed gen {} rank {} world {} from {committed} action Keep \
+             healed true at {}",
+            group.generation().number,
+            group.rank(),
+            group.world_size(),
+            now_ms()
+        );
+    }
+    while committed < steps {
+        std::thread::sleep(sleep);
+        let world = group.world_size();
+        let reduced = group
+            .group()
+            .all_reduce(vec![1.0f32; elems], ReduceOp::Sum)
+            .and_then(|sum| match sum.iter().find(|&&x| x != world as f32) {
+                Some(x) => Err(ddp_comm::CommError::Internal {
+                    rank: group.rank(),
+                    message: format!("all-reduce of ones gave {x} at world {world}"),
+                }),
+                None => Ok(()),
+            });
+        let vote = reduced.clone().and_then(|()| group.should_commit());
+        let (finished, cause) = match vote {
+            Ok(vote) => {
+                committed += 1;
+                println!(
+                    "elastic slot {slot} gen {} rank {} world {world} step {committed} at {}",
+                    group.generation().number,
+                    group.rank(),
+                    now_ms()
+                );
+                if vote == Vote::Commit {
+                    continue;
+                }
+                (false, None)
+            }
+            Err(e) => (reduced.is_ok(), Some(e)),
+        };
+        let status = StepStatus {
+            committed,
+            finished,
+        };
+        let Some(change) = group.reform(status, cause.as_ref())? else {
+            break;
+        };
+        match change.action {
+            Continue::ApplyFinished => committed += 1,
+            Continue::DropFinished | Continue::Keep => {}
+        }
+        if change.healed {
+            committed = change.generation.step;
+        }
+        println!(
+            "elastic slot {slot} reformed gen {} rank {} world {} from {} action {:?} healed {} \
+             at {}",
+            change.generation.number,
+            change.rank,
+            change.generation.members.len(),
+            change.generation.step,
+            change.action,
+            change.healed,
+            now_ms()
+        );
+        assert_eq!(committed, change.generation.step, "slot {slot}");
+    }
+    group.finish()?;
+    println!("elastic slot {slot} done at {}", now_ms());
+    Ok(())
+}

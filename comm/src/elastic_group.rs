@@ -1,0 +1,855 @@
+//! [`ElasticGroup`]: a process group whose membership changes while the job runs. Ranks leave
+//! (they died, froze, or were cut off) and the survivors go on at the smaller world without
+//! exiting; processes join (a launcher restarted a dead rank, or a new node came) and the world
+//! grows at the next step boundary. The decisions are `membership.rs`'s; this file makes them
+//! through the rendezvous store and forms each generation's process group.
+//!
+//! # How
+//!
+//! The store must outlive every rank: the launcher's (ddprun hosts a PyTorch `TCPStore`,
+//! `TORCHELASTIC_USE_AGENT_STORE=True`). Its keys, under the attempt's prefix and `elastic/`:
+//!
+//! * `terms`: what every process must share (job id, MIN:MAX, the program's `compat`); a
+//!   process that differs is refused naming the field, and the job is not disturbed.
+//! * `joins`, `join/<n>`: join requests, numbered by an atomic add.
+//! * `gen/latest`, `gen/<g>`: the generations, decided once each by whoever wins the atomic
+//!   add on `g<g>/decider`; `g<g>/report/<slot>`: the survivors' reports when generation g
+//!   ends; `done`: the job finished.
+//!
+//! Each generation's process group is a new group of its own (its keys under `pg<g>/`, its job
+//! id `<DDP_JOB_ID>-gen<g>`, new connections and shared-memory segments), so no straggler of an
+//! old generation can reach a new one. The old group is dropped on a thread of its own: its
+//! shutdown may wait for a frozen peer, and the survivors must not.
+//!
+//! # What a step costs
+//!
+//! Nothing in the store. Every step ends with [`ElasticGroup::should_commit`], one all-reduce
+//! of one integer on the group's own transport (tens of microseconds over shared memory),
+//! which is the commit vote of `membership.rs` and carries whether processes wait to join:
+//! rank 0 alone looks at the store for them, every [`ElasticConfig::poll`], on a thread of its
+//! own. So every member learns of a join at the same step boundary.
+//!
+//! # When something fails
+//!
+//! A collective that fails (a peer closed its connections: about 0.4 s after a kill; a peer
+//! silent for `DDP_PEER_TIMEOUT`: a frozen one) or a vote that fails sends every survivor to
+//! [`ElasticGroup::reform`]: it reports its step, the first to report decides the next
+//! generation once every member has reported or been named by a survivor's error (or the peer
+//! timeout has passed), and everyone forms the new group. A member left out (it reported too
+//! late) joins again as a new process would, and is healed.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::config::GroupConfig;
+use crate::element::ReduceOp;
+use crate::env::{process_env, resolve, Explicit, Lookup};
+use crate::error::CommError;
+use crate::group::ProcessGroup;
+use crate::membership::{
+    decide_founding, decide_next, Generation, JobTerms, JoinRequest, Left, Member, Report,
+};
+use crate::store::Store;
+use crate::torch_store::agent_key_prefix;
+
+/// The variable that makes a rank elastic: `MIN:MAX`, the least and the most ranks the job
+/// runs with (ddprun sets it from `--nnodes MIN:MAX`, in ranks).
+pub const ELASTIC_ENV: &str = "DDP_ELASTIC";
+
+/// How long the founding waits for more processes once `MIN` have registered, unless `MAX`
+/// have (torchrun's "last call").
+pub const DEFAULT_LAST_CALL: Duration = Duration::from_secs(2);
+
+/// How often rank 0 looks for processes waiting to join.
+pub const DEFAULT_POLL: Duration = Duration::from_millis(100);
+
+/// Deadline of one store call of the membership.
+const CALL: Duration = Duration::from_secs(30);
+
+/// How an elastic rank joins its job.
+#[derive(Debug, Clone)]
+pub struct ElasticConfig {
+    /// The least number of ranks the job runs with; below it the job stops.
+    pub min: usize,
+    /// The most.
+    pub max: usize,
+    /// This process's slot: its launch `RANK`, kept across restarts.
+    pub slot: usize,
+    /// What every rank must share, in words (the model's name and parameter list, ...): a
+    /// process with another is refused naming both.
+    pub compat: String,
+    /// See [`DEFAULT_LAST_CALL`].
+    pub last_call: Duration,
+    /// See [`DEFAULT_POLL`].
+    pub poll: Duration,
+    /// The store's address, the deadlines, the transport and the job id of every generation's
+    /// group (its rank and world size are each generation's).
+    pub base: GroupConfig,
+}
+
+impl ElasticConfig {
+    /// The configuration the environment gives, `None` without [`ELASTIC_ENV`]: the slot is
+    /// `RANK`, the store the launcher's at `MASTER_ADDR:MASTER_PORT`
+    /// (`TORCHELASTIC_USE_AGENT_STORE=True`: required, since the store must outlive every
+    /// rank). `compat` is the program's (see [`ElasticConfig::compat`]).
+    pub fn from_env(compat: &str) -> Result<Option<ElasticConfig>, CommError> {
+        ElasticConfig::from_vars(compat, &process_env)
+    }
+
+    /// [`ElasticConfig::from_env`] through `lookup`.
+    pub fn from_vars(compat: &str, lookup: Lookup) -> Result<Option<ElasticConfig>, CommError> {
+        let Some(range) = lookup(ELASTIC_ENV).filter(|v| !v.trim().is_empty()) else {
+            return Ok(None);
+        };
+        let (min, max) = parse_range(&range).ok_or_else(|| {
+            CommError::config(
+                ELASTIC_ENV,
+                format!("{ELASTIC_ENV}={range:?}: expected MIN:MAX with 1 <= MIN <= MAX"),
+            )
+        })?;
+        let base = resolve(&Explicit::default(), lookup)?;
+        if base.torch_agent_store.is_none() {
+            return Err(CommError::config(
+                ELASTIC_ENV,
+                format!(
+                    "{ELASTIC_ENV} needs a rendezvous store that outlives every rank: run under \
+                     ddprun (or host a store outside the ranks and set \
+                     {}=True)",
+                    crate::elastic::USE_AGENT_STORE_ENV
+                ),
+            ));
+        }
+        Ok(Some(ElasticConfig {
+            min,
+            max,
+            slot: base.rank,
+            compat: compat.to_string(),
+            last_call: DEFAULT_LAST_CALL,
+            poll: DEFAULT_POLL,
+            base,
+        }))
+    }
+}
+
+/// `MIN:MAX` (or a single count, MIN = MAX) with `1 <= MIN <= MAX`.
+pub fn parse_range(text: &str) -> Option<(usize, usize)> {
+    let (min, max) = match text.split_once(':') {
+        Some((a, b)) => (a.trim().parse().ok()?, b.trim().parse().ok()?),
+        None => {
+            let n = text.trim().parse().ok()?;
+            (n, n)
+        }
+    };
+    (1 <= min && min <= max).then_some((min, max))
+}
+
+/// What the vote at the end of a step says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Vote {
+    /// Every rank finished the step: apply it.
+    Commit,
+    /// Apply it, then grow: processes wait to join ([`ElasticGroup::reform`] next).
+    CommitAndGrow,
+}
+
+/// Where a rank stands when its generation ends, for [`ElasticGroup::reform`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepStatus {
+    /// The last step it applied for good (0 before the first).
+    pub committed: u64,
+    /// Whether it finished the step after `committed` (its collectives succeeded and it holds
+    /// the result, not yet applied) while its vote did not complete.
+    pub finished: bool,
+}
+
+/// What a survivor does with the step it finished but did not commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Continue {
+    /// Nothing pending, or nothing to do: go on from the committed state.
+    Keep,
+    /// Another survivor committed it: apply it now.
+    ApplyFinished,
+    /// Nobody committed it: drop it (undo it where it was applied in part).
+    DropFinished,
+}
+
+/// A new generation, as a member sees it.
+#[derive(Debug, Clone)]
+pub struct Change {
+    /// The generation.
+    pub generation: Generation,
+    /// This process's rank in it.
+    pub rank: usize,
+    /// What to do with the step in flight.
+    pub action: Continue,
+    /// Whether this process joins with it and must be healed from rank 0 (weights, optimizer
+    /// state, position), before anything else.
+    pub healed: bool,
+}
+
+/// A process group whose membership changes while the job runs; see the module documentation.
+pub struct ElasticGroup {
+    config: ElasticConfig,
+    me: Member,
+    store: Store,
+    generation: Generation,
+    pg: Option<Arc<ProcessGroup>>,
+    /// Rank 0's look-out for join requests.
+    poller: Option<Poller>,
+    /// Whether this process joined a running job (and must be healed) rather than founded it.
+    joined_running: bool,
+}
+
+impl std::fmt::Debug for ElasticGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ElasticGroup")
+            .field("slot", &self.me.slot)
+            .field("generation", &self.generation.number)
+            .field("members", &self.generation.slots())
+            .finish()
+    }
+}
+
+impl ElasticGroup {
+    /// Joins the job: checks the job's terms, registers, and waits until a generation admits
+    /// this process (the founding one, or a later one at a step boundary of the running job),
+    /// then forms its group. `Ok(None)` when the job has already finished. A process the job
+    /// refuses (another job, another MIN:MAX, another `compat`, the job at its maximum) gets
+    /// [`CommError::ElasticRefused`] naming why; the job goes on.
+    pub fn join(config: ElasticConfig) -> Result<Option<ElasticGroup>, CommError> {
+        let base = &config.base;
+        let restart = base.torch_agent_store.unwrap_or(0);
+        let deadline = Instant::now() + base.connect_timeout;
+        let store = Store::connect_torch(
+            config.slot,
+            &base.master_addr,
+            base.master_port,
+            format!("{}elastic/", agent_key_prefix(restart)),
+            deadline,
+            CALL,
+        )?;
+        let me = Member {
+            slot: config.slot,
+            incarnation: random_u64(),
+            host: crate::topology::host_identity()
+                .split('/')
+                .next()
+                .unwrap_or_default()
+                .to_string(),
+        };
+        let terms = JobTerms {
+            job_id: base.job_id.clone(),
+            min: config.min,
+            max: config.max,
+            compat: config.compat.clone(),
+        };
+        let refused = |reason: String| CommError::ElasticRefused {
+            slot: me.slot,
+            host: me.host.clone(),
+            addr: store.address().to_string(),
+            reason,
+        };
+        if store.add("terms/claim", 1)? == 1 {
+            store.set("terms", &to_json(&terms))?;
+        } else {
+            let job: JobTerms = from_json(&store.get_timeout("terms", CALL)?, "terms")?;
+            if let Some(why) = job.refuse(&terms) {
+                return Err(refused(why));
+            }
+        }
+        if store.check(&["done"])? {
+            return Ok(None);
+        }
+        let mut group = ElasticGroup {
+            config,
+            me,
+            store,
+            generation: Generation {
+                number: 0,
+                members: Vec::new(),
+                step: 0,
+                joined: Vec::new(),
+                left: Vec::new(),
+                joins_seen: 0,
+                refused: Vec::new(),
+                failed: None,
+                reason: String::new(),
+            },
+            pg: None,
+            poller: None,
+            joined_running: false,
+        };
+        match group.admission(deadline)? {
+            None => Ok(None),
+            Some(_) => Ok(Some(group)),
+        }
+    }
+
+    /// Registers a join request and waits until a generation admits it, forming its group:
+    /// `Some(rank)`; `None` when the job finished meanwhile. Tries to found generation 1 when
+    /// none exists yet.
+    fn admission(&mut self, deadline: Instant) -> Result<Option<usize>, CommError> {
+        let n = self.store.add("joins", 1)? as u64;
+        let request = JoinRequest {
+            member: self.me.clone(),
+        };
+        self.store.set(&format!("join/{n}"), &to_json(&request))?;
+        let mut seen = self.generation.number;
+        let mut tried_founding = false;
+        loop {
+            if self.store.check(&["done"])? {
+                return Ok(None);
+            }
+            let latest = self.store.add("gen/latest", 0)?.max(0) as u64;
+            if latest == 0 && !tried_founding {
+                tried_founding = true;
+                if self.store.add("g1/decider", 1)? == 1 {
+                    self.found(deadline)?;
+                    continue;
+                }
+            }
+            while seen < latest {
+                seen += 1;
+                let generation = self.read_generation(seen)?;
+                if let Some(why) = &generation.failed {
+                    return Err(self.below_min(why));
+                }
+                if let Some(rank) = generation.rank_of(self.me.slot, self.me.incarnation) {
+                    self.joined_running = generation.number > 1 || generation.step > 0;
+                    self.form(generation, Instant::now() + self.formation_timeout(seen))?;
+                    return Ok(Some(rank));
+                }
+                if let Some((_, why)) = generation.refused.iter().find(|(r, _)| *r == n) {
+                    return Err(CommError::ElasticRefused {
+                        slot: self.me.slot,
+                        host: self.me.host.clone(),
+                        addr: self.store.address().to_string(),
+                        reason: why.clone(),
+                    });
+                }
+            }
+            if Instant::now() > deadline {
+                return Err(CommError::StoreTimeout {
+                    rank: self.me.slot,
+                    addr: self.store.address().to_string(),
+                    keys: format!(
+                        "a generation that admits slot {} (join request {n}; generations up to \
+                         {latest} did not)",
+                        self.me.slot
+                    ),
+                    timeout: self.config.base.connect_timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The founding decision (this process won it): waits until `MAX` processes registered, or
+    /// `MIN` did and the last call passed, then publishes generation 1.
+    fn found(&mut self, deadline: Instant) -> Result<(), CommError> {
+        let mut requests: Vec<(u64, JoinRequest)> = Vec::new();
+        let mut min_since: Option<Instant> = None;
+        loop {
+            let count = self.store.add("joins", 0)?.max(0) as u64;
+            self.read_requests(&mut requests, count)?;
+            let mut slots: Vec<usize> = requests.iter().map(|(_, r)| r.member.slot).collect();
+            slots.sort_unstable();
+            slots.dedup();
+            if slots.len() >= self.config.max {
+                break;
+            }
+            if slots.len() >= self.config.min {
+                let since = *min_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= self.config.last_call {
+                    break;
+                }
+            }
+            if Instant::now() > deadline {
+                return Err(CommError::StoreTimeout {
+                    rank: self.me.slot,
+                    addr: self.store.address().to_string(),
+                    keys: format!(
+                        "join requests of at least {} processes (MIN; {} registered: slots \
+                         {slots:?})",
+                        self.config.min,
+                        slots.len()
+                    ),
+                    timeout: self.config.base.connect_timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.publish(&decide_founding(&requests, self.config.max))
+    }
+
+    /// Reads the join requests up to `count` not yet in `requests` (numbered from 1).
+    fn read_requests(
+        &self,
+        requests: &mut Vec<(u64, JoinRequest)>,
+        count: u64,
+    ) -> Result<(), CommError> {
+        let first = requests.last().map_or(1, |(n, _)| n + 1);
+        for n in first..=count {
+            let key = format!("join/{n}");
+            let request: JoinRequest = from_json(&self.store.get_timeout(&key, CALL)?, &key)?;
+            requests.push((n, request));
+        }
+        Ok(())
+    }
+
+    /// Writes `generation`, then moves `gen/latest` to it.
+    fn publish(&self, generation: &Generation) -> Result<(), CommError> {
+        let g = generation.number;
+        self.store.set(&format!("gen/{g}"), &to_json(generation))?;
+        self.store.add("gen/latest", 1)?;
+        tracing::info!(
+            "elastic: generation {g} ({}): slots {:?}, from step {}",
+            generation.reason,
+            generation.slots(),
+            generation.step
+        );
+        Ok(())
+    }
+
+    fn read_generation(&self, g: u64) -> Result<Generation, CommError> {
+        let key = format!("gen/{g}");
+        from_json(&self.store.get_timeout(&key, CALL)?, &key)
+    }
+
+    /// How long the members of generation `g` take at most to form its group: the connect
+    /// deadline for the founding one (every process is starting), else twice the peer timeout
+    /// plus 5 s (they are all running; one that does not come makes the next generation).
+    fn formation_timeout(&self, g: u64) -> Duration {
+        let base = &self.config.base;
+        if g <= 1 {
+            base.connect_timeout
+        } else {
+            (base.peer_timeout * 2 + Duration::from_secs(5)).min(base.connect_timeout)
+        }
+    }
+
+    /// Forms `generation`'s process group (this process is a member) and, on its rank 0,
+    /// starts the look-out for join requests.
+    fn form(&mut self, generation: Generation, deadline: Instant) -> Result<(), CommError> {
+        let rank = generation
+            .rank_of(self.me.slot, self.me.incarnation)
+            .expect("a member forms its group");
+        let g = generation.number;
+        let mut config = self.config.base.clone();
+        config.rank = rank;
+        config.world_size = generation.members.len();
+        config.store_scope = Some(format!("elastic/pg{g}/"));
+        config.job_id = self
+            .config
+            .base
+            .job_id
+            .as_ref()
+            .map(|j| format!("{j}-gen{g}"));
+        config.connect_timeout = deadline.saturating_duration_since(Instant::now());
+        config.small_allreduce_bytes =
+            crate::config::default_small_allreduce_bytes(config.world_size);
+        let pg = Arc::new(ProcessGroup::with_config(config)?);
+        self.poller = if rank == 0 {
+            Some(Poller::start(
+                &self.config,
+                &self.store,
+                generation.joins_seen,
+            )?)
+        } else {
+            None
+        };
+        self.generation = generation;
+        self.pg = Some(pg);
+        Ok(())
+    }
+
+    /// The current generation's process group. Hold it only for a step: [`reform`](Self::reform)
+    /// replaces it, and the old group shuts down once every holder has dropped it.
+    pub fn group(&self) -> &Arc<ProcessGroup> {
+        self.pg.as_ref().expect("a member has a group")
+    }
+
+    /// The current generation.
+    pub fn generation(&self) -> &Generation {
+        &self.generation
+    }
+
+    /// This process's slot.
+    pub fn slot(&self) -> usize {
+        self.me.slot
+    }
+
+    /// This process's rank in the current generation.
+    pub fn rank(&self) -> usize {
+        self.group().rank()
+    }
+
+    /// The current generation's world size.
+    pub fn world_size(&self) -> usize {
+        self.generation.members.len()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ElasticConfig {
+        &self.config
+    }
+
+    /// Whether this process joined a running job (it must be healed from rank 0 before its
+    /// first step) rather than founding it.
+    pub fn joined_running(&self) -> bool {
+        self.joined_running
+    }
+
+    /// The vote at the end of a step whose collectives all succeeded on this rank (torchft's
+    /// `should_commit`): one all-reduce of one integer. `Ok`: every rank finished the step;
+    /// apply it (and with [`Vote::CommitAndGrow`], then call [`reform`](Self::reform)). An
+    /// error: do not apply it yet; call [`reform`](Self::reform) with `finished: true`.
+    pub fn should_commit(&self) -> Result<Vote, CommError> {
+        let waiting = self
+            .poller
+            .as_ref()
+            .is_some_and(|p| p.waiting.load(Ordering::Acquire) > 0);
+        let all = self
+            .group()
+            .all_reduce(vec![i64::from(waiting)], ReduceOp::Max)?;
+        Ok(if all[0] > 0 {
+            Vote::CommitAndGrow
+        } else {
+            Vote::Commit
+        })
+    }
+
+    /// Ends the current generation and joins the next (see the module documentation):
+    /// reports `status` (and the rank `cause` blames, if any), lets the first reporter decide,
+    /// and forms the new group. Drop every handle of the old group ([`group`](Self::group))
+    /// first: the last one shuts it down. Returns the new generation as this process sees it;
+    /// [`CommError::ElasticStopped`] when fewer than MIN ranks remain (the error names the
+    /// ranks lost); `Ok(None)` when the job finished meanwhile.
+    pub fn reform(
+        &mut self,
+        status: StepStatus,
+        cause: Option<&CommError>,
+    ) -> Result<Option<Change>, CommError> {
+        let prev = self.generation.clone();
+        let g = prev.number;
+        let my_rank = prev.rank_of(self.me.slot, self.me.incarnation);
+        let blamed = cause
+            .and_then(CommError::peer)
+            .filter(|&p| Some(p) != my_rank)
+            .and_then(|p| prev.members.get(p))
+            .map(|m| m.slot);
+        let why = match cause {
+            Some(e) => e.to_string(),
+            None => "processes wait to join".to_string(),
+        };
+        let report = Report {
+            incarnation: self.me.incarnation,
+            committed: status.committed,
+            finished: status.finished.then_some(status.committed + 1),
+            blamed,
+            why: why.clone(),
+        };
+        self.store
+            .set(&format!("g{g}/report/{}", self.me.slot), &to_json(&report))?;
+        // The old group goes away on a thread of its own (see the module documentation).
+        if let Some(p) = self.poller.take() {
+            p.stop();
+        }
+        if let Some(pg) = self.pg.take() {
+            let _ = std::thread::Builder::new()
+                .name("ddp-elastic-drop".into())
+                .spawn(move || drop(pg));
+        }
+        let next = g + 1;
+        let decide_until = Instant::now() + self.config.base.peer_timeout + Duration::from_secs(2);
+        if self.store.add(&format!("g{next}/decider"), 1)? == 1 {
+            let reason = match cause {
+                Some(_) => format!("slot {} saw: {why}", self.me.slot),
+                None => "growth".to_string(),
+            };
+            self.decide(&prev, decide_until, &reason)?;
+        }
+        let wait = decide_until.saturating_duration_since(Instant::now()) + CALL;
+        let key = format!("gen/{next}");
+        let generation: Generation = from_json(&self.store.get_timeout(&key, wait)?, &key)?;
+        if let Some(why) = &generation.failed {
+            return Err(self.below_min(why));
+        }
+        let Some(rank) = generation.rank_of(self.me.slot, self.me.incarnation) else {
+            // Left out (it reported after the decision): join again, to be healed.
+            tracing::warn!(
+                "elastic: slot {} was left out of generation {next}; joining again",
+                self.me.slot
+            );
+            self.generation = generation;
+            let deadline = Instant::now() + self.config.base.connect_timeout;
+            return match self.admission(deadline)? {
+                None => Ok(None),
+                Some(rank) => Ok(Some(Change {
+                    generation: self.generation.clone(),
+                    rank,
+                    action: Continue::Keep,
+                    healed: true,
+                })),
+            };
+        };
+        let action = if status.committed == generation.step {
+            match status.finished {
+                true => Continue::DropFinished,
+                false => Continue::Keep,
+            }
+        } else if status.committed + 1 == generation.step && status.finished {
+            Continue::ApplyFinished
+        } else {
+            return Err(CommError::Internal {
+                rank,
+                message: format!(
+                    "elastic: generation {next} continues from step {} but slot {} committed \
+                     step {} (finished the next: {})",
+                    generation.step, self.me.slot, status.committed, status.finished
+                ),
+            });
+        };
+        let deadline = Instant::now() + self.formation_timeout(next);
+        self.form(generation.clone(), deadline)?;
+        Ok(Some(Change {
+            generation,
+            rank,
+            action,
+            healed: false,
+        }))
+    }
+
+    /// The decision of the generation after `prev` (this process won it): waits until every
+    /// member reported or was named by a survivor's error, or `until`; then publishes.
+    fn decide(&self, prev: &Generation, until: Instant, reason: &str) -> Result<(), CommError> {
+        let g = prev.number;
+        let mut reports: Vec<(usize, Report)> = Vec::new();
+        let mut named_since: Option<Instant> = None;
+        loop {
+            for m in &prev.members {
+                if reports.iter().any(|(s, _)| *s == m.slot) {
+                    continue;
+                }
+                let key = format!("g{g}/report/{}", m.slot);
+                if self.store.check(&[&key])? {
+                    reports.push((
+                        m.slot,
+                        from_json(&self.store.get_timeout(&key, CALL)?, &key)?,
+                    ));
+                }
+            }
+            let reported = |m: &Member| {
+                reports
+                    .iter()
+                    .any(|(s, r)| *s == m.slot && r.incarnation == m.incarnation)
+            };
+            let named = |m: &Member| reports.iter().any(|(_, r)| r.blamed == Some(m.slot));
+            if prev.members.iter().all(reported) {
+                break;
+            }
+            // Everyone else is named as failed: give a rank named by mistake a moment to say
+            // it is alive.
+            if prev.members.iter().all(|m| reported(m) || named(m)) {
+                let since = *named_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= Duration::from_millis(30) {
+                    break;
+                }
+            }
+            if Instant::now() > until {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let mut requests = Vec::new();
+        let count = self.store.add("joins", 0)?.max(0) as u64;
+        for n in prev.joins_seen + 1..=count {
+            let key = format!("join/{n}");
+            requests.push((n, from_json(&self.store.get_timeout(&key, CALL)?, &key)?));
+        }
+        let next = decide_next(
+            prev,
+            &reports,
+            &requests,
+            (self.config.min, self.config.max),
+            reason,
+        );
+        for Left { slot, rank, why } in &next.left {
+            tracing::warn!("elastic: rank {rank} (slot {slot}) left: {why}");
+        }
+        self.publish(&next)
+    }
+
+    /// Says the job finished: processes still waiting to join exit. Call it on every rank
+    /// once training is over (rank 0's call writes it).
+    pub fn finish(&mut self) -> Result<(), CommError> {
+        if let Some(p) = self.poller.take() {
+            p.stop();
+        }
+        if self.pg.as_ref().is_some_and(|pg| pg.rank() == 0) {
+            self.store.set("done", b"1")?;
+        }
+        Ok(())
+    }
+
+    /// The error of a job below its minimum, noted for the error file and the exit code the
+    /// launcher reads (see [`crate::elastic::finish`]).
+    fn below_min(&self, why: &str) -> CommError {
+        crate::elastic::note_elastic_stop();
+        CommError::ElasticStopped {
+            slot: self.me.slot,
+            message: why.to_string(),
+        }
+    }
+}
+
+impl Drop for ElasticGroup {
+    fn drop(&mut self) {
+        if let Some(p) = self.poller.take() {
+            p.stop();
+        }
+    }
+}
+
+/// Rank 0's look-out: a thread with a store connection of its own that counts the join
+/// requests every [`ElasticConfig::poll`] and says whether any is newer than the generation.
+struct Poller {
+    waiting: Arc<AtomicI64>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Poller {
+    fn start(config: &ElasticConfig, store: &Store, seen: u64) -> Result<Poller, CommError> {
+        let base = &config.base;
+        let own = Store::connect_torch(
+            config.slot,
+            &base.master_addr,
+            base.master_port,
+            store.key_prefix().to_string(),
+            Instant::now() + CALL,
+            CALL,
+        )?;
+        let waiting = Arc::new(AtomicI64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (w, s, poll) = (waiting.clone(), stop.clone(), config.poll);
+        let thread = std::thread::Builder::new()
+            .name("ddp-elastic-poll".into())
+            .spawn(move || {
+                let mut warned = false;
+                while !s.load(Ordering::Acquire) {
+                    match own.add("joins", 0) {
+                        Ok(count) if count.max(0) as u64 > seen => w.store(1, Ordering::Release),
+                        Ok(_) => {}
+                        Err(e) if !warned => {
+                            warned = true;
+                            tracing::warn!("elastic: cannot look for joiners: {e}");
+                        }
+                        Err(_) => {}
+                    }
+                    std::thread::sleep(poll);
+                }
+            })
+            .map_err(|e| CommError::Internal {
+                rank: config.slot,
+                message: format!("cannot start the elastic look-out thread: {e}"),
+            })?;
+        Ok(Poller {
+            waiting,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    fn stop(mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn to_json<T: serde::Serialize>(value: &T) -> Vec<u8> {
+    serde_json::to_vec(value).unwrap_or_default()
+}
+
+fn from_json<T: serde::de::DeserializeOwned>(bytes: &[u8], key: &str) -> Result<T, CommError> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        CommError::config(
+            ELASTIC_ENV,
+            format!("the store's elastic key {key:?} holds something unreadable: {e}"),
+        )
+    })
+}
+
+/// A random 64-bit number (std's randomly keyed hasher over the time and the process id).
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    h.write_u128(now);
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_parse_as_torchrun_writes_them() {
+        assert_eq!(parse_range("2:3"), Some((2, 3)));
+        assert_eq!(parse_range(" 1 : 4 "), Some((1, 4)));
+        assert_eq!(parse_range("3"), Some((3, 3)));
+        for bad in ["0:2", "3:2", "a:b", "", "2:"] {
+            assert_eq!(parse_range(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_configuration_needs_the_variable_and_an_agent_store() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert!(ElasticConfig::from_vars("m", &vars(&[("RANK", "1")]))
+            .unwrap()
+            .is_none());
+        let e = ElasticConfig::from_vars("m", &vars(&[("DDP_ELASTIC", "3:2")])).unwrap_err();
+        assert!(e.to_string().contains("DDP_ELASTIC=\"3:2\""), "{e}");
+        let e = ElasticConfig::from_vars(
+            "m",
+            &vars(&[
+                ("DDP_ELASTIC", "2:3"),
+                ("RANK", "1"),
+                ("WORLD_SIZE", "3"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "29500"),
+            ]),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("outlives every rank"), "{e}");
+        let c = ElasticConfig::from_vars(
+            "m",
+            &vars(&[
+                ("DDP_ELASTIC", "2:3"),
+                ("RANK", "2"),
+                ("WORLD_SIZE", "3"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "29500"),
+                ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ]),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!((c.min, c.max, c.slot), (2, 3, 2));
+    }
+}

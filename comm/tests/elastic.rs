@@ -1,0 +1,305 @@
+//! Elastic membership with real processes (`ddp-elastic-peer`) around a store hosted here, as
+//! ddprun hosts it: survivors of a kill go on at the smaller world within a second, a
+//! restarted process rejoins at a step boundary, a frozen rank is removed after the peer
+//! timeout, a process of another job or world is refused while the job goes on, and below its
+//! minimum the job stops naming the ranks lost. Every wait has a deadline.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use ddp_comm::TorchStoreHost;
+
+/// One peer process; killed when dropped.
+struct Peer {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Peer {
+    /// Reads lines until one contains `what` (returns it) or `deadline` passes (panics with
+    /// everything read).
+    fn wait_for(&mut self, what: &str, deadline: Instant) -> String {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left.max(Duration::from_millis(1))) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if line.contains(what) {
+                        return line;
+                    }
+                }
+                Err(_) => panic!(
+                    "no line with {what:?} in time; lines:\n{}",
+                    self.seen.join("\n")
+                ),
+            }
+        }
+    }
+
+    /// Waits for the exit and drains the output (deadline `deadline`).
+    fn finish(&mut self, deadline: Instant) -> (std::process::ExitStatus, Vec<String>) {
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                while let Ok(line) = self.lines.recv_timeout(Duration::from_millis(500)) {
+                    self.seen.push(line);
+                }
+                return (status, self.seen.clone());
+            }
+            while let Ok(line) = self.lines.try_recv() {
+                self.seen.push(line);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no exit in time; lines:\n{}",
+                self.seen.join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// A job: the store and what every peer shares.
+struct Job {
+    store: TorchStoreHost,
+    range: String,
+    job_id: String,
+}
+
+impl Job {
+    fn new(range: &str) -> Job {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let store = TorchStoreHost::start(listener).unwrap();
+        Job {
+            job_id: format!("elastic-test-{}", store.port()),
+            store,
+            range: range.into(),
+        }
+    }
+
+    fn spawn(&self, slot: usize, env: &[(&str, &str)]) -> Peer {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddp-elastic-peer"));
+        for var in [
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "DDP_TRANSPORT",
+        ] {
+            cmd.env_remove(var);
+        }
+        cmd.env("RANK", slot.to_string())
+            .env("WORLD_SIZE", "3")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", self.store.port().to_string())
+            .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+            .env("TORCHELASTIC_RESTART_COUNT", "0")
+            .env("DDP_ELASTIC", &self.range)
+            .env("DDP_JOB_ID", &self.job_id)
+            .env("DDP_PEER_TIMEOUT", "2")
+            .env("DDP_CONNECT_TIMEOUT", "60")
+            .env("RUST_LOG", "warn");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, lines) = mpsc::channel();
+        for stream in [
+            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stderr.take().unwrap()),
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    let _ = tx.send(line);
+                }
+            });
+        }
+        Peer {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+}
+
+fn now_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+}
+
+/// The number after `key` in `line` (`... key 12 ...`).
+fn field(line: &str, key: &str) -> u128 {
+    let mut words = line.split_whitespace();
+    while let Some(w) = words.next() {
+        if w == key {
+            return words.next().unwrap().parse().unwrap();
+        }
+    }
+    panic!("no {key} in {line:?}")
+}
+
+/// The committed steps a peer printed, in order.
+fn steps(lines: &[String]) -> Vec<u64> {
+    lines
+        .iter()
+        .filter(|l| l.contains(" step ") && !l.contains("reformed"))
+        .map(|l| field(l, "step") as u64)
+        .collect()
+}
+
+/// Every step from `from` to `to` once, in order.
+fn check_each_once(steps: &[u64], from: u64, to: u64, who: &str) {
+    let want: Vec<u64> = (from..=to).collect();
+    assert_eq!(steps, want, "{who} committed these steps");
+}
+
+/// kill -9 of one rank of three: the survivors' next step comes within a second, no step is
+/// committed twice or skipped on any survivor; the slot restarted rejoins at a step boundary
+/// and the world is back at three; everyone ends at the same step.
+#[test]
+fn survivors_go_on_and_a_restarted_rank_rejoins() {
+    let job = Job::new("2:3");
+    let env = [("PEER_STEPS", "150"), ("PEER_SLEEP_MS", "20")];
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut peers: Vec<Peer> = (0..3).map(|s| job.spawn(s, &env)).collect();
+    for p in &mut peers {
+        p.wait_for("step 20 ", deadline);
+    }
+    let killed_at = now_ms();
+    peers[1].child.kill().unwrap();
+    let mut after = Vec::new();
+    for s in [0, 2] {
+        let line = peers[s].wait_for("reformed gen 2", deadline);
+        assert!(line.contains("world 2"), "{line}");
+        let next = peers[s].wait_for(" world 2 step ", deadline);
+        after.push(field(&next, "at") - killed_at);
+    }
+    assert!(
+        after.iter().all(|&ms| ms < 1000),
+        "the survivors' next steps came {after:?} ms after the kill"
+    );
+    // The launcher restarts slot 1: it joins at a step boundary.
+    let mut back = job.spawn(1, &env);
+    let joined = back.wait_for("healed true", deadline);
+    assert!(joined.contains("world 3"), "{joined}");
+    let from = field(&joined, "from") as u64;
+    for s in [0, 2] {
+        peers[s].wait_for(" world 3 step ", deadline);
+    }
+    let (status, lines) = back.finish(deadline);
+    assert!(status.success(), "{}", lines.join("\n"));
+    check_each_once(&steps(&lines), from + 1, 150, "the rejoined slot 1");
+    for s in [0, 2] {
+        let (status, lines) = peers[s].finish(deadline);
+        assert!(status.success(), "{}", lines.join("\n"));
+        check_each_once(&steps(&lines), 1, 150, &format!("slot {s}"));
+    }
+}
+
+/// A frozen (SIGSTOP) rank is removed after the peer timeout like a dead one; the job goes on.
+#[test]
+fn a_frozen_rank_is_removed_after_the_peer_timeout() {
+    let job = Job::new("2:3");
+    let env = [("PEER_STEPS", "60"), ("PEER_SLEEP_MS", "20")];
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut peers: Vec<Peer> = (0..3).map(|s| job.spawn(s, &env)).collect();
+    for p in &mut peers {
+        p.wait_for("step 10 ", deadline);
+    }
+    let stopped = Instant::now();
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe { libc::kill(peers[2].child.id() as i32, libc::SIGSTOP) };
+    for s in [0, 1] {
+        let line = peers[s].wait_for("reformed gen 2", deadline);
+        assert!(line.contains("world 2"), "{line}");
+    }
+    let took = stopped.elapsed();
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(6),
+        "removed after {took:?} with DDP_PEER_TIMEOUT=2"
+    );
+    for s in [0, 1] {
+        let (status, lines) = peers[s].finish(deadline);
+        assert!(status.success(), "{}", lines.join("\n"));
+        check_each_once(&steps(&lines), 1, 60, &format!("slot {s}"));
+    }
+}
+
+/// A process of another job, another world range or another program is refused, naming the
+/// field, and the job it knocked at goes on undisturbed.
+#[test]
+fn an_incompatible_process_is_refused_while_the_job_goes_on() {
+    let job = Job::new("2:3");
+    let env = [("PEER_STEPS", "80"), ("PEER_SLEEP_MS", "20")];
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut peers: Vec<Peer> = (0..2).map(|s| job.spawn(s, &env)).collect();
+    for p in &mut peers {
+        p.wait_for("step 5 ", deadline);
+    }
+    for (extra, said) in [
+        (vec![("DDP_JOB_ID", "another-job")], "job another-job"),
+        (vec![("DDP_ELASTIC", "2:4")], "incompatible world"),
+        (vec![("PEER_COMPAT", "mlp")], "another model"),
+    ] {
+        let mut stranger = job.spawn(2, &extra);
+        let (status, lines) = stranger.finish(deadline);
+        assert_eq!(status.code(), Some(1), "{}", lines.join("\n"));
+        let all = lines.join("\n");
+        assert!(all.contains("refused") && all.contains(said), "{all}");
+    }
+    for (s, p) in peers.iter_mut().enumerate() {
+        let (status, lines) = p.finish(deadline);
+        assert!(status.success(), "{}", lines.join("\n"));
+        assert!(
+            !lines.iter().any(|l| l.contains("reformed")),
+            "{}",
+            lines.join("\n")
+        );
+        check_each_once(&steps(&lines), 1, 80, &format!("slot {s}"));
+    }
+}
+
+/// Below its minimum the job stops on every survivor, naming the rank lost, with the exit code
+/// a launcher restarts the whole job on.
+#[test]
+fn below_the_minimum_the_job_stops_naming_the_ranks_lost() {
+    let job = Job::new("3:3");
+    let env = [("PEER_STEPS", "1000"), ("PEER_SLEEP_MS", "20")];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut peers: Vec<Peer> = (0..3).map(|s| job.spawn(s, &env)).collect();
+    for p in &mut peers {
+        p.wait_for("step 5 ", deadline);
+    }
+    peers[0].child.kill().unwrap();
+    for s in [1, 2] {
+        let (status, lines) = peers[s].finish(deadline);
+        let all = lines.join("\n");
+        assert_eq!(
+            status.code(),
+            Some(i32::from(ddp_comm::elastic::ELASTIC_STOP_EXIT)),
+            "{all}"
+        );
+        assert!(
+            all.contains("minimum of 3") && all.contains("rank 0 (slot 0"),
+            "{all}"
+        );
+    }
+}
