@@ -6,7 +6,7 @@
 //! - [`pima`]: the Pima Indians Diabetes CSV (bundled), a seeded stratified train/test split,
 //!   features standardised with the training split's statistics.
 //! - [`sampler`]: [`DistributedSampler`] with PyTorch's contract, plus an exact mode for
-//!   evaluation.
+//!   evaluation; [`ElasticSampler`], the same epoch for a world whose size changes.
 //! - [`loader`]: [`DataLoader`], which turns a sampler's indices into burn tensors, with
 //!   prefetch worker threads and batches always in sampler order.
 //! - [`shards`]: data sets as safetensors shards plus a JSON index on disk, and
@@ -54,7 +54,7 @@ pub use fetch::ensure_mnist;
 pub use loader::{Batch, BatchIter, CpuBatch, DataLoader, LoaderConfig, MnistLoader, PimaLoader};
 pub use mnist::{Mnist, MnistItem, MnistSplit, Normalization};
 pub use pima::{Pima, PimaItem, PimaSplit, PimaTable, Standardizer};
-pub use sampler::DistributedSampler;
+pub use sampler::{DistributedSampler, ElasticSampler, ElasticStep};
 pub use shards::{
     write_shards, Shard, ShardBatches, ShardIndex, ShardLoader, ShardLoaderConfig, ShardSet,
     ShardWriter,

@@ -18,6 +18,11 @@
 //! [`DistributedSampler::num_samples`]. (Sum the per-rank metric totals with one all-reduce at
 //! the end rather than one collective per batch.)
 //!
+//! [`ElasticSampler`] is the same epoch for a world whose size changes at step boundaries
+//! (elastic training): it hands out the epoch's order step by step, from a position that
+//! counts the samples of the committed steps, so that each sample of the epoch is trained
+//! exactly once whatever the membership does (see its documentation).
+//!
 //! The permutation is a Fisher-Yates shuffle driven by splitmix64, written out here rather than
 //! taken from a crate, so that the order for a given `(seed, epoch)` never changes with a
 //! dependency's version. It does not reproduce PyTorch's order (which comes from torch's
@@ -198,6 +203,158 @@ impl DistributedSampler {
     }
 }
 
+/// The samples of an epoch for a world whose size may change at any step boundary (elastic
+/// training): each sample of the epoch once, none twice, none lost.
+///
+/// The epoch's order is [`DistributedSampler`]'s (the permutation of `(seed, epoch)`, or
+/// `0..len`), with no padding and nothing dropped. The job keeps one position: how many samples
+/// of the order the committed steps took. A step at position `p` for a world of `W` ranks
+/// with `b` samples per rank takes the next `n = W·b` samples, or all that remain when fewer
+/// than `W` would be left after it (so the last step may be up to `W - 1` samples longer);
+/// rank `r` takes the `r`-th of `W` balanced consecutive pieces of them (sizes differ by at
+/// most one). When the world changes, the rest of the epoch is simply cut for the new `W` from
+/// the same position: a dropped step's samples are taken again, a committed step's never.
+///
+/// A rank's piece can differ from `b` (the epoch's tail), or be empty (fewer samples left than
+/// ranks): then it gets one sample with weight 0, so that it still runs the step's
+/// collectives. To train on the mean over the step's samples, multiply the rank's mean loss
+/// by [`ElasticStep::loss_scale`] (1 in every full step): the ranks' gradients, averaged over
+/// `W`, are then the gradient of the mean over the `n` samples.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ElasticSampler {
+    dataset_len: usize,
+    batch_size: usize,
+    shuffle: bool,
+    seed: u64,
+    epoch: u64,
+}
+
+/// One rank's share of one step of an [`ElasticSampler`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ElasticStep {
+    /// The dataset indices of this rank's batch, in order (never empty).
+    pub indices: Vec<usize>,
+    /// How many of them are trained: all, or 0 for the stand-in sample of a rank with none.
+    pub real: usize,
+    /// The samples of the whole step, all ranks together.
+    pub step_samples: usize,
+    /// The position after the step, once it is committed.
+    pub next: usize,
+    /// What to multiply this rank's mean loss by: `real · W / step_samples`.
+    pub loss_scale: f32,
+}
+
+impl ElasticSampler {
+    /// A sampler over `dataset_len` samples with `batch_size` samples per rank and step;
+    /// shuffled with seed 0 and epoch 0 by default. Errors when `batch_size` is 0.
+    pub fn new(dataset_len: usize, batch_size: usize) -> Result<ElasticSampler, DataError> {
+        if batch_size == 0 {
+            return Err(DataError::InvalidArgument(
+                "batch_size must be at least 1".into(),
+            ));
+        }
+        Ok(ElasticSampler {
+            dataset_len,
+            batch_size,
+            shuffle: true,
+            seed: 0,
+            epoch: 0,
+        })
+    }
+
+    /// Shuffles (the default) or keeps the dataset order.
+    pub fn with_shuffle(mut self, shuffle: bool) -> ElasticSampler {
+        self.shuffle = shuffle;
+        self
+    }
+
+    /// The seed of the permutation (default 0). Must be the same on every rank.
+    pub fn with_seed(mut self, seed: u64) -> ElasticSampler {
+        self.seed = seed;
+        self
+    }
+
+    /// Sets the epoch, which with the seed determines the order.
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The number of samples in the dataset (and in every epoch).
+    pub fn dataset_len(&self) -> usize {
+        self.dataset_len
+    }
+
+    /// Samples per rank and step.
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+
+    /// The epoch's order of the dataset's indices.
+    pub fn order(&self) -> Vec<usize> {
+        if self.shuffle {
+            permutation(self.dataset_len, self.seed, self.epoch)
+        } else {
+            (0..self.dataset_len).collect()
+        }
+    }
+
+    /// How many samples the step at `position` takes with `world` ranks (0 at the epoch's end).
+    pub fn step_len(&self, position: usize, world: usize) -> usize {
+        let left = self.dataset_len.saturating_sub(position);
+        let full = world.max(1) * self.batch_size;
+        if left < full + world.max(1) {
+            left
+        } else {
+            full
+        }
+    }
+
+    /// Steps left in the epoch from `position` with `world` ranks.
+    pub fn steps_left(&self, mut position: usize, world: usize) -> usize {
+        let mut steps = 0;
+        while position < self.dataset_len {
+            position += self.step_len(position, world);
+            steps += 1;
+        }
+        steps
+    }
+
+    /// Rank `rank`'s share of the step at `position` of the epoch whose order is `order`
+    /// ([`order`](Self::order)), in a world of `world`; `None` at the epoch's end.
+    pub fn step(
+        &self,
+        order: &[usize],
+        position: usize,
+        world: usize,
+        rank: usize,
+    ) -> Option<ElasticStep> {
+        let n = self.step_len(position, world);
+        if n == 0 || rank >= world {
+            return None;
+        }
+        let (base, extra) = (n / world, n % world);
+        let start = position + rank * base + rank.min(extra);
+        let len = base + usize::from(rank < extra);
+        let (indices, real) = if len == 0 {
+            (vec![order[position]], 0)
+        } else {
+            (order[start..start + len].to_vec(), len)
+        };
+        Some(ElasticStep {
+            indices,
+            real,
+            step_samples: n,
+            next: position + n,
+            loss_scale: (real * world) as f32 / n as f32,
+        })
+    }
+}
+
 /// The permutation of `0..len` for `(seed, epoch)`: a Fisher-Yates shuffle (from the last
 /// position down, each swapped with a uniform position at or below it, drawn by Lemire's
 /// multiply-and-reject) driven by splitmix64 seeded from `splitmix64(seed) ^ epoch * K`.
@@ -275,6 +432,90 @@ mod tests {
             counts.iter().all(|&c| (9_000..11_000).contains(&c)),
             "{counts:?}"
         );
+    }
+
+    /// Each sample of the epoch is trained exactly once through a membership schedule with a
+    /// dropped step (3 ranks, then 2, then 5 after a join, to the epoch's end), counted on the
+    /// sample ids every rank takes; the loss scales make every step the mean over its samples.
+    #[test]
+    fn an_elastic_epoch_sees_each_sample_once_whatever_the_world_does() {
+        let sampler = ElasticSampler::new(1003, 16).unwrap().with_seed(7);
+        let order = sampler.order();
+        let mut seen = vec![0u32; 1003];
+        let mut position = 0;
+        let mut step = 0;
+        loop {
+            let world = match step {
+                0..=4 => 3,
+                5..=9 => 2,
+                _ => 5,
+            };
+            let shares: Vec<ElasticStep> = (0..world)
+                .map_while(|r| sampler.step(&order, position, world, r))
+                .collect();
+            if shares.is_empty() {
+                break;
+            }
+            // Step 7 is dropped (a rank died during it): its samples are not seen, and the
+            // next step starts from the same position.
+            let dropped = step == 7;
+            let n = shares[0].step_samples;
+            let mean_weight: f32 = shares.iter().map(|s| s.loss_scale).sum::<f32>() / world as f32;
+            assert!(
+                (mean_weight - 1.0).abs() < 1e-6,
+                "step {step}: {mean_weight}"
+            );
+            assert_eq!(shares.iter().map(|s| s.real).sum::<usize>(), n);
+            if !dropped {
+                for s in &shares {
+                    for &i in &s.indices[..s.real] {
+                        seen[i] += 1;
+                    }
+                }
+                position = shares[0].next;
+            }
+            step += 1;
+        }
+        assert!(seen.iter().all(|&c| c == 1), "counts other than 1: {:?}", {
+            let odd: Vec<(usize, u32)> = seen
+                .iter()
+                .copied()
+                .enumerate()
+                .filter(|(_, c)| *c != 1)
+                .collect();
+            odd
+        });
+        // A step takes the tail with it when fewer than W samples would be left after it.
+        assert_eq!(sampler.step_len(1003 - 84, 5), 84);
+        assert_eq!(sampler.step_len(1003 - 85, 5), 80);
+    }
+
+    /// Fewer samples left than ranks: the ranks without one get a stand-in of weight 0.
+    #[test]
+    fn a_rank_with_no_sample_left_gets_a_stand_in_of_weight_zero() {
+        let sampler = ElasticSampler::new(10, 4).unwrap().with_shuffle(false);
+        let order = sampler.order();
+        let shares: Vec<ElasticStep> = (0..3)
+            .map(|r| sampler.step(&order, 8, 3, r).unwrap())
+            .collect();
+        assert_eq!(shares[0].indices, [8]);
+        assert_eq!(shares[1].indices, [9]);
+        assert_eq!(
+            (shares[2].indices.as_slice(), shares[2].real),
+            (&[8][..], 0)
+        );
+        assert_eq!(shares[2].loss_scale, 0.0);
+        assert_eq!(shares[0].loss_scale, 1.5);
+        assert!(sampler.step(&order, 10, 3, 0).is_none());
+        // A full step: every scale is exactly 1.
+        let s = sampler.step(&order, 0, 2, 1).unwrap();
+        assert_eq!(
+            (s.indices.as_slice(), s.loss_scale),
+            (&[4, 5, 6, 7][..], 1.0)
+        );
+        assert_eq!(sampler.steps_left(0, 3), 1);
+        assert_eq!(sampler.steps_left(0, 2), 2);
+        assert_eq!(sampler.steps_left(0, 1), 3);
     }
 
     #[test]
