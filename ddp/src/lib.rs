@@ -22,6 +22,10 @@ mod error;
 mod overlap;
 mod overlap_ops;
 mod params;
+mod powersgd;
+mod powersgd_config;
+mod powersgd_math;
+mod powersgd_state;
 mod resume;
 mod shard_optim;
 mod zero;
@@ -31,6 +35,8 @@ pub use crate::config::{Compression, DdpConfig};
 pub use crate::ddp::{DistributedDataParallel, SyncPhase, SyncSpan, SyncStats};
 pub use error::DdpError;
 pub use params::{flatten_params, load_flat_params, param_infos, ParamInfo, ParamKind};
+pub use powersgd::{BucketDesc, GradSlot, PowerSgd, PowerSgdFlight};
+pub use powersgd_config::PowerSgdConfig;
 pub use resume::{
     fetch, resume, resume_sharded, save_checkpoint, save_sharded_checkpoint, Position, Resumed,
     ResumedSharded, RunId,

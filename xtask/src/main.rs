@@ -7,6 +7,7 @@
 
 mod bench_allreduce;
 mod bench_overlap;
+mod bench_powersgd;
 mod bench_scaling;
 mod bench_step;
 mod bench_zero;
@@ -39,6 +40,10 @@ enum Task {
     /// Step time of 2-rank DDP with the all-reduces after backward and during it (--overlap),
     /// CNN and a deep MLP, over shared memory, TCP and (root) a 10 Gbit/s veth link.
     BenchOverlap(bench_overlap::Args),
+    /// Communication hooks on a 1 Gbit/s veth (root): step time and bytes on the wire of plain
+    /// all-reduce, bf16 and PowerSGD for the CNN and a deep MLP, PyTorch's hooks beside them
+    /// when torch is at hand, and MNIST accuracy after 2 epochs with and without PowerSGD.
+    BenchPowersgd(bench_powersgd::Args),
     /// Train the CNN for a fixed number of steps at 1, 2 and 4 ranks: samples/s, efficiency,
     /// communication per step, peak RSS; writes a Markdown table, JSON and an SVG plot.
     BenchScaling(bench_scaling::Args),
@@ -77,6 +82,7 @@ fn main() -> Result<()> {
     match Cli::parse().task {
         Task::BenchAllreduce(args) => bench_allreduce::run(args),
         Task::BenchOverlap(args) => bench_overlap::run(args),
+        Task::BenchPowersgd(args) => bench_powersgd::run(args),
         Task::BenchScaling(args) => bench_scaling::run(args),
         Task::BenchStep(args) => bench_step::run(args),
         Task::BenchZero(args) => bench_zero::run(args),
