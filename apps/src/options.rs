@@ -114,8 +114,9 @@ pub struct TrainArgs {
     /// optimizer state sharded across ranks, 2 = optimizer state and gradients sharded.
     #[arg(long, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub zero_stage: Option<u8>,
-    /// Start each gradient bucket's all-reduce during backward, as soon as its gradients are
-    /// complete (PyTorch DDP's overlap; results are bit-identical either way).
+    /// Start each gradient bucket's all-reduce (with --zero-stage, its reduce-scatter) during
+    /// backward, as soon as its gradients are complete (PyTorch DDP's overlap; results are
+    /// bit-identical either way).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub overlap: Option<bool>,
     /// Directory of the data set (MNIST: where the four files are or will be downloaded;
@@ -275,12 +276,6 @@ impl TrainArgs {
                  reduce-scatters f32 gradients",
                 cfg.compression,
                 cfg.zero_stage
-            );
-        }
-        if cfg.overlap && cfg.zero_stage > 0 {
-            bail!(
-                "--overlap applies to plain DDP (--zero-stage 0); a sharded step reduce-scatters \
-                 after backward"
             );
         }
         if cfg.checkpoint_every == Some(0) {

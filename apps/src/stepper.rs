@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::optim::ModuleOptimizer;
 use burn::tensor::Tensor;
 use ddp::{
     Compression, DdpConfig, DdpError, DistributedDataParallel, Position, ProcessGroup, Resumed,
@@ -108,7 +108,9 @@ impl Stepper {
             let (model, ddp) = DistributedDataParallel::new(model, pg, config)?;
             return Ok((model, Stepper::Ddp { ddp, optim }));
         };
-        let config = ZeroConfig::new(stage).with_bucket_cap_mb(cfg.bucket_cap_mb);
+        let config = ZeroConfig::new(stage)
+            .with_bucket_cap_mb(cfg.bucket_cap_mb)
+            .with_overlap(cfg.overlap);
         let (model, mut zero) = ShardedDataParallel::new(model, pg, config, shard_optimizer(cfg))?;
         if let Some((bytes, source)) = zero_state {
             zero.load_consolidated(&bytes, &source)?;
@@ -116,19 +118,19 @@ impl Stepper {
         Ok((model, Stepper::Zero(zero)))
     }
 
-    /// What the first line says about the step of `model`: `DDP`, with `--overlap` whether the
-    /// all-reduces really start during backward (and why not where they cannot), or `ZeRO
-    /// stage N`.
-    pub(crate) fn describe<M: Module>(&self, model: &M) -> String {
-        match self {
-            Stepper::Ddp { ddp, .. } if ddp.config().overlap => match ddp.why_no_overlap(model) {
-                None => "DDP (all-reduces during backward)".into(),
-                Some(why) => format!("DDP (--overlap is off: {why})"),
-            },
-            Stepper::Ddp { .. } => "DDP".into(),
+    /// What the first line says about the step of `model`: `DDP` or `ZeRO stage N`, with
+    /// `--overlap` whether the collectives really start during backward (and why not where
+    /// they cannot).
+    pub(crate) fn describe<M: Module>(&self, model: &M, overlap: bool) -> String {
+        let (what, why_not, during) = match self {
+            Stepper::Ddp { ddp, .. } => (
+                "DDP".to_string(),
+                ddp.why_no_overlap(model),
+                "all-reduces during backward",
+            ),
             Stepper::Zero(z) => {
                 let m = z.memory();
-                format!(
+                let what = format!(
                     "ZeRO stage {} (this rank steps {} of {} parameters, {:.1} MiB of \
                      optimizer state)",
                     match z.stage() {
@@ -138,25 +140,36 @@ impl Stepper {
                     m.shard,
                     m.params,
                     m.optimizer_bytes as f64 / (1024.0 * 1024.0)
+                );
+                (
+                    what,
+                    z.why_no_overlap(model),
+                    "reduce-scatters during backward",
                 )
             }
+        };
+        match (overlap, why_not) {
+            (false, _) => what,
+            (true, None) => format!("{what} ({during})"),
+            (true, Some(why)) => format!("{what} (--overlap is off: {why})"),
         }
     }
 
     /// The model the forward pass runs on: with `--overlap`, a copy whose parameters report
-    /// their gradients during backward (`DistributedDataParallel::prepare`); otherwise a
-    /// clone of `model`.
+    /// their gradients during backward (`DistributedDataParallel::prepare`,
+    /// `ShardedDataParallel::prepare`); otherwise a clone of `model`. Drop it once the loss is
+    /// computed.
     pub(crate) fn prepare<M: Module>(&mut self, model: &M) -> M {
         match self {
             Stepper::Ddp { ddp, .. } => ddp.prepare(model),
-            Stepper::Zero(_) => model.clone(),
+            Stepper::Zero(zero) => zero.prepare(model),
         }
     }
 
     /// Runs backward on `loss` (of the model [`prepare`](Self::prepare) gave), averages the
     /// gradients across ranks and steps `model`; also returns when backward ended and when
     /// the optimizer step began (for the trace: a sharded step's reduce-scatter, update and
-    /// all-gather are one span).
+    /// all-gather are one span, the sync).
     pub(crate) fn step<M: Module>(
         &mut self,
         lr: f64,
@@ -173,10 +186,10 @@ impl Stepper {
                 Ok((optim.step(lr, model, grads), t_sync, t_optim))
             }
             Stepper::Zero(zero) => {
-                let grads = GradientsParams::from_grads(loss.backward(), &model);
-                let t_sync = Instant::now();
-                let model = zero.step(lr, model, grads)?;
-                Ok((model, t_sync, Instant::now()))
+                let model = zero.backward_step(lr, model, loss)?;
+                let t_optim = Instant::now();
+                let t_sync = zero.last_backward().map_or(t_optim, |(_, end)| end);
+                Ok((model, t_sync, t_optim))
             }
         }
     }
@@ -194,6 +207,7 @@ impl Stepper {
                     wait: z.reduce + z.gather,
                     unpack: z.update,
                     bytes: z.bytes,
+                    buckets_during_backward: z.buckets_during_backward,
                     ..SyncStats::default()
                 }
             }

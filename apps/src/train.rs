@@ -380,7 +380,7 @@ where
         cfg.batch_size,
         cfg.describe_lr(world),
         cfg.describe_optimizer(),
-        stepper.describe(&model),
+        stepper.describe(&model, cfg.overlap),
         cfg.epochs,
         start_epoch + 1
     ));
@@ -459,8 +459,9 @@ where
                 rank as u64,
                 batches as u64,
             ));
-            let hooked = stepper.prepare(&model);
-            let (loss, _) = hooked.loss(batch.inputs, batch.targets);
+            // The forward pass on the copy `prepare` gives (hooked for overlap); the copy goes
+            // with the statement, so that a sharded step updates the parameters in place.
+            let (loss, _) = stepper.prepare(&model).loss(batch.inputs, batch.targets);
             let loss_value = f64::from(loss.clone().into_scalar::<f32>());
             let t_backward = Instant::now();
             let (stepped, t_sync, t_optim) = stepper.step(lr, model, loss, traced)?;

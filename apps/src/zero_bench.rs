@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use burn::module::Module;
-use burn::optim::{AdamConfig, GradientsParams};
+use burn::optim::AdamConfig;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use ddp::{
     DdpConfig, DistributedDataParallel, ProcessGroup, ReduceOp, ShardOptimizer, ShardedAdamConfig,
@@ -50,10 +50,11 @@ pub struct ZeroBenchArgs {
     /// benchmark's) or `cnn` (the MNIST CNN).
     #[arg(long, default_value = "mlp")]
     pub model: String,
-    /// Stage 0 only: start the all-reduces during backward (`DdpConfig::overlap`).
+    /// Start the all-reduces (stage 0) or reduce-scatters (stages 1, 2) during backward
+    /// (`DdpConfig::overlap`, `ZeroConfig::overlap`).
     #[arg(long)]
     pub overlap: bool,
-    /// Stage 0: DDP's bucket size in MiB.
+    /// The bucket size in MiB (DDP's and ZeRO's).
     #[arg(long, default_value_t = 25.0)]
     pub bucket_cap_mb: f64,
 }
@@ -95,9 +96,6 @@ pub struct ZeroBenchResult {
 pub fn run(args: &ZeroBenchArgs) -> Result<Option<ZeroBenchResult>> {
     if args.stage > 2 || args.steps == 0 || args.batch == 0 {
         bail!("--stage must be 0, 1 or 2, --steps and --batch at least 1");
-    }
-    if args.overlap && args.stage != 0 {
-        bail!("--overlap applies to stage 0 (DDP)");
     }
     let pg = Arc::new(ProcessGroup::from_env()?);
     let device = Device::flex().autodiff();
@@ -187,14 +185,17 @@ fn run_model<M: Module + Classifier<4>>(
             ZeroStage::Two
         };
         let adam = ShardOptimizer::Adam(ShardedAdamConfig::new().with_epsilon(eps));
-        let (mut model, mut zero) =
-            ShardedDataParallel::new(model, pg.clone(), ZeroConfig::new(stage), adam)?;
+        let config = ZeroConfig::new(stage)
+            .with_overlap(args.overlap)
+            .with_bucket_cap_mb(args.bucket_cap_mb);
+        let (mut model, mut zero) = ShardedDataParallel::new(model, pg.clone(), config, adam)?;
         for step in 0..args.warmup + args.steps {
             pg.barrier()?;
             let start = Instant::now();
-            let (loss, _) = model.loss(inputs.clone(), targets.clone());
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            model = zero.step(lr, model, grads)?;
+            // The hooked copy lives for the forward pass only: the step then updates the
+            // parameters in their own memory.
+            let (loss, _) = zero.prepare(&model).loss(inputs.clone(), targets.clone());
+            model = zero.backward_step(lr, model, loss)?;
             if step >= args.warmup {
                 times.push(start.elapsed().as_secs_f64());
             }

@@ -440,48 +440,104 @@ impl ProcessGroup {
         })
     }
 
-    /// Queues a reduce-scatter that keeps its result in `buf`: `buf` (same length on every
-    /// rank) is reduced with `op` into this rank's chunk `chunk_range(len, world_size, rank)`
-    /// of it, and comes back whole (the other chunks' contents unspecified). The same
-    /// collective as [`submit_reduce_scatter`](Self::submit_reduce_scatter), without the copy
-    /// of the chunk: for a caller that keeps the buffer, such as ZeRO's adopted gradients.
-    pub fn submit_reduce_scatter_in_place<T: Element>(
+    /// Queues an all-reduce of the caller's own buffer: `buf`, of any type that lends its
+    /// elements as a slice (a `Vec<T>`, or a buffer that came from elsewhere, such as a burn
+    /// tensor's memory), is reduced in place and comes back as it went, so a buffer of another
+    /// library travels without a copy. Otherwise [`submit_all_reduce`](Self::submit_all_reduce).
+    pub fn submit_all_reduce_in_place<T: Element, B: AsMut<[T]> + Send + 'static>(
         &self,
-        mut buf: Vec<T>,
+        mut buf: B,
         op: ReduceOp,
-    ) -> Work<Vec<T>> {
+    ) -> Work<B> {
+        let len = buf.as_mut().len();
         if self.world_size() == 1 {
             return Work::ready(self.rank(), Ok(buf));
         }
-        let what = format!("reduce_scatter of {} {}", buf.len(), T::DTYPE);
-        let rec = (OpKind::ReduceScatter, T::DTYPE, buf.len());
+        let what = format!("all_reduce of {len} {}", T::DTYPE);
+        let rec = (OpKind::AllReduce, T::DTYPE, len);
         self.submit(what, rec, move |e| {
-            e.run(
-                OpKind::ReduceScatter,
-                T::DTYPE,
-                buf.len(),
-                op.to_wire(),
-                |t| collectives::reduce_scatter_in_place(t, &mut buf, op),
-            )?;
+            e.run(OpKind::AllReduce, T::DTYPE, len, op.to_wire(), |t| {
+                collectives::all_reduce(t, buf.as_mut(), op)
+            })?;
+            Ok(buf)
+        })
+    }
+
+    /// Queues a broadcast of `root`'s buffer into every rank's own `buf` (of any type that
+    /// lends its elements as a slice, as [`submit_all_reduce_in_place`](Self::submit_all_reduce_in_place)).
+    pub fn submit_broadcast_in_place<T: Element, B: AsMut<[T]> + Send + 'static>(
+        &self,
+        mut buf: B,
+        root: usize,
+    ) -> Work<B> {
+        let (world, len) = (self.world_size(), buf.as_mut().len());
+        let what = format!("broadcast of {len} {} from rank {root}", T::DTYPE);
+        if root >= world {
+            return Work::ready(
+                self.rank(),
+                Err(CommError::InvalidArgument {
+                    rank: self.rank(),
+                    op: what,
+                    message: format!("root {root} is not below the world size {world}"),
+                }),
+            );
+        }
+        if world == 1 {
+            return Work::ready(self.rank(), Ok(buf));
+        }
+        let rec = (OpKind::Broadcast, T::DTYPE, len);
+        self.submit(what, rec, move |e| {
+            e.run(OpKind::Broadcast, T::DTYPE, len, root as u32, |t| {
+                collectives::broadcast(t, buf.as_mut(), root)
+            })?;
+            Ok(buf)
+        })
+    }
+
+    /// Queues a reduce-scatter that keeps its result in the caller's `buf` (of any type that
+    /// lends its elements as a slice): `buf` (same length on every rank) is reduced with `op`
+    /// into this rank's chunk `chunk_range(len, world_size, rank)` of it, and comes back whole
+    /// (the other chunks' contents unspecified). The same collective as
+    /// [`submit_reduce_scatter`](Self::submit_reduce_scatter), without the copy of the chunk:
+    /// for a caller that keeps the buffer, such as ZeRO's gradients.
+    pub fn submit_reduce_scatter_in_place<T: Element, B: AsMut<[T]> + Send + 'static>(
+        &self,
+        mut buf: B,
+        op: ReduceOp,
+    ) -> Work<B> {
+        let len = buf.as_mut().len();
+        if self.world_size() == 1 {
+            return Work::ready(self.rank(), Ok(buf));
+        }
+        let what = format!("reduce_scatter of {len} {}", T::DTYPE);
+        let rec = (OpKind::ReduceScatter, T::DTYPE, len);
+        self.submit(what, rec, move |e| {
+            e.run(OpKind::ReduceScatter, T::DTYPE, len, op.to_wire(), |t| {
+                collectives::reduce_scatter_in_place(t, buf.as_mut(), op)
+            })?;
             Ok(buf)
         })
     }
 
     /// Queues the in-place all-gather of the reduce-scatter's chunks: every rank passes a
-    /// buffer of the same length holding its own chunk `chunk_range(len, world_size, rank)`
-    /// (chunks differ by at most one element), and gets it back with every rank's chunk in its
-    /// place (the second half of a ring all-reduce; the buffer is the result, no other is
-    /// allocated).
-    pub fn submit_all_gather_in_place<T: Element>(&self, mut buf: Vec<T>) -> Work<Vec<T>> {
+    /// buffer (of any type that lends its elements as a slice) of the same length holding its
+    /// own chunk `chunk_range(len, world_size, rank)` (chunks differ by at most one element),
+    /// and gets it back with every rank's chunk in its place (the second half of a ring
+    /// all-reduce; the buffer is the result, no other is allocated).
+    pub fn submit_all_gather_in_place<T: Element, B: AsMut<[T]> + Send + 'static>(
+        &self,
+        mut buf: B,
+    ) -> Work<B> {
+        let len = buf.as_mut().len();
         if self.world_size() == 1 {
             return Work::ready(self.rank(), Ok(buf));
         }
-        let what = format!("all_gather in place of {} {}", buf.len(), T::DTYPE);
-        let rec = (OpKind::AllGather, T::DTYPE, buf.len());
+        let what = format!("all_gather in place of {len} {}", T::DTYPE);
+        let rec = (OpKind::AllGather, T::DTYPE, len);
         // `arg` 1 tells it from the all-gather of equal blocks (arg 0) in the fingerprint.
         self.submit(what, rec, move |e| {
-            e.run(OpKind::AllGather, T::DTYPE, buf.len(), 1, |t| {
-                collectives::all_gather_chunks(t, &mut buf)
+            e.run(OpKind::AllGather, T::DTYPE, len, 1, |t| {
+                collectives::all_gather_chunks(t, buf.as_mut())
             })?;
             Ok(buf)
         })

@@ -244,6 +244,13 @@ fn check_dtype<T: TestElem>(
                 None => reference_all_reduce(&xs, op, direct),
             };
             assert_bits(&out, &want, &what);
+            // In place, in a buffer of another type than `Vec`.
+            let what = format!("{what} in place");
+            let out = pg
+                .submit_all_reduce_in_place::<T, _>(xs[rank].clone().into_boxed_slice(), op)
+                .wait()
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_bits(&out, &want, &what);
 
             let what = format!("world {n} rank {rank}: reduce_scatter {len} {name} {op:?}");
             let out = pg
@@ -258,7 +265,7 @@ fn check_dtype<T: TestElem>(
             // In place: the same chunk, where it lies in the buffer that comes back.
             let what = format!("{what} in place");
             let out = pg
-                .submit_reduce_scatter_in_place(xs[rank].clone(), op)
+                .submit_reduce_scatter_in_place::<T, _>(xs[rank].clone(), op)
                 .wait()
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
             assert_eq!(out.len(), len, "{what}: the whole buffer comes back");
@@ -280,7 +287,7 @@ fn check_dtype<T: TestElem>(
         let own = chunk_range(len, n, rank);
         mine[own.clone()].copy_from_slice(&xs[rank][own]);
         let out = pg
-            .submit_all_gather_in_place(mine)
+            .submit_all_gather_in_place::<T, _>(mine)
             .wait()
             .unwrap_or_else(|e| panic!("{what}: {e}"));
         let want: Vec<T> = (0..n)
@@ -293,6 +300,11 @@ fn check_dtype<T: TestElem>(
                 .broadcast(xs[rank].clone(), root)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
             assert_bits(&out, &xs[root], &what);
+            let out = pg
+                .submit_broadcast_in_place::<T, _>(xs[rank].clone().into_boxed_slice(), root)
+                .wait()
+                .unwrap_or_else(|e| panic!("{what} in place: {e}"));
+            assert_bits(&out, &xs[root], &format!("{what} in place"));
         }
     }
     pg.barrier().unwrap();
@@ -456,10 +468,10 @@ fn large_buffers_use_the_pipelined_ring_and_are_bit_identical() {
                 let bc = pg.broadcast(xs[rank].clone(), 3).unwrap();
                 // In place, through the ring: every chunk as the reduce-scatter sums it.
                 let buf = pg
-                    .submit_reduce_scatter_in_place(xs[rank].clone(), ReduceOp::Sum)
+                    .submit_reduce_scatter_in_place::<f32, _>(xs[rank].clone(), ReduceOp::Sum)
                     .wait()
                     .unwrap();
-                let buf = pg.submit_all_gather_in_place(buf).wait().unwrap();
+                let buf = pg.submit_all_gather_in_place::<f32, _>(buf).wait().unwrap();
                 let want: Vec<f32> = (0..4)
                     .flat_map(|c| reference_reduce_scatter(&xs, ReduceOp::Sum, false, c))
                     .collect();
@@ -509,7 +521,7 @@ fn large_buffers_over_shared_memory_are_bit_identical() {
                 let bc = pg.broadcast(xs[rank].clone(), 2).unwrap();
                 // In place: the reduced chunk where it lies, then every chunk gathered back.
                 let mut buf = pg
-                    .submit_reduce_scatter_in_place(xs[rank].clone(), ReduceOp::Sum)
+                    .submit_reduce_scatter_in_place::<f32, _>(xs[rank].clone(), ReduceOp::Sum)
                     .wait()
                     .unwrap();
                 assert_bits(
@@ -517,7 +529,7 @@ fn large_buffers_over_shared_memory_are_bit_identical() {
                     &rs,
                     "reduce_scatter in place",
                 );
-                buf = pg.submit_all_gather_in_place(buf).wait().unwrap();
+                buf = pg.submit_all_gather_in_place::<f32, _>(buf).wait().unwrap();
                 let whole = pg.all_reduce(xs[rank].clone(), ReduceOp::Sum).unwrap();
                 assert_bits(&buf, &whole, "reduce_scatter + all_gather in place");
                 (a, b, h, m, rs, g, bc)

@@ -1,12 +1,62 @@
 //! What the ranks must agree on, checked collectively: the parameter list when the wrapper is
-//! made (`verify_same_params`), and one value per rank, such as a hash of the replica's
-//! parameters or the run and step of a shard file (`diverged_ranks` says who is out of line).
+//! made (`verify_same_params`), rank 0's values in every replica (`broadcast_values`), and one
+//! value per rank, such as a hash of the replica's parameters or the run and step of a shard
+//! file (`diverged_ranks` says who is out of line).
 
+use burn::module::Module;
 use ddp_comm::bytes::fnv1a;
 use ddp_comm::ProcessGroup;
 
-use crate::params::ParamInfo;
+use crate::buckets::ADOPT_BYTES;
+use crate::host_buf::HostBuf;
+use crate::params::{put_values, take_values, ParamInfo};
 use crate::DdpError;
+
+/// Makes every float tensor of `model` (laid out as `params`) rank 0's, on every rank: the
+/// tensors are taken out of the module (without a copy where it holds them alone), the large
+/// ones broadcast one by one in their own memory and the others packed into one buffer, and
+/// put back. So a replica is never held twice, which a broadcast of one flat copy of the whole
+/// model would do on every rank. A collective.
+pub(crate) fn broadcast_values<M: Module>(
+    pg: &ProcessGroup,
+    model: M,
+    params: &[ParamInfo],
+) -> Result<M, DdpError> {
+    let (model, mut values) = take_values(model, &|_| true)?;
+    let large = |v: &HostBuf| v.len() * 4 >= ADOPT_BYTES;
+    let mut packed = Vec::new();
+    for v in values.iter().flatten().filter(|v| !large(v)) {
+        packed.extend_from_slice(v.as_ref());
+    }
+    let mut works = Vec::new();
+    for (i, slot) in values.iter_mut().enumerate() {
+        if let Some(v) = slot.take_if(|v| large(v)) {
+            works.push((i, pg.submit_broadcast_in_place(v, 0)));
+        }
+    }
+    let packed = pg.submit_broadcast(packed, 0);
+    let mut error = None;
+    for (i, work) in works {
+        match work.wait() {
+            Ok(v) => values[i] = Some(v),
+            Err(e) => {
+                error.get_or_insert(e);
+            }
+        }
+    }
+    let packed = packed.wait();
+    if let Some(e) = error {
+        return Err(e.into());
+    }
+    let packed = packed?;
+    let mut at = 0;
+    for v in values.iter_mut().flatten().filter(|v| !large(v)) {
+        let n = v.len();
+        v.as_mut().copy_from_slice(&packed[at..at + n]);
+        at += n;
+    }
+    Ok(put_values(model, params, values))
+}
 
 /// Which ranks' hashes differ, given every rank's: `None` when all agree; otherwise the ranks
 /// outside a strict majority (`true`), or, when no strict majority exists, the ranks that

@@ -5,15 +5,18 @@
 //!
 //! 1. The caller runs forward and `loss.backward()` and turns the result into burn's
 //!    `GradientsParams`, as in any burn loop.
-//! 2. [`DistributedDataParallel::sync`] walks the buckets, which hold the parameters in reverse
-//!    visiting order (the order in which backward produces them; bucket 0 is small, about
-//!    `first_bucket_mb`, so the first all-reduce starts early). For each bucket it copies the
-//!    gradients into one flat buffer, appends one "presence" slot per parameter, and submits the
-//!    buffer's all-reduce to the process group's communication thread at once. Packing bucket
-//!    k+1 thus overlaps the all-reduce of bucket k.
+//! 2. [`DistributedDataParallel::sync`] hands the gradients to the gradient pipeline
+//!    (`pipeline.rs`), bucket by bucket: the buckets hold the parameters in reverse visiting
+//!    order (the order in which backward produces them) under PyTorch's rule (`buckets.rs`:
+//!    a bucket closes once it holds `bucket_cap_mb`, the first one `first_bucket_mb`). A large
+//!    gradient travels in burn's own buffer, small ones are copied into a shared one; each
+//!    bucket's all-reduces go to the process group's communication thread as soon as it is
+//!    packed, so packing bucket k+1 overlaps the all-reduce of bucket k. One small all-reduce
+//!    of every parameter's presence and of the failure slots follows the last bucket.
 //! 3. It then waits for the buckets in submission order; unpacking bucket k (dividing by the
-//!    world size, building tensors) overlaps the all-reduce of the buckets after it.
-//! 4. A parameter that got no gradient on this rank contributes zeros and a presence of 0; it
+//!    world size, building tensors, without a copy where the buffer was burn's) overlaps the
+//!    all-reduce of the buckets after it.
+//! 4. A parameter that got no gradient on this rank contributes zeros and no presence; it
 //!    gets the averaged gradient back if any rank produced one, and stays absent otherwise, so
 //!    the optimizer sees the same gradient set on every rank.
 //!
@@ -37,24 +40,30 @@
 //! process group reduces every element in a fixed order, so the same seed gives bit-identical
 //! runs, and every replica receives bit-identical gradients.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
-use ddp_comm::{ProcessGroup, ReduceOp};
+use ddp_comm::ProcessGroup;
 
 use ddp_comm::bytes::fnv1a;
 
-use crate::agree::{diverged_ranks, verify_same_params};
-use crate::buckets::{complete_bucket, plan_buckets, submit_bucket, Bucket, InFlight};
+use crate::agree::{broadcast_values, diverged_ranks, verify_same_params};
+use crate::buckets::{plan_buckets, Bucket, Layout, Part};
 use crate::config::{Compression, DdpConfig};
-use crate::overlap::{Early, OverlapState};
+use crate::host_buf::HostBuf;
+use crate::overlap::{lock, OverlapState};
+// The GPU path (`cuda.rs`, a child module) names peers' failures as the pipeline does.
 use crate::params::{
-    check_dtypes, check_ranks, drop_grad, flatten_params, flatten_where, load_flat_params,
-    load_where, param_ids, param_infos, put_grad, take_grad, ParamInfo, ParamKind,
+    check_dtypes, check_ranks, flatten_where, load_where, param_ids, param_infos, put_grad,
+    ParamInfo, ParamKind,
 };
+#[cfg(feature = "cuda")]
+use crate::pipeline::peer_failed;
+use crate::pipeline::{Done, Pipeline};
+use crate::reduction::Reduction;
 use crate::DdpError;
 
 /// The gradient path on the GPU through NCCL (feature `cuda`), a child module so that it can
@@ -95,16 +104,17 @@ impl SyncStats {
 /// [`DistributedDataParallel::record_spans`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SyncPhase {
-    /// Copying one bucket's gradients into its buffer and submitting its all-reduce.
+    /// Packing one part of a bucket (copying gradients into its buffer, or taking burn's) and
+    /// submitting its all-reduce.
     Pack,
-    /// One bucket's all-reduce as the caller sees it: from its submission (or the end of the
-    /// previous bucket's, the communication thread running them one after another) until
-    /// `wait` returned it. The process group's flight recorder has the communication thread's
-    /// own start and end.
+    /// One part's all-reduce as the caller sees it: from its submission (or the end of the
+    /// previous one's, the communication thread running them one after another) until `wait`
+    /// returned it. The process group's flight recorder has the communication thread's own
+    /// start and end.
     AllReduce,
-    /// The caller blocked waiting for one bucket's all-reduce.
+    /// The caller blocked waiting for one part's all-reduce.
     Wait,
-    /// Turning one reduced bucket back into gradient tensors.
+    /// Turning one reduced part back into gradient tensors.
     Unpack,
 }
 
@@ -113,9 +123,10 @@ pub enum SyncPhase {
 pub struct SyncSpan {
     /// What was done.
     pub phase: SyncPhase,
-    /// The bucket (communication order).
+    /// The bucket (communication order) of the part.
     pub bucket: usize,
-    /// Elements of the bucket's all-reduce (gradients and presence slots).
+    /// Elements of the part's all-reduce (on the GPU path: the bucket's, with its presence
+    /// and failure slots).
     pub elements: usize,
     /// When it started.
     pub start: Instant,
@@ -137,13 +148,14 @@ pub struct SyncSpan {
 /// ```
 pub struct DistributedDataParallel {
     pg: Arc<ProcessGroup>,
-    params: Vec<ParamInfo>,
+    params: Arc<[ParamInfo]>,
     /// Whether the module has buffers (`RunningState`s) to broadcast at every sync.
     has_buffers: bool,
+    /// The layout's buckets (also the GPU path's).
     buckets: Vec<Bucket>,
-    /// One accumulation buffer per bucket, reused across steps.
-    buffers: Vec<Vec<f32>>,
-    /// Micro-steps accumulated into `buffers` since the last sync.
+    /// The gradient pipeline, shared with the overlap hooks.
+    pipeline: Arc<Mutex<Pipeline>>,
+    /// Micro-steps accumulated in the pipeline since the last sync.
     micro_steps: usize,
     syncs: u64,
     device: Device,
@@ -175,17 +187,18 @@ impl DistributedDataParallel {
         pg: Arc<ProcessGroup>,
         config: DdpConfig,
     ) -> Result<(M, Self), DdpError> {
-        Self::with_buckets(model, pg, config, true)
+        let reduction = Reduction::AllReduce(config.compression);
+        Self::with_reduction(model, pg, config, reduction)
     }
 
-    /// [`new`](Self::new), with the gradient buckets' buffers allocated or not (`buckets ==
-    /// false`: for [`crate::ShardedDataParallel`], which keeps the parameter list, the checks
-    /// and the buffer broadcast of this wrapper but moves gradients its own way).
-    pub(crate) fn with_buckets<M: Module>(
+    /// [`new`](Self::new), with each part of a bucket carried by `reduction`: for
+    /// [`crate::ShardedDataParallel`], which keeps the parameter list, the checks, the buffer
+    /// broadcast, the pipeline and the hooks of this wrapper, and reduce-scatters.
+    pub(crate) fn with_reduction<M: Module>(
         model: M,
         pg: Arc<ProcessGroup>,
         config: DdpConfig,
-        buckets: bool,
+        reduction: Reduction,
     ) -> Result<(M, Self), DdpError> {
         if !(config.bucket_cap_mb > 0.0 && config.first_bucket_mb > 0.0) {
             return Err(DdpError::Config(format!(
@@ -204,12 +217,15 @@ impl DistributedDataParallel {
         verify_same_params(&pg, &params)?;
 
         let has_buffers = params.iter().any(|p| p.kind == ParamKind::Buffer);
-        let buckets = if buckets {
-            plan_buckets(&params, &config)
-        } else {
-            Vec::new()
-        };
-        let buffers = buckets.iter().map(|b| vec![0.0; b.len()]).collect();
+        let params: Arc<[ParamInfo]> = params.into();
+        let layout: Arc<Layout> = Arc::new(plan_buckets(&params, &config));
+        let buckets = layout.buckets.clone();
+        let pipeline = Arc::new(Mutex::new(Pipeline::new(
+            Arc::clone(&pg),
+            Arc::clone(&params),
+            layout,
+            reduction,
+        )));
         // Gradients live on the device without autodiff.
         let device = model
             .devices()
@@ -234,14 +250,11 @@ impl DistributedDataParallel {
             #[cfg(not(feature = "cuda"))]
             let on_device = false;
             if !on_device {
-                let flat = pg.broadcast(flatten_params(&model)?, 0)?;
-                if pg.rank() != 0 {
-                    model = load_flat_params(model, &flat)?;
-                }
+                model = broadcast_values(&pg, model, &params)?;
             }
         }
         let overlap = (config.overlap && pg.world_size() > 1 && !buckets.is_empty())
-            .then(|| OverlapState::new(pg.clone(), &params, &buckets, config.compression));
+            .then(|| OverlapState::new(Arc::clone(&params), Arc::clone(&pipeline)));
         #[cfg(feature = "cuda")]
         let overlap = overlap.filter(|_| device_path.is_none());
         let ddp = Self {
@@ -249,7 +262,7 @@ impl DistributedDataParallel {
             params,
             has_buffers,
             buckets,
-            buffers,
+            pipeline,
             micro_steps: 0,
             syncs: 0,
             device,
@@ -329,13 +342,28 @@ impl DistributedDataParallel {
         self.spans.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
-    /// Records one span when recording is on.
+    /// Records one span of bucket `bucket` as a whole (the GPU path's) when recording is on.
+    #[cfg(feature = "cuda")]
     fn span(&mut self, phase: SyncPhase, bucket: usize, start: Instant, end: Instant) {
+        let elements = self.buckets[bucket].len();
+        self.part_span(phase, bucket, elements, start, end);
+    }
+
+    /// Records one span of a part of `elements` elements of bucket `bucket` when recording is
+    /// on.
+    fn part_span(
+        &mut self,
+        phase: SyncPhase,
+        bucket: usize,
+        elements: usize,
+        start: Instant,
+        end: Instant,
+    ) {
         if let Some(spans) = self.spans.as_mut() {
             spans.push(SyncSpan {
                 phase,
                 bucket,
-                elements: self.buckets[bucket].len(),
+                elements,
                 start,
                 end,
             });
@@ -353,34 +381,58 @@ impl DistributedDataParallel {
         model: &M,
         loss: Tensor<1>,
     ) -> Result<GradientsParams, DdpError> {
-        if !self.overlap.as_ref().is_some_and(OverlapState::prepared) {
-            let start = Instant::now();
-            let grads = loss.backward();
-            self.backward_span = Some((start, Instant::now()));
-            let grads = GradientsParams::from_grads(grads, model);
+        if !self.prepared() {
+            let grads = self.timed_backward(model, loss);
             return self.sync(model, grads);
         }
-        // Every collective of the sync but the buckets' comes first, so that the buckets
-        // submitted during backward are the step's only collectives until it ends, on every
-        // rank.
-        let mut local_error = self.begin_sync(model)?;
-        let buffers = std::mem::take(&mut self.buffers);
-        let fresh = self.micro_steps == 0;
-        let overlap = self.overlap.as_mut().expect("checked above");
-        let loss = overlap.arm(buffers, fresh, loss);
+        let (grads, local_error) = self.overlapped_backward(model, loss)?;
+        self.sync_rest(grads, local_error, true)
+    }
+
+    /// The start of an overlapped sync: every collective of the sync but the gradients' (the
+    /// buffer broadcast, the replica check) comes first, so that the buckets submitted during
+    /// backward are the step's only collectives until it ends, on every rank; then backward
+    /// runs with the hooks armed, handing each gradient to the pipeline as it is complete.
+    /// Returns what burn left in its gradients and this rank's local failure so far.
+    pub(crate) fn overlapped_backward<M: Module>(
+        &mut self,
+        model: &M,
+        loss: Tensor<1>,
+    ) -> Result<(GradientsParams, Option<DdpError>), DdpError> {
+        let local_error = self.begin_sync(model)?;
+        lock(&self.pipeline).begin(true);
+        let overlap = self.overlap.as_mut().expect("hooked by prepare");
+        let loss = overlap.arm(loss);
         let start = Instant::now();
         let grads = loss.backward();
         self.backward_span = Some((start, Instant::now()));
-        let overlap = self.overlap.as_mut().expect("checked above");
-        let done = overlap.disarm();
-        self.buffers = done.buffers;
-        self.stats.bytes += done.bytes;
-        self.stats.buckets_during_backward += done.early.len() as u64;
-        if let Some(e) = done.error {
-            local_error.get_or_insert(e);
-        }
-        let grads = GradientsParams::from_grads(grads, model);
-        self.sync_rest(grads, local_error, done.early, &done.packed, true)
+        let overlap = self.overlap.as_mut().expect("hooked by prepare");
+        overlap.disarm();
+        self.stats.buckets_during_backward += lock(&self.pipeline).buckets_submitted() as u64;
+        Ok((GradientsParams::from_grads(grads, model), local_error))
+    }
+
+    /// `loss.backward()` and `model`'s gradients, the pass timed for
+    /// [`last_backward`](Self::last_backward).
+    pub(crate) fn timed_backward<M: Module>(
+        &mut self,
+        model: &M,
+        loss: Tensor<1>,
+    ) -> GradientsParams {
+        let start = Instant::now();
+        let grads = loss.backward();
+        self.backward_span = Some((start, Instant::now()));
+        GradientsParams::from_grads(grads, model)
+    }
+
+    /// Whether the model of the coming backward was hooked by [`prepare`](Self::prepare).
+    pub(crate) fn prepared(&self) -> bool {
+        self.overlap.as_ref().is_some_and(OverlapState::prepared)
+    }
+
+    /// The gradient pipeline.
+    pub(crate) fn pipeline(&self) -> &Arc<Mutex<Pipeline>> {
+        &self.pipeline
     }
 
     /// A copy of `model` for the forward pass of the next [`backward`](Self::backward), whose
@@ -466,12 +518,15 @@ impl DistributedDataParallel {
             return self.accumulate_on_device(grads);
         }
         let start = Instant::now();
-        for b in 0..self.buckets.len() {
-            self.pack(b, &mut grads, &[])?;
-        }
+        let error = {
+            let mut pipeline = lock(&self.pipeline);
+            pipeline.begin(false);
+            pipeline.deliver_from(&mut grads);
+            pipeline.take_error()
+        };
         self.micro_steps += 1;
         self.stats.pack += start.elapsed();
-        self.check_no_unknown_grads(&grads)
+        error.map_or(Ok(()), Err)
     }
 
     /// Averages gradients across ranks: adds `grads` to anything accumulated since the last
@@ -500,28 +555,20 @@ impl DistributedDataParallel {
         grads: GradientsParams,
     ) -> Result<GradientsParams, DdpError> {
         let local_error = self.begin_sync(model)?;
-        self.sync_rest(grads, local_error, Vec::new(), &[], false)
+        self.sync_rest(grads, local_error, false)
     }
 
-    /// The gradient part of a sync, after [`begin_sync`](Self::begin_sync): packs and
-    /// all-reduces the buckets not already submitted during backward (`early`, a prefix of
-    /// the bucket order), waits for all of them in order and unpacks them.
-    ///
-    /// After an overlapped backward (`overlapped`), a last small all-reduce carries this
-    /// rank's local failure: the early buckets went out before it could be known. Every rank
-    /// sends it, whether or not it submitted buckets during backward: that depends on the
-    /// rank's own gradients (a parameter without a gradient here holds its bucket, and every
-    /// later one, back until now), while every rank must issue the same collectives.
+    /// The gradient part of a sync, after [`begin_sync`](Self::begin_sync): hands `grads` to
+    /// the pipeline (after the hooks' gradients, when `begun` by an overlapped backward), which
+    /// submits the buckets not yet submitted and the control all-reduce; waits for every part
+    /// in order, unpacking each as it completes, and registers the averaged gradients.
     fn sync_rest(
         &mut self,
         mut grads: GradientsParams,
-        mut local_error: Option<DdpError>,
-        early: Vec<Early>,
-        packed: &[bool],
-        overlapped: bool,
+        local_error: Option<DdpError>,
+        begun: bool,
     ) -> Result<GradientsParams, DdpError> {
-        let mut early = early.into_iter();
-        if self.pg.world_size() == 1 && self.micro_steps == 0 {
+        if self.pg.world_size() == 1 && self.micro_steps == 0 && !begun {
             // Averaging over one rank and one micro-step is the identity: skip the copies.
             // (The gradients are not taken out here, so unknown ones cannot be told apart;
             // with one rank there is no other rank to disagree with.)
@@ -538,113 +585,49 @@ impl DistributedDataParallel {
         if self.device_path.is_some() {
             return self.sync_on_device(grads, local_error);
         }
-        let pack_start = Instant::now();
-        let mut in_flight = Vec::with_capacity(self.buckets.len());
-        let mut submitted = Vec::with_capacity(self.buckets.len());
-        let last = self.buckets.len().saturating_sub(1);
-        for b in 0..self.buckets.len() {
-            if let Some(e) = early.next() {
-                // Submitted during backward: its gradients are in its buffer already.
-                for &p in &self.buckets[b].params {
-                    drop_grad(&mut grads, &self.params[p]);
-                }
-                self.span(SyncPhase::Pack, b, e.pack_start, e.submitted);
-                in_flight.push(e.work);
-                submitted.push(e.submitted);
-                if b == last {
-                    if let Err(e) = self.check_no_unknown_grads(&grads) {
-                        local_error.get_or_insert(e);
-                    }
-                }
-                continue;
-            }
-            let bucket_start = Instant::now();
-            // On a local error, still submit every bucket so that the collectives line up
-            // with the other ranks'; the failure slots tell them.
-            if let Err(e) = self.pack(b, &mut grads, packed) {
-                local_error.get_or_insert(e);
-            }
-            if b == last {
-                // Every known gradient is taken now: what is left belongs to unknown ids.
-                if let Err(e) = self.check_no_unknown_grads(&grads) {
-                    local_error.get_or_insert(e);
-                }
-            }
-            in_flight.push(self.submit(b, local_error.is_some()));
-            let now = Instant::now();
-            submitted.push(now);
-            self.span(SyncPhase::Pack, b, bucket_start, now);
+        let pipeline = Arc::clone(&self.pipeline);
+        let mut pipeline = lock(&pipeline);
+        if !begun {
+            pipeline.begin(true);
         }
+        if let Some(e) = local_error {
+            pipeline.fail(e);
+        }
+        let pack_start = Instant::now();
+        pipeline.deliver_from(&mut grads);
         self.stats.pack += pack_start.elapsed();
-        // The early buckets could not carry a failure found after them: one more all-reduce.
-        let tail = overlapped.then(|| {
-            let failed = local_error.is_some();
-            let rank = self.pg.rank() as f32;
-            let slots = if failed {
-                vec![1.0f32, rank + 1.0]
-            } else {
-                vec![0.0; 2]
-            };
-            self.pg.submit_all_reduce(slots, ReduceOp::Sum)
-        });
 
         // Micro-steps are summed (PyTorch's no_sync); only ranks are averaged (compressed
-        // buckets were divided before the all-reduce). The buffers start afresh next time.
+        // buckets were divided before the all-reduce).
         let denom = match self.config.compression {
             Compression::None => self.pg.world_size() as f32,
             Compression::Bf16 | Compression::F16 => 1.0,
         };
         self.micro_steps = 0;
+        let layout = Arc::clone(pipeline.layout());
+        let mut averaged: Vec<Option<HostBuf>> = (0..self.params.len()).map(|_| None).collect();
         let mut previous_end = pack_start;
-        let mut comm_error = None;
-        let mut peer_failure: Option<(f32, f32)> = None;
-        for (b, work) in in_flight.into_iter().enumerate() {
-            let wait_start = Instant::now();
-            let result = self.complete(b, work);
-            let wait_end = Instant::now();
+        let presence = pipeline.finish(self.syncs, |done: Done| {
+            let part = &layout.parts[done.part];
+            let (b, elements) = (part.bucket, part.len);
+            let (wait_start, wait_end) = done.waited;
             self.stats.wait += wait_end - wait_start;
-            self.span(SyncPhase::Wait, b, wait_start, wait_end);
-            let reduce_start = submitted[b].max(previous_end);
-            self.span(SyncPhase::AllReduce, b, reduce_start, wait_end);
+            self.part_span(SyncPhase::Pack, b, elements, done.packed.0, done.packed.1);
+            self.part_span(SyncPhase::Wait, b, elements, wait_start, wait_end);
+            let reduce_start = done.packed.1.max(previous_end);
+            self.part_span(SyncPhase::AllReduce, b, elements, reduce_start, wait_end);
             previous_end = wait_end;
-            if let Err(e) = result {
-                // Keep waiting for the rest so no buffer is left behind in the comm thread.
-                comm_error.get_or_insert(e);
-                continue;
-            }
-            let slot = self.buckets[b].failed_slot();
-            let (failed, ranks) = (self.buffers[b][slot], self.buffers[b][slot + 1]);
-            if failed > 0.0 {
-                peer_failure.get_or_insert((failed, ranks));
-                continue;
-            }
-            if local_error.is_some() || peer_failure.is_some() {
-                continue;
-            }
-            self.unpack(b, &mut grads, denom);
+            unpack(part, done.buf, denom, &mut averaged);
             let unpack_end = Instant::now();
             self.stats.unpack += unpack_end - wait_end;
-            self.span(SyncPhase::Unpack, b, wait_end, unpack_end);
-        }
-        if let Some(tail) = tail {
-            match tail.wait() {
-                Ok(v) if v[0] > 0.0 => {
-                    peer_failure.get_or_insert((v[0], v[1]));
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    comm_error.get_or_insert(e.into());
-                }
+            self.part_span(SyncPhase::Unpack, b, elements, wait_end, unpack_end);
+        });
+        self.stats.bytes += pipeline.take_bytes();
+        let presence = presence?;
+        for (p, values) in averaged.into_iter().enumerate() {
+            if let Some(values) = values.filter(|_| presence[p] > 0.0) {
+                put_grad(&mut grads, &self.params[p], values, &self.device);
             }
-        }
-        if let Some(e) = comm_error {
-            return Err(e);
-        }
-        if let Some(e) = local_error {
-            return Err(e);
-        }
-        if let Some((failed, ranks)) = peer_failure {
-            return Err(peer_failed(self.syncs, failed, ranks, self.pg.world_size()));
         }
         self.stats.steps += 1;
         Ok(grads)
@@ -741,7 +724,9 @@ impl DistributedDataParallel {
     }
 
     /// Fails when `grads` still holds gradients after every known parameter's was taken: they
-    /// belong to parameters the wrapper does not know (ids changed after wrapping).
+    /// belong to parameters the wrapper does not know (ids changed after wrapping). (The GPU
+    /// path's; the pipeline checks the same in `deliver_from`.)
+    #[cfg(feature = "cuda")]
     fn check_no_unknown_grads(&self, grads: &GradientsParams) -> Result<(), DdpError> {
         if grads.is_empty() {
             return Ok(());
@@ -820,120 +805,27 @@ impl DistributedDataParallel {
         }
         Err(DdpError::BufferNotShared { name: "?".into() })
     }
-
-    /// Adds the gradients of bucket `b` (and their presence) into its buffer; on the first
-    /// micro-step since the last sync the buffer is overwritten instead. Parameters marked in
-    /// `packed` (by an overlap hook during backward) are in the buffer already: their
-    /// gradients are only removed from `grads`, and the buffer is not cleared.
-    fn pack(
-        &mut self,
-        b: usize,
-        grads: &mut GradientsParams,
-        packed: &[bool],
-    ) -> Result<(), DdpError> {
-        let bucket = &self.buckets[b];
-        let buf = &mut self.buffers[b];
-        let fresh = self.micro_steps == 0;
-        let is_packed = |p: usize| packed.get(p).copied().unwrap_or(false);
-        if fresh && !bucket.params.iter().any(|&p| is_packed(p)) {
-            buf.fill(0.0);
-        }
-        for (slot, (&p, &off)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
-            let info = &self.params[p];
-            if is_packed(p) {
-                drop_grad(grads, info);
-                continue;
-            }
-            if let Some(g) = take_grad(grads, info)? {
-                // take_grad checked that `g` holds exactly `info.numel()` values.
-                let dst = &mut buf[off..off + g.len()];
-                if fresh {
-                    dst.copy_from_slice(&g);
-                } else {
-                    dst.iter_mut().zip(&g).for_each(|(d, s)| *d += s);
-                }
-                buf[bucket.grad_len + slot] += 1.0;
-            }
-        }
-        Ok(())
-    }
-
-    /// Submits the all-reduce of bucket `b`'s buffer ([`submit_bucket`]).
-    fn submit(&mut self, b: usize, failed: bool) -> InFlight {
-        let (work, bytes) = submit_bucket(
-            &self.pg,
-            &mut self.buffers[b],
-            &self.buckets[b],
-            failed,
-            self.config.compression,
-        );
-        self.stats.bytes += bytes;
-        work
-    }
-
-    /// Waits for bucket `b`'s all-reduce and puts the summed values into its buffer.
-    fn complete(&mut self, b: usize, work: InFlight) -> Result<(), DdpError> {
-        complete_bucket(work, &mut self.buffers[b], self.buckets[b].len())
-    }
-
-    /// Registers the averaged gradients of bucket `b` in `grads`.
-    fn unpack(&self, b: usize, grads: &mut GradientsParams, denom: f32) {
-        let bucket = &self.buckets[b];
-        let buf = &self.buffers[b];
-        for (slot, (&p, &off)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
-            if buf[bucket.grad_len + slot] == 0.0 {
-                continue; // no rank produced a gradient for this parameter
-            }
-            let info = &self.params[p];
-            let avg = buf[off..off + info.numel()]
-                .iter()
-                .map(|x| x / denom)
-                .collect();
-            put_grad(grads, info, avg, &self.device);
-        }
-    }
 }
 
-/// The error of a sync that failed on other ranks: `failed` ranks reported a local failure, the
-/// sum of their ranks plus one is `ranks` (so a single one is named exactly; bf16 holds integers
-/// exactly up to 256, f16 up to 2048, f32 up to 2^24).
-pub(crate) fn peer_failed(sync: u64, failed: f32, ranks: f32, world: usize) -> DdpError {
-    let count = failed.round() as usize;
-    let rank = ranks.round() - 1.0;
-    let named = (count == 1 && rank >= 0.0 && (rank as usize) < world && ranks.fract() == 0.0)
-        .then_some(rank as usize);
-    DdpError::PeerFailed {
-        sync,
-        count,
-        rank: named,
+/// Turns a part's reduced buffer into averaged gradients (`averaged[p]` for each parameter p
+/// of the part): a part that is one gradient is divided in place and becomes it (burn's buffer
+/// goes back to burn); the parameters of a shared part get their slices, divided.
+fn unpack(part: &Part, buf: HostBuf, denom: f32, averaged: &mut [Option<HostBuf>]) {
+    if let ([p], true) = (part.params.as_slice(), buf.len() == part.len) {
+        let mut buf = buf;
+        buf.as_mut().iter_mut().for_each(|x| *x /= denom);
+        averaged[*p] = Some(buf);
+        return;
+    }
+    let values = buf.as_ref();
+    for (k, (&p, &off)) in part.params.iter().zip(&part.offsets).enumerate() {
+        let end = part.offsets.get(k + 1).copied().unwrap_or(part.len);
+        let slice: Vec<f32> = values[off..end].iter().map(|x| x / denom).collect();
+        averaged[p] = Some(slice.into());
     }
 }
 
 /// Whether two slices hold the same values bit for bit.
 fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_peer_failure_names_the_rank_when_exactly_one_failed() {
-        let named = |failed, ranks| match peer_failed(3, failed, ranks, 4) {
-            DdpError::PeerFailed { sync, count, rank } => (sync, count, rank),
-            other => panic!("{other}"),
-        };
-        // Rank 2 alone: the rank slot holds 2 + 1.
-        assert_eq!(named(1.0, 3.0), (3, 1, Some(2)));
-        // Ranks 0 and 3: two failures, no single rank to name.
-        assert_eq!(named(2.0, 5.0), (3, 2, None));
-        // A rank slot that names no rank of the group is not trusted.
-        assert_eq!(named(1.0, 9.0), (3, 1, None));
-        let text = peer_failed(3, 1.0, 3.0, 4).to_string();
-        assert!(
-            text.contains("sync #3") && text.contains("rank 2 failed"),
-            "{text}"
-        );
-    }
 }

@@ -19,14 +19,18 @@ mod ddp;
 #[cfg(any(feature = "cuda", test))]
 mod device_step;
 mod error;
+mod host_buf;
 mod overlap;
 mod overlap_ops;
 mod params;
+mod pipeline;
 mod powersgd;
 mod powersgd_config;
 mod powersgd_math;
 mod powersgd_state;
+mod reduction;
 mod resume;
+mod shard_layout;
 mod shard_optim;
 mod zero;
 mod zero_state;

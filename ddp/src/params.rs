@@ -28,6 +28,10 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
 
+// `to_f32` lives with the host buffers; the GPU path (`cuda.rs`) reads its slots with it.
+#[cfg(feature = "cuda")]
+pub(crate) use crate::host_buf::to_f32;
+use crate::host_buf::HostBuf;
 use crate::DdpError;
 
 /// What a float tensor of a module is to the wrapper.
@@ -227,17 +231,18 @@ pub(crate) fn check_ranks(infos: &[ParamInfo]) -> Result<(), DdpError> {
     }
 }
 
-/// Takes the gradient of `info` out of `grads` as flat `f32`, or `None` when the parameter got
-/// no gradient this step. A gradient that cannot be read as `f32` values of the parameter's
-/// size is an error naming the parameter, never an empty or zero gradient.
+/// Takes the gradient of `info` out of `grads` as flat `f32` (burn's memory, without a copy,
+/// when it is `f32` and `grads` held it alone), or `None` when the parameter got no gradient
+/// this step. A gradient that cannot be read as `f32` values of the parameter's size is an
+/// error naming the parameter, never an empty or zero gradient.
 pub(crate) fn take_grad(
     grads: &mut GradientsParams,
     info: &ParamInfo,
-) -> Result<Option<Vec<f32>>, DdpError> {
+) -> Result<Option<HostBuf>, DdpError> {
     let data: Option<TensorData> = with_rank!(info.shape.len(), D => {
         grads.remove::<D>(info.id).map(|t| t.into_data())
     }, None);
-    data.map(|d| to_f32(d, &info.name, "gradient", info.numel()))
+    data.map(|d| HostBuf::from_data(d, &info.name, "gradient", info.numel()))
         .transpose()
 }
 
@@ -248,40 +253,15 @@ pub(crate) fn drop_grad(grads: &mut GradientsParams, info: &ParamInfo) {
     }, ())
 }
 
-/// `data` as `numel` flat `f32` values, or an error naming `name`.
-pub(crate) fn to_f32(
-    data: TensorData,
-    name: &str,
-    what: &'static str,
-    numel: usize,
-) -> Result<Vec<f32>, DdpError> {
-    let values = data
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .map_err(|e| DdpError::Conversion {
-            name: name.to_string(),
-            what,
-            reason: format!("{e:?}"),
-        })?;
-    if values.len() != numel {
-        return Err(DdpError::Conversion {
-            name: name.to_string(),
-            what,
-            reason: format!("{} values, expected {numel}", values.len()),
-        });
-    }
-    Ok(values)
-}
-
 /// Puts a flat `f32` gradient back for `info`, on `device` (the device without autodiff, where
-/// burn keeps gradients), in the parameter's element type.
+/// burn keeps gradients), in the parameter's element type (an `f32` one without a copy).
 pub(crate) fn put_grad(
     grads: &mut GradientsParams,
     info: &ParamInfo,
-    values: Vec<f32>,
+    values: HostBuf,
     device: &Device,
 ) {
-    let data = TensorData::new(values, info.shape.clone());
+    let data = values.into_data(info.shape.clone());
     let options = TensorCreationOptions::new(device.clone()).with_dtype(info.dtype);
     with_rank!(info.shape.len(), D => {
         grads.register::<D>(info.id, Tensor::from_data(data, options))
@@ -377,50 +357,6 @@ pub fn load_flat_params<M: Module>(module: M, flat: &[f32]) -> Result<M, DdpErro
     load_where(module, flat, &|_| true)
 }
 
-/// Reads pieces of the float tensors of `module`: `pieces` lists `(visiting index, element
-/// range)` in visiting order; the values of each piece (of the flattened tensor) are appended
-/// in that order. Only the pieces are copied, not the whole tensors.
-pub(crate) fn read_pieces<M: Module>(
-    module: &M,
-    pieces: &[(usize, std::ops::Range<usize>)],
-) -> Result<Vec<f32>, DdpError> {
-    struct Reader<'a> {
-        pieces: &'a [(usize, std::ops::Range<usize>)],
-        next: usize,
-        index: usize,
-        out: Vec<f32>,
-        error: Option<(usize, String)>,
-    }
-    impl ModuleVisitor for Reader<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let index = self.index;
-            self.index += 1;
-            while self.error.is_none() && self.pieces.get(self.next).is_some_and(|p| p.0 == index) {
-                let range = self.pieces[self.next].1.clone();
-                self.next += 1;
-                let n: usize = param.val().dims().iter().product();
-                let piece = param.val().reshape([n]).slice(range);
-                match piece.into_data().convert::<f32>().as_slice::<f32>() {
-                    Ok(values) => self.out.extend_from_slice(values),
-                    Err(e) => self.error = Some((index, format!("{e:?}"))),
-                }
-            }
-        }
-    }
-    let mut reader = Reader {
-        pieces,
-        next: 0,
-        index: 0,
-        out: Vec::new(),
-        error: None,
-    };
-    module.visit(&mut reader);
-    match reader.error {
-        None => Ok(reader.out),
-        Some((index, reason)) => Err(unreadable_values(module, index, reason)),
-    }
-}
-
 /// Overwrites the float tensors of `module` whose visiting index `keep` accepts from `flat`.
 pub(crate) fn load_where<M: Module>(
     module: M,
@@ -489,6 +425,100 @@ pub(crate) fn load_with<M: Module>(
     module.map(&mut Writer {
         keep,
         produce,
+        index: 0,
+    })
+}
+
+/// Takes the values of the float tensors of `module` that `take` accepts (by visiting index)
+/// out of it, as flat `f32`, leaving a one-element placeholder in their place until
+/// [`put_values`] puts them back: for updating parameters in their own memory (ZeRO's step
+/// and all-gather). Where the module holds burn's tensor alone (no clone of the module, no
+/// autodiff graph still using it), burn's CPU backend hands its memory over without a copy;
+/// otherwise it is copied. Returns the module and each tensor's values (`None` for the
+/// others), or an error naming a tensor that could not be read (the module is then lost, as
+/// a step that fails half-way loses it).
+pub(crate) fn take_values<M: Module>(
+    module: M,
+    take: &dyn Fn(usize) -> bool,
+) -> Result<(M, Vec<Option<HostBuf>>), DdpError> {
+    struct Taker<'a> {
+        take: &'a dyn Fn(usize) -> bool,
+        path: Vec<String>,
+        out: Vec<Option<HostBuf>>,
+        error: Option<DdpError>,
+    }
+    impl ModuleMapper for Taker<'_> {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let index = self.out.len();
+            if !(self.take)(index) || self.error.is_some() {
+                self.out.push(None);
+                return param;
+            }
+            let (id, tensor, mapper) = param.consume();
+            let device = tensor.device();
+            let numel = tensor.shape().num_elements();
+            let name = self.path.join(".");
+            match HostBuf::from_data(tensor.into_data(), &name, "values", numel) {
+                Ok(values) => self.out.push(Some(values)),
+                Err(e) => {
+                    self.error = Some(e);
+                    self.out.push(None);
+                }
+            }
+            Param::from_mapped_value(id, Tensor::zeros([1; D], &device), mapper)
+        }
+    }
+    let mut taker = Taker {
+        take,
+        path: Vec::new(),
+        out: Vec::new(),
+        error: None,
+    };
+    let module = module.map(&mut taker);
+    match taker.error {
+        Some(e) => Err(e),
+        None => Ok((module, taker.out)),
+    }
+}
+
+/// Puts values taken by [`take_values`] back into `module`, as tensors of the shapes and
+/// element types in `infos`, requiring a gradient where [`ParamKind::Trainable`] (an `f32`
+/// tensor's memory is the buffer's, no copy); tensors with `None` are left as they are.
+pub(crate) fn put_values<M: Module>(
+    module: M,
+    infos: &[ParamInfo],
+    values: Vec<Option<HostBuf>>,
+) -> M {
+    struct Putter<'a> {
+        infos: &'a [ParamInfo],
+        values: std::vec::IntoIter<Option<HostBuf>>,
+        index: usize,
+    }
+    impl ModuleMapper for Putter<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let index = self.index;
+            self.index += 1;
+            let (Some(Some(values)), Some(info)) = (self.values.next(), self.infos.get(index))
+            else {
+                return param;
+            };
+            let (id, placeholder, mapper) = param.consume();
+            let options = TensorCreationOptions::new(placeholder.device()).with_dtype(info.dtype);
+            let data = values.into_data(info.shape.clone());
+            let tensor = Tensor::<D>::from_data(data, options)
+                .set_require_grad(info.kind == ParamKind::Trainable);
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    module.map(&mut Putter {
+        infos,
+        values: values.into_iter(),
         index: 0,
     })
 }

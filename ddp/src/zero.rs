@@ -4,49 +4,51 @@
 //!
 //! # The shard layout
 //!
-//! The trainable parameters, in burn's visiting order, form one flat `f32` vector of P
-//! elements. It is cut into buckets: contiguous ranges of at most `bucket_cap_mb` (a parameter
-//! may straddle two buckets). Rank r owns chunk `chunk_range(len, N, r)` of every bucket: the
-//! balanced element-wise split of the process group's reduce-scatter, which gives the first
-//! `len % N` ranks one element more. A rank's shard is its chunks of all buckets, in bucket
-//! order: about P / N elements, never more than P / N + (number of buckets). The layout depends
-//! only on the parameter list, the world size and the bucket size, so it is the same on every
-//! rank and in every run.
+//! The gradients travel in DDP's buckets, through DDP's gradient pipeline (`pipeline.rs`),
+//! with a reduce-scatter in place of the all-reduce: rank r owns chunk `chunk_range(len, N,
+//! r)` of every part of every bucket (`shard_layout.rs`), the balanced split of the
+//! reduce-scatter. The layout depends only on the parameter list, the bucket sizes and the
+//! world size, so it is the same on every rank and in every run. Saved states do not depend on
+//! it: the consolidated state is laid out as the trainable parameters in visiting order.
 //!
 //! # A step
 //!
-//! 1. Every rank packs its local gradients, bucket by bucket, and reduce-scatters each bucket:
-//!    rank r receives the sum over ranks of its chunk, adds it to its shard of the gradient,
-//!    and divides by N once at the step. The sums are the process group's, in its fixed
-//!    reduction order: over shared memory (and for small buffers over TCP) every element is
-//!    summed in rank order, as in the DDP all-reduce, so the averaged gradient is bit-identical
-//!    to DDP's; a large TCP ring starts each chunk's sum at another rank than the DDP bucket's
-//!    ring does, which at 3 or more ranks can change the last bit (at 2 ranks a sum of two is
-//!    the same either way).
-//! 2. Each rank steps its shard with [`ShardOptimizer`], element for element burn's own Adam or
-//!    SGD, keeping the optimizer state of its shard only.
-//! 3. One all-gather of the updated shards (each padded to the longest) gives every rank the
-//!    whole parameter vector, which is loaded into the module: replicas stay bit-identical.
+//! 1. Every rank hands its gradients to the pipeline, which reduce-scatters each bucket's parts
+//!    as soon as the bucket is complete: with [`prepare`](ShardedDataParallel::prepare) and
+//!    [`backward_step`](ShardedDataParallel::backward_step), during backward, each gradient
+//!    taken from burn as its hook fires and released once its part has left, so burn's full
+//!    gradient never exists all at once (PyTorch's "set grads to None after the reduce",
+//!    DeepSpeed's gradient partitioning in its backward hooks). A large gradient is reduced in
+//!    its own memory, and what is kept of it is this rank's chunk, where the reduce-scatter
+//!    left it (the rest of its pages go back to the system at once). The sums are the process
+//!    group's, in its fixed reduction order: over shared memory (and for small buffers over
+//!    TCP) every element is summed in rank order, as in the DDP all-reduce, so the averaged
+//!    gradient is bit-identical to DDP's; a large TCP ring starts each chunk's sum at another
+//!    rank than the all-reduce's ring does, which at 3 or more ranks can change the last bit (at
+//!    2 ranks a sum of two is the same either way).
+//! 2. The pipeline's last collective, a small all-reduce, carries each parameter's presence and
+//!    the failure slots: a parameter that got no gradient on any rank is skipped as burn's
+//!    optimizer skips it (its state and step count stay), and a rank that fails locally (an
+//!    unreadable gradient, replaced parameters) makes every rank return an error that names
+//!    it, before any parameter changes.
+//! 3. The trainable parameters' memory is taken out of the module (without a copy where the
+//!    module holds it alone), each rank steps its chunks in it with [`ShardOptimizer`], element
+//!    for element burn's own Adam or SGD, and each part's all-gather writes every rank's updated
+//!    chunk into it, in place; the memory goes back into the module. Updating part k+1
+//!    overlaps the all-gather of part k. Replicas stay bit-identical.
 //!
 //! Reduce-scatter plus all-gather move the same bytes as DDP's all-reduce (a ring all-reduce
 //! *is* a reduce-scatter followed by an all-gather), so sharding costs no extra communication.
 //!
-//! Before the buckets, one small all-reduce carries a presence count per parameter and the
-//! failure slots: a parameter that got no gradient on any rank is skipped as burn's optimizer
-//! skips it (its state and step count stay), and a rank that fails locally (an unreadable
-//! gradient, replaced parameters) makes every rank return an error that names it, before any
-//! parameter changes.
-//!
 //! # Stages
 //!
-//! * Stage 1: the local gradient is packed into a persistent buffer of P elements;
-//!   [`accumulate`](ShardedDataParallel::accumulate) (PyTorch's `no_sync`) adds micro-steps
-//!   into it without communication; the step reduce-scatters it. Optimizer state: 1/N.
-//! * Stage 2: every micro-step is reduce-scattered at once, bucket by bucket straight from
-//!   burn's gradients (at most two buckets in flight), and added into the rank's shard of the
-//!   gradient: no gradient buffer of P elements persists. Optimizer state and gradients: 1/N.
-//!   With accumulation the sum over ranks is taken per micro-step, so the rounding differs
-//!   from DDP's (which sums micro-steps locally first) in the last bits.
+//! * Stage 1: [`accumulate`](ShardedDataParallel::accumulate) (PyTorch's `no_sync`) sums
+//!   micro-steps into the pipeline's buffers (the full local gradient) without communication;
+//!   the step reduce-scatters them. Optimizer state: 1/N.
+//! * Stage 2: every micro-step is reduce-scattered at once and added into the rank's chunks:
+//!   no gradient buffer of P elements persists. Optimizer state and gradients: 1/N. With
+//!   accumulation the sum over ranks is taken per micro-step, so the rounding differs from
+//!   DDP's (which sums micro-steps locally first) in the last bits.
 //!
 //! Gradient compression is not offered with sharding, and the parameters must be `f32` (a
 //! half-precision parameter would be stepped in `f32` here but in its own type by burn).
@@ -58,19 +60,23 @@ use std::time::{Duration, Instant};
 use burn::config::Config;
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::DType;
-use ddp_comm::{chunk_range, ProcessGroup, ReduceOp, Work};
+use burn::tensor::{DType, Tensor};
+use ddp_comm::ProcessGroup;
 
+use crate::buckets::{Layout, ADOPT_BYTES};
 use crate::config::DdpConfig;
-use crate::ddp::{peer_failed, DistributedDataParallel};
-use crate::params::{load_with, read_pieces, take_grad, ParamInfo};
+use crate::ddp::DistributedDataParallel;
+use crate::host_buf::HostBuf;
+use crate::overlap::lock;
+use crate::params::{put_values, take_values, ParamInfo};
+use crate::pipeline::Done;
+use crate::reduction::Reduction;
+use crate::shard_layout::{plan_shards, release_outside, ShardLayout};
 use crate::shard_optim::ShardOptimizer;
 use crate::zero_state::{
-    check_shards_agree, decode, encode, shard_report, ShardHeader, StateHeader,
+    check_shards_agree, decode, encode, shard_report, ShardHeader, StateHeader, SHARD_LAYOUT,
 };
 use crate::DdpError;
-
-const MIB: f64 = 1024.0 * 1024.0;
 
 /// How much of the training state is split across ranks.
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
@@ -86,9 +92,12 @@ pub enum ZeroStage {
 pub struct ZeroConfig {
     /// What is sharded.
     pub stage: ZeroStage,
-    /// Largest bucket of the reduce-scatter, in MiB (default 25, like DDP's `bucket_cap_mb`).
+    /// Largest bucket in MiB (default 25, DDP's `bucket_cap_mb`: the buckets are DDP's).
     #[config(default = 25.0)]
     pub bucket_cap_mb: f64,
+    /// Size of the first bucket in MiB (default 1, DDP's `first_bucket_mb`).
+    #[config(default = 1.0)]
+    pub first_bucket_mb: f64,
     /// When `Some(k)`, every k-th step first checks that the replicas hold bit-identical
     /// parameters (see [`DistributedDataParallel::check_replicas`]).
     #[config(default = "None")]
@@ -97,6 +106,12 @@ pub struct ZeroConfig {
     /// with rank 0's, as DDP's `broadcast_buffers`.
     #[config(default = true)]
     pub broadcast_buffers: bool,
+    /// Reduce-scatter each bucket during backward, from the hooks of
+    /// [`prepare`](ShardedDataParallel::prepare) (DDP's [`DdpConfig::overlap`], the same
+    /// default): with [`backward_step`](ShardedDataParallel::backward_step) each gradient is
+    /// released as its bucket leaves.
+    #[config(default = "DdpConfig::new().overlap")]
+    pub overlap: bool,
 }
 
 /// Bytes held by the sharded state of one rank, for reports.
@@ -106,12 +121,12 @@ pub struct ShardMemory {
     pub params: usize,
     /// Elements of this rank's shard.
     pub shard: usize,
-    /// Elements of the longest shard of any rank: what every rank hands to the all-gather.
+    /// Elements of the longest shard of any rank.
     pub longest_shard: usize,
     /// Bytes of optimizer state this rank keeps (moments of its shard).
     pub optimizer_bytes: usize,
-    /// Bytes of gradient buffers this rank keeps between steps (stage 1: the full local
-    /// gradient; stage 2: its shard).
+    /// Bytes of gradient buffers this rank keeps between micro-steps (stage 1: the full local
+    /// gradient, which it sums when accumulating; stage 2: its shard).
     pub gradient_bytes: usize,
 }
 
@@ -121,26 +136,26 @@ pub struct ShardMemory {
 pub struct ZeroStats {
     /// Steps taken.
     pub steps: u64,
-    /// Packing gradients and waiting for the reduce-scatters.
+    /// Packing gradients and waiting for the reduce-scatters (after backward, where they
+    /// started during it).
     pub reduce: Duration,
     /// The optimizer update of the shard.
     pub update: Duration,
-    /// The all-gather of the parameters and loading them into the module.
+    /// The all-gathers of the parameters (what of them the updates did not hide) and putting
+    /// them back into the module.
     pub gather: Duration,
     /// Elements this rank handed to collectives, times their size (the buffers of the
-    /// reduce-scatters and the all-gather, as DDP counts its all-reduce buffers).
+    /// reduce-scatters and the all-gathers, as DDP counts its all-reduce buffers).
     pub bytes: u64,
+    /// Buckets whose reduce-scatters started during backward ([`ZeroConfig::overlap`]).
+    pub buckets_during_backward: u64,
 }
 
-/// A bucket: a contiguous range of the flat parameter vector and this rank's chunk of it.
-#[derive(Debug, Clone)]
-struct Bucket {
-    /// The bucket's range in the flat vector.
-    range: Range<usize>,
-    /// This rank's chunk, in flat coordinates.
-    mine: Range<usize>,
-    /// Where this rank's chunk starts in its shard.
-    shard_offset: usize,
+/// This rank's chunk of a part's gradient, summed over ranks: `buf[at..at + len]`, where the
+/// reduce-scatter left it (a large part's buffer keeps its length, its other pages released).
+struct Held {
+    buf: HostBuf,
+    at: usize,
 }
 
 /// Data parallelism with sharded optimizer state (and gradients): replaces both
@@ -148,45 +163,33 @@ struct Bucket {
 ///
 /// ```text
 /// let adam = ShardOptimizer::Adam(ShardedAdamConfig::new());
-/// let (mut model, mut zero) =
-///     ShardedDataParallel::new(model, pg, ZeroConfig::new(ZeroStage::Two), adam)?;
+/// let config = ZeroConfig::new(ZeroStage::Two).with_overlap(true);
+/// let (mut model, mut zero) = ShardedDataParallel::new(model, pg, config, adam)?;
 /// for (x, y) in loader {
-///     let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
-///     model = zero.step(lr, model, grads)?;
+///     let loss = zero.prepare(&model).loss(x, y);   // the hooked copy lives for the forward
+///     model = zero.backward_step(lr, model, loss)?;
 /// }
 /// ```
 pub struct ShardedDataParallel {
-    /// The parameter list, the checks and the buffer broadcast (without gradient buckets).
+    /// The parameter list, the checks, the buffer broadcast, the pipeline and the hooks.
     ddp: DistributedDataParallel,
     stage: ZeroStage,
     optimizer: ShardOptimizer,
-    /// Indices of the trainable parameters in `ddp.params()`, and each one's flat offset.
-    trainable: Vec<usize>,
-    offsets: Vec<usize>,
-    /// Elements of each trainable parameter.
-    numels: Vec<usize>,
+    layout: Arc<Layout>,
+    shards: ShardLayout,
+    /// For each parameter (visiting index) that is trained: its offset in the flat trainable
+    /// vector (the consolidated state's layout) and its index among the trainable ones.
+    flat: Vec<Option<(usize, usize)>>,
     /// P: elements of the flat trainable vector.
     total: usize,
-    /// Largest bucket, in elements.
-    cap: usize,
-    buckets: Vec<Bucket>,
-    /// Every rank's buckets (`plans[rank]` is `buckets`): where each rank's chunks lie.
-    plans: Vec<Vec<Bucket>>,
-    /// The pieces of this rank's shard as (visiting index, element range in the parameter),
-    /// in shard order.
-    pieces: Vec<(usize, Range<usize>)>,
-    /// Elements of this rank's shard, and the longest shard of any rank.
-    shard_len: usize,
-    max_shard_len: usize,
     /// Step count of every trainable parameter (burn's per-parameter Adam `time`).
     times: Vec<u64>,
     /// The optimizer's state vectors over this rank's shard.
     state: Vec<Vec<f32>>,
-    /// Stage 1: the local gradient sum since the last step (P elements, or empty before the
-    /// first micro-step). Stage 2: the sum over ranks of this rank's shard (shard_len).
-    grad: Vec<f32>,
-    /// Local presence of each trainable parameter's gradient since the last step.
-    presence: Vec<f32>,
+    /// Per part: this rank's chunk of the gradient summed over ranks since the last step.
+    grad: Vec<Option<Held>>,
+    /// Per parameter: its presence summed over ranks and micro-steps since the last step.
+    present: Vec<f32>,
     micro_steps: usize,
     stats: ZeroStats,
     /// Steps taken, the ones of a loaded state included: recorded in the saved states, so
@@ -208,16 +211,18 @@ impl ShardedDataParallel {
         config: ZeroConfig,
         optimizer: ShardOptimizer,
     ) -> Result<(M, Self), DdpError> {
-        if config.bucket_cap_mb.is_nan() || config.bucket_cap_mb <= 0.0 {
-            return Err(DdpError::Config(format!(
-                "bucket_cap_mb must be positive (it is {})",
-                config.bucket_cap_mb
-            )));
-        }
         let ddp_config = DdpConfig::new()
+            .with_bucket_cap_mb(config.bucket_cap_mb)
+            .with_first_bucket_mb(config.first_bucket_mb)
             .with_check_replicas_every(config.check_replicas_every)
-            .with_broadcast_buffers(config.broadcast_buffers);
-        let (model, ddp) = DistributedDataParallel::with_buckets(model, pg, ddp_config, false)?;
+            .with_broadcast_buffers(config.broadcast_buffers)
+            .with_overlap(config.overlap);
+        let (model, ddp) = DistributedDataParallel::with_reduction(
+            model,
+            pg,
+            ddp_config,
+            Reduction::ReduceScatter,
+        )?;
         let params = ddp.params();
         if let Some(p) = params
             .iter()
@@ -232,61 +237,36 @@ impl ShardedDataParallel {
                 ),
             });
         }
-        let trainable: Vec<usize> = (0..params.len())
-            .filter(|&i| params[i].trainable())
-            .collect();
-        let mut offsets = Vec::with_capacity(trainable.len());
-        let mut total = 0;
-        for &i in &trainable {
-            offsets.push(total);
-            total += params[i].numel();
+        let mut flat = vec![None; params.len()];
+        let (mut total, mut trainable) = (0, 0);
+        for (i, p) in params.iter().enumerate().filter(|(_, p)| p.trainable()) {
+            flat[i] = Some((total, trainable));
+            total += p.numel();
+            trainable += 1;
         }
-        let (world, rank) = (ddp.process_group().world_size(), ddp.process_group().rank());
-        let cap = ((config.bucket_cap_mb * MIB / 4.0) as usize).max(world);
-        let plans: Vec<Vec<Bucket>> = (0..world)
-            .map(|r| plan_shards(total, cap, world, r))
-            .collect();
-        let buckets = plans[rank].clone();
-        let len_of = |plan: &[Bucket]| plan.iter().map(|b| b.mine.len()).sum::<usize>();
-        let shard_len = len_of(&buckets);
-        let max_shard_len = plans.iter().map(|p| len_of(p)).max().unwrap_or(0);
-        let mut pieces = Vec::new();
-        for b in &buckets {
-            let mut at = b.mine.start;
-            while at < b.mine.end {
-                let k = offsets.partition_point(|&o| o <= at) - 1;
-                let end = (offsets[k] + params[trainable[k]].numel()).min(b.mine.end);
-                pieces.push((trainable[k], at - offsets[k]..end - offsets[k]));
-                at = end;
-            }
-        }
+        let layout = Arc::clone(lock(ddp.pipeline()).layout());
+        let shards = plan_shards(&layout, params, ddp.process_group().world_size());
+        let shard_len = shards.lens[ddp.process_group().rank()];
         let state = vec![vec![0.0; shard_len]; optimizer.state_vectors()];
         let run = ddp
             .process_group()
             .broadcast(vec![new_run_id() as i64], 0)?[0] as u64;
-        let numels = trainable.iter().map(|&i| params[i].numel()).collect();
         let zero = Self {
-            numels,
-            cap,
-            ddp,
             stage: config.stage,
             optimizer,
-            presence: vec![0.0; trainable.len()],
-            times: vec![0; trainable.len()],
-            trainable,
-            offsets,
+            grad: (0..layout.parts.len()).map(|_| None).collect(),
+            present: vec![0.0; params.len()],
+            layout,
+            shards,
+            flat,
             total,
-            buckets,
-            plans,
-            pieces,
-            shard_len,
-            max_shard_len,
+            times: vec![0; trainable],
             state,
-            grad: Vec::new(),
             micro_steps: 0,
             stats: ZeroStats::default(),
             steps: 0,
             run,
+            ddp,
         };
         Ok((model, zero))
     }
@@ -301,6 +281,11 @@ impl ShardedDataParallel {
         self.ddp.params()
     }
 
+    /// The parameter names of each bucket, in communication order (DDP's layout).
+    pub fn bucket_layout(&self) -> Vec<Vec<String>> {
+        self.ddp.bucket_layout()
+    }
+
     /// The stage in force.
     pub fn stage(&self) -> ZeroStage {
         self.stage
@@ -311,30 +296,52 @@ impl ShardedDataParallel {
         &self.optimizer
     }
 
-    /// This rank's shard: the ranges of the flat trainable parameter vector it owns, in shard
-    /// order (one per bucket; see the module documentation).
+    /// This rank.
+    fn rank(&self) -> usize {
+        self.process_group().rank()
+    }
+
+    /// This rank's shard: the ranges of the flat trainable parameter vector (the trainable
+    /// parameters in visiting order) it owns, in shard order (one per piece of a chunk; see
+    /// the module documentation).
     pub fn shard_ranges(&self) -> Vec<Range<usize>> {
-        self.buckets.iter().map(|b| b.mine.clone()).collect()
+        self.flat_ranges(self.rank())
+    }
+
+    /// Rank `rank`'s pieces as ranges of the flat trainable vector, in shard order.
+    fn flat_ranges(&self, rank: usize) -> Vec<Range<usize>> {
+        self.shards.pieces[rank]
+            .iter()
+            .map(|piece| {
+                let (offset, _) = self.flat[piece.param].expect("pieces are of trained parameters");
+                offset + piece.range.start..offset + piece.range.end
+            })
+            .collect()
     }
 
     /// What this rank keeps, in elements and bytes.
     pub fn memory(&self) -> ShardMemory {
+        let shard = self.shards.lens[self.rank()];
         let gradient_elems = match self.stage {
             ZeroStage::One => self.total,
-            ZeroStage::Two => self.shard_len,
+            ZeroStage::Two => shard,
         };
         ShardMemory {
             params: self.total,
-            shard: self.shard_len,
-            longest_shard: self.max_shard_len,
-            optimizer_bytes: 4 * self.shard_len * self.optimizer.state_vectors(),
+            shard,
+            longest_shard: self.shards.longest(),
+            optimizer_bytes: 4 * shard * self.optimizer.state_vectors(),
             gradient_bytes: 4 * gradient_elems,
         }
     }
 
     /// Statistics since the last call, then reset.
     pub fn take_stats(&mut self) -> ZeroStats {
-        std::mem::take(&mut self.stats)
+        let ddp = self.ddp.take_stats();
+        ZeroStats {
+            buckets_during_backward: ddp.buckets_during_backward,
+            ..std::mem::take(&mut self.stats)
+        }
     }
 
     /// Checks that every replica holds bit-identical parameters
@@ -343,29 +350,49 @@ impl ShardedDataParallel {
         self.ddp.check_replicas(model)
     }
 
+    /// A copy of `model` for the forward pass of the next
+    /// [`backward_step`](Self::backward_step) whose trainable parameters hand their gradients
+    /// over as soon as they are complete (with [`ZeroConfig::overlap`], as
+    /// [`DistributedDataParallel::prepare`]); otherwise a plain clone. Drop the copy once the
+    /// loss is computed: while it lives, the module's parameters cannot be updated in their
+    /// own memory (they are then copied).
+    pub fn prepare<M: Module>(&mut self, model: &M) -> M {
+        self.ddp.prepare(model)
+    }
+
+    /// When the last [`backward_step`](Self::backward_step) ran its backward pass (start and
+    /// end), for traces.
+    pub fn last_backward(&self) -> Option<(Instant, Instant)> {
+        self.ddp.last_backward()
+    }
+
+    /// Why the reduce-scatters cannot start during backward, or `None` when they do
+    /// ([`DistributedDataParallel::why_no_overlap`]).
+    pub fn why_no_overlap<M: Module>(&self, model: &M) -> Option<&'static str> {
+        self.ddp.why_no_overlap(model)
+    }
+
     /// Gradient accumulation (PyTorch's `no_sync`): stage 1 adds this micro-step's gradients
-    /// into the local buffer, without communication; stage 2 reduce-scatters them at once and
-    /// adds this rank's shard (a collective: every rank calls it the same number of times).
+    /// into the local buffers, without communication; stage 2 reduce-scatters them at once and
+    /// adds this rank's chunks (a collective: every rank calls it the same number of times).
     /// The next [`step`](Self::step) uses the sum over micro-steps, averaged over ranks.
     pub fn accumulate<M: Module>(
         &mut self,
         model: &M,
-        grads: GradientsParams,
+        mut grads: GradientsParams,
     ) -> Result<(), DdpError> {
         let start = Instant::now();
         let result = match self.stage {
-            ZeroStage::One => self.pack_local(grads),
+            ZeroStage::One => {
+                let mut pipeline = lock(self.ddp.pipeline());
+                pipeline.begin(false);
+                pipeline.deliver_from(&mut grads);
+                pipeline.take_error().map_or(Ok(()), Err)
+            }
             ZeroStage::Two => {
-                // A collective: local failures must travel with it.
+                // A collective: local failures travel with it.
                 let local = self.ddp.check_same_params(model).err();
-                let taken = self.take_all(grads);
-                let (grads, local) = match (taken, local) {
-                    (Ok(g), None) => (g, None),
-                    (Ok(g), Some(e)) => (g, Some(e)),
-                    (Err(e), _) => (Vec::new(), Some(e)),
-                };
-                self.exchange_failures(local, false)?;
-                self.reduce_scatter_from(&GradSource::Params(&grads))
+                self.reduce(Some(grads), false, local)
             }
         };
         self.micro_steps += 1;
@@ -388,106 +415,200 @@ impl ShardedDataParallel {
         grads: GradientsParams,
     ) -> Result<M, DdpError> {
         let start = Instant::now();
-        let mut local = self.ddp.begin_sync(&model)?;
-        let taken = self.take_all(grads);
-        let grads = match taken {
-            Ok(g) => g,
-            Err(e) => {
-                local.get_or_insert(e);
-                Vec::new()
-            }
-        };
-        // Stage 1 with accumulated micro-steps adds this one to its buffer; otherwise the
-        // gradients are reduce-scattered straight from burn's tensors.
-        let from_buffer = self.stage == ZeroStage::One && self.micro_steps > 0;
-        if from_buffer && local.is_none() {
-            self.add_local(&grads);
-        }
-        let present = self.exchange_failures(local, true)?;
-        // The averaged gradient of this rank's shard.
-        let world = self.process_group().world_size();
-        if from_buffer {
-            let local = std::mem::take(&mut self.grad);
-            self.reduce_scatter_from(&GradSource::Flat(&local))?;
-        } else {
-            self.reduce_scatter_from(&GradSource::Params(&grads))?;
-        }
-        drop(grads);
-        let mut avg = std::mem::take(&mut self.grad);
-        let denom = world as f32;
-        avg.iter_mut().for_each(|x| *x /= denom);
-        self.micro_steps = 0;
-        self.presence.fill(0.0);
-        let reduced = Instant::now();
-        self.stats.reduce += reduced - start;
+        let local = self.ddp.begin_sync(&model)?;
+        self.reduce(Some(grads), false, local)?;
+        self.stats.reduce += start.elapsed();
+        self.update_and_gather(lr, model)
+    }
 
-        // Step the shard, parameter piece by parameter piece: only this rank's pieces of the
-        // parameters are read.
-        let mut shard = read_pieces(&model, &self.pieces)?;
-        for b in &self.buckets {
-            let mut at = b.mine.start;
-            while at < b.mine.end {
-                // The trainable parameter holding flat element `at`.
-                let p = self.offsets.partition_point(|&o| o <= at) - 1;
-                let end = (self.offsets[p] + self.numels[p]).min(b.mine.end);
-                let s = b.shard_offset + (at - b.mine.start);
-                let n = end - at;
-                if present[p] > 0.0 {
+    /// [`step`](Self::step) from the loss: runs backward on `loss` (of the model
+    /// [`prepare`](Self::prepare) gave) and steps. With [`ZeroConfig::overlap`] each bucket is
+    /// reduce-scattered during backward and each gradient released as its bucket leaves;
+    /// without, it is `loss.backward()` and [`step`](Self::step). The same bits either way.
+    pub fn backward_step<M: Module>(
+        &mut self,
+        lr: f64,
+        model: M,
+        loss: Tensor<1>,
+    ) -> Result<M, DdpError> {
+        if !self.ddp.prepared() {
+            let grads = self.ddp.timed_backward(&model, loss);
+            return self.step(lr, model, grads);
+        }
+        let (grads, local) = self.ddp.overlapped_backward(&model, loss)?;
+        let start = Instant::now();
+        self.reduce(Some(grads), true, local)?;
+        self.stats.reduce += start.elapsed();
+        self.update_and_gather(lr, model)
+    }
+
+    /// Ends a micro-step in the pipeline (`begun`: by an overlapped backward, whose hooks
+    /// delivered their gradients already): hands over `grads`, reduce-scatters what has not
+    /// left yet and adds this rank's chunks into its gradient. On an error every rank fails,
+    /// and the micro-steps accumulated so far are dropped.
+    fn reduce(
+        &mut self,
+        grads: Option<GradientsParams>,
+        begun: bool,
+        local: Option<DdpError>,
+    ) -> Result<(), DdpError> {
+        let pipeline = Arc::clone(self.ddp.pipeline());
+        let mut pipeline = lock(&pipeline);
+        if !begun {
+            pipeline.begin(true);
+        }
+        if let Some(e) = local {
+            pipeline.fail(e);
+        }
+        if let Some(mut grads) = grads {
+            pipeline.deliver_from(&mut grads);
+        }
+        let rank = self.rank();
+        let (chunks, layout, held) = (&self.shards.chunks[rank], &self.layout, &mut self.grad);
+        let presence = pipeline.finish(self.ddp.syncs(), |done: Done| {
+            let range = chunks[done.part].range.clone();
+            let large = layout.parts[done.part].len * 4 >= ADOPT_BYTES;
+            let mut buf = done.buf;
+            let chunk = match &mut held[done.part] {
+                Some(sum) => {
+                    // A later micro-step: added into the first one's chunk.
+                    let dst = &mut sum.buf.as_mut()[sum.at..sum.at + range.len()];
+                    let src = &buf.as_ref()[range];
+                    dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+                    return;
+                }
+                slot => slot,
+            };
+            *chunk = Some(if large {
+                release_outside(buf.as_mut(), range.clone());
+                Held {
+                    buf,
+                    at: range.start,
+                }
+            } else {
+                Held {
+                    buf: buf.as_ref()[range].to_vec().into(),
+                    at: 0,
+                }
+            });
+        });
+        self.stats.bytes += pipeline.take_bytes();
+        match presence {
+            Ok(presence) => {
+                self.present
+                    .iter_mut()
+                    .zip(presence)
+                    .for_each(|(p, q)| *p += q);
+                Ok(())
+            }
+            Err(e) => {
+                self.micro_steps = 0;
+                self.grad.iter_mut().for_each(|g| *g = None);
+                self.present.fill(0.0);
+                Err(e)
+            }
+        }
+    }
+
+    /// The end of a step, once this rank's chunks of the gradient are summed over ranks:
+    /// takes the trainable parameters' memory out of `model`, steps this rank's chunks in it
+    /// part by part and all-gathers each part in place (updating part k+1 overlaps the
+    /// all-gather of part k), then puts the memory back into the module.
+    fn update_and_gather<M: Module>(&mut self, lr: f64, model: M) -> Result<M, DdpError> {
+        let start = Instant::now();
+        let (rank, world) = (self.rank(), self.process_group().world_size());
+        let fresh = vec![0.0; self.present.len()];
+        let present = std::mem::replace(&mut self.present, fresh);
+        let mut grads = std::mem::take(&mut self.grad);
+        self.grad = (0..self.layout.parts.len()).map(|_| None).collect();
+        self.micro_steps = 0;
+        let flat = &self.flat;
+        let (model, mut values) = take_values(model, &|i| flat[i].is_some())?;
+        let pg = Arc::clone(self.process_group());
+        let denom = world as f32;
+        let mut update = Duration::ZERO;
+        let mut flights = Vec::with_capacity(self.layout.parts.len());
+        for (j, part) in self.layout.parts.iter().enumerate() {
+            let updating = Instant::now();
+            let chunk = &self.shards.chunks[rank][j];
+            if let Some(held) = grads[j].as_mut() {
+                let g = &mut held.buf.as_mut()[held.at..held.at + chunk.range.len()];
+                g.iter_mut().for_each(|x| *x /= denom);
+                for piece in &self.shards.pieces[rank][chunk.pieces.clone()] {
+                    let p = piece.param;
+                    let (Some((_, k)), true) = (self.flat[p], present[p] > 0.0) else {
+                        continue;
+                    };
+                    let (s, n) = (piece.shard, piece.range.len());
+                    let at = s - chunk.shard;
                     let mut state: Vec<&mut [f32]> =
                         self.state.iter_mut().map(|v| &mut v[s..s + n]).collect();
+                    let param = values[p].as_mut().expect("taken above").as_mut();
                     self.optimizer.update(
                         lr,
-                        self.times[p],
-                        &mut shard[s..s + n],
-                        &avg[s..s + n],
+                        self.times[k],
+                        &mut param[piece.range.clone()],
+                        &g[at..at + n],
                         &mut state,
                     );
                 }
-                at = end;
+            }
+            grads[j] = None;
+            // The part's all-gather, in the parameter's own memory when it is one.
+            let buf = match part.params.as_slice() {
+                [p] => values[*p].take().expect("taken above"),
+                _ => {
+                    let mut buf = vec![0.0; part.len];
+                    for piece in &self.shards.pieces[rank][chunk.pieces.clone()] {
+                        let k = part.params.iter().position(|&q| q == piece.param);
+                        let off = part.offsets[k.expect("a piece of the part")];
+                        let src = values[piece.param].as_ref().expect("taken above").as_ref();
+                        buf[off + piece.range.start..off + piece.range.end]
+                            .copy_from_slice(&src[piece.range.clone()]);
+                    }
+                    HostBuf::from(buf)
+                }
+            };
+            self.stats.bytes += 4 * buf.len() as u64;
+            update += updating.elapsed();
+            flights.push(pg.submit_all_gather_in_place(buf));
+        }
+        for (count, t) in present.iter().zip(&self.flat) {
+            if let (true, Some((_, k))) = (*count > 0.0, t) {
+                self.times[*k] += 1;
             }
         }
-        for (t, &count) in self.times.iter_mut().zip(&present) {
-            if count > 0.0 {
-                *t += 1;
+        let mut gathered = Vec::with_capacity(flights.len());
+        let mut error = None;
+        for w in flights {
+            match w.wait() {
+                Ok(buf) => gathered.push(buf),
+                Err(e) => {
+                    error.get_or_insert(e);
+                }
             }
         }
-        drop(avg);
-        let updated = Instant::now();
-        self.stats.update += updated - reduced;
-
-        // Every rank's updated shard, into every replica: each parameter is assembled from
-        // the ranks' blocks and becomes a new tensor (one copy).
-        shard.resize(self.max_shard_len, 0.0);
-        self.stats.bytes += 4 * shard.len() as u64;
-        let all = self.process_group().all_gather(shard)?;
-        let keep = |i: usize| self.trainable.binary_search(&i).is_ok();
-        let model = load_with(model, &keep, &mut |index, n| {
-            let k = self.trainable.binary_search(&index).ok()?;
-            Some(self.assemble(&all, self.offsets[k], n))
-        });
-        self.stats.gather += updated.elapsed();
+        if let Some(e) = error {
+            return Err(e.into());
+        }
+        for (part, buf) in self.layout.parts.iter().zip(gathered) {
+            match part.params.as_slice() {
+                [p] => values[*p] = Some(buf),
+                _ => {
+                    for (&p, &off) in part.params.iter().zip(&part.offsets) {
+                        let dst = values[p].as_mut().expect("taken above").as_mut();
+                        let n = dst.len();
+                        dst.copy_from_slice(&buf.as_ref()[off..off + n]);
+                    }
+                }
+            }
+        }
+        let model = put_values(model, self.params(), values);
+        self.stats.update += update;
+        self.stats.gather += start.elapsed().saturating_sub(update);
         self.stats.steps += 1;
         self.steps += 1;
         Ok(model)
-    }
-
-    /// The flat range `offset..offset + n` of the parameters from the all-gathered blocks
-    /// `all` (rank r's shard at `r * max_shard_len`).
-    fn assemble(&self, all: &[f32], offset: usize, n: usize) -> Vec<f32> {
-        let mut out = Vec::with_capacity(n);
-        let mut at = offset;
-        while at < offset + n {
-            let b = at / self.cap;
-            let Some(plan) = self.plans.iter().position(|p| p[b].mine.contains(&at)) else {
-                unreachable!("every element has an owner (plan_shards)")
-            };
-            let chunk = &self.plans[plan][b];
-            let end = chunk.mine.end.min(offset + n);
-            let src = plan * self.max_shard_len + chunk.shard_offset + (at - chunk.mine.start);
-            out.extend_from_slice(&all[src..src + (end - at)]);
-            at = end;
-        }
-        out
     }
 
     /// The header of this run's consolidated state (its optimizer, parameters, step counts).
@@ -496,9 +617,10 @@ impl ShardedDataParallel {
             optimizer: self.optimizer.name().into(),
             vectors: self.optimizer.state_vectors(),
             params: self
-                .trainable
+                .params()
                 .iter()
-                .map(|&i| (self.params()[i].name.clone(), self.params()[i].numel()))
+                .filter(|p| p.trainable())
+                .map(|p| (p.name.clone(), p.numel()))
                 .collect(),
             times: self.times.clone(),
             step: self.steps,
@@ -542,19 +664,20 @@ impl ShardedDataParallel {
         let mut header = self.state_header();
         header.shard = Some(ShardHeader {
             world: self.process_group().world_size(),
-            rank: self.process_group().rank(),
+            rank: self.rank(),
             ranges: self
-                .buckets
-                .iter()
-                .map(|b| (b.mine.start, b.mine.end))
+                .shard_ranges()
+                .into_iter()
+                .map(|r| (r.start, r.end))
                 .collect(),
+            layout: SHARD_LAYOUT,
         });
         header
     }
 
     /// The whole optimizer state in one piece (PyTorch's `consolidate_state_dict(to=0)`): rank
-    /// 0 returns the encoded state, independent of the world size, the others `None`. A
-    /// collective: every rank calls it at the same point.
+    /// 0 returns the encoded state, independent of the world size and the bucket layout, the
+    /// others `None`. A collective: every rank calls it at the same point.
     ///
     /// Each rank's shard of each state vector travels in a broadcast from that rank (the
     /// process group has no gather to one rank): every rank receives it, but only rank 0 keeps
@@ -563,6 +686,7 @@ impl ShardedDataParallel {
     pub fn consolidated_state(&self) -> Result<Option<Vec<u8>>, DdpError> {
         let pg = self.process_group();
         let (world, rank) = (pg.world_size(), pg.rank());
+        let longest = self.shards.longest();
         let mut vectors = Vec::with_capacity(self.state.len());
         for v in &self.state {
             let mut full = if rank == 0 {
@@ -572,15 +696,14 @@ impl ShardedDataParallel {
             };
             for r in 0..world {
                 let mut block = if r == rank { v.clone() } else { Vec::new() };
-                block.resize(self.max_shard_len, 0.0);
+                block.resize(longest, 0.0);
                 let block = pg.broadcast(block, r)?;
                 if rank != 0 {
                     continue;
                 }
-                let mut offset = 0;
-                for b in &self.plans[r] {
-                    full[b.mine.clone()].copy_from_slice(&block[offset..offset + b.mine.len()]);
-                    offset += b.mine.len();
+                for (range, piece) in self.flat_ranges(r).into_iter().zip(&self.shards.pieces[r]) {
+                    full[range.clone()]
+                        .copy_from_slice(&block[piece.shard..piece.shard + range.len()]);
                 }
             }
             vectors.push(full);
@@ -592,16 +715,18 @@ impl ShardedDataParallel {
     }
 
     /// Loads a consolidated state (from [`consolidated_state`](Self::consolidated_state), at
-    /// any world size): this rank keeps its shard of it and every parameter's step count.
-    /// Local: every rank calls it with the same bytes (e.g. from [`crate::resume_sharded`]).
-    /// A state of another optimizer or parameter list is an error naming the field, and
-    /// nothing is changed. `name` names the source in errors.
+    /// any world size and bucket layout): this rank keeps its shard of it and every
+    /// parameter's step count. Local: every rank calls it with the same bytes (e.g. from
+    /// [`crate::resume_sharded`]). A state of another optimizer or parameter list is an error
+    /// naming the field, and nothing is changed. `name` names the source in errors.
     pub fn load_consolidated(&mut self, bytes: &[u8], name: &str) -> Result<(), DdpError> {
         let (header, vectors) = decode(bytes, &self.state_header(), name)?;
-        let mut state = vec![Vec::with_capacity(self.shard_len); vectors.len()];
+        let len = self.shards.lens[self.rank()];
+        let ranges = self.shard_ranges();
+        let mut state = vec![Vec::with_capacity(len); vectors.len()];
         for (dst, full) in state.iter_mut().zip(&vectors) {
-            for b in &self.buckets {
-                dst.extend_from_slice(&full[b.mine.clone()]);
+            for range in &ranges {
+                dst.extend_from_slice(&full[range.clone()]);
             }
         }
         self.state = state;
@@ -613,176 +738,6 @@ impl ShardedDataParallel {
         }
         Ok(())
     }
-
-    /// Takes every trainable parameter's gradient out of `grads` (`None`: no gradient this
-    /// micro-step) and records local presence; gradients of unknown parameters are an error.
-    fn take_all(&mut self, mut grads: GradientsParams) -> Result<Vec<Option<Vec<f32>>>, DdpError> {
-        let mut out = Vec::with_capacity(self.trainable.len());
-        for (k, &i) in self.trainable.iter().enumerate() {
-            let g = take_grad(&mut grads, &self.ddp.params()[i])?;
-            if g.is_some() {
-                self.presence[k] = 1.0;
-            }
-            out.push(g);
-        }
-        if !grads.is_empty() {
-            return Err(DdpError::ParamsChanged {
-                name: "?".into(),
-                detail: format!(
-                    "{} gradients belong to parameters with ids the wrapper does not know",
-                    grads.len()
-                ),
-            });
-        }
-        Ok(out)
-    }
-
-    /// Stage 1's `accumulate`: adds the gradients into the local buffer.
-    fn pack_local(&mut self, grads: GradientsParams) -> Result<(), DdpError> {
-        let grads = self.take_all(grads)?;
-        self.add_local(&grads);
-        Ok(())
-    }
-
-    /// Adds per-parameter gradients into stage 1's local buffer of P elements.
-    fn add_local(&mut self, grads: &[Option<Vec<f32>>]) {
-        if self.grad.len() != self.total {
-            self.grad = vec![0.0; self.total];
-        }
-        for (g, &off) in grads.iter().zip(&self.offsets) {
-            if let Some(g) = g {
-                let dst = &mut self.grad[off..off + g.len()];
-                if self.micro_steps == 0 {
-                    dst.copy_from_slice(g);
-                } else {
-                    dst.iter_mut().zip(g).for_each(|(d, s)| *d += s);
-                }
-            }
-        }
-    }
-
-    /// One small all-reduce of the local presence counts (when `with_presence`) and the
-    /// failure slots. Returns the presence of every trainable parameter summed over ranks, or
-    /// the error every rank returns when some rank failed: its own, or [`DdpError::PeerFailed`].
-    fn exchange_failures(
-        &mut self,
-        local: Option<DdpError>,
-        with_presence: bool,
-    ) -> Result<Vec<f32>, DdpError> {
-        let mut header = if with_presence {
-            self.presence.clone()
-        } else {
-            Vec::new()
-        };
-        let failed = local.is_some();
-        let rank = self.process_group().rank();
-        header.push(if failed { 1.0 } else { 0.0 });
-        header.push(if failed { (rank + 1) as f32 } else { 0.0 });
-        self.stats.bytes += 4 * header.len() as u64;
-        let mut sums = self.process_group().all_reduce(header, ReduceOp::Sum)?;
-        let ranks = sums.pop().unwrap_or(0.0);
-        let count = sums.pop().unwrap_or(0.0);
-        if let Some(e) = local {
-            self.micro_steps = 0;
-            self.grad.clear();
-            self.presence.fill(0.0);
-            return Err(e);
-        }
-        if count > 0.0 {
-            self.micro_steps = 0;
-            self.grad.clear();
-            self.presence.fill(0.0);
-            let world = self.process_group().world_size();
-            return Err(peer_failed(self.ddp.syncs(), count, ranks, world));
-        }
-        Ok(sums)
-    }
-
-    /// Reduce-scatters the local gradient bucket by bucket (at most two buckets in flight)
-    /// and adds this rank's chunks into its shard of the gradient (`self.grad`, created on the
-    /// first call since the last step).
-    fn reduce_scatter_from(&mut self, source: &GradSource) -> Result<(), DdpError> {
-        if self.grad.len() != self.shard_len {
-            self.grad = vec![0.0; self.shard_len];
-        }
-        let pg = Arc::clone(self.process_group());
-        let mut pending: Option<(usize, Work<Vec<f32>>)> = None;
-        let mut first_error = None;
-        for k in 0..=self.buckets.len() {
-            if k < self.buckets.len() {
-                let range = self.buckets[k].range.clone();
-                let mut buf = vec![0.0; range.len()];
-                self.fill(source, range, &mut buf);
-                self.stats.bytes += 4 * buf.len() as u64;
-                let work = pg.submit_reduce_scatter(buf, ReduceOp::Sum);
-                if let Some((j, w)) = pending.replace((k, work)) {
-                    if let Err(e) = self.add_chunk(j, w) {
-                        first_error.get_or_insert(e);
-                    }
-                }
-            } else if let Some((j, w)) = pending.take() {
-                if let Err(e) = self.add_chunk(j, w) {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
-    }
-
-    /// Waits for bucket `k`'s reduce-scatter and adds the chunk into the shard's gradient.
-    fn add_chunk(&mut self, k: usize, work: Work<Vec<f32>>) -> Result<(), DdpError> {
-        let chunk = work.wait()?;
-        let b = &self.buckets[k];
-        if chunk.len() != b.mine.len() {
-            return Err(DdpError::Config(format!(
-                "bucket {k}: the reduce-scatter returned {} elements, this rank's chunk has {}",
-                chunk.len(),
-                b.mine.len()
-            )));
-        }
-        let dst = &mut self.grad[b.shard_offset..b.shard_offset + chunk.len()];
-        dst.iter_mut().zip(&chunk).for_each(|(d, s)| *d += s);
-        Ok(())
-    }
-
-    /// Copies the flat range `range` of the local gradient into `dst` (zeros where a
-    /// parameter got no gradient).
-    fn fill(&self, source: &GradSource, range: Range<usize>, dst: &mut [f32]) {
-        match source {
-            GradSource::Flat(flat) => {
-                if flat.is_empty() {
-                    dst.fill(0.0);
-                } else {
-                    dst.copy_from_slice(&flat[range]);
-                }
-            }
-            GradSource::Params(grads) => {
-                let mut at = range.start;
-                while at < range.end {
-                    let p = self.offsets.partition_point(|&o| o <= at) - 1;
-                    let start = self.offsets[p];
-                    let end = (start + self.numels[p]).min(range.end);
-                    let out = &mut dst[at - range.start..end - range.start];
-                    match &grads[p] {
-                        Some(g) => out.copy_from_slice(&g[at - start..end - start]),
-                        None => out.fill(0.0),
-                    }
-                    at = end;
-                }
-            }
-        }
-    }
-}
-
-/// Where the local gradient of a step comes from.
-enum GradSource<'a> {
-    /// Stage 1's flat buffer (empty: no gradient at all).
-    Flat(&'a [f32]),
-    /// Each trainable parameter's gradient, as taken from burn's `GradientsParams`.
-    Params(&'a [Option<Vec<f32>>]),
 }
 
 /// A fresh run id: random (std's randomly keyed hasher over the time and the process id), never
@@ -796,57 +751,4 @@ fn new_run_id() -> u64 {
     h.write_u128(now);
     h.write_u32(std::process::id());
     h.finish() | 1
-}
-
-/// The buckets of a flat vector of `total` elements (contiguous ranges of at most `cap`
-/// elements) and the chunk rank `rank` of `world` owns in each: `chunk_range`, the
-/// reduce-scatter's split.
-fn plan_shards(total: usize, cap: usize, world: usize, rank: usize) -> Vec<Bucket> {
-    let mut buckets = Vec::new();
-    let mut shard_offset = 0;
-    let mut start = 0;
-    while start < total {
-        let end = (start + cap).min(total);
-        let chunk = chunk_range(end - start, world, rank);
-        let mine = start + chunk.start..start + chunk.end;
-        buckets.push(Bucket {
-            range: start..end,
-            mine: mine.clone(),
-            shard_offset,
-        });
-        shard_offset += mine.len();
-        start = end;
-    }
-    buckets
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn shards_cover_every_element_once_and_are_balanced() {
-        for (total, cap, world) in [(10, 4, 3), (1, 25, 4), (1000, 64, 4), (7, 100, 2)] {
-            let mut owner = vec![usize::MAX; total];
-            let mut lens = Vec::new();
-            for r in 0..world {
-                let mut len = 0;
-                for b in plan_shards(total, cap, world, r) {
-                    assert!(b.range.len() <= cap);
-                    assert_eq!(b.shard_offset, len);
-                    for e in b.mine.clone() {
-                        assert_eq!(owner[e], usize::MAX, "element {e} owned twice");
-                        owner[e] = r;
-                    }
-                    len += b.mine.len();
-                }
-                lens.push(len);
-            }
-            assert!(owner.iter().all(|&o| o < world), "{total} {cap} {world}");
-            let buckets = total.div_ceil(cap);
-            let (lo, hi) = (lens.iter().min().unwrap(), lens.iter().max().unwrap());
-            assert!(hi - lo <= buckets, "{lens:?}");
-            assert_eq!(lens.iter().sum::<usize>(), total);
-        }
-    }
 }

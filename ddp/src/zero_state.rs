@@ -22,6 +22,16 @@ use crate::DdpError;
 
 const MAGIC: &[u8; 8] = b"DDPZERO1";
 
+/// The shard layout of the per-rank files this version writes (`ShardHeader::layout`): 2 for
+/// shards of DDP's buckets (issue 38), where the files of earlier versions (which record no
+/// layout, read as 1) cut the flat vector into buckets of its own.
+pub(crate) const SHARD_LAYOUT: u32 = 2;
+
+/// The layout a per-rank file that records none was written with.
+fn first_layout() -> u32 {
+    1
+}
+
 /// The header of a consolidated state.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) struct StateHeader {
@@ -55,6 +65,9 @@ pub(crate) struct ShardHeader {
     pub rank: usize,
     /// The shard's ranges of the flat trainable vector, in shard order.
     pub ranges: Vec<(usize, usize)>,
+    /// The shard layout that cut them ([`SHARD_LAYOUT`]; 1 in files of earlier versions).
+    #[serde(default = "first_layout")]
+    pub layout: u32,
 }
 
 impl StateHeader {
@@ -217,6 +230,21 @@ pub(crate) fn decode(
             ),
         ));
     }
+    if let (Some(file), Some(run)) = (&header.shard, &expected.shard) {
+        if file.layout != run.layout {
+            return Err(fail(
+                name,
+                format!(
+                    "field `shard.layout`: rank {}'s shard file was cut by shard layout {} (an \
+                     earlier version's, which cut the flat parameter vector into buckets of its \
+                     own), this version cuts DDP's buckets (layout {}); per-rank shard files do \
+                     not carry over: resume from the checkpoint's consolidated state (the \
+                     checkpoint file, `resume_sharded`), which does not depend on the layout",
+                    file.rank, file.layout, run.layout
+                ),
+            ));
+        }
+    }
     if header.shard != expected.shard {
         let what = |s: &Option<ShardHeader>| match s {
             None => "the consolidated state".to_string(),
@@ -337,6 +365,7 @@ mod tests {
             world: 2,
             rank: 1,
             ranges: vec![(2, 4)],
+            layout: SHARD_LAYOUT,
         });
         let bytes = encode(&shard, &[vec![3.0, 4.0], vec![7.0, 8.0]]).unwrap();
         assert_eq!(decode(&bytes, &shard, "s").unwrap().1[1], vec![7.0, 8.0]);

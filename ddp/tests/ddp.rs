@@ -757,10 +757,11 @@ fn recorded_spans_cover_every_bucket_in_order() {
     use ddp::{SyncPhase, SyncSpan};
     let spans: Vec<(usize, Vec<SyncSpan>)> = run_ranks(2, |pg| {
         let model = MnistMlpConfig::new().init(&device());
+        // A bucket per parameter, four: a cap of one element, which every parameter crosses.
+        let one = 4.0 / (1024.0 * 1024.0);
         let config = DdpConfig {
-            // A bucket per parameter: four.
-            bucket_cap_mb: 0.001,
-            first_bucket_mb: 0.001,
+            bucket_cap_mb: one,
+            first_bucket_mb: one,
             ..DdpConfig::default()
         };
         let (model, mut ddp) = DistributedDataParallel::new(model, pg, config).unwrap();

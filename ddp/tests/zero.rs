@@ -17,7 +17,11 @@
 //!   rank's older: a crash during a save) or of another run are refused on every rank, naming
 //!   the rank and the steps, and nothing is loaded;
 //! - consolidating hands no rank more than one shard at a time;
-//! - each rank's optimizer state is 1/N of the whole, the gradient too at stage 2.
+//! - each rank's optimizer state is 1/N of the whole, the gradient too at stage 2;
+//! - with overlap (`prepare` and `backward_step`: the reduce-scatters start during backward
+//!   from DDP's hooks, each gradient taken from burn and released as its bucket leaves) stages
+//!   1 and 2 still end bit-identical to DDP, also when a parameter has a gradient on some ranks
+//!   only (every rank issues the same collectives).
 
 use std::time::Duration;
 
@@ -160,7 +164,9 @@ fn train(
         };
         match stage {
             None => {
-                let config = DdpConfig::new().with_bucket_cap_mb(SMALL_BUCKETS_MB);
+                let config = DdpConfig::new()
+                    .with_bucket_cap_mb(SMALL_BUCKETS_MB)
+                    .with_first_bucket_mb(SMALL_BUCKETS_MB);
                 let (mut model, mut ddp) = DistributedDataParallel::new(model, pg, config).unwrap();
                 let mut optim = opt.burn();
                 for step in 0..steps {
@@ -173,7 +179,9 @@ fn train(
                 flatten_params(&model).unwrap()
             }
             Some(stage) => {
-                let config = ZeroConfig::new(stage).with_bucket_cap_mb(SMALL_BUCKETS_MB);
+                let config = ZeroConfig::new(stage)
+                    .with_bucket_cap_mb(SMALL_BUCKETS_MB)
+                    .with_first_bucket_mb(SMALL_BUCKETS_MB);
                 let (mut model, mut zero) =
                     ShardedDataParallel::new(model, pg, config, opt.sharded()).unwrap();
                 for step in 0..steps {
@@ -676,5 +684,128 @@ fn each_rank_keeps_a_quarter_of_the_state_at_four_ranks() {
         assert_eq!(one.optimizer_bytes, 2 * 4 * one.shard);
         assert_eq!(one.gradient_bytes, 4 * PARAMS);
         assert_eq!(two.gradient_bytes, 4 * two.shard);
+    }
+}
+
+/// `steps` steps of `stage` with overlap on `world` ranks: the forward pass on the copy
+/// `prepare` hooks, `backward_step` reduce-scatters during backward; `aux_on` says which ranks
+/// add the loss of the `extra` layer in a step (`None`: `uses_extra`, the same on every rank).
+/// Returns every rank's parameters and, per step, how many buckets left during backward.
+fn train_overlapped(
+    world: usize,
+    stage: ZeroStage,
+    opt: Opt,
+    steps: usize,
+    transport: Transport,
+    aux_on: Option<&(dyn Fn(usize, usize) -> bool + Sync)>,
+) -> Vec<(Vec<f32>, Vec<u64>)> {
+    run_ranks_over(world, transport, |pg| {
+        let rank = pg.rank();
+        let config = ZeroConfig::new(stage)
+            .with_bucket_cap_mb(SMALL_BUCKETS_MB)
+            .with_first_bucket_mb(SMALL_BUCKETS_MB)
+            .with_overlap(true);
+        let (mut model, mut zero) =
+            ShardedDataParallel::new(Net::new(rank as f32), pg, config, opt.sharded()).unwrap();
+        if world > 1 {
+            assert_eq!(zero.why_no_overlap(&model), None, "overlap is on");
+        }
+        let mut early = Vec::new();
+        for step in 0..steps {
+            let (x, y) = data(step, 0, rank);
+            let extra = aux_on.map_or(uses_extra(step), |f| f(step, rank));
+            // The hooked copy lives for the forward pass only.
+            let loss = zero.prepare(&model).loss(x, y, extra);
+            model = zero
+                .backward_step(LR, model, loss)
+                .unwrap_or_else(|e| panic!("rank {rank}, step {step}: {e}"));
+            early.push(zero.take_stats().buckets_during_backward);
+        }
+        (flatten_params(&model).unwrap(), early)
+    })
+}
+
+/// DDP without overlap, with `aux_on` deciding per step and rank whether `extra` is used.
+fn train_ddp_aux(
+    world: usize,
+    opt: Opt,
+    steps: usize,
+    transport: Transport,
+    aux_on: &(dyn Fn(usize, usize) -> bool + Sync),
+) -> Vec<Vec<f32>> {
+    run_ranks_over(world, transport, |pg| {
+        let rank = pg.rank();
+        let config = DdpConfig::new()
+            .with_bucket_cap_mb(SMALL_BUCKETS_MB)
+            .with_first_bucket_mb(SMALL_BUCKETS_MB);
+        let (mut model, mut ddp) =
+            DistributedDataParallel::new(Net::new(rank as f32), pg, config).unwrap();
+        let mut optim = opt.burn();
+        for step in 0..steps {
+            let (x, y) = data(step, 0, rank);
+            let loss = model.loss(x, y, aux_on(step, rank));
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let grads = ddp.sync(&model, grads).unwrap();
+            model = optim.step(LR, model, grads);
+        }
+        flatten_params(&model).unwrap()
+    })
+}
+
+#[test]
+fn with_overlap_stages_1_and_2_equal_ddp_bit_for_bit() {
+    for (world, transport) in [
+        (1, Transport::Auto),
+        (2, Transport::Auto),
+        (3, Transport::Auto),
+        (2, Transport::Tcp),
+    ] {
+        for opt in [Opt::Adam, Opt::Sgd] {
+            let ddp = train(world, None, opt, 1, 6, transport);
+            for stage in [ZeroStage::One, ZeroStage::Two] {
+                let what = format!("{transport:?}, world {world}, {opt:?}, {stage:?}, overlap");
+                let out = train_overlapped(world, stage, opt, 6, transport, None);
+                let zero: Vec<Vec<f32>> = out.iter().map(|(p, _)| p.clone()).collect();
+                assert_replicas_equal(&zero, &what);
+                assert_bit_identical(&zero[0], &ddp[0], &what);
+                if world > 1 {
+                    // After the first step (which measures the graph's depth), buckets leave
+                    // during backward, except in the steps without `extra`: declared last, it
+                    // leads bucket 0, which waits for the end of backward without a gradient
+                    // (and every bucket after it).
+                    for (r, (_, early)) in out.iter().enumerate() {
+                        let expected: Vec<bool> = (1..6).map(uses_extra).collect();
+                        let seen: Vec<bool> = early[1..].iter().map(|&n| n > 0).collect();
+                        assert_eq!(seen, expected, "{what}, rank {r}: {early:?}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn with_overlap_a_gradient_on_some_ranks_only_still_equals_ddp() {
+    // `extra` has a gradient on rank 1 only in even steps, on no rank in odd ones: its bucket
+    // waits for the end of backward on the other ranks, and rank 1's goes out during it.
+    let aux_on = |step: usize, rank: usize| step.is_multiple_of(2) && rank == 1;
+    for (world, transport) in [(2, Transport::Auto), (3, Transport::Tcp)] {
+        let ddp = train_ddp_aux(world, Opt::Adam, 4, transport, &aux_on);
+        let start = flatten_params(&Net::new(0.0)).unwrap();
+        let extra = PARAMS - (HIDDEN * OUT + OUT)..PARAMS;
+        assert!(
+            ddp[0][extra.clone()]
+                .iter()
+                .zip(&start[extra])
+                .any(|(a, b)| a != b),
+            "rank 1's gradient of `extra` reaches every replica"
+        );
+        for stage in [ZeroStage::One, ZeroStage::Two] {
+            let what = format!("{transport:?}, world {world}, {stage:?}");
+            let out = train_overlapped(world, stage, Opt::Adam, 4, transport, Some(&aux_on));
+            let zero: Vec<Vec<f32>> = out.into_iter().map(|(p, _)| p).collect();
+            assert_replicas_equal(&zero, &what);
+            assert_bit_identical(&zero[0], &ddp[0], &what);
+        }
     }
 }

@@ -5,10 +5,12 @@
 //! ```text
 //! ddprun --nproc-per-node 2 -- target/release/ddp-zero-bench --stage 2
 //! ```
-
-/// mimalloc, as in the trainers (see its dependency in apps/Cargo.toml).
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+//!
+//! Unlike the trainers, this binary keeps the system allocator: its figure is the peak memory
+//! the kernel sees, and mimalloc keeps freed pages mapped and fills the zeroed buffers burn's
+//! CPU backend asks for (every matmul output) by writing zeros into reused memory, which put
+//! up to two more copies of the largest tensor into the peak. glibc's malloc maps large
+//! blocks fresh (already zero, nothing written) and unmaps them on free.
 
 use anyhow::Result;
 use clap::Parser;

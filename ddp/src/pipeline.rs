@@ -1,0 +1,463 @@
+//! The gradient pipeline, PyTorch's `Reducer`: the one object between where gradients come
+//! from (overlap's hooks during backward, burn's `GradientsParams` after it) and the process
+//! group, driven by every mode: DDP's `sync` and `accumulate`, its overlapped `backward`, and
+//! ZeRO stages 1 and 2. The layout is `buckets.rs`'s, the per-part collective `reduction.rs`'s.
+//!
+//! # The loop
+//!
+//! A cycle runs from the first micro-step after a sync to the next sync. In each micro-step
+//! every trainable parameter's gradient is handed over once ([`Pipeline::deliver`]), as a hook
+//! fires or from `GradientsParams` ([`Pipeline::deliver_from`]), in any order:
+//!
+//! 1. The gradient goes into its part's buffer. A part that is one gradient takes burn's buffer
+//!    itself, without a copy (adopted); in a shared part it is copied to its offset. In a later
+//!    micro-step of the cycle it is added instead (PyTorch's `no_sync` sum).
+//! 2. In the micro-step that ends the cycle (`begin(true)`), once every gradient of a bucket is
+//!    in, the bucket's parts are submitted, but only after every earlier bucket: the
+//!    collectives go out in bucket order on every rank, whatever order the gradients come in.
+//!    A parameter without a gradient on this rank holds its bucket (and every later one) back
+//!    until `deliver_from` says it has none; its slot stays zero.
+//! 3. [`Pipeline::finish`] submits what is left, then one small **control** all-reduce: how
+//!    many micro-steps had a gradient of each parameter on each rank (presence), how many
+//!    ranks failed locally and the sum of their ranks plus one. It is the step's last
+//!    collective on every rank, so the sequence of collectives never depends on a rank's own
+//!    gradients or failures: a rank that fails still sends every part (zeros where it has
+//!    nothing) and raises the failure slots. Then the parts are waited for in order, each
+//!    handed to the caller as it completes (unpacking one overlaps the collectives of the
+//!    later ones), and the control decides: a failure anywhere fails the step on every rank
+//!    (the failing rank returns its own error, the others [`DdpError::PeerFailed`] naming it),
+//!    and a parameter no rank had a gradient for stays absent, as burn's optimizer expects.
+//!
+//! Buffers are taken by the collectives and come back as results: nothing of a cycle is kept
+//! once it finished, so a rank holds one copy of each gradient at most, and none once its part
+//! has been handed on.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::optim::GradientsParams;
+use ddp_comm::{ProcessGroup, ReduceOp};
+
+use crate::buckets::Layout;
+use crate::host_buf::HostBuf;
+use crate::params::{drop_grad, take_grad, ParamInfo};
+use crate::reduction::{Flight, Reduction};
+use crate::DdpError;
+
+/// A part whose collective completed, handed to [`Pipeline::finish`]'s caller.
+pub(crate) struct Done {
+    /// The part (an index into the layout's parts).
+    pub part: usize,
+    /// Its buffer, with the result (DDP: the sum over ranks; ZeRO: this rank's chunk summed,
+    /// in place).
+    pub buf: HostBuf,
+    /// When its packing started (its submission minus the time spent packing it) and when it
+    /// was submitted.
+    pub packed: (Instant, Instant),
+    /// When the caller started waiting for it and when the wait returned.
+    pub waited: (Instant, Instant),
+}
+
+/// A part's collective in flight.
+struct Submitted {
+    part: usize,
+    flight: Flight,
+    packed: (Instant, Instant),
+}
+
+/// The pipeline of one wrapper (see the module documentation).
+pub(crate) struct Pipeline {
+    pg: Arc<ProcessGroup>,
+    params: Arc<[ParamInfo]>,
+    layout: Arc<Layout>,
+    reduction: Reduction,
+    /// Per part: its buffer in this cycle (`None` until its first gradient).
+    bufs: Vec<Option<HostBuf>>,
+    /// Per parameter: whether its slot holds a gradient of this cycle (the next is added).
+    written: Vec<bool>,
+    /// Per parameter: micro-steps of this cycle in which this rank had its gradient.
+    presence: Vec<f32>,
+    /// Per parameter: handed over in this micro-step.
+    delivered: Vec<bool>,
+    /// Per bucket: gradients of this micro-step not handed over yet.
+    pending: Vec<usize>,
+    /// Whether complete buckets go out at once (the micro-step that ends the cycle).
+    communicate: bool,
+    /// The next bucket to submit.
+    next: usize,
+    submitted: Vec<Submitted>,
+    /// Per part: time spent packing it in this micro-step.
+    pack_time: Vec<Duration>,
+    /// This rank's first local failure in this cycle.
+    error: Option<DdpError>,
+    /// Bytes handed to collectives since the last [`take_bytes`](Self::take_bytes).
+    bytes: u64,
+}
+
+impl Pipeline {
+    /// The pipeline of `params` laid out as `layout`, each part carried by `reduction`.
+    pub(crate) fn new(
+        pg: Arc<ProcessGroup>,
+        params: Arc<[ParamInfo]>,
+        layout: Arc<Layout>,
+        reduction: Reduction,
+    ) -> Pipeline {
+        let (n, parts, buckets) = (params.len(), layout.parts.len(), layout.buckets.len());
+        Pipeline {
+            pg,
+            params,
+            layout,
+            reduction,
+            bufs: (0..parts).map(|_| None).collect(),
+            written: vec![false; n],
+            presence: vec![0.0; n],
+            delivered: vec![false; n],
+            pending: vec![0; buckets],
+            communicate: false,
+            next: 0,
+            submitted: Vec::new(),
+            pack_time: vec![Duration::ZERO; parts],
+            error: None,
+            bytes: 0,
+        }
+    }
+
+    /// The layout.
+    pub(crate) fn layout(&self) -> &Arc<Layout> {
+        &self.layout
+    }
+
+    /// Starts a micro-step: `communicate` when it ends the cycle (its buckets go out as they
+    /// complete), not for an accumulation micro-step (gradients are only summed).
+    pub(crate) fn begin(&mut self, communicate: bool) {
+        self.delivered.fill(false);
+        for (pending, bucket) in self.pending.iter_mut().zip(&self.layout.buckets) {
+            *pending = bucket.params.len();
+        }
+        self.communicate = communicate;
+        self.next = 0;
+        self.submitted.clear();
+        self.pack_time.fill(Duration::ZERO);
+    }
+
+    /// Records a local failure of this cycle (the first one is kept and reported).
+    pub(crate) fn fail(&mut self, error: DdpError) {
+        self.error.get_or_insert(error);
+    }
+
+    /// Takes this cycle's local failure, if any (an accumulation micro-step reports it at
+    /// once).
+    pub(crate) fn take_error(&mut self) -> Option<DdpError> {
+        self.error.take()
+    }
+
+    /// How many buckets went out so far in this micro-step.
+    pub(crate) fn buckets_submitted(&self) -> usize {
+        self.next
+    }
+
+    /// Bytes handed to collectives since the last call.
+    pub(crate) fn take_bytes(&mut self) -> u64 {
+        std::mem::take(&mut self.bytes)
+    }
+
+    /// Hands over parameter `p`'s gradient of this micro-step (`Ok(None)`: it has none on this
+    /// rank; `Err`: it could not be read, a local failure), and submits every bucket that is
+    /// now complete, in order. A parameter is taken once per micro-step; frozen parameters and
+    /// buffers are ignored.
+    pub(crate) fn deliver(&mut self, p: usize, grad: Result<Option<HostBuf>, DdpError>) {
+        let Some(place) = self.layout.place.get(p).copied().flatten() else {
+            return;
+        };
+        if std::mem::replace(&mut self.delivered[p], true) {
+            return;
+        }
+        let start = Instant::now();
+        match grad {
+            Ok(Some(g)) => {
+                self.presence[p] += 1.0;
+                let part = &self.layout.parts[place.part];
+                let slot = &mut self.bufs[place.part];
+                if slot.is_none() && part.params.len() == 1 && g.len() == part.len {
+                    // The part is this one gradient: burn's buffer becomes the part's.
+                    *slot = Some(g);
+                } else {
+                    let buf = slot
+                        .get_or_insert_with(|| HostBuf::zeros(part.len))
+                        .as_mut();
+                    let g = g.as_ref();
+                    let dst = &mut buf[place.offset..place.offset + g.len()];
+                    if self.written[p] {
+                        dst.iter_mut().zip(g).for_each(|(d, s)| *d += s);
+                    } else {
+                        dst.copy_from_slice(g);
+                    }
+                }
+                self.written[p] = true;
+            }
+            Ok(None) => {}
+            Err(e) => self.fail(e),
+        }
+        self.pack_time[place.part] += start.elapsed();
+        self.pending[place.bucket] -= 1;
+        if self.communicate {
+            while self.next < self.layout.buckets.len() && self.pending[self.next] == 0 {
+                self.submit_bucket();
+            }
+        }
+    }
+
+    /// Hands over, from `grads`, every gradient not handed over yet in this micro-step, in
+    /// bucket order (so that packing a bucket overlaps the collectives of the earlier ones);
+    /// gradients that belong to parameters the wrapper does not know are a local failure.
+    pub(crate) fn deliver_from(&mut self, grads: &mut GradientsParams) {
+        let layout = Arc::clone(&self.layout);
+        for bucket in &layout.buckets {
+            for &p in &bucket.params {
+                let info = &self.params[p];
+                if self.delivered[p] {
+                    // Its hook had it: anything left on the parameter is no gradient of ours.
+                    drop_grad(grads, info);
+                } else {
+                    let grad = take_grad(grads, info);
+                    self.deliver(p, grad);
+                }
+            }
+        }
+        if !grads.is_empty() {
+            self.fail(DdpError::ParamsChanged {
+                name: "?".into(),
+                detail: format!(
+                    "{} gradients belong to parameters with ids the wrapper does not know",
+                    grads.len()
+                ),
+            });
+        }
+    }
+
+    /// Submits the next bucket's parts (a part nobody wrote goes out as zeros).
+    fn submit_bucket(&mut self) {
+        let bucket = &self.layout.buckets[self.next];
+        for j in bucket.parts.clone() {
+            let len = self.layout.parts[j].len;
+            let buf = self.bufs[j].take().unwrap_or_else(|| HostBuf::zeros(len));
+            let (flight, bytes) = self.reduction.submit(&self.pg, buf);
+            self.bytes += bytes;
+            let now = Instant::now();
+            let start = now.checked_sub(self.pack_time[j]).unwrap_or(now);
+            self.submitted.push(Submitted {
+                part: j,
+                flight,
+                packed: (start, now),
+            });
+        }
+        self.next += 1;
+    }
+
+    /// Ends the cycle (see the module documentation): submits the buckets still held back and
+    /// the control all-reduce, hands each part to `done` as its collective completes, in
+    /// order, and returns the presence of every parameter summed over ranks and micro-steps
+    /// (`0` where no rank had a gradient), or the step's error, the same on every rank: this
+    /// rank's own failure, [`DdpError::PeerFailed`] (naming sync number `sync`), or a
+    /// collective's error. After an error the parts handed to `done` must not be used.
+    pub(crate) fn finish(
+        &mut self,
+        sync: u64,
+        mut done: impl FnMut(Done),
+    ) -> Result<Vec<f32>, DdpError> {
+        while self.next < self.layout.buckets.len() {
+            self.submit_bucket();
+        }
+        let failed = self.error.is_some();
+        let mut control = std::mem::take(&mut self.presence);
+        control.push(if failed { 1.0 } else { 0.0 });
+        control.push(if failed {
+            (self.pg.rank() + 1) as f32
+        } else {
+            0.0
+        });
+        self.bytes += 4 * control.len() as u64;
+        let control = self.pg.submit_all_reduce(control, ReduceOp::Sum);
+
+        let mut comm_error = None;
+        for s in std::mem::take(&mut self.submitted) {
+            let wait_start = Instant::now();
+            let result = s.flight.wait();
+            let waited = (wait_start, Instant::now());
+            match result {
+                Ok(buf) if comm_error.is_none() => done(Done {
+                    part: s.part,
+                    buf,
+                    packed: s.packed,
+                    waited,
+                }),
+                Ok(_) => {}
+                // Keep waiting for the rest, so that no buffer is left with the process group.
+                Err(e) => {
+                    comm_error.get_or_insert(e);
+                }
+            }
+        }
+        let control = control.wait();
+        // The cycle is over whatever happened: the next one starts afresh.
+        self.written.fill(false);
+        self.presence = vec![0.0; self.params.len()];
+        let local = self.error.take();
+        let mut sums = control?;
+        if let Some(e) = comm_error {
+            return Err(e);
+        }
+        if let Some(e) = local {
+            return Err(e);
+        }
+        let ranks = sums.pop().unwrap_or(0.0);
+        let count = sums.pop().unwrap_or(0.0);
+        if count > 0.0 {
+            return Err(peer_failed(sync, count, ranks, self.pg.world_size()));
+        }
+        Ok(sums)
+    }
+}
+
+/// The error of a sync that failed on other ranks: `failed` ranks reported a local failure, the
+/// sum of their ranks plus one is `ranks` (so a single one is named exactly; f32 holds integers
+/// exactly up to 2^24, bf16 up to 256, f16 up to 2048 on the GPU path).
+pub(crate) fn peer_failed(sync: u64, failed: f32, ranks: f32, world: usize) -> DdpError {
+    let count = failed.round() as usize;
+    let rank = ranks.round() - 1.0;
+    let named = (count == 1 && rank >= 0.0 && (rank as usize) < world && ranks.fract() == 0.0)
+        .then_some(rank as usize);
+    DdpError::PeerFailed {
+        sync,
+        count,
+        rank: named,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::buckets::plan_buckets;
+    use crate::config::{Compression, DdpConfig};
+    use crate::params::ParamKind;
+
+    #[test]
+    fn a_peer_failure_names_the_rank_when_exactly_one_failed() {
+        let named = |failed, ranks| match peer_failed(3, failed, ranks, 4) {
+            DdpError::PeerFailed { sync, count, rank } => (sync, count, rank),
+            other => panic!("{other}"),
+        };
+        // Rank 2 alone: the rank slot holds 2 + 1.
+        assert_eq!(named(1.0, 3.0), (3, 1, Some(2)));
+        // Ranks 0 and 3: two failures, no single rank to name.
+        assert_eq!(named(2.0, 5.0), (3, 2, None));
+        // A rank slot that names no rank of the group is not trusted.
+        assert_eq!(named(1.0, 9.0), (3, 1, None));
+        let text = peer_failed(3, 1.0, 3.0, 4).to_string();
+        assert!(
+            text.contains("sync #3") && text.contains("rank 2 failed"),
+            "{text}"
+        );
+    }
+
+    fn info(name: &str, numel: usize) -> ParamInfo {
+        ParamInfo {
+            name: name.into(),
+            id: burn::module::ParamId::new(),
+            shape: vec![numel],
+            dtype: burn::tensor::DType::F32,
+            kind: ParamKind::Trainable,
+        }
+    }
+
+    /// A pipeline of one rank over two parameters: a large one (a part of its own) and a
+    /// small one.
+    fn one_rank(reduction: Reduction) -> (Pipeline, usize) {
+        let big = crate::buckets::ADOPT_BYTES / 4 + 3;
+        let params: Arc<[ParamInfo]> = vec![info("big", big), info("small", 5)].into();
+        let layout = plan_buckets(&params, &DdpConfig::default());
+        let pg = ProcessGroup::builder()
+            .no_env()
+            .rank(0)
+            .world_size(1)
+            .build()
+            .expect("a group of one");
+        (
+            Pipeline::new(Arc::new(pg), params, Arc::new(layout), reduction),
+            big,
+        )
+    }
+
+    /// A large gradient travels in burn's own buffer: the buffer the collective hands back is
+    /// the one delivered (no copy), with its values; a small one is packed with a copy.
+    #[test]
+    fn a_large_gradient_is_adopted_without_a_copy() {
+        for reduction in [
+            Reduction::AllReduce(Compression::None),
+            Reduction::ReduceScatter,
+        ] {
+            let (mut pipeline, big) = one_rank(reduction);
+            pipeline.begin(true);
+            let grad: Vec<f32> = (0..big).map(|i| i as f32 * 0.5).collect();
+            let (ptr, expected) = (grad.as_ptr(), grad.clone());
+            pipeline.deliver(0, Ok(Some(grad.into())));
+            pipeline.deliver(1, Ok(Some(vec![1.0; 5].into())));
+            let mut parts = Vec::new();
+            let presence = pipeline.finish(1, |d| parts.push(d)).unwrap();
+            assert_eq!(presence, vec![1.0, 1.0]);
+            let big_part = pipeline.layout().place[0].unwrap().part;
+            let got = parts.iter().find(|d| d.part == big_part).unwrap();
+            assert_eq!(
+                got.buf.as_ptr(),
+                ptr,
+                "{reduction:?}: the gradient was copied"
+            );
+            assert_eq!(got.buf.as_ref(), expected);
+        }
+    }
+
+    /// Accumulation adds into the adopted buffer; a parameter absent in every micro-step
+    /// stays absent (presence 0), one absent in some has the sum of the others.
+    #[test]
+    fn micro_steps_add_up_and_presence_counts_them() {
+        let (mut pipeline, big) = one_rank(Reduction::AllReduce(Compression::None));
+        pipeline.begin(false);
+        pipeline.deliver(0, Ok(Some(vec![1.0; big].into())));
+        pipeline.deliver(1, Ok(None));
+        assert_eq!(pipeline.buckets_submitted(), 0, "no_sync: nothing goes out");
+        pipeline.begin(true);
+        pipeline.deliver(1, Ok(None));
+        pipeline.deliver(0, Ok(Some(vec![2.0; big].into())));
+        let mut sums = Vec::new();
+        let presence = pipeline
+            .finish(1, |d| sums.push(d.buf.as_ref()[0]))
+            .unwrap();
+        assert_eq!(presence, vec![2.0, 0.0]);
+        assert!(sums.contains(&3.0), "{sums:?}");
+    }
+
+    /// A local failure still sends every part and fails the step with this rank's own error;
+    /// the next cycle starts clean.
+    #[test]
+    fn a_local_failure_is_reported_after_every_collective() {
+        let (mut pipeline, big) = one_rank(Reduction::AllReduce(Compression::None));
+        pipeline.begin(true);
+        pipeline.deliver(0, Ok(Some(vec![1.0; big].into())));
+        pipeline.deliver(
+            1,
+            Err(DdpError::Conversion {
+                name: "small".into(),
+                what: "gradient",
+                reason: "test".into(),
+            }),
+        );
+        let mut parts = 0;
+        let e = pipeline.finish(1, |_| parts += 1).unwrap_err().to_string();
+        assert!(e.contains("small"), "{e}");
+        assert_eq!(parts, 2, "every part went out and came back");
+        pipeline.begin(true);
+        pipeline.deliver(0, Ok(Some(vec![1.0; big].into())));
+        pipeline.deliver(1, Ok(Some(vec![1.0; 5].into())));
+        assert_eq!(pipeline.finish(1, |_| {}).unwrap(), vec![1.0, 1.0]);
+    }
+}
