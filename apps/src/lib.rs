@@ -1,10 +1,12 @@
 //! ddp-apps: the pieces behind the binaries (`train-mnist`, `train-pima`,
-//! `ddp-allreduce-bench`): settings, the shared training loop (checkpoints through `ddp`'s), metrics. The
+//! `ddp-allreduce-bench`): settings, the shared training loop (checkpoints through `ddp`'s), its
+//! elastic variant (`elastic.rs`), metrics. The
 //! binaries themselves only parse arguments and wire these and the library crates together.
 
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod elastic;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod metrics;

@@ -184,6 +184,11 @@ pub struct TrainArgs {
     /// Print a JSON summary line at the end (for scripts).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub json: Option<bool>,
+    /// Elastic membership: `MIN:MAX` ranks; ranks may leave and join while the job runs (the
+    /// survivors go on from memory, a joiner is healed from rank 0). Needs the launcher's
+    /// store (ddprun); `ddprun --nnodes MIN:MAX` implies it [default: DDP_ELASTIC].
+    #[arg(long, value_name = "MIN:MAX")]
+    pub elastic: Option<String>,
 }
 
 macro_rules! merge_fields {
@@ -199,7 +204,7 @@ impl TrainArgs {
             backend, threads, workers, bucket_cap_mb, compression, zero_stage, overlap, data_dir, data_format,
             prefetch_shards, checkpoint_dir, checkpoint_every,
             resume, allow_mismatched_checkpoint, metrics_dir, export, log_interval, max_steps, train_samples, test_samples,
-            verbose, json, trace_dir, trace_steps)
+            verbose, json, trace_dir, trace_steps, elastic)
     }
 
     /// Reads a TOML config file; unknown keys are errors naming the file.
@@ -251,7 +256,13 @@ impl TrainArgs {
             trace_dir: a.trace_dir,
             trace_steps: crate::trace::parse_steps(a.trace_steps.as_deref().unwrap_or("10..15"))
                 .context("--trace-steps")?,
+            elastic: a.elastic,
         };
+        if let Some(range) = &cfg.elastic {
+            if ddp_comm::parse_range(range).is_none() {
+                bail!("--elastic {range:?}: expected MIN:MAX with 1 <= MIN <= MAX");
+            }
+        }
         if cfg.batch_size == 0 {
             bail!("batch-size must be at least 1");
         }
@@ -353,6 +364,9 @@ pub struct TrainConfig {
     pub trace_dir: Option<PathBuf>,
     /// The traced steps (global, from 1, end excluded).
     pub trace_steps: std::ops::Range<u64>,
+    /// `--elastic MIN:MAX`: elastic membership (`None`: `DDP_ELASTIC` decides, see
+    /// `elastic::elastic_range`).
+    pub elastic: Option<String>,
 }
 
 impl TrainConfig {

@@ -236,6 +236,9 @@ where
     M: Module + Classifier<D>,
     S: BatchSource<D> + 'static,
 {
+    if crate::elastic::elastic_range(cfg).is_some() {
+        return crate::elastic::run(cfg, device, task);
+    }
     run(cfg, pg, device, task)
 }
 
@@ -830,7 +833,7 @@ fn mix(seed: u64, epoch: u64, rank: u64) -> u64 {
 /// The dropout seed of batch `batch` (from 0) of epoch `epoch` on rank `rank`: [`mix`] of the
 /// first three mixed again with the batch, so that every step's masks can be drawn again
 /// without drawing the steps before it.
-fn step_seed(seed: u64, epoch: u64, rank: u64, batch: u64) -> u64 {
+pub(crate) fn step_seed(seed: u64, epoch: u64, rank: u64, batch: u64) -> u64 {
     ddp_data::sampler::splitmix64(
         mix(seed, epoch, rank) ^ batch.wrapping_mul(0x94d0_49bb_1331_11eb),
     )
@@ -838,7 +841,7 @@ fn step_seed(seed: u64, epoch: u64, rank: u64, batch: u64) -> u64 {
 
 /// How many times the launcher restarted the job before starting this process
 /// (`TORCHELASTIC_RESTART_COUNT`, set by ddprun and torchrun); 0 when unset or unreadable.
-fn restart_count() -> usize {
+pub(crate) fn restart_count() -> usize {
     std::env::var(ddp_comm::elastic::RESTART_COUNT_ENV)
         .ok()
         .and_then(|v| v.trim().parse().ok())
@@ -896,7 +899,7 @@ fn run_id(cfg: &TrainConfig, name: &str) -> RunId {
 }
 
 /// FNV-1a of the values' little-endian bytes.
-fn fnv1a_f32(values: &[f32]) -> u64 {
+pub(crate) fn fnv1a_f32(values: &[f32]) -> u64 {
     values.iter().fold(ddp_comm::bytes::FNV1A_OFFSET, |h, v| {
         ddp_comm::bytes::fnv1a_from(h, &v.to_le_bytes())
     })
@@ -926,7 +929,12 @@ pub fn start(
     if cfg.backend == crate::options::BackendKind::Cuda {
         bail!("--backend cuda: this build has no CUDA support (build with --features cuda)");
     }
-    let pg = Arc::new(ProcessGroup::from_env().context("joining the process group")?);
+    // An elastic run forms its groups itself, once its model is built (`elastic.rs`).
+    let elastic = crate::elastic::elastic_range(&cfg).is_some();
+    let pg = Arc::new(match elastic {
+        true => ProcessGroup::builder().no_env().build()?,
+        false => ProcessGroup::from_env().context("joining the process group")?,
+    });
     tracing::info!(
         "rank {} of {} joined the process group (local rank {})",
         pg.rank(),
@@ -939,7 +947,11 @@ pub fn start(
         _ => Device::flex(),
     }
     .autodiff();
-    set_compute_threads(threads_per_rank(cfg.threads, pg.local_world_size()))?;
+    let local_world = match elastic {
+        true => ddp_comm::GroupConfig::from_env().map_or(1, |c| c.local_world_size),
+        false => pg.local_world_size(),
+    };
+    set_compute_threads(threads_per_rank(cfg.threads, local_world))?;
     Ok(Started { cfg, pg, device })
 }
 

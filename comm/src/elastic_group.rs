@@ -713,6 +713,24 @@ impl Drop for ElasticGroup {
     }
 }
 
+/// Where the elastic job of attempt `restart` stands, as the store `host` holds it (for the
+/// launcher that hosts it): `None` while it runs (or has not started), `Some(Ok(()))` once it
+/// finished, `Some(Err(why))` once it stopped below its minimum.
+pub fn elastic_job_state(host: &crate::TorchStoreHost, restart: u32) -> Option<Result<(), String>> {
+    let prefix = format!("{}elastic/", agent_key_prefix(restart));
+    if host.value(&format!("{prefix}done")).is_some() {
+        return Some(Ok(()));
+    }
+    let latest: u64 = String::from_utf8(host.value(&format!("{prefix}gen/latest"))?)
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    let generation: Generation =
+        serde_json::from_slice(&host.value(&format!("{prefix}gen/{latest}"))?).ok()?;
+    generation.failed.map(Err)
+}
+
 /// Rank 0's look-out: a thread with a store connection of its own that counts the join
 /// requests every [`ElasticConfig::poll`] and says whether any is newer than the generation.
 struct Poller {

@@ -103,8 +103,8 @@ pub use config::{
     DEFAULT_SMALL_ALLREDUCE_BYTES, DEFAULT_TIMEOUT, MAX_SEGMENT_BYTES,
 };
 pub use elastic_group::{
-    parse_range, Change, Continue, ElasticConfig, ElasticGroup, StepStatus, Vote,
-    DEFAULT_LAST_CALL, DEFAULT_POLL, ELASTIC_ENV,
+    elastic_job_state, parse_range, Change, Continue, ElasticConfig, ElasticGroup, StepStatus,
+    Vote, DEFAULT_LAST_CALL, DEFAULT_POLL, ELASTIC_ENV,
 };
 pub use element::{DType, Element, ReduceOp};
 pub use error::CommError;

@@ -244,6 +244,12 @@ impl TorchStoreHost {
         Ok(())
     }
 
+    /// The value of `key` (as it travels on the wire: with its client's prefix), if set.
+    pub fn value(&self, key: &str) -> Option<Vec<u8>> {
+        let data = self.shared.data.lock().unwrap_or_else(|p| p.into_inner());
+        data.map.get(key.as_bytes()).cloned()
+    }
+
     /// The keys it holds now, sorted (lossily decoded: keys are bytes on the wire).
     pub fn keys(&self) -> Vec<String> {
         let data = self.shared.data.lock().unwrap_or_else(|p| p.into_inner());

@@ -18,6 +18,8 @@ mod ddp;
 // The GPU path's sequence of collectives (used by `cuda.rs`; tested on the CPU with a fake).
 #[cfg(any(feature = "cuda", test))]
 mod device_step;
+mod elastic;
+mod elastic_zero;
 mod error;
 mod host_buf;
 mod overlap;
@@ -37,6 +39,7 @@ mod zero_state;
 
 pub use crate::config::{Compression, DdpConfig};
 pub use crate::ddp::{DistributedDataParallel, SyncPhase, SyncSpan, SyncStats};
+pub use elastic::{ElasticDdp, ElasticOptimizer, Membership, Outcome, Progress};
 pub use error::DdpError;
 pub use params::{flatten_params, load_flat_params, param_infos, ParamInfo, ParamKind};
 pub use powersgd::{BucketDesc, GradSlot, PowerSgd, PowerSgdFlight};
@@ -50,7 +53,7 @@ pub use zero::{ShardMemory, ShardedDataParallel, ZeroConfig, ZeroStage, ZeroStat
 
 // What a user's program needs from the communication layer, so that `ddp` is its one
 // dependency besides burn.
-pub use ddp_comm::{CommError, ProcessGroup, ReduceOp};
+pub use ddp_comm::{CommError, ElasticConfig, ElasticGroup, ProcessGroup, ReduceOp};
 
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]

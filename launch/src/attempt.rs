@@ -3,7 +3,14 @@
 //!
 //! The watch loop looks, every [`POLL_INTERVAL`], at four things in turn: the other nodes'
 //! launchers (a restart decided elsewhere, a node lost), the launcher's own signals, the ranks,
-//! and the grace period. The first rank that fails on its own is the first failure: the others
+//! and the grace period.
+//!
+//! In an elastic job (`--nnodes MIN:MAX`) a rank that fails is not a failure of the attempt:
+//! it is restarted alone, with the same variables, while the attempt's restart budget lasts
+//! (it rejoins the running job and is healed from a live peer), and otherwise left dead (the
+//! job goes on without it). Only a rank that says the job fell below its minimum
+//! ([`ddp_comm::elastic::ELASTIC_STOP_EXIT`]) fails the attempt and stops the others, so that
+//! the job restarts from its last checkpoint as a new round, as without elasticity. The first rank that fails on its own is the first failure: the others
 //! are asked for their flight records and stopped (`SIGTERM`, then `SIGKILL` once the grace
 //! period is over, and everything they started with them). Every rank is reaped before any is
 //! signalled within one look, so a rank that ended in the same look as the first failure is
@@ -17,7 +24,7 @@ use crate::config::LaunchConfig;
 use crate::error::{signal_name, LaunchError, LaunchReport, RankExit, RankFailure};
 use crate::hang::{ask_for_flight_records, hang_report_of, print_hang_report};
 use crate::output::notice;
-use crate::ranks::{poll_exit, start_ranks, stop_running, Attempt, Rank};
+use crate::ranks::{poll_exit, start_rank, start_ranks, stop_running, Attempt, Rank};
 use crate::report::diagnose;
 use crate::signals::SignalForwarding;
 
@@ -46,6 +53,8 @@ pub(crate) enum Ending {
 pub(crate) struct Outcome {
     pub ending: Ending,
     pub signalled: bool,
+    /// Ranks restarted alone in an elastic job.
+    pub rank_restarts: usize,
 }
 
 /// What the other nodes' launchers say, asked once per look: `Some(Ok(()))` a restart was
@@ -53,11 +62,13 @@ pub(crate) struct Outcome {
 pub(crate) type OtherNodes<'a> = &'a dyn Fn() -> Option<Result<(), String>>;
 
 /// Starts the local ranks of `attempt` once, watches them until all have ended and reports how.
+/// In an elastic job up to `rank_budget` failed ranks are restarted alone.
 pub(crate) fn run_attempt(
     config: &LaunchConfig,
     attempt: Attempt<'_>,
     mut signals: Option<&mut SignalForwarding>,
     other_nodes: OtherNodes,
+    rank_budget: usize,
 ) -> Outcome {
     let (done_tx, done_rx) = mpsc::channel::<()>();
     let ranks = match start_ranks(config, &attempt, &done_tx) {
@@ -66,11 +77,21 @@ pub(crate) fn run_attempt(
             return Outcome {
                 ending: Ending::Error(error),
                 signalled: false,
+                rank_restarts: 0,
             }
         }
     };
-    drop(done_tx);
     let mut watch = Watch::new(config, ranks, &attempt);
+    if config.min_nnodes.is_some() {
+        watch.elastic = Some(Elastic {
+            budget: rank_budget,
+            restarted: 0,
+            done_tx,
+            lost: Vec::new(),
+        });
+    } else {
+        drop(done_tx);
+    }
     loop {
         watch.look_at_other_nodes(other_nodes);
         watch.look_at_signals(signals.as_deref_mut());
@@ -82,8 +103,12 @@ pub(crate) fn run_attempt(
         thread::sleep(POLL_INTERVAL);
     }
     watch.kill_leftovers();
+    let rank_restarts = watch.elastic.as_ref().map_or(0, |e| e.restarted);
+    let lost = watch.elastic.take().map(|e| e.lost).unwrap_or_default();
     drain_output(&done_rx);
-    watch.outcome()
+    let mut outcome = watch.outcome(lost.first().copied());
+    outcome.rank_restarts = rank_restarts;
+    outcome
 }
 
 /// Waits (at most [`DRAIN_TIMEOUT`]) until every output forwarder has seen its stream close.
@@ -95,6 +120,18 @@ fn drain_output(done: &mpsc::Receiver<()>) {
             Err(_) => break, // all forwarders done (disconnected) or out of time
         }
     }
+}
+
+/// An elastic job's restarts of single ranks (see the module documentation).
+struct Elastic {
+    /// How many ranks may still be restarted alone in this attempt.
+    budget: usize,
+    /// How many were.
+    restarted: usize,
+    /// For the output forwarders of restarted ranks (dropped when the watch ends).
+    done_tx: mpsc::Sender<()>,
+    /// Indices (into the ranks) of ranks that failed with no restart left.
+    lost: Vec<usize>,
 }
 
 /// The watch loop's state.
@@ -113,6 +150,8 @@ struct Watch<'a> {
     signalled: bool,
     /// Several nodes: a restart decided by another node's launcher (Ok) or a node lost (Err).
     stopped_by_other_nodes: Option<Result<(), String>>,
+    /// An elastic job's restarts of single ranks.
+    elastic: Option<Elastic>,
 }
 
 impl<'a> Watch<'a> {
@@ -127,6 +166,7 @@ impl<'a> Watch<'a> {
             wait_error: None,
             signalled: false,
             stopped_by_other_nodes: None,
+            elastic: None,
         }
     }
 
@@ -208,6 +248,8 @@ impl<'a> Watch<'a> {
             }
             if self.ranks[i].signalled {
                 notice(&format!("rank {rank} stopped: {}", exit.without_hint()));
+            } else if !self.stopping() && self.elastic_rank_ended(i, exit) {
+                continue;
             } else if self.stopping() {
                 notice(&format!(
                     "rank {rank} (local rank {local_rank}) {exit} as well"
@@ -225,6 +267,46 @@ impl<'a> Watch<'a> {
         if self.wait_error.is_some() {
             stop_running(&mut self.ranks, libc::SIGKILL);
         }
+    }
+
+    /// In an elastic job, a rank that failed on its own while nothing is being stopped: restarts
+    /// it alone while the budget lasts, or leaves it dead, and returns `true`; returns `false`
+    /// (an ordinary failure: stop the others) when it says the job fell below its minimum, or
+    /// the job is not elastic.
+    fn elastic_rank_ended(&mut self, i: usize, exit: RankExit) -> bool {
+        let Some(elastic) = self.elastic.as_mut() else {
+            return false;
+        };
+        let rank = self.ranks[i].rank;
+        let stop_code = i32::from(ddp_comm::elastic::ELASTIC_STOP_EXIT);
+        if exit == RankExit::Code(stop_code) {
+            notice(&format!(
+                "rank {rank} {exit}: the elastic job fell below its minimum of ranks"
+            ));
+            return false;
+        }
+        if elastic.restarted >= elastic.budget {
+            notice(&format!(
+                "rank {rank} {exit}; no restart left: the elastic job goes on without it"
+            ));
+            elastic.lost.push(i);
+            return true;
+        }
+        elastic.restarted += 1;
+        notice(&format!(
+            "rank {rank} {exit}; restarting it alone to rejoin the elastic job (restart {} of \
+             {} of this launcher)",
+            elastic.restarted, self.config.max_restarts
+        ));
+        let local_rank = self.ranks[i].local_rank;
+        match start_rank(self.config, self.attempt, local_rank, &elastic.done_tx) {
+            Ok(started) => self.ranks[i] = started,
+            Err(error) => {
+                notice(&format!("rank {rank} could not be restarted: {error}"));
+                elastic.lost.push(i);
+            }
+        }
+        true
     }
 
     /// Kills what is still running once the grace period is over.
@@ -247,8 +329,12 @@ impl<'a> Watch<'a> {
     }
 
     /// How the attempt ended, once every rank has: a launcher error first, then what the other
-    /// nodes decided, then the first failure (diagnosed), then an interruption, else success.
-    fn outcome(self) -> Outcome {
+    /// nodes decided, then the first failure (diagnosed; in an elastic job, else the first rank
+    /// `lost` for good), then an interruption, else success.
+    fn outcome(mut self, lost: Option<usize>) -> Outcome {
+        if self.first_failure.is_none() {
+            self.first_failure = lost;
+        }
         let (config, attempt) = (self.config, self.attempt);
         let ending = if let Some(error) = self.wait_error {
             Ending::Error(error)
@@ -281,6 +367,7 @@ impl<'a> Watch<'a> {
         Outcome {
             ending,
             signalled: self.signalled,
+            rank_restarts: 0,
         }
     }
 }

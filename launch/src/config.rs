@@ -5,6 +5,7 @@ use std::ffi::OsString;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ddp_comm::elastic::{MAX_RESTARTS_ENV, RESTART_COUNT_ENV, USE_AGENT_STORE_ENV};
+use ddp_comm::ELASTIC_ENV;
 
 /// The grace period between `SIGTERM` and `SIGKILL` when no other is configured.
 pub const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(5);
@@ -17,8 +18,14 @@ pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
 pub struct LaunchConfig {
     /// Ranks to start on this node (`--nproc-per-node`), at least 1.
     pub nproc_per_node: usize,
-    /// Nodes in the job (`--nnodes`), at least 1.
+    /// Nodes in the job (`--nnodes`), at least 1; with [`min_nnodes`](Self::min_nnodes), the
+    /// most nodes of an elastic job.
     pub nnodes: usize,
+    /// `Some(MIN)` for an elastic job (`--nnodes MIN:MAX` with MIN < MAX): it runs while at
+    /// least `MIN × nproc_per_node` ranks are up. A rank that fails is restarted alone (within
+    /// `max_restarts`) and rejoins the running job, the others go on; the ranks get
+    /// `DDP_ELASTIC=MIN:MAX` in ranks (see [`crate::launch`]).
+    pub min_nnodes: Option<usize>,
     /// This node's index in `0..nnodes` (`--node-rank`).
     pub node_rank: usize,
     /// Address of the node that runs rank 0, where the rendezvous store listens. Required when
@@ -54,6 +61,7 @@ impl LaunchConfig {
         LaunchConfig {
             nproc_per_node,
             nnodes: 1,
+            min_nnodes: None,
             node_rank: 0,
             master_addr: None,
             master_port: None,
@@ -70,6 +78,13 @@ impl LaunchConfig {
         self.nnodes * self.nproc_per_node
     }
 
+    /// The elastic range in ranks, `(MIN × nproc_per_node, MAX × nproc_per_node)`, when the
+    /// job is elastic.
+    pub fn elastic_ranks(&self) -> Option<(usize, usize)> {
+        self.min_nnodes
+            .map(|min| (min * self.nproc_per_node, self.world_size()))
+    }
+
     /// Global rank of this node's local rank `local_rank`: `node_rank * nproc_per_node +
     /// local_rank`.
     pub fn global_rank(&self, local_rank: usize) -> usize {
@@ -81,8 +96,9 @@ impl LaunchConfig {
 /// (0 for the first start): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
 /// `GROUP_RANK` (the node rank, as torchrun names it), `MASTER_ADDR`, `MASTER_PORT`,
 /// [`RESTART_COUNT_ENV`], [`MAX_RESTARTS_ENV`] and [`USE_AGENT_STORE_ENV`]` = True` (node 0's
-/// launcher hosts the store on `MASTER_PORT`: no rank binds it), and `DDP_JOB_ID` when `job_id`
-/// is given.
+/// launcher hosts the store on `MASTER_PORT`: no rank binds it), `DDP_JOB_ID` when `job_id`
+/// is given, and [`ELASTIC_ENV`]` = MIN:MAX` (in ranks) for an elastic job (`WORLD_SIZE` is
+/// then the most ranks, and `RANK` the rank's slot among them).
 pub fn rank_env(
     config: &LaunchConfig,
     local_rank: usize,
@@ -105,6 +121,9 @@ pub fn rank_env(
     ];
     if let Some(id) = job_id {
         env.push(("DDP_JOB_ID", id.to_string()));
+    }
+    if let Some((min, max)) = config.elastic_ranks() {
+        env.push((ELASTIC_ENV, format!("{min}:{max}")));
     }
     env
 }

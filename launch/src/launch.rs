@@ -15,6 +15,15 @@
 //! budget spent, an interruption, a launcher error) ends the job with that attempt's result,
 //! exactly as without restarts. On several nodes the launchers agree on every round through
 //! node 0's store (`agents.rs`) and meet again at the fixed `MASTER_PORT`.
+//!
+//! An elastic job (`--nnodes MIN:MAX`) restarts a failed rank alone, within the same budget
+//! (`attempt.rs`), and its launchers do not coordinate rounds through a store of their own:
+//! the ranks agree on their membership through the rendezvous store
+//! (`ddp_comm::ElasticGroup`), and a round ends only when the job falls below its minimum
+//! (every surviving rank exits with `ELASTIC_STOP_EXIT`, and every launcher that sees it
+//! starts its ranks again in the next round, whose store keys are new). Node 0's launcher
+//! hosts that store: when its own ranks are gone for good it keeps the store up until the job
+//! is over on the other nodes.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -57,8 +66,10 @@ struct Job<'a> {
     /// The ranks' flight records and error files, and whether it is the launcher's own (removed
     /// after a successful job) rather than the user's `DDP_TRACE_DIR`.
     trace_dir: (PathBuf, bool),
-    /// Restarts so far.
+    /// Restarts so far (rounds: `TORCHELASTIC_RESTART_COUNT`).
     restarts: usize,
+    /// Ranks restarted alone so far (an elastic job), from the same budget.
+    rank_restarts: usize,
 }
 
 impl<'a> Job<'a> {
@@ -88,6 +99,7 @@ impl<'a> Job<'a> {
             agents,
             trace_dir,
             restarts: 0,
+            rank_restarts: 0,
         })
     }
 
@@ -112,13 +124,67 @@ impl<'a> Job<'a> {
             }
             (a.round() > round).then_some(Ok(()))
         };
-        run_attempt(self.config, attempt, self.signals.as_mut(), &other_nodes)
+        let budget = self.restarts_left();
+        let outcome = run_attempt(
+            self.config,
+            attempt,
+            self.signals.as_mut(),
+            &other_nodes,
+            budget,
+        );
+        self.rank_restarts += outcome.rank_restarts;
+        if !matches!(outcome.ending, Ending::Succeeded(_)) {
+            self.host_until_the_job_is_over();
+        }
+        outcome
+    }
+
+    /// Restarts left of the budget (rounds and single ranks together).
+    fn restarts_left(&self) -> usize {
+        self.config
+            .max_restarts
+            .saturating_sub(self.restarts + self.rank_restarts)
+    }
+
+    /// An elastic job on several nodes whose store this launcher hosts: its ranks are gone, but
+    /// the other nodes' may still run; keep the store up until the job finished or stopped (or
+    /// this launcher is told to stop).
+    fn host_until_the_job_is_over(&mut self) {
+        let (Some(_), true, Some(host)) = (
+            self.config.min_nnodes,
+            self.config.nnodes > 1,
+            self.store._host.as_ref(),
+        ) else {
+            return;
+        };
+        let round = self.restarts as u32;
+        if ddp_comm::elastic_job_state(host, round).is_some() {
+            return;
+        }
+        notice("this node's ranks are gone; hosting the store until the elastic job is over");
+        loop {
+            if ddp_comm::elastic_job_state(host, round).is_some() {
+                return;
+            }
+            if let Some(signals) = self.signals.as_mut() {
+                if let Some(signal) = signals.take() {
+                    notice(&format!(
+                        "received {}; no longer hosting the store",
+                        signal_name(signal)
+                    ));
+                    return;
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
     }
 
     /// Step 6: after an attempt, the job's report (`Ok(Some)`), its error, or `Ok(None)`: a
     /// restart, prepared (new port and job id).
     fn next_round(&mut self, outcome: Outcome) -> Result<Option<LaunchReport>, LaunchError> {
-        let Outcome { ending, signalled } = outcome;
+        let Outcome {
+            ending, signalled, ..
+        } = outcome;
         if !signalled {
             if let Some(first) = self.failure_elsewhere(&ending)? {
                 self.restart_for_failure_elsewhere(first)?;
@@ -126,9 +192,7 @@ impl<'a> Job<'a> {
             }
         }
         match ending {
-            Ending::RankFailed(failure)
-                if !signalled && self.restarts < self.config.max_restarts =>
-            {
+            Ending::RankFailed(failure) if !signalled && self.restarts_left() > 0 => {
                 self.restart_after(&failure)?;
                 Ok(None)
             }
@@ -188,7 +252,7 @@ impl<'a> Job<'a> {
     /// Restarts this node's ranks because a rank of another node failed (`first`, as that
     /// node's launcher described it), or fails when the restarts are used up.
     fn restart_for_failure_elsewhere(&mut self, first: String) -> Result<(), LaunchError> {
-        if self.restarts >= self.config.max_restarts {
+        if self.restarts_left() == 0 {
             notice(&format!("the job failed on another node: {first}"));
             return Err(LaunchError::FailedElsewhere {
                 max_restarts: self.config.max_restarts,
@@ -251,9 +315,12 @@ impl<'a> Job<'a> {
     /// store, and only then do the other nodes' launchers go on to start their ranks.
     fn renew_store(&mut self, round: u64) -> Result<(), LaunchError> {
         let (rendezvous, store) = (&self.rendezvous, &mut self.store);
+        // An elastic round's keys are its own (the round is in their prefix), and the other
+        // nodes' ranks may still be ending: a given port's store is kept as it is.
+        let keep = self.config.min_nnodes.is_some();
         match &self.agents {
-            Some(a) => a.wait_stopped(round, || rendezvous.renew(store)),
-            None => rendezvous.renew(store),
+            Some(a) => a.wait_stopped(round, || rendezvous.renew(store, keep)),
+            None => rendezvous.renew(store, keep),
         }
     }
 
@@ -278,6 +345,14 @@ fn check(config: &LaunchConfig) -> Result<(&OsString, &[OsString]), LaunchError>
     if config.nnodes == 0 {
         return Err(LaunchError::Zero { what: "--nnodes" });
     }
+    if config
+        .min_nnodes
+        .is_some_and(|min| min == 0 || min > config.nnodes)
+    {
+        return Err(LaunchError::Zero {
+            what: "--nnodes MIN (1 <= MIN <= MAX)",
+        });
+    }
     if config.node_rank >= config.nnodes {
         return Err(LaunchError::NodeRankOutOfRange {
             node_rank: config.node_rank,
@@ -295,7 +370,7 @@ fn join_agents(
     master_port: u16,
     job_id: Option<&str>,
 ) -> Result<Option<Agents>, LaunchError> {
-    if config.nnodes == 1 || config.max_restarts == 0 {
+    if config.nnodes == 1 || config.max_restarts == 0 || config.min_nnodes.is_some() {
         return Ok(None);
     }
     let port = master_port.checked_add(1).ok_or(LaunchError::Agents {

@@ -13,8 +13,10 @@ use crate::error::LaunchError;
 /// when unset or empty, or when its flag was given ([`GivenFlags`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PetDefaults {
-    /// `PET_NNODES`: a count, or torchrun's elastic `MIN:MAX` with `MIN = MAX`.
+    /// `PET_NNODES`: a count, or the most of torchrun's elastic `MIN:MAX`.
     pub nnodes: Option<usize>,
+    /// The least of `PET_NNODES=MIN:MAX` when `MIN < MAX` (an elastic job).
+    pub min_nnodes: Option<usize>,
     /// `PET_NPROC_PER_NODE`: a count, or torchrun's `auto`, `cpu` or `gpu` (see
     /// [`crate::nproc_per_node`]).
     pub nproc_per_node: Option<usize>,
@@ -56,8 +58,8 @@ impl PetDefaults {
 
     /// Reads the variables of the options not `given` through `lookup`. A value ddprun cannot
     /// use is [`LaunchError::Variable`] naming the variable: a count that is not a number (or is
-    /// 0), an elastic range (`PET_NNODES=1:4`: ddprun has no elastic membership),
-    /// `PET_NPROC_PER_NODE=gpu` on a host without GPUs.
+    /// 0), a range that is not `MIN:MAX` with `1 <= MIN <= MAX`, `PET_NPROC_PER_NODE=gpu` on a
+    /// host without GPUs.
     pub fn from_vars(
         given: &GivenFlags,
         lookup: impl Fn(&str) -> Option<String>,
@@ -88,22 +90,18 @@ impl PetDefaults {
                 },
             }
         };
-        let nnodes = match get("PET_NNODES", given.nnodes) {
-            Some(v) if v.contains(':') => {
-                let (min, max) = v.split_once(':').unwrap_or_default();
-                match (min.trim().parse::<usize>(), max.trim().parse::<usize>()) {
-                    (Ok(a), Ok(b)) if a == b && a >= 1 => Some(a),
-                    _ => {
-                        return Err(bad(
-                            "PET_NNODES",
-                            &v,
-                            "an elastic range of nodes, which ddprun does not support: give a \
-                             fixed count (MIN = MAX, or --nnodes)",
-                        ))
-                    }
+        let (nnodes, min_nnodes) = match get("PET_NNODES", given.nnodes) {
+            Some(v) if v.contains(':') => match ddp_comm::parse_range(&v) {
+                Some((min, max)) => (Some(max), (min < max).then_some(min)),
+                None => {
+                    return Err(bad(
+                        "PET_NNODES",
+                        &v,
+                        "not an elastic range MIN:MAX with 1 <= MIN <= MAX",
+                    ))
                 }
-            }
-            _ => count("PET_NNODES", given.nnodes, 1)?,
+            },
+            _ => (count("PET_NNODES", given.nnodes, 1)?, None),
         };
         let nproc_per_node = match get("PET_NPROC_PER_NODE", given.nproc_per_node) {
             None => None,
@@ -124,6 +122,7 @@ impl PetDefaults {
         };
         Ok(PetDefaults {
             nnodes,
+            min_nnodes,
             nproc_per_node,
             node_rank: count("PET_NODE_RANK", given.node_rank, 0)?,
             master_addr: get("PET_MASTER_ADDR", given.master_addr),
@@ -162,6 +161,7 @@ mod tests {
             d,
             PetDefaults {
                 nnodes: Some(2),
+                min_nnodes: None,
                 nproc_per_node: Some(4),
                 node_rank: Some(1),
                 master_addr: Some("job-master-0".into()),
@@ -171,6 +171,9 @@ mod tests {
         );
         assert_eq!(from(&[]).unwrap(), PetDefaults::default());
         assert_eq!(from(&[("PET_NNODES", "3:3")]).unwrap().nnodes, Some(3));
+        // An elastic range: its most nodes, and its least.
+        let elastic = from(&[("PET_NNODES", "2:4")]).unwrap();
+        assert_eq!((elastic.nnodes, elastic.min_nnodes), (Some(4), Some(2)));
         assert!(
             from(&[("PET_NPROC_PER_NODE", "cpu")])
                 .unwrap()
@@ -182,7 +185,8 @@ mod tests {
     #[test]
     fn unusable_values_name_the_variable() {
         for (var, value) in [
-            ("PET_NNODES", "1:4"),
+            ("PET_NNODES", "4:1"),
+            ("PET_NNODES", "0:2"),
             ("PET_NNODES", "0"),
             ("PET_NNODES", "two"),
             ("PET_NPROC_PER_NODE", "xpu"),
@@ -200,12 +204,11 @@ mod tests {
     }
 
     /// A flag wins over its variable: the variable is not even read, so a value ddprun could
-    /// not use (Kubeflow's default `auto` on a host without GPUs is usable; an elastic range is
-    /// not) is no error beside its flag.
+    /// not use is no error beside its flag.
     #[test]
     fn a_given_flag_leaves_its_variable_unread() {
         let pod = [
-            ("PET_NNODES", "1:4"),
+            ("PET_NNODES", "4:1"),
             ("PET_NPROC_PER_NODE", "xpu"),
             ("PET_NODE_RANK", "-1"),
             ("PET_MASTER_ADDR", "job-master-0"),

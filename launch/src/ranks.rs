@@ -78,9 +78,10 @@ pub(crate) fn start_ranks(
     Ok(ranks)
 }
 
-/// Starts local rank `local_rank`. A [`STORE_FD_ENV`] this launcher inherited is not passed on:
-/// the descriptor is not the ranks' (and is closed on exec anyway).
-fn start_rank(
+/// Starts local rank `local_rank` (also alone: an elastic job's restart of one rank). A
+/// [`STORE_FD_ENV`] this launcher inherited is not passed on: the descriptor is not the ranks'
+/// (and is closed on exec anyway).
+pub(crate) fn start_rank(
     config: &LaunchConfig,
     attempt: &Attempt<'_>,
     local_rank: usize,

@@ -77,11 +77,13 @@ impl Rendezvous {
     }
 
     /// Makes `store` the next attempt's, once every rank of the last one has ended: on a given
-    /// port the same store, cleared (its keys gone, its old connections closed), else a new one
-    /// on a new free port (bound before the old one is dropped, so the port differs).
-    pub fn renew(&self, store: &mut AttemptStore) -> Result<(), LaunchError> {
+    /// port the same store, cleared (its keys gone, its old connections closed) unless `keep`,
+    /// else a new one on a new free port (bound before the old one is dropped, so the port
+    /// differs).
+    pub fn renew(&self, store: &mut AttemptStore, keep: bool) -> Result<(), LaunchError> {
         match (self.fixed_port, &store._host) {
             (None, _) => *store = self.host(0)?,
+            (Some(_), Some(_)) if keep => {}
             (Some(port), Some(host)) => host.clear().map_err(|source| LaunchError::StorePort {
                 addr: self.addr.clone(),
                 port,

@@ -402,15 +402,39 @@ fn pet_variables_are_the_defaults_of_the_options() {
     assert!(done.status.success(), "stderr:\n{}", done.stderr);
     let vars = &printed_env(&done.stdout, 1)[0];
     assert_eq!((value(vars, "RANK"), value(vars, "WORLD_SIZE")), ("1", "3"));
-    // torchrun's elastic range: refused, naming the variable.
+    // torchrun's elastic range: an elastic job of up to 4 nodes, at least 1 (in ranks: 2 to
+    // 8), which the ranks learn from DDP_ELASTIC; WORLD_SIZE is the most ranks.
     let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
-    command.args(["--", "true"]);
+    command.args([
+        "--",
+        "sh",
+        "-c",
+        "echo RANK=$RANK WORLD_SIZE=$WORLD_SIZE DDP_ELASTIC=$DDP_ELASTIC",
+    ]);
     pod(&mut command);
     command.env("PET_NNODES", "1:4");
     let done = run(command);
+    assert!(done.status.success(), "stderr:\n{}", done.stderr);
+    let vars = &printed_env(&done.stdout, 2)[1];
+    assert_eq!(
+        (
+            value(vars, "RANK"),
+            value(vars, "WORLD_SIZE"),
+            value(vars, "DDP_ELASTIC")
+        ),
+        ("3", "8", "2:8"),
+        "{}",
+        done.stdout
+    );
+    // A range that is none: refused, naming the variable.
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    command.args(["--", "true"]);
+    pod(&mut command);
+    command.env("PET_NNODES", "4:1");
+    let done = run(command);
     assert_eq!(done.status.code(), Some(2), "{}", done.stderr);
     assert!(
-        done.stderr.contains("PET_NNODES=\"1:4\""),
+        done.stderr.contains("PET_NNODES=\"4:1\""),
         "{}",
         done.stderr
     );

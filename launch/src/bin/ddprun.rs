@@ -3,6 +3,7 @@
 //! ```text
 //! ddprun --nproc-per-node 4 -- target/release/train-mnist --epochs 1
 //! ddprun --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 -- CMD...
+//! ddprun --nnodes 2:3 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 --max-restarts 3 -- CMD...
 //! ```
 //!
 //! Each rank gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
@@ -16,7 +17,9 @@
 //! Like torchrun, ddprun takes `PET_NNODES`, `PET_NPROC_PER_NODE`, `PET_NODE_RANK`,
 //! `PET_MASTER_ADDR`, `PET_MASTER_PORT` and `PET_MAX_RESTARTS` (what Kubeflow's PyTorchJob sets)
 //! as the defaults of the flags not given (a given flag's variable is not read), and
-//! `--nproc-per-node auto`, `cpu` or `gpu` as torchrun does. Like torchrun's agent, it hosts the
+//! `--nproc-per-node auto`, `cpu` or `gpu` as torchrun does. `--nnodes MIN:MAX` (or
+//! `PET_NNODES=MIN:MAX`) runs an elastic job: a failed rank is restarted alone and rejoins,
+//! the survivors go on without it (see the `ddp_launch` crate documentation). Like torchrun's agent, it hosts the
 //! rendezvous store on `MASTER_PORT` itself (`TORCHELASTIC_USE_AGENT_STORE=True`), so that a
 //! PyTorch program starts under it as under torchrun.
 //! All the work is in the `ddp_launch` library; this binary only parses arguments.
@@ -41,10 +44,13 @@ struct Args {
     /// any) [default: PET_NPROC_PER_NODE, else 1].
     #[arg(long, alias = "nproc_per_node", value_name = "N", value_parser = launch::nproc_per_node)]
     nproc_per_node: Option<usize>,
-    /// Nodes in the job; more than 1 needs --master-addr and --master-port [default:
+    /// Nodes in the job; more than 1 needs --master-addr and --master-port. `MIN:MAX` makes an
+    /// elastic job: it runs while at least MIN nodes' ranks are up; a rank that fails is
+    /// restarted alone (within --max-restarts) and rejoins the running job, the others go on
+    /// (the ranks get DDP_ELASTIC=MIN:MAX in ranks; the trainers follow it) [default:
     /// PET_NNODES, else 1].
-    #[arg(long, value_name = "M")]
-    nnodes: Option<usize>,
+    #[arg(long, value_name = "M|MIN:MAX", value_parser = node_count)]
+    nnodes: Option<(usize, usize)>,
     /// This node's index, 0 to nnodes-1; RANK = node_rank * nproc_per_node + LOCAL_RANK
     /// [default: PET_NODE_RANK, else 0].
     #[arg(long, alias = "node_rank", value_name = "K")]
@@ -83,6 +89,13 @@ struct Args {
     command: Vec<OsString>,
 }
 
+/// `--nnodes`: a count, or an elastic range `MIN:MAX`.
+fn node_count(text: &str) -> Result<(usize, usize), String> {
+    ddp_comm::parse_range(text).ok_or_else(|| {
+        format!("{text:?}: expected a count of at least 1, or MIN:MAX with 1 <= MIN <= MAX")
+    })
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
     let grace_period = match Duration::try_from_secs_f64(args.grace_period) {
@@ -112,7 +125,11 @@ fn main() -> ExitCode {
     };
     let config = LaunchConfig {
         nproc_per_node: args.nproc_per_node.or(pet.nproc_per_node).unwrap_or(1),
-        nnodes: args.nnodes.or(pet.nnodes).unwrap_or(1),
+        nnodes: args.nnodes.map(|(_, max)| max).or(pet.nnodes).unwrap_or(1),
+        min_nnodes: match args.nnodes {
+            Some((min, max)) => (min < max).then_some(min),
+            None => pet.min_nnodes,
+        },
         node_rank: args.node_rank.or(pet.node_rank).unwrap_or(0),
         master_addr: args.master_addr.or(pet.master_addr),
         master_port: args.master_port.or(pet.master_port),

@@ -1,0 +1,652 @@
+//! The trainers' elastic loop (`--elastic MIN:MAX`, or `DDP_ELASTIC`, which `ddprun --nnodes
+//! MIN:MAX` sets): ranks leave and join while the job runs, the survivors go on from memory,
+//! a joiner is healed from rank 0 ([`ddp::ElasticDdp`], `ddp_comm::ElasticGroup`), and the
+//! epoch's samples are handed out by [`ElasticSampler`] from one position counting the
+//! committed steps' samples, so that each is trained once whatever the membership does.
+//!
+//! The per-rank batch stays `--batch-size` (torchrun's behaviour): the global batch is
+//! `world × batch`, and the learning rate follows the world as `--lr-scaling` says (fixed by
+//! default). Dropout masks depend on (seed, epoch, step, rank): the same membership schedule
+//! gives the same bits. Every membership change is a line (`elastic: generation G ...`), and
+//! so is the first step after it (`elastic: step N at world W at T`, T in ms since the epoch);
+//! with `--json` every rank prints `DDP_ELASTIC_SUMMARY {...}` at the end: its generations,
+//! steps committed, repeated and dropped, and for each epoch how often each sample was trained
+//! by the committed steps this rank saw (from the sampler's plan of every rank of each step).
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use burn::module::Module;
+use burn::tensor::Device;
+use ddp::{
+    Compression, DdpConfig, DdpError, ElasticDdp, ElasticOptimizer, Outcome, Position, Progress,
+    RunId, ShardOptimizer, ShardedAdamConfig, ShardedSgdConfig, ZeroConfig, ZeroStage,
+};
+use ddp_comm::{ElasticConfig, ElasticGroup, ProcessGroup, ReduceOp, ELASTIC_ENV};
+use ddp_data::{
+    BatchSource, CpuBatch, DataLoader, DistributedSampler, ElasticSampler, LoaderConfig,
+};
+use ddp_models::Classifier;
+use serde_json::json;
+
+use crate::options::{CompressionKind, OptimizerKind, TrainConfig};
+use crate::train::{Data, RunSummary, Task};
+
+/// The elastic range of this run: `--elastic`, else `DDP_ELASTIC`; `None`: not elastic.
+pub fn elastic_range(cfg: &TrainConfig) -> Option<String> {
+    cfg.elastic
+        .clone()
+        .or_else(|| std::env::var(ELASTIC_ENV).ok())
+        .filter(|v| !v.trim().is_empty())
+}
+
+/// Milliseconds since the Unix epoch.
+fn now_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
+/// The optimizer step `cfg` asks for, for every generation (the same settings as the plain
+/// loop's `Stepper`).
+fn elastic_optimizer(cfg: &TrainConfig) -> ElasticOptimizer {
+    let stage = match cfg.zero_stage {
+        0 => None,
+        1 => Some(ZeroStage::One),
+        _ => Some(ZeroStage::Two),
+    };
+    match stage {
+        None => ElasticOptimizer::Ddp {
+            config: DdpConfig {
+                bucket_cap_mb: cfg.bucket_cap_mb,
+                compression: match cfg.compression {
+                    CompressionKind::None => Compression::None,
+                    CompressionKind::Bf16 => Compression::Bf16,
+                    CompressionKind::F16 => Compression::F16,
+                },
+                overlap: cfg.overlap,
+                ..DdpConfig::default()
+            },
+            optim: crate::stepper::burn_optimizer(cfg),
+        },
+        Some(stage) => ElasticOptimizer::Zero {
+            config: ZeroConfig::new(stage).with_bucket_cap_mb(cfg.bucket_cap_mb),
+            optimizer: match cfg.optimizer {
+                OptimizerKind::Adam => {
+                    ShardOptimizer::Adam(ShardedAdamConfig::new().with_epsilon(1e-8))
+                }
+                OptimizerKind::Sgd => ShardOptimizer::Sgd(
+                    ShardedSgdConfig::new()
+                        .with_momentum((cfg.momentum > 0.0).then_some(cfg.momentum)),
+                ),
+            },
+        },
+    }
+}
+
+/// What every process of the job must share, in words: the model's name and a hash of its
+/// parameter list (names and shapes).
+fn compat<M: Module>(name: &str, model: &M) -> String {
+    let params = ddp::param_infos(model);
+    let text: String = params
+        .iter()
+        .map(|p| format!("{}{:?};", p.name, p.shape))
+        .collect();
+    format!(
+        "{name} ({} tensors, parameter list {:016x})",
+        params.len(),
+        ddp_comm::hash::fnv1a(text.as_bytes())
+    )
+}
+
+/// One membership change, for the summary.
+#[derive(serde::Serialize)]
+struct ChangeRecord {
+    generation: u64,
+    world: usize,
+    rank: usize,
+    after_step: u64,
+    joined: Vec<usize>,
+    left: Vec<usize>,
+    dropped: bool,
+    healed: bool,
+    at_ms: u128,
+}
+
+/// Trains `task` elastically (see the module documentation).
+pub(crate) fn run<M, S, const D: usize>(
+    cfg: &TrainConfig,
+    device: Device,
+    task: Task<M, S>,
+) -> Result<RunSummary>
+where
+    M: Module + Classifier<D>,
+    S: BatchSource<D> + 'static,
+{
+    let started = Instant::now();
+    let Task {
+        name,
+        model,
+        train,
+        test,
+    } = task;
+    let (Data::Memory(train), Data::Memory(test)) = (train, test) else {
+        bail!("--elastic trains from memory only (not --data-format shards)");
+    };
+    let range = elastic_range(cfg).context("not an elastic run")?;
+    let lookup = |k: &str| {
+        if k == ELASTIC_ENV {
+            Some(range.clone())
+        } else {
+            std::env::var(k).ok()
+        }
+    };
+    let config =
+        ElasticConfig::from_vars(&compat(&name, &model), &lookup)?.context("not an elastic run")?;
+    let (min, max, slot) = (config.min, config.max, config.slot);
+    let Some(group) = ElasticGroup::join(config)? else {
+        println!("elastic: slot {slot}: the job has already finished");
+        return Ok(empty_summary(&name));
+    };
+    let healed = group.joined_running();
+    let train_len = cfg
+        .train_samples
+        .map_or(train.len(), |n| n.min(train.len()));
+    let test_len = cfg.test_samples.map_or(test.len(), |n| n.min(test.len()));
+    let sampler = ElasticSampler::new(train_len, cfg.batch_size)?.with_seed(cfg.seed);
+
+    // A founder of a restarted job resumes from the last checkpoint; a joiner is healed.
+    let run_id = RunId {
+        model: format!("{name}-elastic"),
+        seed: cfg.seed,
+        allow_mismatch: true,
+    };
+    let restart = crate::train::restart_count();
+    let mut model = model;
+    let mut optimizer = elastic_optimizer(cfg);
+    let mut progress = Progress::default();
+    let mut zero_state = None;
+    let resume = !healed && (cfg.resume || (restart > 0 && cfg.checkpoint_dir.is_some()));
+    if resume {
+        let dir = cfg
+            .checkpoint_dir
+            .as_ref()
+            .context("--resume needs --checkpoint-dir")?;
+        let path = ddp::checkpoint::checkpoint_path(dir);
+        let pg = group.group();
+        let meta = match &mut optimizer {
+            ElasticOptimizer::Ddp { optim, .. } => {
+                let fresh = std::mem::replace(optim, crate::stepper::burn_optimizer(cfg));
+                let r = ddp::resume(pg, &path, &run_id, model, fresh)?;
+                (model, *optim) = (r.model, r.optim);
+                r.meta
+            }
+            ElasticOptimizer::Zero { .. } => {
+                let r = ddp::resume_sharded(pg, &path, &run_id, model)?;
+                model = r.model;
+                zero_state = r.optim_state;
+                r.meta
+            }
+        };
+        if let Some(meta) = meta {
+            progress = Progress {
+                step: meta.step,
+                epoch: meta.epoch as u64,
+                position: meta.batch_in_epoch,
+                extra: Vec::new(),
+            };
+            if group.rank() == 0 {
+                println!(
+                    "elastic: resuming from {} (step {}, epoch {}, {} samples of it trained)",
+                    path.display(),
+                    meta.step,
+                    meta.epoch + 1,
+                    meta.batch_in_epoch
+                );
+            }
+        }
+    }
+    let mut run = ElasticDdp::start(group, model, optimizer, progress)?;
+    // Test hooks: replay a membership schedule (this slot kills itself after a step; joiners
+    // are admitted at a given step).
+    let kill_at = test_var("DDP_TEST_KILL_AT_STEP")
+        .filter(|_| !healed && restart == 0 && test_var("DDP_TEST_KILL_RANK") == Some(slot as u64));
+    if let Some(step) = test_var("DDP_TEST_GROW_AT_STEP") {
+        run.admit_joins_from(step);
+    }
+    if let (Some(bytes), Some(zero)) = (zero_state, run.zero_mut()) {
+        zero.load_consolidated(&bytes, "the checkpoint's optimizer state")?;
+    }
+    let say = |run: &ElasticDdp<M>, text: String| {
+        if run.rank() == 0 || cfg.verbose {
+            println!("{text}");
+        }
+    };
+    let generation = run.elastic_group().generation().number;
+    let line = format!(
+        "elastic: slot {slot} {} generation {generation}: rank {} of {} ({min}:{max} ranks), \
+         from step {}; {train_len} training samples, batch {} per rank, {}",
+        if healed {
+            "joined (healed from rank 0)"
+        } else {
+            "founded"
+        },
+        run.rank(),
+        run.world_size(),
+        run.progress().step,
+        cfg.batch_size,
+        cfg.describe_optimizer()
+    );
+    if healed {
+        println!("{line}");
+    } else {
+        say(&run, line);
+    }
+
+    let mut changes: Vec<ChangeRecord> = Vec::new();
+    let mut committed: Vec<u64> = Vec::new();
+    let mut dropped = 0u64;
+    let mut mark_next_step = healed;
+    // Per epoch: how often each sample was trained by the committed steps seen here.
+    let mut counts: Vec<(u64, Vec<u32>)> = Vec::new();
+    let mut order: (u64, Vec<usize>) = (u64::MAX, Vec::new());
+    let (mut loss_sum, mut loss_steps) = (0.0f64, 0u64);
+    let mut summary = empty_summary(&name);
+    let loader_cfg = LoaderConfig {
+        batch_size: cfg.batch_size,
+        num_workers: 0,
+        ..LoaderConfig::default()
+    };
+    let test_loader = DataLoader::<S, D>::new(test.clone(), loader_cfg, device.clone().inner())?;
+    let at_limit = |step: u64| cfg.max_steps.is_some_and(|m| step >= m);
+    let mut samples_done = 0u64;
+    let train_started = Instant::now();
+    loop {
+        let p = run.progress().clone();
+        let epoch_over = p.position as usize >= train_len;
+        if epoch_over || at_limit(p.step) {
+            // The epoch's end (or the step limit): evaluate and save, on every rank.
+            let evaluated = run.collective(|r| {
+                evaluate(r.model(), &test_loader, test_len, r.process_group())
+                    .map_err(DdpError::Comm)
+            })?;
+            let (correct, total, test_loss) = match evaluated {
+                Ok(v) => v,
+                Err(outcome) => {
+                    note_change(
+                        &run,
+                        outcome,
+                        &mut changes,
+                        &mut mark_next_step,
+                        &mut dropped,
+                    );
+                    continue;
+                }
+            };
+            summary.test_accuracy = correct as f64 / total.max(1) as f64;
+            summary.test_correct = correct;
+            summary.test_total = total;
+            summary.epochs = p.epoch as usize + usize::from(epoch_over);
+            summary.train_loss = loss_sum / loss_steps.max(1) as f64;
+            say(
+                &run,
+                format!(
+                    "epoch {}: train loss {:.4}, test accuracy {:.2}% ({correct}/{total}), test \
+                     loss {test_loss:.4}, world {}",
+                    p.epoch + 1,
+                    summary.train_loss,
+                    100.0 * summary.test_accuracy,
+                    run.world_size()
+                ),
+            );
+            let position = if epoch_over {
+                (p.epoch + 1, 0)
+            } else {
+                (p.epoch, p.position)
+            };
+            match save(cfg, &mut run, &run_id, position, p.step)? {
+                Ok(path) => summary.checkpoint = path.or(summary.checkpoint),
+                Err(outcome) => {
+                    note_change(
+                        &run,
+                        outcome,
+                        &mut changes,
+                        &mut mark_next_step,
+                        &mut dropped,
+                    );
+                    continue;
+                }
+            }
+            if !epoch_over || p.epoch + 1 >= cfg.epochs as u64 {
+                break;
+            }
+            run.set_progress(Progress {
+                epoch: p.epoch + 1,
+                position: 0,
+                ..p
+            });
+            (loss_sum, loss_steps) = (0.0, 0);
+            continue;
+        }
+        if order.0 != p.epoch {
+            let mut s = sampler.clone();
+            s.set_epoch(p.epoch);
+            order = (p.epoch, s.order());
+        }
+        let (world, rank) = (run.world_size(), run.rank());
+        let share = sampler
+            .step(&order.1, p.position as usize, world, rank)
+            .context("a step inside the epoch")?;
+        let batch = CpuBatch::build(&*train, &share.indices).into_tensors(&device);
+        device.seed(crate::train::step_seed(
+            cfg.seed,
+            p.epoch,
+            rank as u64,
+            p.step,
+        ));
+        let hooked = run.prepare();
+        let (loss, _) = hooked.loss(batch.inputs, batch.targets);
+        drop(hooked);
+        let loss_value = f64::from(loss.clone().into_scalar::<f32>());
+        let loss = if share.loss_scale == 1.0 {
+            loss
+        } else {
+            loss.mul_scalar(share.loss_scale)
+        };
+        let after = Progress {
+            step: p.step + 1,
+            epoch: p.epoch,
+            position: share.next as u64,
+            extra: Vec::new(),
+        };
+        let lr = cfg.scaled_lr(world);
+        let outcome = run.step(lr, loss, after)?;
+        let step_committed = match &outcome {
+            Outcome::Committed => true,
+            Outcome::Changed(m) => !m.dropped && !m.healed,
+            Outcome::Finished => false,
+        };
+        if step_committed {
+            committed.push(p.step + 1);
+            samples_done += share.step_samples as u64;
+            loss_sum += loss_value;
+            loss_steps += 1;
+            let epoch_counts = match counts.iter_mut().find(|(e, _)| *e == p.epoch) {
+                Some((_, c)) => c,
+                None => {
+                    counts.push((p.epoch, vec![0; train_len]));
+                    &mut counts.last_mut().expect("just pushed").1
+                }
+            };
+            for r in 0..world {
+                if let Some(s) = sampler.step(&order.1, p.position as usize, world, r) {
+                    for &i in &s.indices[..s.real] {
+                        epoch_counts[i] += 1;
+                    }
+                }
+            }
+            if mark_next_step {
+                mark_next_step = false;
+                println!(
+                    "elastic: step {} at world {world} at {}",
+                    p.step + 1,
+                    now_ms()
+                );
+            }
+            let step = p.step + 1;
+            if kill_at == Some(step) {
+                eprintln!(
+                    "test hook DDP_TEST_KILL_AT_STEP: slot {slot} kills itself after step {step}"
+                );
+                // SAFETY: raise has no memory-safety preconditions.
+                unsafe { libc::raise(libc::SIGKILL) };
+            }
+            if step.is_multiple_of(cfg.log_interval as u64) {
+                say(
+                    &run,
+                    format!(
+                        "epoch {} step {step} ({}/{train_len} samples) loss {loss_value:.4} \
+                         world {world}",
+                        p.epoch + 1,
+                        share.next
+                    ),
+                );
+            }
+            if cfg.checkpoint_every.is_some_and(|k| step.is_multiple_of(k))
+                && share.next < train_len
+                && !at_limit(step)
+            {
+                let position = (p.epoch, share.next as u64);
+                if let Err(o) = save(cfg, &mut run, &run_id, position, step)? {
+                    note_change(&run, o, &mut changes, &mut mark_next_step, &mut dropped);
+                }
+            }
+        }
+        match outcome {
+            Outcome::Committed => {}
+            Outcome::Finished => break,
+            changed => note_change(
+                &run,
+                changed,
+                &mut changes,
+                &mut mark_next_step,
+                &mut dropped,
+            ),
+        }
+    }
+    let train_time = train_started.elapsed();
+    let flat = ddp::flatten_params(run.model())?;
+    summary.params_hash = format!("{:016x}", crate::train::fnv1a_f32(&flat));
+    summary.world_size = run.world_size();
+    summary.steps = run.progress().step;
+    summary.samples_per_sec = samples_done as f64 / train_time.as_secs_f64().max(1e-9);
+    summary.peak_rss_mib = vec![crate::train::peak_rss_mib()];
+    let (rank, generation) = (run.rank(), run.elastic_group().generation().number);
+    let model = run.finish()?;
+    if let (Some(path), 0) = (&cfg.export, rank) {
+        ddp_models::export_safetensors(&model, path)
+            .with_context(|| format!("exporting weights to {}", path.display()))?;
+        summary.export = Some(path.clone());
+    }
+    summary.wall_seconds = started.elapsed().as_secs_f64();
+    let mut sorted = committed.clone();
+    sorted.sort_unstable();
+    let repeated = sorted.windows(2).filter(|w| w[0] == w[1]).count();
+    if rank == 0 || cfg.verbose {
+        println!(
+            "done: {} epochs, {} steps, test accuracy {:.2}% ({}/{}), {} membership changes, \
+             {:.1} s",
+            summary.epochs,
+            summary.steps,
+            100.0 * summary.test_accuracy,
+            summary.test_correct,
+            summary.test_total,
+            changes.len(),
+            summary.wall_seconds
+        );
+    }
+    if cfg.json {
+        let epochs: Vec<serde_json::Value> = counts
+            .iter()
+            .map(|(e, c)| {
+                json!({
+                    "epoch": e,
+                    "min_count": c.iter().min(),
+                    "max_count": c.iter().max(),
+                    "trained": c.iter().filter(|&&n| n > 0).count(),
+                })
+            })
+            .collect();
+        let elastic = json!({
+            "slot": slot,
+            "rank": rank,
+            "generation": generation,
+            "healed_at_start": healed,
+            "changes": changes,
+            "steps_committed": committed.len(),
+            "first_step": committed.first(),
+            "last_step": committed.last(),
+            "steps_in_order": committed.windows(2).all(|w| w[1] == w[0] + 1),
+            "steps_repeated": repeated,
+            "steps_dropped": dropped,
+            "epochs": epochs,
+            "summary": summary,
+        });
+        println!("DDP_ELASTIC_SUMMARY {elastic}");
+        if rank == 0 || cfg.verbose {
+            println!("DDP_SUMMARY {}", serde_json::to_string(&summary)?);
+        }
+    }
+    Ok(summary)
+}
+
+/// A whole number from the test hook variable `name`.
+fn test_var(name: &str) -> Option<u64> {
+    std::env::var(name).ok()?.trim().parse().ok()
+}
+
+/// Records a membership change and says it (every rank: the test reads the survivors').
+fn note_change<M: Module>(
+    run: &ElasticDdp<M>,
+    outcome: Outcome,
+    changes: &mut Vec<ChangeRecord>,
+    mark_next_step: &mut bool,
+    dropped: &mut u64,
+) {
+    let Outcome::Changed(m) = outcome else {
+        return;
+    };
+    let left: Vec<String> = m
+        .left
+        .iter()
+        .map(|l| format!("rank {} (slot {}): {}", l.rank, l.slot, l.why))
+        .collect();
+    let at = now_ms();
+    println!(
+        "elastic: generation {}: rank {} of {} (joined slots {:?}; left: {}), continuing after \
+         step {}{}{} at {at}",
+        m.generation,
+        m.rank,
+        m.world_size,
+        m.joined,
+        if left.is_empty() {
+            "none".to_string()
+        } else {
+            left.join("; ")
+        },
+        run.progress().step,
+        if m.dropped {
+            ", the step in flight dropped"
+        } else {
+            ""
+        },
+        if m.lost_state > 0 {
+            format!(
+                ", {} optimizer-state elements lost with the ranks that left (they start \
+                 again from zero)",
+                m.lost_state
+            )
+        } else {
+            String::new()
+        }
+    );
+    *dropped += u64::from(m.dropped);
+    *mark_next_step = true;
+    changes.push(ChangeRecord {
+        generation: m.generation,
+        world: m.world_size,
+        rank: m.rank,
+        after_step: run.progress().step,
+        joined: m.joined,
+        left: m.left.iter().map(|l| l.slot).collect(),
+        dropped: m.dropped,
+        healed: m.healed,
+        at_ms: at,
+    });
+}
+
+/// Writes a checkpoint (position: epoch and samples of it trained) when the run has a
+/// checkpoint directory; a collective, re-formed on a failure (`Ok(Err)`: run it again later).
+fn save<M: Module>(
+    cfg: &TrainConfig,
+    run: &mut ElasticDdp<M>,
+    run_id: &RunId,
+    (epoch, position): (u64, u64),
+    step: u64,
+) -> Result<Result<Option<std::path::PathBuf>, Outcome>> {
+    let Some(dir) = &cfg.checkpoint_dir else {
+        return Ok(Ok(None));
+    };
+    let position = Position {
+        epoch: epoch as usize,
+        batch_in_epoch: position as usize,
+        step,
+        loss_sum: 0.0,
+    };
+    Ok(run.collective(|r| match (r.ddp(), r.zero(), r.optim()) {
+        (_, Some(zero), _) => {
+            ddp::save_sharded_checkpoint(r.process_group(), dir, run_id, &position, r.model(), zero)
+        }
+        (_, _, Some(optim)) => {
+            ddp::save_checkpoint(r.process_group(), dir, run_id, &position, r.model(), optim)
+        }
+        _ => Ok(None),
+    })?)
+}
+
+/// Correct predictions, samples and mean loss over the test set, each rank its exact share.
+fn evaluate<M, S, const D: usize>(
+    model: &M,
+    loader: &DataLoader<S, D>,
+    test_len: usize,
+    pg: &Arc<ProcessGroup>,
+) -> Result<(u64, u64, f64), ddp_comm::CommError>
+where
+    M: Module + Classifier<D>,
+    S: BatchSource<D> + 'static,
+{
+    let eval = model.valid();
+    let (mut correct, mut total, mut loss_sum) = (0f64, 0f64, 0f64);
+    let sampler = DistributedSampler::exact(test_len, pg.world_size(), pg.rank())
+        .expect("a rank of its world");
+    let batches = loader
+        .iter(sampler.indices())
+        .expect("the exact sampler's indices are in the test set");
+    for batch in batches {
+        let n = batch.targets.dims()[0] as f64;
+        let (loss, output) = eval.loss(batch.inputs, batch.targets.clone());
+        correct += eval.correct(&output, &batch.targets) as f64;
+        total += n;
+        loss_sum += f64::from(loss.into_scalar::<f32>()) * n;
+    }
+    let sums = pg.all_reduce(vec![correct, total, loss_sum], ReduceOp::Sum)?;
+    Ok((sums[0] as u64, sums[1] as u64, sums[2] / sums[1].max(1.0)))
+}
+
+/// A summary with nothing trained yet.
+fn empty_summary(name: &str) -> RunSummary {
+    RunSummary {
+        model: name.to_string(),
+        world_size: 0,
+        epochs: 0,
+        steps: 0,
+        test_accuracy: 0.0,
+        test_correct: 0,
+        test_total: 0,
+        train_loss: f64::NAN,
+        samples_per_sec: 0.0,
+        comm_seconds: 0.0,
+        pack_seconds: 0.0,
+        wait_seconds: 0.0,
+        unpack_seconds: 0.0,
+        buckets: 0,
+        buckets_during_backward: 0,
+        wall_seconds: 0.0,
+        peak_rss_mib: Vec::new(),
+        params_hash: String::new(),
+        checkpoint: None,
+        export: None,
+        metrics_dir: None,
+    }
+}

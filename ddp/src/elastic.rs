@@ -1,0 +1,599 @@
+//! [`ElasticDdp`]: data parallelism whose ranks may leave and join while the job runs, for a
+//! user's own loop: one call per step ([`ElasticDdp::step`]) says whether the step was
+//! committed or gives the new membership (torchft's `Manager` is the model).
+//!
+//! What a step does, on top of [`DistributedDataParallel`] (or [`ShardedDataParallel`]):
+//! backward and the gradient collectives as always, then the commit vote of
+//! [`ddp_comm::ElasticGroup::should_commit`] (one all-reduce of one integer), then the optimizer
+//! step. With no elastic setting none of this runs: the loop uses the wrappers as before.
+//!
+//! When a collective fails (a rank died or froze) the survivors re-form the group at the
+//! smaller world without exiting (`ddp_comm::ElasticGroup::reform`), agree on the last step
+//! that every one of them can reach, and go on from memory: a step whose averaged gradients
+//! some survivor committed is applied by every survivor (each holds those gradients: the vote
+//! promises it); a step nobody committed is dropped by every survivor. No checkpoint is read.
+//! When processes wait to join, every member stops at the same step boundary (the vote says
+//! so), and the new group heals the joiners from rank 0, a survivor: rank 0's model record
+//! (weights, with burn's parameter ids), burn's optimizer record (DDP) or the resharded
+//! optimizer state (ZeRO, `elastic_zero.rs`), and the run's [`Progress`] (step, epoch,
+//! position in the epoch, and bytes of the caller's own: its RNG state, its loss sums), all
+//! over the group's own transport.
+//!
+//! ZeRO keeps a copy of the step's starting point (the model, which makes its update copy the
+//! parameters, and this rank's shard of the optimizer state): a failure in the middle of a
+//! sharded step leaves each rank's shard updated or not, so dropping the step needs the copy.
+//! The shard of a rank that died is lost with it: its moments start again from zero.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::store::ModuleRecord;
+use burn::tensor::{Bytes, Tensor};
+use ddp_comm::membership::Left;
+use ddp_comm::{CommError, Continue, ElasticGroup, ProcessGroup, StepStatus, Vote};
+
+use crate::config::DdpConfig;
+use crate::ddp::DistributedDataParallel;
+use crate::elastic_zero::reshard;
+use crate::shard_optim::ShardOptimizer;
+use crate::zero::{ShardedDataParallel, ZeroConfig};
+use crate::DdpError;
+
+/// Where an elastic run stands after its last committed step: what a joining rank receives
+/// from rank 0. The loop says what it will be after each step ([`ElasticDdp::step`]'s
+/// `after`); it becomes the run's only once the step is committed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Progress {
+    /// Optimizer steps committed.
+    pub step: u64,
+    /// The epoch in progress.
+    pub epoch: u64,
+    /// The position in the epoch (for an elastic sampler, such as ddp-data's
+    /// `ElasticSampler`: the samples of the epoch trained).
+    pub position: u64,
+    /// Bytes of the caller's own (its RNG state, its loss sums, ...).
+    pub extra: Vec<u8>,
+}
+
+/// How the optimizer step is taken, kept to rebuild the wrapper for every generation.
+pub enum ElasticOptimizer {
+    /// [`DistributedDataParallel`] averages the gradients, burn's optimizer steps every rank's
+    /// whole model.
+    Ddp {
+        /// The wrapper's settings.
+        config: DdpConfig,
+        /// burn's optimizer (its state travels to joiners as burn's record).
+        optim: ModuleOptimizer,
+    },
+    /// [`ShardedDataParallel`] (ZeRO stage 1 or 2).
+    Zero {
+        /// The wrapper's settings.
+        config: ZeroConfig,
+        /// The sharded optimizer.
+        optimizer: ShardOptimizer,
+    },
+}
+
+/// What [`ElasticDdp::step`] says.
+#[derive(Debug)]
+pub enum Outcome {
+    /// The step was committed on every rank; nothing changed.
+    Committed,
+    /// The membership changed: the step was committed or dropped as
+    /// [`Membership::dropped`] says, and the world may have another size; plan the next step
+    /// from [`ElasticDdp::progress`] and the new rank and world size.
+    Changed(Membership),
+    /// The job finished while this rank was re-forming (others ended it): stop.
+    Finished,
+}
+
+/// A change of membership, as a rank sees it.
+#[derive(Debug, Clone)]
+pub struct Membership {
+    /// The generation of the job (1 is the founding one).
+    pub generation: u64,
+    /// This rank in it.
+    pub rank: usize,
+    /// Its world size.
+    pub world_size: usize,
+    /// Slots that joined.
+    pub joined: Vec<usize>,
+    /// Ranks of the old generation that left, and why.
+    pub left: Vec<Left>,
+    /// Whether the step in flight was dropped (its samples are trained again).
+    pub dropped: bool,
+    /// Whether this rank was healed from rank 0 (it joined, or was left out and came back).
+    pub healed: bool,
+    /// The optimizer-state elements lost with the ranks that left (ZeRO only).
+    pub lost_state: usize,
+}
+
+/// The wrapper of the current generation.
+// One per run, never moved in a loop: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+enum Wrapped {
+    Ddp(DistributedDataParallel),
+    Zero(ShardedDataParallel),
+}
+
+/// A step that finished on this rank but whose vote did not complete: applied if another
+/// survivor committed it, dropped otherwise.
+enum Finished<M> {
+    /// DDP: the averaged gradients, not yet applied.
+    Ddp {
+        grads: GradientsParams,
+        lr: f64,
+        after: Progress,
+    },
+    /// ZeRO: the stepped model and this rank's shard after the step.
+    Zero {
+        model: M,
+        shard: Vec<u8>,
+        after: Progress,
+    },
+}
+
+/// A sharded step's starting point (see the module documentation).
+struct Snapshot<M> {
+    model: M,
+    shard: Vec<u8>,
+}
+
+/// An elastic data-parallel run: the membership, the model, the optimizer and the run's
+/// committed [`Progress`]. See the module documentation.
+///
+/// ```text
+/// let group = ElasticGroup::join(ElasticConfig::from_env(&compat)?.unwrap())?.unwrap();
+/// let mut run = ElasticDdp::start(group, model, ElasticOptimizer::Ddp { config, optim })?;
+/// loop {
+///     let p = run.progress().clone();                 // plan the step from here
+///     let loss = run.model().loss(batch_of(&p, run.rank(), run.world_size()));
+///     match run.step(lr, loss, next_progress)? {
+///         Outcome::Committed => {}
+///         Outcome::Changed(m) => println!("world {} now", m.world_size),
+///         Outcome::Finished => break,
+///     }
+/// }
+/// ```
+pub struct ElasticDdp<M: Module> {
+    group: ElasticGroup,
+    model: Option<M>,
+    wrapped: Option<Wrapped>,
+    optimizer: ElasticOptimizer,
+    progress: Progress,
+    /// Processes waiting to join are admitted only once this step is committed.
+    joins_from: u64,
+}
+
+impl<M: Module> ElasticDdp<M> {
+    /// Wraps `model` in the group's first generation. A founding rank starts from rank 0's
+    /// weights (the wrapper broadcasts them) and `progress`; a rank that joined a running job
+    /// is healed from rank 0 instead (weights, optimizer state, progress). Every member of the
+    /// generation calls it at the same point.
+    pub fn start(
+        group: ElasticGroup,
+        model: M,
+        optimizer: ElasticOptimizer,
+        progress: Progress,
+    ) -> Result<ElasticDdp<M>, DdpError> {
+        let healed = group.joined_running();
+        let mut run = ElasticDdp {
+            group,
+            model: Some(model),
+            wrapped: None,
+            optimizer,
+            progress,
+            joins_from: 0,
+        };
+        run.heal_and_wrap(healed, None)?;
+        Ok(run)
+    }
+
+    /// The model of the last committed step.
+    pub fn model(&self) -> &M {
+        self.model
+            .as_ref()
+            .expect("the model is back after every call")
+    }
+
+    /// The run's progress after its last committed step.
+    pub fn progress(&self) -> &Progress {
+        &self.progress
+    }
+
+    /// Replaces the run's progress (on every rank alike, outside a step: after a resume, at an
+    /// epoch's end).
+    pub fn set_progress(&mut self, progress: Progress) {
+        self.progress = progress;
+    }
+
+    /// Admits processes that wait to join only at the boundaries after step `step` is
+    /// committed (default 0: at the first boundary after they asked): to grow at a planned
+    /// step, or to replay a membership schedule (the same schedule gives the same bits). Every
+    /// rank must set the same. Joiners that arrive while the group re-forms after a failure
+    /// are admitted then, whatever this says.
+    pub fn admit_joins_from(&mut self, step: u64) {
+        self.joins_from = step;
+    }
+
+    /// The membership.
+    pub fn elastic_group(&self) -> &ElasticGroup {
+        &self.group
+    }
+
+    /// The current generation's process group (for evaluation, checkpoints: run them through
+    /// [`collective`](Self::collective) so that a failure re-forms the group).
+    pub fn process_group(&self) -> &Arc<ProcessGroup> {
+        self.group.group()
+    }
+
+    /// This rank in the current generation.
+    pub fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// The current generation's world size.
+    pub fn world_size(&self) -> usize {
+        self.group.world_size()
+    }
+
+    /// The DDP wrapper (`None` for ZeRO).
+    pub fn ddp(&self) -> Option<&DistributedDataParallel> {
+        match &self.wrapped {
+            Some(Wrapped::Ddp(d)) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// The ZeRO wrapper (`None` for DDP).
+    pub fn zero(&self) -> Option<&ShardedDataParallel> {
+        match &self.wrapped {
+            Some(Wrapped::Zero(z)) => Some(z),
+            _ => None,
+        }
+    }
+
+    /// The ZeRO wrapper, to load a checkpoint's optimizer state (`None` for DDP).
+    pub fn zero_mut(&mut self) -> Option<&mut ShardedDataParallel> {
+        match &mut self.wrapped {
+            Some(Wrapped::Zero(z)) => Some(z),
+            _ => None,
+        }
+    }
+
+    /// burn's optimizer (DDP only), for checkpoints.
+    pub fn optim(&self) -> Option<&ModuleOptimizer> {
+        match &self.optimizer {
+            ElasticOptimizer::Ddp { optim, .. } => Some(optim),
+            ElasticOptimizer::Zero { .. } => None,
+        }
+    }
+
+    /// The model the next step's forward pass runs on: with overlap, a copy whose parameters
+    /// report their gradients during backward (see [`DistributedDataParallel::prepare`]).
+    pub fn prepare(&mut self) -> M {
+        let model = self
+            .model
+            .as_ref()
+            .expect("the model is back after every call");
+        match self.wrapped.as_mut() {
+            Some(Wrapped::Ddp(d)) => d.prepare(model),
+            Some(Wrapped::Zero(z)) => z.prepare(model),
+            None => model.clone(),
+        }
+    }
+
+    /// One step: backward on `loss` (of the model [`prepare`](Self::prepare) or
+    /// [`model`](Self::model) gave), the gradient collectives, the commit vote, the optimizer
+    /// step with learning rate `lr`; the run's progress becomes `after` once the step is
+    /// committed. A failure of the group re-forms it (see the module documentation) and says
+    /// so ([`Outcome::Changed`]); so does a join. Errors that are not the group's (a gradient
+    /// that cannot be read, the job below its minimum) are returned.
+    pub fn step(&mut self, lr: f64, loss: Tensor<1>, after: Progress) -> Result<Outcome, DdpError> {
+        let model = self
+            .model
+            .take()
+            .expect("the model is back after every call");
+        match self.wrapped.as_mut().expect("wrapped between calls") {
+            Wrapped::Ddp(ddp) => {
+                let grads = match ddp.backward(&model, loss) {
+                    Ok(grads) => grads,
+                    Err(DdpError::Comm(e)) => {
+                        self.model = Some(model);
+                        return self.reform(false, Some(e), None, None);
+                    }
+                    Err(e) => {
+                        self.model = Some(model);
+                        return Err(e);
+                    }
+                };
+                match self.group.should_commit() {
+                    Ok(vote) => {
+                        self.model = Some(self.apply_ddp(model, lr, grads));
+                        self.progress = after;
+                        self.grow_if(vote)
+                    }
+                    Err(e) => {
+                        self.model = Some(model);
+                        let finished = Finished::Ddp { grads, lr, after };
+                        self.reform(true, Some(e), Some(finished), None)
+                    }
+                }
+            }
+            Wrapped::Zero(zero) => {
+                let snapshot = Snapshot {
+                    model: model.clone(),
+                    shard: zero.shard_state()?,
+                };
+                match zero.backward_step(lr, model, loss) {
+                    Ok(stepped) => match self.group.should_commit() {
+                        Ok(vote) => {
+                            self.model = Some(stepped);
+                            self.progress = after;
+                            self.grow_if(vote)
+                        }
+                        Err(e) => {
+                            let shard = zero.shard_state()?;
+                            self.model = Some(snapshot.model.clone());
+                            let finished = Finished::Zero {
+                                model: stepped,
+                                shard,
+                                after,
+                            };
+                            self.reform(true, Some(e), Some(finished), Some(snapshot))
+                        }
+                    },
+                    Err(DdpError::Comm(e)) => {
+                        self.model = Some(snapshot.model.clone());
+                        self.reform(false, Some(e), None, Some(snapshot))
+                    }
+                    Err(e) => {
+                        self.model = Some(snapshot.model);
+                        Err(e)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs `f` on the current group (an evaluation, a checkpoint): `Ok(Ok(result))`, or, when
+    /// the group fails meanwhile, `Ok(Err(change))` once it has re-formed (no step was in
+    /// flight: nothing is dropped); run `f` again then.
+    pub fn collective<R>(
+        &mut self,
+        f: impl FnOnce(&Self) -> Result<R, DdpError>,
+    ) -> Result<Result<R, Outcome>, DdpError> {
+        match f(self) {
+            Ok(r) => Ok(Ok(r)),
+            Err(DdpError::Comm(e)) => self.reform(false, Some(e), None, None).map(Err),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Says the job is over (processes waiting to join exit) and returns the model.
+    pub fn finish(mut self) -> Result<M, DdpError> {
+        self.group.finish()?;
+        Ok(self
+            .model
+            .take()
+            .expect("the model is back after every call"))
+    }
+
+    /// burn's optimizer step of the DDP path.
+    fn apply_ddp(&mut self, model: M, lr: f64, grads: GradientsParams) -> M {
+        match &mut self.optimizer {
+            ElasticOptimizer::Ddp { optim, .. } => optim.step(lr, model, grads),
+            ElasticOptimizer::Zero { .. } => unreachable!("a DDP step under a ZeRO run"),
+        }
+    }
+
+    /// After a committed step: re-forms to let waiting processes join when the vote says so.
+    fn grow_if(&mut self, vote: Vote) -> Result<Outcome, DdpError> {
+        match vote {
+            Vote::CommitAndGrow if self.progress.step >= self.joins_from => {
+                self.reform(false, None, None, None)
+            }
+            _ => Ok(Outcome::Committed),
+        }
+    }
+
+    /// Ends the generation (see the module documentation): drops the wrapper (so that the old
+    /// group's last handle is the membership's, which shuts it down on a thread of its own),
+    /// re-forms, commits or drops the step in flight as decided, heals the joiners and wraps
+    /// the model in the new group. `finished`: the step this rank finished but whose vote did
+    /// not complete; `snapshot`: a sharded step's starting point.
+    fn reform(
+        &mut self,
+        finished_step: bool,
+        cause: Option<CommError>,
+        finished: Option<Finished<M>>,
+        snapshot: Option<Snapshot<M>>,
+    ) -> Result<Outcome, DdpError> {
+        // This rank's shard of the committed state, cut for the old world (ZeRO).
+        let mut shard = match (&snapshot, self.wrapped.as_ref()) {
+            (Some(s), _) => Some(s.shard.clone()),
+            (None, Some(Wrapped::Zero(z))) => Some(z.shard_state()?),
+            _ => None,
+        };
+        self.wrapped = None;
+        let status = StepStatus {
+            committed: self.progress.step,
+            finished: finished_step,
+        };
+        let Some(change) = self.group.reform(status, cause.as_ref())? else {
+            return Ok(Outcome::Finished);
+        };
+        let mut dropped = cause.is_some();
+        match (change.action, finished) {
+            (Continue::ApplyFinished, Some(Finished::Ddp { grads, lr, after })) => {
+                let model = self
+                    .model
+                    .take()
+                    .expect("the model is back after every call");
+                self.model = Some(self.apply_ddp(model, lr, grads));
+                self.progress = after;
+                dropped = false;
+            }
+            (
+                Continue::ApplyFinished,
+                Some(Finished::Zero {
+                    model,
+                    shard: stepped,
+                    after,
+                }),
+            ) => {
+                self.model = Some(model);
+                shard = Some(stepped);
+                self.progress = after;
+                dropped = false;
+            }
+            (Continue::ApplyFinished, None) => {
+                return Err(DdpError::Config(format!(
+                    "elastic: generation {} applies step {} which this rank does not hold",
+                    change.generation.number, change.generation.step
+                )))
+            }
+            // Dropped, or nothing was in flight: the committed state (restored from the
+            // snapshot for ZeRO, done above).
+            _ => {}
+        }
+        if change.healed {
+            shard = None;
+        }
+        let lost = self.heal_and_wrap(change.healed, shard.as_deref())?;
+        Ok(Outcome::Changed(Membership {
+            generation: change.generation.number,
+            rank: change.rank,
+            world_size: change.generation.members.len(),
+            joined: change.generation.joined.clone(),
+            left: change.generation.left.clone(),
+            dropped: dropped && !change.healed,
+            healed: change.healed,
+            lost_state: lost,
+        }))
+    }
+
+    /// In the current generation's group, every member at the same point: rank 0 sends the
+    /// joiners (`healed` ranks) its model, optimizer state and progress when the generation
+    /// has joiners, everyone adopts rank 0's progress, and the model is wrapped (ZeRO:
+    /// resharded from the survivors' old shards, `shard`). Returns the optimizer-state elements
+    /// lost (ZeRO).
+    fn heal_and_wrap(&mut self, healed: bool, shard: Option<&[u8]>) -> Result<usize, DdpError> {
+        let pg = Arc::clone(self.group.group());
+        let generation = self.group.generation();
+        let has_joiners = generation.number > 1 && !generation.joined.is_empty();
+        let rank0 = pg.rank() == 0;
+        // The progress, and the sizes of what follows.
+        let mut model = self
+            .model
+            .take()
+            .expect("the model is back after every call");
+        let (model_bytes, optim_bytes) = if rank0 && has_joiners {
+            let m = model
+                .clone()
+                .into_record()
+                .into_bytes()
+                .map_err(|e| DdpError::Checkpoint(format!("encoding the model record: {e:?}")))?
+                .to_vec();
+            let o = match &self.optimizer {
+                ElasticOptimizer::Ddp { optim, .. } => optim
+                    .into_bytes()
+                    .map_err(|e| {
+                        DdpError::Checkpoint(format!("encoding the optimizer record: {e:?}"))
+                    })?
+                    .to_vec(),
+                ElasticOptimizer::Zero { .. } => Vec::new(),
+            };
+            (m, o)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        let p = &self.progress;
+        let header = pg.broadcast(
+            vec![
+                p.step as i64,
+                p.epoch as i64,
+                p.position as i64,
+                p.extra.len() as i64,
+                model_bytes.len() as i64,
+                optim_bytes.len() as i64,
+            ],
+            0,
+        )?;
+        let size = |i: usize| usize::try_from(header[i]).unwrap_or(0);
+        let extra = if size(3) > 0 {
+            pg.broadcast(
+                if rank0 {
+                    p.extra.clone()
+                } else {
+                    vec![0u8; size(3)]
+                },
+                0,
+            )?
+        } else {
+            Vec::new()
+        };
+        self.progress = Progress {
+            step: header[0] as u64,
+            epoch: header[1] as u64,
+            position: header[2] as u64,
+            extra,
+        };
+        if size(4) > 0 {
+            let bytes = pg.broadcast(
+                if rank0 {
+                    model_bytes
+                } else {
+                    vec![0u8; size(4)]
+                },
+                0,
+            )?;
+            if healed {
+                let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(bytes))
+                    .map_err(|e| DdpError::Checkpoint(format!("rank 0's model record: {e:?}")))?;
+                model = model
+                    .try_load_record(record)
+                    .map_err(|e| DdpError::Checkpoint(format!("rank 0's model record: {e:?}")))?;
+            }
+        }
+        if size(5) > 0 {
+            let bytes = pg.broadcast(
+                if rank0 {
+                    optim_bytes
+                } else {
+                    vec![0u8; size(5)]
+                },
+                0,
+            )?;
+            if healed {
+                if let ElasticOptimizer::Ddp { optim, .. } = &mut self.optimizer {
+                    let fresh = std::mem::replace(optim, burn::optim::SgdConfig::new().init());
+                    *optim = fresh
+                        .from_bytes(Bytes::from_bytes_vec(bytes))
+                        .map_err(|e| {
+                            DdpError::Checkpoint(format!("rank 0's optimizer record: {e:?}"))
+                        })?;
+                }
+            }
+        }
+        let mut lost = 0;
+        let (model, wrapped) = match &self.optimizer {
+            ElasticOptimizer::Ddp { config, .. } => {
+                let (model, ddp) = DistributedDataParallel::new(model, pg, config.clone())?;
+                (model, Wrapped::Ddp(ddp))
+            }
+            ElasticOptimizer::Zero { config, optimizer } => {
+                let (model, mut zero) =
+                    ShardedDataParallel::new(model, pg, config.clone(), optimizer.clone())?;
+                if generation.number > 1 {
+                    lost = reshard(&mut zero, shard)?;
+                }
+                (model, Wrapped::Zero(zero))
+            }
+        };
+        self.model = Some(model);
+        self.wrapped = Some(wrapped);
+        Ok(lost)
+    }
+}
