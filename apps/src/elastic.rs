@@ -262,11 +262,14 @@ where
     let at_limit = |step: u64| cfg.max_steps.is_some_and(|m| step >= m);
     let mut samples_done = 0u64;
     let train_started = Instant::now();
+    let mut aside = std::time::Duration::ZERO;
     loop {
         let p = run.progress().clone();
         let epoch_over = p.position as usize >= train_len;
         if epoch_over || at_limit(p.step) {
-            // The epoch's end (or the step limit): evaluate and save, on every rank.
+            // The epoch's end (or the step limit): evaluate and save, on every rank (not
+            // counted as training time).
+            let aside_from = Instant::now();
             let evaluated = run.collective(|r| {
                 evaluate(r.model(), &test_loader, test_len, r.process_group())
                     .map_err(DdpError::Comm)
@@ -281,6 +284,7 @@ where
                         &mut mark_next_step,
                         &mut dropped,
                     );
+                    aside += aside_from.elapsed();
                     continue;
                 }
             };
@@ -315,9 +319,11 @@ where
                         &mut mark_next_step,
                         &mut dropped,
                     );
+                    aside += aside_from.elapsed();
                     continue;
                 }
             }
+            aside += aside_from.elapsed();
             if !epoch_over || p.epoch + 1 >= cfg.epochs as u64 {
                 break;
             }
@@ -397,7 +403,7 @@ where
             let step = p.step + 1;
             if kill_at == Some(step) {
                 eprintln!(
-                    "test hook DDP_TEST_KILL_AT_STEP: slot {slot} kills itself after step {step}"
+                    "test hook DDP_TEST_KILL_AT_STEP: slot {slot} kills itself after step {step} at {}", now_ms()
                 );
                 // SAFETY: raise has no memory-safety preconditions.
                 unsafe { libc::raise(libc::SIGKILL) };
@@ -418,7 +424,10 @@ where
                 && !at_limit(step)
             {
                 let position = (p.epoch, share.next as u64);
-                if let Err(o) = save(cfg, &mut run, &run_id, position, step)? {
+                let aside_from = Instant::now();
+                let saved = save(cfg, &mut run, &run_id, position, step)?;
+                aside += aside_from.elapsed();
+                if let Err(o) = saved {
                     note_change(&run, o, &mut changes, &mut mark_next_step, &mut dropped);
                 }
             }
@@ -435,7 +444,7 @@ where
             ),
         }
     }
-    let train_time = train_started.elapsed();
+    let train_time = train_started.elapsed().saturating_sub(aside);
     let flat = ddp::flatten_params(run.model())?;
     summary.params_hash = format!("{:016x}", crate::train::fnv1a_f32(&flat));
     summary.world_size = run.world_size();

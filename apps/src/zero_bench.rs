@@ -51,9 +51,10 @@ pub struct ZeroBenchArgs {
     #[arg(long, default_value = "mlp")]
     pub model: String,
     /// Start the all-reduces (stage 0) or reduce-scatters (stages 1, 2) during backward
-    /// (`DdpConfig::overlap`, `ZeroConfig::overlap`).
-    #[arg(long)]
-    pub overlap: bool,
+    /// (`DdpConfig::overlap`, `ZeroConfig::overlap`); `--overlap false` turns it off
+    /// [default: DDP's default].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub overlap: Option<bool>,
     /// The bucket size in MiB (DDP's and ZeRO's).
     #[arg(long, default_value_t = 25.0)]
     pub bucket_cap_mb: f64,
@@ -131,6 +132,7 @@ fn run_model<M: Module + Classifier<4>>(
     let lr = 1e-4;
     let eps = 1e-8;
     let mut sync_s = None;
+    let overlap = args.overlap.unwrap_or(DdpConfig::new().overlap);
 
     let mut times = Vec::with_capacity(args.steps);
     let params;
@@ -142,7 +144,7 @@ fn run_model<M: Module + Classifier<4>>(
     let n = world as u64;
     if args.stage == 0 {
         let config = DdpConfig::new()
-            .with_overlap(args.overlap)
+            .with_overlap(overlap)
             .with_bucket_cap_mb(args.bucket_cap_mb);
         let (mut model, mut ddp) = DistributedDataParallel::new(model, pg.clone(), config)?;
         let mut optim = AdamConfig::new().with_epsilon(eps).init();
@@ -166,17 +168,13 @@ fn run_model<M: Module + Classifier<4>>(
             .filter(|p| p.trainable())
             .map(|p| p.numel())
             .sum();
-        // burn's Adam: two f32 moments per trainable element; DDP's bucket buffers: the
-        // gradients plus a presence slot per parameter and two failure slots per bucket.
+        // burn's Adam: two f32 moments per trainable element.
         optimizer_bytes = 8 * params;
         let stats = ddp.take_stats();
         sync_s = Some(stats.total().as_secs_f64() / stats.steps.max(1) as f64);
         collective_bytes = stats.bytes / stats.steps.max(1);
-        gradient_bytes = if world > 1 {
-            collective_bytes as usize
-        } else {
-            0
-        };
+        // DDP's pipeline keeps no buffer between steps: each gradient goes back to burn.
+        gradient_bytes = 0;
         ring_sent_bytes = 2 * (n - 1) * collective_bytes / n;
     } else {
         let stage = if args.stage == 1 {
@@ -186,7 +184,7 @@ fn run_model<M: Module + Classifier<4>>(
         };
         let adam = ShardOptimizer::Adam(ShardedAdamConfig::new().with_epsilon(eps));
         let config = ZeroConfig::new(stage)
-            .with_overlap(args.overlap)
+            .with_overlap(overlap)
             .with_bucket_cap_mb(args.bucket_cap_mb);
         let (mut model, mut zero) = ShardedDataParallel::new(model, pg.clone(), config, adam)?;
         for step in 0..args.warmup + args.steps {
@@ -232,7 +230,7 @@ fn run_model<M: Module + Classifier<4>>(
         ring_sent_bytes,
         phases_s: phases,
         model: args.model.clone(),
-        overlap: args.overlap,
+        overlap,
         sync_s,
     }))
 }

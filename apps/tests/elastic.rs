@@ -26,6 +26,15 @@ use common::{workspace_bin, Guarded};
 /// The longest one agent may run.
 const DEADLINE: Duration = Duration::from_secs(300);
 
+/// One test of this file at a time: each runs three agents and times the survivors' next
+/// step against the kill, which cores shared with another test's agents would measure instead.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Holds [`ONE_AT_A_TIME`] (a test that panicked while holding it poisons it; the next goes on).
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// One `ddprun` agent, its output read line by line as it comes.
 struct Agent {
     child: Guarded,
@@ -215,6 +224,7 @@ fn plain_accuracy(args: &[String]) -> f64 {
 
 /// Three agents; slot 1's rank is killed mid-epoch; see the module documentation.
 fn kill_and_rejoin(extra: &[&str]) {
+    let _alone = one_at_a_time();
     let samples = 15_000;
     let args = trainer_args(samples, extra);
     let plain = plain_accuracy(&args);
@@ -324,6 +334,7 @@ fn scheduled_run(grow_at: u64) -> (String, Vec<Value>) {
 
 #[test]
 fn the_same_membership_schedule_gives_the_same_bits() {
+    let _alone = one_at_a_time();
     let (first, changes) = scheduled_run(30);
     // The schedule happened as planned: world 2 after step 6 (step 7 dropped: slot 2 died
     // before it), world 3 again after step 30.

@@ -534,6 +534,10 @@ impl ElasticGroup {
     ) -> Result<Option<Change>, CommError> {
         let prev = self.generation.clone();
         let g = prev.number;
+        tracing::debug!(
+            "elastic: slot {} leaves generation {g}: {cause:?}",
+            self.me.slot
+        );
         let my_rank = prev.rank_of(self.me.slot, self.me.incarnation);
         let blamed = cause
             .and_then(CommError::peer)
@@ -612,8 +616,10 @@ impl ElasticGroup {
                 ),
             });
         };
+        tracing::debug!("elastic: slot {} read generation {next}", self.me.slot);
         let deadline = Instant::now() + self.formation_timeout(next);
         self.form(generation.clone(), deadline)?;
+        tracing::debug!("elastic: slot {} formed generation {next}", self.me.slot);
         Ok(Some(Change {
             generation,
             rank,

@@ -46,7 +46,9 @@ pub(crate) struct Bucket {
     /// Number of gradient elements.
     #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
     pub grad_len: usize,
-    /// This bucket's parts, a range of [`Layout::parts`].
+    /// This bucket's parts, a range of [`Layout::parts`] (the communication hooks' view of a
+    /// bucket).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub parts: Range<usize>,
 }
 

@@ -134,7 +134,6 @@ pub(crate) fn to_f32(
     Ok(values)
 }
 
-
 #[cfg(test)]
 mod tests {
     use burn::tensor::{Device, Tensor};

@@ -1,10 +1,12 @@
 //! `cargo xtask bench-overlap`: step time of 2-rank DDP with the all-reduces after backward
-//! (today's default) and during backward (`--overlap`), in the same run, for the MNIST CNN
+//! (`--overlap false`) and during backward (`--overlap`), in the same run, for the MNIST CNN
 //! (4.8 MB of gradients) and a deep MLP (784 → 4 × 2048 → 10, 57 MB), over shared memory,
 //! over TCP on this host, and, as root, over TCP between two network namespaces joined by a
-//! veth pair limited with `tc` to a data-centre rate (10 Gbit/s by default). `ddp-zero-bench`
-//! at stage 0 runs each configuration under `ddprun`; off and on alternate, `--repeats` times,
-//! and medians are reported. Writes `overlap.md` and `overlap.json`.
+//! veth pair limited with `tc` to a data-centre rate (10 Gbit/s) and to 1 Gbit/s, where the
+//! deep MLP's communication takes about as long as its backward. Buckets are DDP's defaults
+//! (25 MiB, the first 1 MiB). `ddp-zero-bench` at stage 0 runs each configuration under
+//! `ddprun`; off and on alternate, `--repeats` times, and medians are reported, with the
+//! machine's load average before the runs. Writes `overlap.md` and `overlap.json`.
 //!
 //! One compute thread per rank: on a 2-core machine the communication threads compete with
 //! the other rank's backward for the cores, which is part of what the figures show.
@@ -30,15 +32,19 @@ pub struct Args {
     /// Samples per rank per step.
     #[arg(long, default_value_t = 32)]
     batch: usize,
-    /// DDP's bucket size in MiB (both modes).
-    #[arg(long, default_value_t = 4.0)]
+    /// DDP's bucket size in MiB (both modes; DDP's default).
+    #[arg(long, default_value_t = 25.0)]
     bucket_cap_mb: f64,
-    /// The veth link's rate (`tc` syntax); the two-namespace runs need root.
-    #[arg(long, default_value = "10gbit")]
-    rate: String,
+    /// The veth link's rates (`tc` syntax), comma separated: one row each; the two-namespace
+    /// runs need root.
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["10gbit".to_string(), "1gbit".to_string()])]
+    rate: Vec<String>,
     /// Skip the two-namespace runs.
     #[arg(long)]
     no_netns: bool,
+    /// The models, comma separated (`cnn`, `deep`).
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["cnn".to_string(), "deep".to_string()])]
+    models: Vec<String>,
     /// Output folder (default `target/bench`).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -72,10 +78,11 @@ pub fn run(args: Args) -> Result<()> {
     std::fs::create_dir_all(&out)?;
     let mut links = vec!["shm".to_string(), "tcp".to_string()];
     if !args.no_netns {
-        links.push(format!("veth {}", args.rate));
+        links.extend(args.rate.iter().map(|rate| format!("veth {rate}")));
     }
+    let load = load_average();
     let mut rows = Vec::new();
-    for model in ["cnn", "deep"] {
+    for model in &args.models {
         for link in &links {
             let (mut off, mut on) = (Vec::new(), Vec::new());
             for _ in 0..args.repeats {
@@ -101,7 +108,8 @@ pub fn run(args: Args) -> Result<()> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut md = format!(
         "2 ranks, 1 compute thread each, {cores} core(s); batch {} per rank, Adam, buckets of \
-         {} MiB; medians of {} runs of {} steps (each step the slowest rank's time).\n\n",
+         {} MiB (the first 1 MiB); medians of {} runs of {} steps (each step the slowest \
+         rank's time); load average before the runs: {load}.\n\n",
         args.batch, args.bucket_cap_mb, args.repeats, args.steps
     );
     md += &util::md_header(
@@ -134,7 +142,9 @@ pub fn run(args: Args) -> Result<()> {
     std::fs::write(out.join("overlap.md"), &md)?;
     std::fs::write(
         out.join("overlap.json"),
-        serde_json::to_string_pretty(&serde_json::json!({ "cores": cores, "rows": rows }))?,
+        serde_json::to_string_pretty(
+            &serde_json::json!({ "cores": cores, "load": load, "rows": rows }),
+        )?,
     )?;
     println!(
         "wrote {} and {}",
@@ -153,9 +163,7 @@ fn one(bin: &Path, args: &Args, model: &str, link: &str, overlap: bool) -> Resul
         command.args(["--batch", &args.batch.to_string()]);
         command.args(["--warmup", "2", "--steps", &args.steps.to_string()]);
         command.args(["--bucket-cap-mb", &args.bucket_cap_mb.to_string()]);
-        if overlap {
-            command.arg("--overlap");
-        }
+        command.args(["--overlap", if overlap { "true" } else { "false" }]);
     };
     let Some(rate) = link.strip_prefix("veth ") else {
         let mut command = Command::new(bin.join("ddprun"));
@@ -199,4 +207,12 @@ fn tagged(text: &str) -> Result<Run> {
         .find_map(|l| l.split_once("ZERO_BENCH ").map(|(_, j)| j.trim()))
         .with_context(|| format!("no ZERO_BENCH line in:\n{text}"))?;
     serde_json::from_str(json).with_context(|| format!("parsing {json}"))
+}
+
+/// `/proc/loadavg`'s first three fields: the machine is shared, and the figures are printed
+/// beside the load they were measured under.
+pub(crate) fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
 }

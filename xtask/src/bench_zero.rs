@@ -1,9 +1,17 @@
 //! `cargo xtask bench-zero`: what ZeRO sharding saves per rank and what a step costs, on an
 //! MLP of 50.9 M parameters (784 → 64000 → 10) with Adam, at world sizes 1, 2 and 4 and
-//! stages 0 (plain DDP), 1 and 2: `ddp-zero-bench` under `ddprun` for each configuration, and
-//! PyTorch in the same run when a python with torch is at hand (DDP + Adam for stage 0, DDP +
-//! `ZeroRedundancyOptimizer` for stage 1; PyTorch has no stage 2 for DDP). Writes `zero.md`,
-//! `zero.json` and `zero.svg` (optimizer state, peak RSS and step time against ranks).
+//! stages 0 (plain DDP), 1 and 2: `ddp-zero-bench` under `ddprun` for each configuration
+//! (gradients reduced during backward, `--overlap`), and PyTorch in the same run when a python
+//! with torch is at hand (DDP + Adam for stage 0, DDP + `ZeroRedundancyOptimizer` for stage 1;
+//! PyTorch has no stage 2 for DDP). Writes `zero.md`, `zero.json` and `zero.svg` (optimizer
+//! state, peak RSS and step time against ranks).
+//!
+//! Memory is measured from outside each rank: every rank runs under GNU time
+//! (`/usr/bin/time -f %M`, the kernel's maximum resident set size of the process), and each
+//! row stands beside ZeRO's own accounting for fp32 Adam with M bytes of parameters on N ranks
+//! (Rajbhandari et al.): stage 0 keeps parameters, gradients and two moments, 4M; stage 1
+//! M + M + 2M/N; stage 2 M + M/N + 2M/N. The limit is 1.3 times that plus 100 MiB (the
+//! process, the transport's buffers), and no rank may be more than 10 % above the smallest.
 //!
 //! One compute thread per rank: on a machine with fewer cores than ranks the ranks share
 //! cores, and step times there measure oversubscription as much as the step.
@@ -48,6 +56,13 @@ struct Ours {
     step_s: f64,
     collective_bytes: u64,
     ring_sent_bytes: u64,
+    /// Every rank's peak RSS measured from outside (GNU time), MiB, in a run with glibc's
+    /// malloc (the figures of the memory table).
+    #[serde(default)]
+    outside_rss_mib: Vec<f64>,
+    /// The same with mimalloc, the allocator of this run's step times and of the trainers.
+    #[serde(default)]
+    outside_rss_mimalloc_mib: Vec<f64>,
 }
 
 /// PyTorch's figures (its `TORCH_ZERO` line).
@@ -87,7 +102,8 @@ pub fn run(args: Args) -> Result<()> {
             }
         }
     }
-    let md = table(&args, cores, &ours, &theirs);
+    let mut md = memory_table(&ours, &crate::bench_overlap::load_average());
+    md += &table(&args, cores, &ours, &theirs);
     println!("\n{md}");
     std::fs::write(out.join("zero.md"), &md)?;
     std::fs::write(
@@ -127,18 +143,76 @@ fn tagged<T: for<'de> Deserialize<'de>>(text: &str, tag: &str) -> Result<T> {
     serde_json::from_str(json).with_context(|| format!("parsing `{tag}` {json}"))
 }
 
-/// One configuration of ours under ddprun.
+/// GNU time, which measures each rank's peak RSS from outside.
+const TIME: &str = "/usr/bin/time";
+
+/// One configuration of ours under ddprun, twice: with mimalloc (the step times, and its
+/// memory) and with glibc's malloc (the memory table; `ddp-zero-bench`'s `DDP_ALLOCATOR`),
+/// each rank under GNU time (its line goes to the rank's stdout, which ddprun prefixes with
+/// `[rank R]`).
 fn run_ours(bin_dir: &Path, args: &Args, world: usize, stage: u8) -> Result<Ours> {
-    let text = util::run_stdout(
-        Command::new(bin_dir.join("ddprun"))
-            .args(["--nproc-per-node", &world.to_string(), "--"])
-            .arg(bin_dir.join("ddp-zero-bench"))
-            .args(["--stage", &stage.to_string()])
-            .args(["--hidden", &args.hidden.to_string()])
-            .args(["--batch", &args.batch.to_string()])
-            .args(["--steps", &args.steps.to_string()]),
-    )?;
-    tagged(&text, "ZERO_BENCH ")
+    if !Path::new(TIME).exists() {
+        bail!(
+            "bench-zero measures each rank's peak RSS with GNU time: {TIME} is missing \
+             (apt-get install time)"
+        );
+    }
+    let run = |allocator: &str| {
+        util::run_stdout(
+            Command::new(bin_dir.join("ddprun"))
+                .args(["--nproc-per-node", &world.to_string(), "--"])
+                .args([TIME, "-a", "-o", "/dev/stdout", "-f", "PEAK_RSS_KB %M"])
+                .arg(bin_dir.join("ddp-zero-bench"))
+                .args(["--stage", &stage.to_string()])
+                .args(["--hidden", &args.hidden.to_string()])
+                .args(["--batch", &args.batch.to_string()])
+                .args(["--steps", &args.steps.to_string()])
+                .args(["--overlap", "true"])
+                .env("DDP_ALLOCATOR", allocator),
+        )
+    };
+    let text = run("mimalloc")?;
+    let mut ours: Ours = tagged(&text, "ZERO_BENCH ")?;
+    ours.outside_rss_mimalloc_mib = outside_rss(&text, world)?;
+    ours.outside_rss_mib = outside_rss(&run("system")?, world)?;
+    Ok(ours)
+}
+
+/// Every rank's `[rank R] PEAK_RSS_KB k` line in `text`, in MiB, in rank order.
+fn outside_rss(text: &str, world: usize) -> Result<Vec<f64>> {
+    let mut rss = vec![None; world];
+    for line in text.lines() {
+        let Some((prefix, kb)) = line.split_once("PEAK_RSS_KB ") else {
+            continue;
+        };
+        let rank: Option<usize> = prefix
+            .trim()
+            .strip_prefix("[rank ")
+            .and_then(|r| r.strip_suffix(']'))
+            .and_then(|r| r.parse().ok());
+        let kb: Option<f64> = kb.trim().parse().ok();
+        if let (Some(r), Some(kb)) = (rank, kb) {
+            if let Some(slot) = rss.get_mut(r) {
+                *slot = Some(kb / 1024.0);
+            }
+        }
+    }
+    rss.iter()
+        .enumerate()
+        .map(|(r, v)| v.with_context(|| format!("no peak RSS of rank {r} in:\n{text}")))
+        .collect()
+}
+
+/// ZeRO's accounting for fp32 Adam (module documentation), MiB, for `params` trainable
+/// elements on `world` ranks at `stage`.
+fn zero_figure(params: usize, world: usize, stage: u8) -> f64 {
+    let m = 4.0 * params as f64 / MIB;
+    let n = world as f64;
+    match stage {
+        0 => 4.0 * m,
+        1 => m + m + 2.0 * m / n,
+        _ => m + m / n + 2.0 * m / n,
+    }
 }
 
 /// One configuration of PyTorch's under torchrun.
@@ -170,6 +244,57 @@ const MIB: f64 = 1024.0 * 1024.0;
 /// The largest of every rank's peak RSS.
 fn max_rss(rss: &[f64]) -> f64 {
     rss.iter().copied().fold(0.0, f64::max)
+}
+
+/// The Markdown table of memory: every rank's peak RSS measured from outside beside ZeRO's
+/// figure and its limit, and whether the ranks are balanced.
+fn memory_table(ours: &[Ours], load: &str) -> String {
+    let mut md = format!(
+        "Peak RSS measured from outside each rank (GNU time), against ZeRO's accounting for \
+         fp32 Adam (stage 0: 4M, stage 1: 2M + 2M/N, stage 2: M + 3M/N; M = the parameters' \
+         bytes); limit 1.3 × figure + 100 MiB, no rank more than 10 % above the smallest; \
+         gradients reduced during backward (`--overlap`). With glibc's malloc, which returns \
+         freed memory (the verdict), and with mimalloc, the trainers' allocator, which keeps it \
+         (largest rank). Load average before the runs: {load}.\n\n"
+    );
+    md += &util::md_header(
+        &["ranks", "stage"],
+        [
+            "ZeRO's figure (MiB)",
+            "limit (MiB)",
+            "peak RSS per rank (MiB)",
+            "largest / smallest",
+            "within limit and balanced",
+            "with mimalloc (MiB)",
+        ]
+        .map(String::from),
+    );
+    for o in ours {
+        let figure = zero_figure(o.params, o.world, o.stage);
+        let limit = 1.3 * figure + 100.0;
+        let largest = max_rss(&o.outside_rss_mib);
+        let smallest = o
+            .outside_rss_mib
+            .iter()
+            .copied()
+            .fold(f64::INFINITY, f64::min);
+        let spread = largest / smallest;
+        let met = largest <= limit && spread <= 1.10;
+        let per_rank: Vec<String> = o
+            .outside_rss_mib
+            .iter()
+            .map(|r| format!("{r:.0}"))
+            .collect();
+        md += &format!(
+            "| {} | {} | {figure:.0} | {limit:.0} | {} | {spread:.2} | {} | {:.0} |\n",
+            o.world,
+            o.stage,
+            per_rank.join(" / "),
+            if met { "yes" } else { "no" },
+            max_rss(&o.outside_rss_mimalloc_mib)
+        );
+    }
+    md + "\n"
 }
 
 /// The Markdown table: ours per configuration, PyTorch's beside it where it has the stage.
@@ -218,7 +343,7 @@ fn table(args: &Args, cores: usize, ours: &[Ours], theirs: &[Theirs]) -> String 
             o.stage,
             o.optimizer_bytes as f64 / MIB,
             o.gradient_bytes as f64 / MIB,
-            max_rss(&o.peak_rss_mib),
+            max_rss(&o.outside_rss_mimalloc_mib),
             1e3 * o.step_s,
             o.ring_sent_bytes as f64 / 1e6,
         );
@@ -226,11 +351,12 @@ fn table(args: &Args, cores: usize, ours: &[Ours], theirs: &[Theirs]) -> String 
     md += "\nStage 0: DDP (all-reduce) and burn's Adam on every rank; stage 1: optimizer state \
            sharded; stage 2: optimizer state and gradients sharded (both: gradients \
            reduce-scattered, parameters all-gathered). Gradient buffers: what the wrapper keeps \
-           between steps (DDP's bucket buffers; stage 1's full buffer, which it fills when \
-           accumulating; stage 2's shard). Ring bytes: what a ring algorithm sends per rank for \
+           between micro-steps (DDP: none, its gradients go back to burn; stage 1's full \
+           buffer, which it fills when accumulating; stage 2's shard). Ring bytes: what a ring algorithm sends per rank for \
            the step's collectives (all-reduce of B: 2(N-1)/N·B; reduce-scatter: (N-1)/N·B; \
            all-gather: (N-1)/N of the gathered bytes). Peak RSS: the largest rank's, whole \
-           process. PyTorch stage 1 is DDP + ZeroRedundancyOptimizer (an all-reduce, then a \
+           process (ours: from outside, GNU time, with mimalloc as the step times; PyTorch: each \
+           rank's getrusage). PyTorch stage 1 is DDP + ZeroRedundancyOptimizer (an all-reduce, then a \
            broadcast of each rank's parameters); it assigns whole parameters to ranks, so a \
            model dominated by one tensor keeps its state on one rank (its largest rank shown).\n";
     md
@@ -285,9 +411,11 @@ fn charts(ours: &[Ours], theirs: &[Theirs]) -> Vec<plot::Chart> {
             }),
         ),
         chart(
-            "peak RSS per rank (largest rank)",
+            "peak RSS per rank (largest rank; ours with glibc malloc)",
             "MiB",
-            series(&|o| max_rss(&o.peak_rss_mib), &|t| max_rss(&t.peak_rss_mib)),
+            series(&|o| max_rss(&o.outside_rss_mib), &|t| {
+                max_rss(&t.peak_rss_mib)
+            }),
         ),
         chart(
             "step time (slowest rank, median)",

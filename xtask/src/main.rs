@@ -6,6 +6,7 @@
 //! training or communication logic lives here.
 
 mod bench_allreduce;
+mod bench_elastic;
 mod bench_overlap;
 mod bench_powersgd;
 mod bench_scaling;
@@ -47,6 +48,10 @@ enum Task {
     /// Train the CNN for a fixed number of steps at 1, 2 and 4 ranks: samples/s, efficiency,
     /// communication per step, peak RSS; writes a Markdown table, JSON and an SVG plot.
     BenchScaling(bench_scaling::Args),
+    /// A rank's death in an elastic job (ddprun --nnodes 2:3) against ddprun's restart from a
+    /// checkpoint (CNN and the 50.9 M-parameter MLP): time to the next step, to the world back
+    /// at 3, steps lost and repeated; and the elastic setting's cost where nothing fails.
+    BenchElastic(bench_elastic::Args),
     /// Time one training step (forward, backward, Adam) of the CNN and the MLP at 1 thread and
     /// at every core, ours and PyTorch's when torch is at hand, with the ratio.
     BenchStep(bench_step::Args),
@@ -84,6 +89,7 @@ fn main() -> Result<()> {
         Task::BenchOverlap(args) => bench_overlap::run(args),
         Task::BenchPowersgd(args) => bench_powersgd::run(args),
         Task::BenchScaling(args) => bench_scaling::run(args),
+        Task::BenchElastic(args) => bench_elastic::run(args),
         Task::BenchStep(args) => bench_step::run(args),
         Task::BenchZero(args) => bench_zero::run(args),
         Task::CheckTorchrun(args) => check_torchrun::run(args),

@@ -6,15 +6,93 @@
 //! ddprun --nproc-per-node 2 -- target/release/ddp-zero-bench --stage 2
 //! ```
 //!
-//! Unlike the trainers, this binary keeps the system allocator: its figure is the peak memory
-//! the kernel sees, and mimalloc keeps freed pages mapped and fills the zeroed buffers burn's
-//! CPU backend asks for (every matmul output) by writing zeros into reused memory, which put
-//! up to two more copies of the largest tensor into the peak. glibc's malloc maps large
-//! blocks fresh (already zero, nothing written) and unmaps them on free.
+//! The allocator is chosen per run by `DDP_ALLOCATOR` (read once, before the first
+//! allocation): `mimalloc` (default, as the trainers: freed pages stay mapped, so a step
+//! allocates without page faults) or `system` (glibc's malloc: large blocks mapped fresh and
+//! unmapped on free). Peak memory differs: burn's CPU backend asks for a zeroed buffer for
+//! every matmul output and copies it into an aligned one at once (`docs/burn-notes.md`,
+//! section f); mimalloc writes those zeros into reused memory and keeps freed pages, which adds
+//! up to two copies of the largest tensor to the peak, while glibc's fresh pages are never
+//! written. `cargo xtask bench-zero` measures time with mimalloc and memory with both.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use anyhow::Result;
 use clap::Parser;
 use ddp_apps::zero_bench::{self, ZeroBenchArgs};
+
+#[global_allocator]
+static GLOBAL: BenchAlloc = BenchAlloc;
+
+/// The allocator `DDP_ALLOCATOR` names (see the module documentation).
+struct BenchAlloc;
+
+/// 0: not decided yet; 1: mimalloc; 2: glibc.
+static MODE: AtomicU8 = AtomicU8::new(0);
+
+/// Whether glibc's malloc serves this process, decided by the first call (before any
+/// allocation exists, so that every block is freed by the allocator that made it; `getenv`
+/// allocates nothing).
+fn system() -> bool {
+    let mut m = MODE.load(Ordering::Relaxed);
+    if m == 0 {
+        // SAFETY: a NUL-terminated name; the result is read at once, before other threads run.
+        let value = unsafe { libc::getenv(c"DDP_ALLOCATOR".as_ptr()) };
+        // SAFETY: getenv returns a NUL-terminated string or null.
+        let system = !value.is_null() && unsafe { std::ffi::CStr::from_ptr(value) } == c"system";
+        m = if system { 2 } else { 1 };
+        MODE.store(m, Ordering::Relaxed);
+    }
+    m == 2
+}
+
+// SAFETY: one allocator per process (see `system`), every call forwarded to it.
+unsafe impl GlobalAlloc for BenchAlloc {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded.
+        unsafe {
+            if system() {
+                System.alloc(layout)
+            } else {
+                mimalloc::MiMalloc.alloc(layout)
+            }
+        }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded.
+        unsafe {
+            if system() {
+                System.alloc_zeroed(layout)
+            } else {
+                mimalloc::MiMalloc.alloc_zeroed(layout)
+            }
+        }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: forwarded to the allocator that made the block.
+        unsafe {
+            if system() {
+                System.dealloc(ptr, layout)
+            } else {
+                mimalloc::MiMalloc.dealloc(ptr, layout)
+            }
+        }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: forwarded to the allocator that made the block.
+        unsafe {
+            if system() {
+                System.realloc(ptr, layout, new_size)
+            } else {
+                mimalloc::MiMalloc.realloc(ptr, layout, new_size)
+            }
+        }
+    }
+}
 
 /// What ZeRO sharding saves per rank, and what a step costs.
 #[derive(Parser)]

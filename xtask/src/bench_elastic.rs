@@ -1,0 +1,444 @@
+//! `cargo xtask bench-elastic`: what a rank's death costs an elastic job against ddprun's
+//! restart from a checkpoint, and what the elastic setting costs a job where nothing fails.
+//!
+//! Failure: three ranks train MNIST with `train-mnist` (the CNN, and the 50.9 M-parameter MLP
+//! 784 → 64000 → 10 with Adam, 600 MB of state), and rank 1 kills itself (SIGKILL) right after
+//! step 30 (the trainers' `DDP_TEST_KILL_AT_STEP` hook):
+//!
+//! - elastic: three `ddprun --nnodes 2:3` agents, one rank each, `--max-restarts 1`: the
+//!   survivors go on at world 2, rank 1's agent restarts it, it is healed from rank 0 and the
+//!   world grows back to 3;
+//! - restart: one `ddprun --nproc-per-node 3 --max-restarts 1` with `--checkpoint-every 20`:
+//!   every rank restarts and resumes from step 20's checkpoint.
+//!
+//! Every line of every agent is stamped as it arrives. Reported, from the kill (the hook's
+//! line): the next step's line (the survivors' first committed step; the restarted job's first
+//! step), the time until the world is back at 3 (the healed rank's first step; the restarted
+//! job's first step), the time until the job is past the step it was killed in, the steps
+//! lost (computed and thrown away: the dropped step in flight; the steps after the checkpoint
+//! and the one in flight) and the steps computed twice.
+//!
+//! Steady state: `bench-scaling`'s run (CNN, batch 64 per rank, one thread per rank, 60
+//! steps) at 2 and 3 ranks, plain and with `--elastic N:N` (the commit vote after every step),
+//! alternating, `--repeats` times each; the medians of samples/s and their ratio.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+
+use crate::util;
+
+/// Options of `bench-elastic`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Models: `cnn` and/or `mlp` (the 50.9 M-parameter MLP).
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["cnn".to_string(), "mlp".to_string()])]
+    models: Vec<String>,
+    /// Runs of each steady-state configuration (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Skip the steady-state comparison.
+    #[arg(long)]
+    no_steady: bool,
+    /// MNIST folder (the trainer's default cache when absent).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Output folder (default `target/bench`).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// The step after which rank 1 kills itself.
+const KILL_AT: u64 = 30;
+
+/// One agent (a ddprun), its lines stamped as they arrive.
+struct Agent {
+    child: Child,
+    lines: mpsc::Receiver<(Instant, String)>,
+    seen: Vec<(Instant, String)>,
+}
+
+impl Agent {
+    fn start(mut command: Command) -> Result<Agent> {
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = command.spawn().context("starting ddprun")?;
+        let (tx, lines) = mpsc::channel();
+        let out: Box<dyn std::io::Read + Send> = Box::new(child.stdout.take().context("stdout")?);
+        let err: Box<dyn std::io::Read + Send> = Box::new(child.stderr.take().context("stderr")?);
+        for stream in [out, err] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    let _ = tx.send((Instant::now(), line));
+                }
+            });
+        }
+        Ok(Agent {
+            child,
+            lines,
+            seen: Vec::new(),
+        })
+    }
+
+    /// Waits (at most `limit`) for the agent to exit and keeps its stamped lines.
+    fn finish(&mut self, limit: Duration) -> Result<bool> {
+        let deadline = Instant::now() + limit;
+        loop {
+            while let Ok(line) = self.lines.try_recv() {
+                self.seen.push(line);
+            }
+            if let Some(status) = self.child.try_wait()? {
+                while let Ok(line) = self.lines.recv_timeout(Duration::from_millis(500)) {
+                    self.seen.push(line);
+                }
+                return Ok(status.success());
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                bail!("an agent did not finish within {limit:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// When the first line containing `what` arrived after `after`.
+    fn first(&self, what: &str, after: Instant) -> Option<(Instant, &str)> {
+        self.seen
+            .iter()
+            .find(|(t, l)| *t >= after && l.contains(what))
+            .map(|(t, l)| (*t, l.as_str()))
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What a kill cost one way of running.
+#[derive(Debug, Clone, Serialize)]
+struct Recovery {
+    model: String,
+    mode: String,
+    /// From the kill to the next step's line.
+    next_step_s: f64,
+    /// From the kill until the world is back at 3.
+    rejoin_s: f64,
+    /// From the kill until the job is past the step it was killed in.
+    past_kill_s: f64,
+    steps_lost: u64,
+    steps_repeated: u64,
+    /// State that travelled to the healed rank (elastic), or was read from the checkpoint.
+    state_mb: f64,
+}
+
+/// `cargo xtask bench-elastic`.
+pub fn run(args: Args) -> Result<()> {
+    let bin_dir = util::build_release_bins(&["ddprun", "train-mnist"], &[])?;
+    let out = match &args.out {
+        Some(out) => out.clone(),
+        None => util::target_dir()?.join("bench"),
+    };
+    std::fs::create_dir_all(&out)?;
+    let mut rows = Vec::new();
+    for model in &args.models {
+        let (model_args, state_mb) = match model.as_str() {
+            "cnn" => (vec!["--model", "cnn", "--batch-size", "64"], 4.8 * 3.0),
+            "mlp" => (
+                vec!["--model", "mlp", "--hidden", "64000", "--batch-size", "16"],
+                203.6 * 3.0,
+            ),
+            other => bail!("--models: unknown model {other} (cnn, mlp)"),
+        };
+        let mut trainer: Vec<String> = model_args.iter().map(|s| s.to_string()).collect();
+        trainer.extend(
+            [
+                "--epochs",
+                "1",
+                "--threads",
+                "1",
+                "--max-steps",
+                "60",
+                "--log-interval",
+                "1",
+                "--test-samples",
+                "500",
+                "--json",
+            ]
+            .iter()
+            .map(|s| s.to_string()),
+        );
+        if let Some(dir) = &args.data_dir {
+            trainer.extend(["--data-dir".into(), dir.display().to_string()]);
+        }
+        rows.push(elastic_recovery(&bin_dir, model, &trainer, state_mb)?);
+        rows.push(checkpoint_recovery(&bin_dir, model, &trainer, state_mb)?);
+    }
+    let mut md = String::from(
+        "A kill -9 of rank 1 of 3 right after step 30 (train-mnist, one thread per rank, \
+         one host): elastic (`ddprun --nnodes 2:3`, three agents) against ddprun's restart \
+         from a checkpoint written every 20 steps.\n\n| model | mode | next step (s) | world \
+         back at 3 (s) | past step 31 (s) | steps lost | steps computed twice | state \
+         moved (MB) |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n",
+    );
+    for r in &rows {
+        md += &format!(
+            "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0} |\n",
+            r.model,
+            r.mode,
+            r.next_step_s,
+            r.rejoin_s,
+            r.past_kill_s,
+            r.steps_lost,
+            r.steps_repeated,
+            r.state_mb
+        );
+    }
+    let steady = if args.no_steady {
+        Vec::new()
+    } else {
+        steady_state(&bin_dir, &args)?
+    };
+    if !steady.is_empty() {
+        md += "\nSteady state (`bench-scaling`'s run: CNN, batch 64 per rank, 60 steps), \
+               medians of samples/s:\n\n| ranks | plain | --elastic N:N | elastic / plain |\n\
+               | --- | --- | --- | --- |\n";
+        for (world, plain, elastic) in &steady {
+            md += &format!(
+                "| {world} | {plain:.0} | {elastic:.0} | {:.3} |\n",
+                elastic / plain
+            );
+        }
+    }
+    println!("\n{md}");
+    std::fs::write(out.join("elastic.md"), &md)?;
+    std::fs::write(
+        out.join("elastic.json"),
+        serde_json::to_string_pretty(&serde_json::json!({
+            "recovery": rows,
+            "steady": steady.iter().map(|(w, p, e)| serde_json::json!({
+                "world": w, "plain": p, "elastic": e })).collect::<Vec<_>>(),
+        }))?,
+    )?;
+    println!(
+        "wrote {} and elastic.json",
+        out.join("elastic.md").display()
+    );
+    Ok(())
+}
+
+/// A free TCP port (bound and released).
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// The step number in a trainer's progress line (`epoch 1 step 31 (...`).
+fn step_of(line: &str) -> Option<u64> {
+    let (_, rest) = line.split_once(" step ")?;
+    rest.split_whitespace().next()?.parse().ok()
+}
+
+/// The first progress line (`epoch E step N (`) after `after` with a step above `above`.
+fn first_step_after(agent: &Agent, after: Instant, above: u64) -> Option<(Instant, u64)> {
+    agent
+        .seen
+        .iter()
+        .filter(|(t, l)| {
+            *t >= after && l.contains("epoch ") && l.contains(" step ") && l.contains(" (")
+        })
+        .find_map(|(t, l)| step_of(l).filter(|s| *s > above).map(|s| (*t, s)))
+}
+
+/// Three elastic agents; rank 1 dies after step 30.
+fn elastic_recovery(
+    bin: &Path,
+    model: &str,
+    trainer: &[String],
+    state_mb: f64,
+) -> Result<Recovery> {
+    let port = free_port()?;
+    let mut agents = Vec::new();
+    for node in 0..3 {
+        let mut command = Command::new(bin.join("ddprun"));
+        command
+            .args(["--nnodes", "2:3", "--node-rank", &node.to_string()])
+            .args([
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                &port.to_string(),
+            ])
+            .args(["--max-restarts", "1", "--"])
+            .arg(bin.join("train-mnist"))
+            .args(trainer)
+            .env("DDP_TEST_KILL_AT_STEP", KILL_AT.to_string())
+            .env("DDP_TEST_KILL_RANK", "1");
+        agents.push(Agent::start(command)?);
+    }
+    for a in &mut agents {
+        if !a.finish(Duration::from_secs(1800))? {
+            bail!(
+                "an elastic agent failed:\n{}",
+                a.seen
+                    .iter()
+                    .map(|(_, l)| l.as_str())
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+        }
+    }
+    let start = agents[0].seen.first().map_or(Instant::now(), |(t, _)| *t);
+    let (killed, _) = agents[1]
+        .first("kills itself after step", start)
+        .context("rank 1's kill line")?;
+    let (next, _) = first_step_after(&agents[0], killed, 0).context("a step after the kill")?;
+    let (back, _) = agents[1]
+        .first("elastic: step ", killed)
+        .context("the healed rank's first step")?;
+    let (past, _) = first_step_after(&agents[0], killed, KILL_AT + 1).context("step 32")?;
+    let summary = |a: &Agent| -> Option<serde_json::Value> {
+        a.seen.iter().rev().find_map(|(_, l)| {
+            l.split_once("DDP_ELASTIC_SUMMARY ")
+                .and_then(|(_, j)| serde_json::from_str(j).ok())
+        })
+    };
+    let s0 = summary(&agents[0]).context("rank 0's elastic summary")?;
+    let secs = |t: Instant| t.duration_since(killed).as_secs_f64();
+    eprintln!(
+        "elastic {model}: next step {:.2} s, back at 3 {:.2} s",
+        secs(next),
+        secs(back)
+    );
+    Ok(Recovery {
+        model: model.into(),
+        mode: "elastic".into(),
+        next_step_s: secs(next),
+        rejoin_s: secs(back),
+        past_kill_s: secs(past),
+        steps_lost: s0["steps_dropped"].as_u64().unwrap_or(0),
+        steps_repeated: s0["steps_repeated"].as_u64().unwrap_or(0),
+        state_mb,
+    })
+}
+
+/// One ddprun of three ranks with checkpoints every 20 steps; rank 1 dies after step 30.
+fn checkpoint_recovery(
+    bin: &Path,
+    model: &str,
+    trainer: &[String],
+    state_mb: f64,
+) -> Result<Recovery> {
+    let dir =
+        std::env::temp_dir().join(format!("ddp-bench-elastic-{}-{model}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut command = Command::new(bin.join("ddprun"));
+    command
+        .args(["--nproc-per-node", "3", "--max-restarts", "1", "--"])
+        .arg(bin.join("train-mnist"))
+        .args(trainer)
+        .args(["--checkpoint-every", "20", "--checkpoint-dir"])
+        .arg(&dir)
+        .env("DDP_TEST_KILL_AT_STEP", KILL_AT.to_string())
+        .env("DDP_TEST_KILL_RANK", "1");
+    let mut agent = Agent::start(command)?;
+    let ok = agent.finish(Duration::from_secs(1800))?;
+    let _ = std::fs::remove_dir_all(&dir);
+    if !ok {
+        bail!(
+            "the restarted job failed:\n{}",
+            agent
+                .seen
+                .iter()
+                .map(|(_, l)| l.as_str())
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+    let start = agent.seen.first().map_or(Instant::now(), |(t, _)| *t);
+    let (killed, _) = agent
+        .first("kills itself after step", start)
+        .context("rank 1's kill line")?;
+    let (restarted, _) = agent
+        .first("restarting all", killed)
+        .context("the restart")?;
+    let (next, first) =
+        first_step_after(&agent, restarted, 0).context("a step after the restart")?;
+    let (past, _) = first_step_after(&agent, restarted, KILL_AT + 1).context("step 32")?;
+    let secs = |t: Instant| t.duration_since(killed).as_secs_f64();
+    eprintln!("restart {model}: first step {first} at {:.2} s", secs(next));
+    Ok(Recovery {
+        model: model.into(),
+        mode: "restart from checkpoint".into(),
+        next_step_s: secs(next),
+        rejoin_s: secs(next),
+        past_kill_s: secs(past),
+        // The steps after the checkpoint, and the one in flight.
+        steps_lost: KILL_AT + 1 - (first - 1),
+        steps_repeated: KILL_AT + 1 - first,
+        state_mb,
+    })
+}
+
+/// `bench-scaling`'s run at 2 and 3 ranks, plain and `--elastic N:N`, alternating: (world,
+/// median plain samples/s, median elastic samples/s).
+fn steady_state(bin: &Path, args: &Args) -> Result<Vec<(usize, f64, f64)>> {
+    let mut rows = Vec::new();
+    for world in [2usize, 3] {
+        let (mut plain, mut elastic) = (Vec::new(), Vec::new());
+        for _ in 0..args.repeats {
+            for on in [false, true] {
+                let mut a: Vec<String> = [
+                    "--model",
+                    "cnn",
+                    "--epochs",
+                    "1",
+                    "--threads",
+                    "1",
+                    "--workers",
+                    "1",
+                    "--test-samples",
+                    "500",
+                    "--max-steps",
+                    "60",
+                    "--batch-size",
+                    "64",
+                    "--log-interval",
+                    "30",
+                ]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+                if let Some(dir) = &args.data_dir {
+                    a.extend(["--data-dir".into(), dir.display().to_string()]);
+                }
+                if on {
+                    a.extend(["--elastic".into(), format!("{world}:{world}")]);
+                }
+                let s = crate::train::launch(bin, "train-mnist", world, &a)?;
+                match on {
+                    false => plain.push(s.samples_per_sec),
+                    true => elastic.push(s.samples_per_sec),
+                }
+            }
+        }
+        rows.push((world, median(&mut plain), median(&mut elastic)));
+    }
+    Ok(rows)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
