@@ -66,6 +66,22 @@ pub enum CompressionKind {
     F16,
 }
 
+/// How each gradient bucket is averaged across ranks (`--comm-hook`, PyTorch's
+/// `register_comm_hook`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HookKind {
+    /// All-reduce in f32 (PyTorch's default).
+    None,
+    /// All-reduce in bfloat16 (PyTorch's `bf16_compress_hook`; the same as `--compression bf16`).
+    Bf16,
+    /// All-reduce in IEEE half (PyTorch's `fp16_compress_hook`; the same as `--compression f16`).
+    F16,
+    /// PowerSGD low-rank compression with error feedback (PyTorch's `powerSGD_hook`):
+    /// `--powersgd-rank`, `--powersgd-start`.
+    Powersgd,
+}
+
 /// Flags shared by `train-mnist` and `train-pima`; each may also come from `--config FILE`.
 #[derive(Debug, Clone, Default, PartialEq, Args, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
@@ -107,9 +123,22 @@ pub struct TrainArgs {
     /// Gradient bucket size in MiB.
     #[arg(long)]
     pub bucket_cap_mb: Option<f64>,
-    /// Gradient compression on the wire.
+    /// Gradient compression on the wire (the older spelling of `--comm-hook none|bf16|f16`).
     #[arg(long, value_enum)]
     pub compression: Option<CompressionKind>,
+    /// How each gradient bucket is averaged: all-reduce in f32 (`none`, the default), in bf16
+    /// or f16, or PowerSGD's low-rank compression (`powersgd`; plain DDP only, without
+    /// --zero-stage or --elastic).
+    #[arg(long, value_enum)]
+    pub comm_hook: Option<HookKind>,
+    /// With `--comm-hook powersgd`: the rank R of each gradient's approximation (default 1,
+    /// PyTorch's).
+    #[arg(long, value_name = "R")]
+    pub powersgd_rank: Option<usize>,
+    /// With `--comm-hook powersgd`: steps all-reduced plain before compression starts
+    /// (default 1000, PyTorch's; PyTorch suggests about 10 % of the training steps).
+    #[arg(long, value_name = "K")]
+    pub powersgd_start: Option<u64>,
     /// ZeRO stage: 0 = plain DDP (every rank keeps the whole optimizer state), 1 = the
     /// optimizer state sharded across ranks, 2 = optimizer state and gradients sharded.
     #[arg(long, value_parser = clap::value_parser!(u8).range(0..=2))]
@@ -201,7 +230,8 @@ impl TrainArgs {
     /// `self`'s values where given, else `under`'s.
     pub fn or(&self, under: &TrainArgs) -> TrainArgs {
         merge_fields!(self, under; epochs, batch_size, lr, optimizer, momentum, lr_scaling, seed,
-            backend, threads, workers, bucket_cap_mb, compression, zero_stage, overlap, data_dir, data_format,
+            backend, threads, workers, bucket_cap_mb, compression, comm_hook, powersgd_rank,
+            powersgd_start, zero_stage, overlap, data_dir, data_format,
             prefetch_shards, checkpoint_dir, checkpoint_every,
             resume, allow_mismatched_checkpoint, metrics_dir, export, log_interval, max_steps, train_samples, test_samples,
             verbose, json, trace_dir, trace_steps, elastic)
@@ -223,6 +253,12 @@ impl TrainArgs {
         let a = self.or(&file).or(defaults);
         let need =
             |name: &str| anyhow::anyhow!("no value for `{name}` (no flag, config or default)");
+        let (comm_hook, compression) = resolve_hook(a.comm_hook, a.compression)?;
+        if comm_hook != HookKind::Powersgd
+            && (a.powersgd_rank.is_some() || a.powersgd_start.is_some())
+        {
+            bail!("--powersgd-rank and --powersgd-start need --comm-hook powersgd");
+        }
         let cfg = TrainConfig {
             epochs: a.epochs.ok_or_else(|| need("epochs"))?,
             batch_size: a.batch_size.ok_or_else(|| need("batch-size"))?,
@@ -235,7 +271,10 @@ impl TrainArgs {
             threads: a.threads.unwrap_or(0),
             workers: a.workers.unwrap_or(1),
             bucket_cap_mb: a.bucket_cap_mb.unwrap_or(25.0),
-            compression: a.compression.unwrap_or(CompressionKind::None),
+            compression,
+            comm_hook,
+            powersgd_rank: a.powersgd_rank.unwrap_or(1),
+            powersgd_start: a.powersgd_start.unwrap_or(1000),
             zero_stage: a.zero_stage.unwrap_or(0),
             overlap: a.overlap.unwrap_or(false),
             data_dir: a.data_dir,
@@ -289,6 +328,24 @@ impl TrainArgs {
                 cfg.zero_stage
             );
         }
+        if cfg.comm_hook == HookKind::Powersgd {
+            if cfg.zero_stage > 0 {
+                bail!(
+                    "--comm-hook powersgd cannot be combined with --zero-stage {}: sharded \
+                     training reduce-scatters f32 gradients",
+                    cfg.zero_stage
+                );
+            }
+            if cfg.elastic.is_some() {
+                bail!(
+                    "--comm-hook powersgd cannot be combined with --elastic: its state (error \
+                     feedback, Q) is each rank's own and does not survive a change of members"
+                );
+            }
+            ddp::PowerSgdConfig::from(&cfg)
+                .validate()
+                .map_err(|e| anyhow::anyhow!("--powersgd-rank/--powersgd-start: {e}"))?;
+        }
         if cfg.checkpoint_every == Some(0) {
             bail!("checkpoint-every must be at least 1 step");
         }
@@ -324,8 +381,14 @@ pub struct TrainConfig {
     pub workers: usize,
     /// Gradient bucket size in MiB.
     pub bucket_cap_mb: f64,
-    /// Gradient compression.
+    /// Gradient compression (bf16/f16 also when given as `--comm-hook`).
     pub compression: CompressionKind,
+    /// The communication hook (`none`, `bf16` and `f16` agree with `compression`).
+    pub comm_hook: HookKind,
+    /// PowerSGD's rank.
+    pub powersgd_rank: usize,
+    /// Steps before PowerSGD compresses.
+    pub powersgd_start: u64,
     /// ZeRO stage (0 = plain DDP).
     pub zero_stage: u8,
     /// All-reduces during backward.
@@ -369,7 +432,53 @@ pub struct TrainConfig {
     pub elastic: Option<String>,
 }
 
+/// `--comm-hook` and its older spelling `--compression` (either may be given, both only when
+/// they agree) as the hook and the wire type.
+fn resolve_hook(
+    hook: Option<HookKind>,
+    compression: Option<CompressionKind>,
+) -> Result<(HookKind, CompressionKind)> {
+    let as_hook = |c: CompressionKind| match c {
+        CompressionKind::None => HookKind::None,
+        CompressionKind::Bf16 => HookKind::Bf16,
+        CompressionKind::F16 => HookKind::F16,
+    };
+    let hook = match (hook, compression) {
+        (Some(h), Some(c)) if h != as_hook(c) => bail!(
+            "--comm-hook {h:?} and --compression {c:?} disagree (--compression is the older \
+             spelling of --comm-hook none|bf16|f16: give one)"
+        ),
+        (Some(h), _) => h,
+        (None, c) => as_hook(c.unwrap_or(CompressionKind::None)),
+    };
+    let compression = match hook {
+        HookKind::Bf16 => CompressionKind::Bf16,
+        HookKind::F16 => CompressionKind::F16,
+        HookKind::None | HookKind::Powersgd => CompressionKind::None,
+    };
+    Ok((hook, compression))
+}
+
+/// PowerSGD's settings of a run: PyTorch's defaults with `--powersgd-rank` and
+/// `--powersgd-start`.
+impl From<&TrainConfig> for ddp::PowerSgdConfig {
+    fn from(cfg: &TrainConfig) -> ddp::PowerSgdConfig {
+        ddp::PowerSgdConfig::new()
+            .with_matrix_approximation_rank(cfg.powersgd_rank)
+            .with_start_powersgd_iter(cfg.powersgd_start)
+    }
+}
+
 impl TrainConfig {
+    /// The wrapper's communication hook setting ([`ddp::DdpConfig::comm_hook`]; bf16 and f16
+    /// travel as [`ddp::DdpConfig::compression`]).
+    pub fn ddp_comm_hook(&self) -> ddp::CommHookKind {
+        match self.comm_hook {
+            HookKind::Powersgd => ddp::CommHookKind::PowerSgd(self.into()),
+            HookKind::None | HookKind::Bf16 | HookKind::F16 => ddp::CommHookKind::AllReduce,
+        }
+    }
+
     /// The learning rate after scaling for `world_size` ranks.
     pub fn scaled_lr(&self, world_size: usize) -> f64 {
         match self.lr_scaling {
@@ -459,6 +568,76 @@ mod tests {
         assert!(err.contains("bad.toml") && err.contains("epoch"), "{err}");
         let cli = Cli::parse_from(["t", "--batch-size", "0"]);
         assert!(cli.args.resolve(&defaults()).is_err());
+    }
+
+    #[test]
+    fn comm_hook_flags_and_toml_keys() {
+        let resolve = |flags: &[&str]| {
+            let argv: Vec<&str> = std::iter::once("t").chain(flags.iter().copied()).collect();
+            Cli::parse_from(argv).args.resolve(&defaults())
+        };
+        let cfg = resolve(&[]).unwrap();
+        assert_eq!(
+            (cfg.comm_hook, cfg.compression),
+            (HookKind::None, CompressionKind::None)
+        );
+        assert_eq!(cfg.ddp_comm_hook(), ddp::CommHookKind::AllReduce);
+        // bf16 either way, the older flag an alias.
+        for flags in [&["--comm-hook", "bf16"][..], &["--compression", "bf16"][..]] {
+            let cfg = resolve(flags).unwrap();
+            assert_eq!(
+                (cfg.comm_hook, cfg.compression),
+                (HookKind::Bf16, CompressionKind::Bf16)
+            );
+        }
+        let cfg = resolve(&[
+            "--comm-hook",
+            "powersgd",
+            "--powersgd-rank",
+            "4",
+            "--powersgd-start",
+            "7",
+        ])
+        .unwrap();
+        assert_eq!(cfg.compression, CompressionKind::None);
+        assert_eq!(
+            cfg.ddp_comm_hook(),
+            ddp::CommHookKind::PowerSgd(
+                ddp::PowerSgdConfig::new()
+                    .with_matrix_approximation_rank(4)
+                    .with_start_powersgd_iter(7)
+            )
+        );
+        let refused = |flags: &[&str], needle: &str| {
+            let err = format!("{:#}", resolve(flags).unwrap_err());
+            assert!(err.contains(needle), "{flags:?}: {err}");
+        };
+        refused(
+            &["--comm-hook", "powersgd", "--compression", "bf16"],
+            "disagree",
+        );
+        refused(&["--powersgd-rank", "4"], "need --comm-hook powersgd");
+        refused(
+            &["--comm-hook", "powersgd", "--zero-stage", "1"],
+            "--zero-stage",
+        );
+        refused(
+            &["--comm-hook", "powersgd", "--powersgd-rank", "0"],
+            "matrix_approximation_rank",
+        );
+        // The same keys in the TOML file.
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("train.toml");
+        std::fs::write(
+            &file,
+            "comm-hook = \"powersgd\"\npowersgd-rank = 2\npowersgd-start = 3\n",
+        )
+        .unwrap();
+        let cfg = resolve(&["--config", file.to_str().unwrap()]).unwrap();
+        assert_eq!(
+            (cfg.comm_hook, cfg.powersgd_rank, cfg.powersgd_start),
+            (HookKind::Powersgd, 2, 3)
+        );
     }
 
     #[test]

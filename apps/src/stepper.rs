@@ -13,9 +13,9 @@ use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::Tensor;
 use ddp::{
-    Compression, DdpConfig, DdpError, DistributedDataParallel, Position, ProcessGroup, Resumed,
-    RunId, ShardOptimizer, ShardedAdamConfig, ShardedDataParallel, ShardedSgdConfig, SyncSpan,
-    SyncStats, ZeroConfig, ZeroStage,
+    CommHookKind, Compression, DdpConfig, DdpError, DistributedDataParallel, Position,
+    ProcessGroup, Resumed, RunId, ShardOptimizer, ShardedAdamConfig, ShardedDataParallel,
+    ShardedSgdConfig, SyncSpan, SyncStats, ZeroConfig, ZeroStage,
 };
 
 use crate::options::{CompressionKind, OptimizerKind, TrainConfig};
@@ -102,6 +102,7 @@ impl Stepper {
                     CompressionKind::Bf16 => Compression::Bf16,
                     CompressionKind::F16 => Compression::F16,
                 },
+                comm_hook: cfg.ddp_comm_hook(),
                 overlap: cfg.overlap,
                 ..DdpConfig::default()
             };
@@ -124,7 +125,13 @@ impl Stepper {
     pub(crate) fn describe<M: Module>(&self, model: &M, overlap: bool) -> String {
         let (what, why_not, during) = match self {
             Stepper::Ddp { ddp, .. } => (
-                "DDP".to_string(),
+                match &ddp.config().comm_hook {
+                    CommHookKind::PowerSgd(c) => format!(
+                        "DDP with PowerSGD (rank {}, compressing from step {})",
+                        c.matrix_approximation_rank, c.start_powersgd_iter
+                    ),
+                    CommHookKind::AllReduce => "DDP".to_string(),
+                },
                 ddp.why_no_overlap(model),
                 "all-reduces during backward",
             ),

@@ -1,6 +1,10 @@
-//! The wrapper's settings: [`DdpConfig`] and the wire type of gradients, [`Compression`].
+//! The wrapper's settings: [`DdpConfig`], the wire type of gradients, [`Compression`], and
+//! the built-in communication hook, [`CommHookKind`].
 
 use burn::config::Config;
+use serde::{Deserialize, Serialize};
+
+use crate::powersgd_config::PowerSgdConfig;
 
 /// Element type of the gradient all-reduce.
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
@@ -17,6 +21,23 @@ pub enum Compression {
     F16,
 }
 
+/// The built-in communication hook that averages each bucket (PyTorch's
+/// `register_comm_hook` with one of its `ddp_comm_hooks`). A user's own hook is installed with
+/// [`DistributedDataParallel::register_comm_hook`](crate::DistributedDataParallel::register_comm_hook)
+/// instead.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub enum CommHookKind {
+    /// All-reduce each part of a bucket in [`DdpConfig::compression`]'s wire type and divide by
+    /// the world size: PyTorch's default, `bf16_compress_hook` or `fp16_compress_hook`. The
+    /// default; no hook object runs (the fast path).
+    #[default]
+    AllReduce,
+    /// PowerSGD ([`PowerSgd`](crate::PowerSgd), PyTorch's `powerSGD_hook`) with these settings.
+    /// Needs [`DdpConfig::compression`] `None` and gradients through the host (not ZeRO, not
+    /// the GPU path through NCCL).
+    PowerSgd(PowerSgdConfig),
+}
+
 /// Settings of [`DistributedDataParallel`](crate::DistributedDataParallel), a burn `Config` (builder methods `with_*`, saved
 /// and loaded as JSON with the run's other configs); `DdpConfig::new()` (= `default()`) matches
 /// PyTorch's defaults.
@@ -31,6 +52,9 @@ pub struct DdpConfig {
     /// Element type on the wire for gradients.
     #[config(default = "Compression::None")]
     pub compression: Compression,
+    /// The built-in communication hook (default: all-reduce, in `compression`'s wire type).
+    #[config(default = "CommHookKind::AllReduce")]
+    pub comm_hook: CommHookKind,
     /// When `Some(k)`, every k-th call of [`DistributedDataParallel::sync`](crate::DistributedDataParallel::sync) first checks that all
     /// replicas hold bit-identical parameters (trainable and frozen), and fails naming the
     /// ranks that diverged (see [`DistributedDataParallel::check_replicas`](crate::DistributedDataParallel::check_replicas)).

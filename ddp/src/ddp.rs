@@ -36,6 +36,12 @@
 //! and [`DistributedDataParallel::backward`] make such hooks (`overlap.rs`): each bucket's
 //! all-reduce then starts during backward, as in PyTorch.
 //!
+//! A communication hook ([`DdpConfig::comm_hook`]'s PowerSGD, or a user's own through
+//! [`DistributedDataParallel::register_comm_hook`]) replaces step 2's per-part all-reduce and
+//! step 3's division: the pipeline still packs and submits part by part, and the hook gets
+//! each bucket whole as soon as its last part is in (`hook_carrier.rs`), and gives back the
+//! average.
+//!
 //! Reproducibility: the bucket layout depends only on the parameter list and the config, and the
 //! process group reduces every element in a fixed order, so the same seed gives bit-identical
 //! runs, and every replica receives bit-identical gradients.
@@ -52,7 +58,9 @@ use ddp_comm::bytes::fnv1a;
 
 use crate::agree::{broadcast_values, diverged_ranks, verify_same_params};
 use crate::buckets::{plan_buckets, Bucket, Layout, Part};
-use crate::config::{Compression, DdpConfig};
+use crate::comm_hook::{bucket_descs, CommHook, DynHook};
+use crate::config::{CommHookKind, Compression, DdpConfig};
+use crate::hook_carrier::Hooked;
 use crate::host_buf::HostBuf;
 use crate::overlap::{lock, OverlapState};
 // The GPU path (`cuda.rs`, a child module) names peers' failures as the pipeline does.
@@ -63,7 +71,8 @@ use crate::params::{
 #[cfg(feature = "cuda")]
 use crate::pipeline::peer_failed;
 use crate::pipeline::{Done, Pipeline};
-use crate::reduction::Reduction;
+use crate::powersgd::PowerSgd;
+use crate::reduction::{HostCarrier, Reduction};
 use crate::DdpError;
 
 /// The gradient path on the GPU through NCCL (feature `cuda`), a child module so that it can
@@ -154,7 +163,7 @@ pub struct DistributedDataParallel {
     /// The layout's buckets (also the GPU path's).
     buckets: Vec<Bucket>,
     /// The gradient pipeline, shared with the overlap hooks.
-    pipeline: Arc<Mutex<Pipeline>>,
+    pipeline: Arc<Mutex<Pipeline<HostCarrier>>>,
     /// Micro-steps accumulated in the pipeline since the last sync.
     micro_steps: usize,
     syncs: u64,
@@ -211,6 +220,11 @@ impl DistributedDataParallel {
                 "check_replicas_every must be at least 1".into(),
             ));
         }
+        // The built-in hook, its settings checked before any collective.
+        let hook: Option<Box<dyn DynHook>> = match &config.comm_hook {
+            CommHookKind::AllReduce => None,
+            CommHookKind::PowerSgd(settings) => Some(Box::new(PowerSgd::new(settings.clone())?)),
+        };
         let params = param_infos(&model);
         check_ranks(&params)?;
         check_dtypes(&params)?;
@@ -220,11 +234,16 @@ impl DistributedDataParallel {
         let params: Arc<[ParamInfo]> = params.into();
         let layout: Arc<Layout> = Arc::new(plan_buckets(&params, &config));
         let buckets = layout.buckets.clone();
+        let carrier = HostCarrier {
+            pg: Arc::clone(&pg),
+            reduction,
+            hook: None,
+        };
         let pipeline = Arc::new(Mutex::new(Pipeline::new(
             Arc::clone(&pg),
             Arc::clone(&params),
-            layout,
-            reduction,
+            Arc::clone(&layout),
+            carrier,
         )));
         // Gradients live on the device without autodiff.
         let device = model
@@ -257,7 +276,7 @@ impl DistributedDataParallel {
             .then(|| OverlapState::new(Arc::clone(&params), Arc::clone(&pipeline)));
         #[cfg(feature = "cuda")]
         let overlap = overlap.filter(|_| device_path.is_none());
-        let ddp = Self {
+        let mut ddp = Self {
             pg,
             params,
             has_buffers,
@@ -274,7 +293,96 @@ impl DistributedDataParallel {
             overlap,
             backward_span: None,
         };
+        if let Some(hook) = hook {
+            ddp.install_hook(hook)?;
+        }
         Ok((model, ddp))
+    }
+
+    /// Installs a communication hook of the user's own (PyTorch's `register_comm_hook`): from
+    /// the next sync on, `hook` averages each bucket instead of the built-in all-reduce (see
+    /// [`CommHook`] for the calls it gets and what it must return). Overlap
+    /// ([`DdpConfig::overlap`]) works with it: each bucket goes to the hook during backward
+    /// as soon as it is complete. Every rank must install an equal hook at the same point.
+    ///
+    /// Refused (as PyTorch does) when a hook is installed already ([`DdpConfig::comm_hook`]
+    /// or an earlier call), and where hooks do not run: with [`DdpConfig::compression`] other
+    /// than `None` (itself the bf16/f16 hook), when gradients are all-reduced on the GPU
+    /// through NCCL, and under [`crate::ShardedDataParallel`] (ZeRO reduce-scatters). A hook
+    /// that refuses the buckets in [`CommHook::bind`] is refused with its error.
+    pub fn register_comm_hook<H: CommHook>(&mut self, hook: H) -> Result<(), DdpError> {
+        self.install_hook(Box::new(hook))
+    }
+
+    /// Binds `hook` to the buckets and hands it to the pipeline's carrier (see
+    /// [`register_comm_hook`](Self::register_comm_hook) for what is refused).
+    fn install_hook(&mut self, mut hook: Box<dyn DynHook>) -> Result<(), DdpError> {
+        let refuse = |why: String| Err(DdpError::Config(format!("communication hook: {why}")));
+        if self.gradients_on_device() {
+            return refuse(
+                "hooks run on the host path, and this wrapper all-reduces gradients on the GPU \
+                 through NCCL"
+                    .into(),
+            );
+        }
+        let mut pipeline = lock(&self.pipeline);
+        let layout = Arc::clone(pipeline.layout());
+        let carrier = pipeline.carrier();
+        match carrier.reduction {
+            Reduction::ReduceScatter => {
+                return refuse(
+                    "a hook averages whole buckets, and ZeRO (ShardedDataParallel) \
+                     reduce-scatters them: the two cannot be combined"
+                        .into(),
+                )
+            }
+            Reduction::AllReduce(c @ (Compression::Bf16 | Compression::F16)) => {
+                return refuse(format!(
+                    "DdpConfig::compression {c:?} is itself a hook (PyTorch's \
+                     bf16/fp16_compress_hook); set it to None to install another"
+                ))
+            }
+            Reduction::AllReduce(Compression::None) => {}
+        }
+        if carrier.hook.is_some() {
+            return refuse(
+                "one is installed already (DdpConfig::comm_hook or an earlier \
+                 register_comm_hook); a wrapper has one"
+                    .into(),
+            );
+        }
+        hook.bind(&bucket_descs(&layout, &self.params))?;
+        carrier.hook = Some(Hooked::new(hook, layout));
+        Ok(())
+    }
+
+    /// Whether a communication hook is installed.
+    fn hooked(&self) -> bool {
+        lock(&self.pipeline).carrier().hook.is_some()
+    }
+
+    /// This rank's communication hook state ([`CommHook::state`]: PowerSGD's step count,
+    /// error feedback and Q), to save beside a checkpoint; `None` without a hook or for a hook
+    /// without state. The state is this rank's own (PowerSGD's error feedback differs between
+    /// ranks): save every rank's.
+    pub fn comm_hook_state(&self) -> Option<Vec<u8>> {
+        let mut pipeline = lock(&self.pipeline);
+        let hooked = pipeline.carrier().hook.as_ref()?;
+        hooked.hook().state()
+    }
+
+    /// Restores a state [`comm_hook_state`](Self::comm_hook_state) returned on this rank (`name`
+    /// says where the bytes came from, for the error), so that training continues bit for bit
+    /// as if uninterrupted. Refused, naming `name`, without a hook or when the hook refuses
+    /// the bytes.
+    pub fn load_comm_hook_state(&mut self, bytes: &[u8], name: &str) -> Result<(), DdpError> {
+        let mut pipeline = lock(&self.pipeline);
+        match pipeline.carrier().hook.as_mut() {
+            Some(hooked) => hooked.hook_mut().load_state(bytes, name),
+            None => Err(DdpError::Checkpoint(format!(
+                "{name}: holds a communication hook state, but this wrapper has no hook"
+            ))),
+        }
     }
 
     /// The process group the gradients travel through.
@@ -431,7 +539,7 @@ impl DistributedDataParallel {
     }
 
     /// The gradient pipeline.
-    pub(crate) fn pipeline(&self) -> &Arc<Mutex<Pipeline>> {
+    pub(crate) fn pipeline(&self) -> &Arc<Mutex<Pipeline<HostCarrier>>> {
         &self.pipeline
     }
 
@@ -568,7 +676,7 @@ impl DistributedDataParallel {
         local_error: Option<DdpError>,
         begun: bool,
     ) -> Result<GradientsParams, DdpError> {
-        if self.pg.world_size() == 1 && self.micro_steps == 0 && !begun {
+        if self.pg.world_size() == 1 && self.micro_steps == 0 && !begun && !self.hooked() {
             // Averaging over one rank and one micro-step is the identity: skip the copies.
             // (The gradients are not taken out here, so unknown ones cannot be told apart;
             // with one rank there is no other rank to disagree with.)
@@ -598,16 +706,17 @@ impl DistributedDataParallel {
         self.stats.pack += pack_start.elapsed();
 
         // Micro-steps are summed (PyTorch's no_sync); only ranks are averaged (compressed
-        // buckets were divided before the all-reduce).
-        let denom = match self.config.compression {
-            Compression::None => self.pg.world_size() as f32,
-            Compression::Bf16 | Compression::F16 => 1.0,
+        // buckets were divided before the all-reduce, a hook returns the average).
+        let denom = if pipeline.carrier().averages() {
+            1.0
+        } else {
+            self.pg.world_size() as f32
         };
         self.micro_steps = 0;
         let layout = Arc::clone(pipeline.layout());
         let mut averaged: Vec<Option<HostBuf>> = (0..self.params.len()).map(|_| None).collect();
         let mut previous_end = pack_start;
-        let presence = pipeline.finish(self.syncs, |done: Done| {
+        let presence = pipeline.finish(self.syncs, |done: Done<HostBuf>| {
             let part = &layout.parts[done.part];
             let (b, elements) = (part.bucket, part.len);
             let (wait_start, wait_end) = done.waited;

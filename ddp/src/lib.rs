@@ -12,7 +12,9 @@
 
 mod agree;
 mod buckets;
+mod carrier;
 pub mod checkpoint;
+mod comm_hook;
 mod config;
 mod ddp;
 // The GPU path's sequence of collectives (used by `cuda.rs`; tested on the CPU with a fake).
@@ -21,6 +23,7 @@ mod device_step;
 mod elastic;
 mod elastic_zero;
 mod error;
+mod hook_carrier;
 mod host_buf;
 mod overlap;
 mod overlap_ops;
@@ -37,12 +40,13 @@ mod shard_optim;
 mod zero;
 mod zero_state;
 
-pub use crate::config::{Compression, DdpConfig};
+pub use crate::comm_hook::{BucketDesc, CommHook, GradBuffer, GradSlot};
+pub use crate::config::{CommHookKind, Compression, DdpConfig};
 pub use crate::ddp::{DistributedDataParallel, SyncPhase, SyncSpan, SyncStats};
 pub use elastic::{ElasticDdp, ElasticOptimizer, Membership, Outcome, Progress};
 pub use error::DdpError;
 pub use params::{flatten_params, load_flat_params, param_infos, ParamInfo, ParamKind};
-pub use powersgd::{BucketDesc, GradSlot, PowerSgd, PowerSgdFlight};
+pub use powersgd::{PowerSgd, PowerSgdFlight};
 pub use powersgd_config::PowerSgdConfig;
 pub use resume::{
     fetch, resume, resume_sharded, save_checkpoint, save_sharded_checkpoint, Position, Resumed,

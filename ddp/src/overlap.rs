@@ -36,6 +36,7 @@ use crate::host_buf::HostBuf;
 use crate::overlap_ops::{DepthProbe, GradHook, OverlapOps};
 use crate::params::ParamInfo;
 use crate::pipeline::Pipeline;
+use crate::reduction::HostCarrier;
 use crate::DdpError;
 
 /// The overlap machinery of one wrapper.
@@ -43,7 +44,7 @@ pub(crate) struct OverlapState {
     /// Shared with each step's hooks (no copy per step).
     params: Arc<[ParamInfo]>,
     /// The wrapper's gradient pipeline, which the hooks hand their gradients to.
-    pipeline: Arc<Mutex<Pipeline>>,
+    pipeline: Arc<Mutex<Pipeline<HostCarrier>>>,
     /// The loss depth measured by the first overlapped pass.
     loss_depth: Arc<Mutex<Option<usize>>>,
     /// Whether the hooks take the gradients (only inside an overlapped backward): disarmed,
@@ -60,7 +61,10 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl OverlapState {
     /// The machinery for the wrapper's parameter list and gradient pipeline.
-    pub(crate) fn new(params: Arc<[ParamInfo]>, pipeline: Arc<Mutex<Pipeline>>) -> Self {
+    pub(crate) fn new(
+        params: Arc<[ParamInfo]>,
+        pipeline: Arc<Mutex<Pipeline<HostCarrier>>>,
+    ) -> Self {
         Self {
             params,
             pipeline,

@@ -1,7 +1,10 @@
 //! The gradient pipeline, PyTorch's `Reducer`: the one object between where gradients come
 //! from (overlap's hooks during backward, burn's `GradientsParams` after it) and the process
-//! group, driven by every mode: DDP's `sync` and `accumulate`, its overlapped `backward`, and
-//! ZeRO stages 1 and 2. The layout is `buckets.rs`'s, the per-part collective `reduction.rs`'s.
+//! group, driven by every mode: DDP's `sync` and `accumulate`, its overlapped `backward`, ZeRO
+//! stages 1 and 2, and the GPU path. The layout is `buckets.rs`'s; where the buffers live and
+//! how a part's collective runs is a [`Carrier`]'s (`carrier.rs`): host buffers through the
+//! process group (`reduction.rs`, where the per-part collective is chosen: all-reduce in a wire
+//! type, or reduce-scatter), or device tensors through NCCL (`device_step.rs`).
 //!
 //! # The loop
 //!
@@ -12,12 +15,16 @@
 //! 1. The gradient goes into its part's buffer. A part that is one gradient takes burn's buffer
 //!    itself, without a copy (adopted); in a shared part it is copied to its offset. In a later
 //!    micro-step of the cycle it is added instead (PyTorch's `no_sync` sum).
-//! 2. In the micro-step that ends the cycle (`begin(true)`), once every gradient of a bucket is
-//!    in, the bucket's parts are submitted, but only after every earlier bucket: the
-//!    collectives go out in bucket order on every rank, whatever order the gradients come in.
-//!    A parameter without a gradient on this rank holds its bucket (and every later one) back
+//! 2. In the micro-step that ends the cycle (`begin(true)`), once every gradient of a part is
+//!    in, the part is submitted, but only after every earlier part: the collectives go out in
+//!    bucket order, part by part, on every rank, whatever order the gradients come in. A large
+//!    gradient is a part of its own, so it leaves as soon as it is complete, not when the last
+//!    gradient of its bucket is: communication never waits for a gradient it does not carry.
+//!    A parameter without a gradient on this rank holds its part (and every later one) back
 //!    until `deliver_from` says it has none; its slot stays zero.
-//! 3. [`Pipeline::finish`] submits what is left, then one small **control** all-reduce: how
+//! 3. [`Pipeline::finish`] submits what is left (a carrier that holds submissions back, the
+//!    GPU path's, sends them all now, after one synchronisation), then one small **control**
+//!    all-reduce over the process group: how
 //!    many micro-steps had a gradient of each parameter on each rank (presence), how many
 //!    ranks failed locally and the sum of their ranks plus one. It is the step's last
 //!    collective on every rank, so the sequence of collectives never depends on a rank's own
@@ -39,18 +46,17 @@ use burn::optim::GradientsParams;
 use ddp_comm::{ProcessGroup, ReduceOp};
 
 use crate::buckets::Layout;
-use crate::host_buf::HostBuf;
-use crate::params::{drop_grad, take_grad, ParamInfo};
-use crate::reduction::{Flight, Reduction};
+use crate::carrier::Carrier;
+use crate::params::{drop_grad, ParamInfo};
 use crate::DdpError;
 
 /// A part whose collective completed, handed to [`Pipeline::finish`]'s caller.
-pub(crate) struct Done {
+pub(crate) struct Done<B> {
     /// The part (an index into the layout's parts).
     pub part: usize,
     /// Its buffer, with the result (DDP: the sum over ranks; ZeRO: this rank's chunk summed,
     /// in place).
-    pub buf: HostBuf,
+    pub buf: B,
     /// When its packing started (its submission minus the time spent packing it) and when it
     /// was submitted.
     pub packed: (Instant, Instant),
@@ -59,33 +65,34 @@ pub(crate) struct Done {
 }
 
 /// A part's collective in flight.
-struct Submitted {
+struct Submitted<F> {
     part: usize,
-    flight: Flight,
+    flight: F,
     packed: (Instant, Instant),
 }
 
 /// The pipeline of one wrapper (see the module documentation).
-pub(crate) struct Pipeline {
+pub(crate) struct Pipeline<C: Carrier> {
+    /// The control all-reduce's group.
     pg: Arc<ProcessGroup>,
     params: Arc<[ParamInfo]>,
     layout: Arc<Layout>,
-    reduction: Reduction,
+    carrier: C,
     /// Per part: its buffer in this cycle (`None` until its first gradient).
-    bufs: Vec<Option<HostBuf>>,
+    bufs: Vec<Option<C::Buf>>,
     /// Per parameter: whether its slot holds a gradient of this cycle (the next is added).
     written: Vec<bool>,
     /// Per parameter: micro-steps of this cycle in which this rank had its gradient.
     presence: Vec<f32>,
     /// Per parameter: handed over in this micro-step.
     delivered: Vec<bool>,
-    /// Per bucket: gradients of this micro-step not handed over yet.
+    /// Per part: gradients of this micro-step not handed over yet.
     pending: Vec<usize>,
-    /// Whether complete buckets go out at once (the micro-step that ends the cycle).
+    /// Whether complete parts go out at once (the micro-step that ends the cycle).
     communicate: bool,
-    /// The next bucket to submit.
+    /// The next part to submit.
     next: usize,
-    submitted: Vec<Submitted>,
+    submitted: Vec<Submitted<C::Flight>>,
     /// Per part: time spent packing it in this micro-step.
     pack_time: Vec<Duration>,
     /// This rank's first local failure in this cycle.
@@ -94,25 +101,26 @@ pub(crate) struct Pipeline {
     bytes: u64,
 }
 
-impl Pipeline {
-    /// The pipeline of `params` laid out as `layout`, each part carried by `reduction`.
+impl<C: Carrier> Pipeline<C> {
+    /// The pipeline of `params` laid out as `layout`, each part carried by `carrier`, the
+    /// control all-reduce through `pg`.
     pub(crate) fn new(
         pg: Arc<ProcessGroup>,
         params: Arc<[ParamInfo]>,
         layout: Arc<Layout>,
-        reduction: Reduction,
-    ) -> Pipeline {
-        let (n, parts, buckets) = (params.len(), layout.parts.len(), layout.buckets.len());
+        carrier: C,
+    ) -> Pipeline<C> {
+        let (n, parts) = (params.len(), layout.parts.len());
         Pipeline {
             pg,
             params,
             layout,
-            reduction,
+            carrier,
             bufs: (0..parts).map(|_| None).collect(),
             written: vec![false; n],
             presence: vec![0.0; n],
             delivered: vec![false; n],
-            pending: vec![0; buckets],
+            pending: vec![0; parts],
             communicate: false,
             next: 0,
             submitted: Vec::new(),
@@ -127,12 +135,17 @@ impl Pipeline {
         &self.layout
     }
 
+    /// The carrier.
+    pub(crate) fn carrier(&mut self) -> &mut C {
+        &mut self.carrier
+    }
+
     /// Starts a micro-step: `communicate` when it ends the cycle (its buckets go out as they
     /// complete), not for an accumulation micro-step (gradients are only summed).
     pub(crate) fn begin(&mut self, communicate: bool) {
         self.delivered.fill(false);
-        for (pending, bucket) in self.pending.iter_mut().zip(&self.layout.buckets) {
-            *pending = bucket.params.len();
+        for (pending, part) in self.pending.iter_mut().zip(&self.layout.parts) {
+            *pending = part.params.len();
         }
         self.communicate = communicate;
         self.next = 0;
@@ -151,9 +164,12 @@ impl Pipeline {
         self.error.take()
     }
 
-    /// How many buckets went out so far in this micro-step.
+    /// How many buckets went out whole so far in this micro-step.
     pub(crate) fn buckets_submitted(&self) -> usize {
-        self.next
+        match self.layout.parts.get(self.next) {
+            Some(next) => next.bucket,
+            None => self.layout.buckets.len(),
+        }
     }
 
     /// Bytes handed to collectives since the last call.
@@ -165,7 +181,7 @@ impl Pipeline {
     /// rank; `Err`: it could not be read, a local failure), and submits every bucket that is
     /// now complete, in order. A parameter is taken once per micro-step; frozen parameters and
     /// buffers are ignored.
-    pub(crate) fn deliver(&mut self, p: usize, grad: Result<Option<HostBuf>, DdpError>) {
+    pub(crate) fn deliver(&mut self, p: usize, grad: Result<Option<C::Buf>, DdpError>) {
         let Some(place) = self.layout.place.get(p).copied().flatten() else {
             return;
         };
@@ -178,20 +194,17 @@ impl Pipeline {
                 self.presence[p] += 1.0;
                 let part = &self.layout.parts[place.part];
                 let slot = &mut self.bufs[place.part];
-                if slot.is_none() && part.params.len() == 1 && g.len() == part.len {
+                if slot.is_none() && part.params.len() == 1 && self.carrier.len(&g) == part.len {
                     // The part is this one gradient: burn's buffer becomes the part's.
                     *slot = Some(g);
                 } else {
-                    let buf = slot
-                        .get_or_insert_with(|| HostBuf::zeros(part.len))
-                        .as_mut();
-                    let g = g.as_ref();
-                    let dst = &mut buf[place.offset..place.offset + g.len()];
-                    if self.written[p] {
-                        dst.iter_mut().zip(g).for_each(|(d, s)| *d += s);
-                    } else {
-                        dst.copy_from_slice(g);
-                    }
+                    let mut buf = match slot.take() {
+                        Some(buf) => buf,
+                        None => self.carrier.zeros(part.len),
+                    };
+                    self.carrier
+                        .write(&mut buf, place.offset, g, self.written[p]);
+                    self.bufs[place.part] = Some(buf);
                 }
                 self.written[p] = true;
             }
@@ -199,10 +212,10 @@ impl Pipeline {
             Err(e) => self.fail(e),
         }
         self.pack_time[place.part] += start.elapsed();
-        self.pending[place.bucket] -= 1;
+        self.pending[place.part] -= 1;
         if self.communicate {
-            while self.next < self.layout.buckets.len() && self.pending[self.next] == 0 {
-                self.submit_bucket();
+            while self.next < self.layout.parts.len() && self.pending[self.next] == 0 {
+                self.submit_part();
             }
         }
     }
@@ -219,7 +232,7 @@ impl Pipeline {
                     // Its hook had it: anything left on the parameter is no gradient of ours.
                     drop_grad(grads, info);
                 } else {
-                    let grad = take_grad(grads, info);
+                    let grad = self.carrier.take(grads, info);
                     self.deliver(p, grad);
                 }
             }
@@ -235,22 +248,22 @@ impl Pipeline {
         }
     }
 
-    /// Submits the next bucket's parts (a part nobody wrote goes out as zeros).
-    fn submit_bucket(&mut self) {
-        let bucket = &self.layout.buckets[self.next];
-        for j in bucket.parts.clone() {
-            let len = self.layout.parts[j].len;
-            let buf = self.bufs[j].take().unwrap_or_else(|| HostBuf::zeros(len));
-            let (flight, bytes) = self.reduction.submit(&self.pg, buf);
-            self.bytes += bytes;
-            let now = Instant::now();
-            let start = now.checked_sub(self.pack_time[j]).unwrap_or(now);
-            self.submitted.push(Submitted {
-                part: j,
-                flight,
-                packed: (start, now),
-            });
-        }
+    /// Submits the next part (as zeros when nobody wrote it).
+    fn submit_part(&mut self) {
+        let j = self.next;
+        let buf = match self.bufs[j].take() {
+            Some(buf) => buf,
+            None => self.carrier.zeros(self.layout.parts[j].len),
+        };
+        let (flight, bytes) = self.carrier.submit(j, buf);
+        self.bytes += bytes;
+        let now = Instant::now();
+        let start = now.checked_sub(self.pack_time[j]).unwrap_or(now);
+        self.submitted.push(Submitted {
+            part: j,
+            flight,
+            packed: (start, now),
+        });
         self.next += 1;
     }
 
@@ -263,10 +276,22 @@ impl Pipeline {
     pub(crate) fn finish(
         &mut self,
         sync: u64,
-        mut done: impl FnMut(Done),
+        mut done: impl FnMut(Done<C::Buf>),
     ) -> Result<Vec<f32>, DdpError> {
-        while self.next < self.layout.buckets.len() {
-            self.submit_bucket();
+        while self.next < self.layout.parts.len() {
+            self.submit_part();
+        }
+        match self.carrier.launch() {
+            Ok(None) => {}
+            Ok(Some(e)) => self.fail(e),
+            Err(e) => {
+                // The group is failed: the peers stop at their next wait.
+                self.submitted.clear();
+                self.written.fill(false);
+                self.presence = vec![0.0; self.params.len()];
+                self.error = None;
+                return Err(e);
+            }
         }
         let failed = self.error.is_some();
         let mut control = std::mem::take(&mut self.presence);
@@ -282,7 +307,7 @@ impl Pipeline {
         let mut comm_error = None;
         for s in std::mem::take(&mut self.submitted) {
             let wait_start = Instant::now();
-            let result = s.flight.wait();
+            let result = self.carrier.wait(s.flight);
             let waited = (wait_start, Instant::now());
             match result {
                 Ok(buf) if comm_error.is_none() => done(Done {
@@ -340,6 +365,7 @@ mod tests {
     use crate::buckets::plan_buckets;
     use crate::config::{Compression, DdpConfig};
     use crate::params::ParamKind;
+    use crate::reduction::{HostCarrier, Reduction};
 
     #[test]
     fn a_peer_failure_names_the_rank_when_exactly_one_failed() {
@@ -372,7 +398,7 @@ mod tests {
 
     /// A pipeline of one rank over two parameters: a large one (a part of its own) and a
     /// small one.
-    fn one_rank(reduction: Reduction) -> (Pipeline, usize) {
+    fn one_rank(reduction: Reduction) -> (Pipeline<HostCarrier>, usize) {
         let big = crate::buckets::ADOPT_BYTES / 4 + 3;
         let params: Arc<[ParamInfo]> = vec![info("big", big), info("small", 5)].into();
         let layout = plan_buckets(&params, &DdpConfig::default());
@@ -382,8 +408,18 @@ mod tests {
             .world_size(1)
             .build()
             .expect("a group of one");
+        let pg = Arc::new(pg);
         (
-            Pipeline::new(Arc::new(pg), params, Arc::new(layout), reduction),
+            Pipeline::new(
+                Arc::clone(&pg),
+                params,
+                Arc::new(layout),
+                HostCarrier {
+                    pg,
+                    reduction,
+                    hook: None,
+                },
+            ),
             big,
         )
     }

@@ -30,32 +30,11 @@
 
 use ddp_comm::{ProcessGroup, ReduceOp, Work};
 
+use crate::comm_hook::{BucketDesc, CommHook, GradBuffer};
 use crate::powersgd_config::PowerSgdConfig;
 use crate::powersgd_math::{back_project, expand, fill_normal, orthogonalize, project, splitmix64};
 use crate::powersgd_state::{decode, encode, Saved, State};
 use crate::DdpError;
-
-/// Where one gradient of a bucket lies: its part (one of the bucket's buffers), its offset in
-/// that buffer and its shape (row-major, as the parameter is stored).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GradSlot {
-    /// The part, an index into the bucket's buffers.
-    pub part: usize,
-    /// Offset of its first element in that buffer.
-    pub offset: usize,
-    /// The parameter's shape.
-    pub shape: Vec<usize>,
-}
-
-/// One bucket as a communication hook sees it: the lengths of its buffers (parts) and the
-/// gradients they hold, in packing order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BucketDesc {
-    /// Elements of each part's buffer.
-    pub part_lens: Vec<usize>,
-    /// The bucket's gradients.
-    pub grads: Vec<GradSlot>,
-}
 
 /// A gradient PowerSGD compresses: a `rows × cols` matrix and the rank it gets.
 #[derive(Debug, Clone)]
@@ -198,10 +177,26 @@ impl<B> PowerSgdFlight<B> {
 }
 
 impl PowerSgd {
-    /// The hook for buckets `buckets` (in communication order); refuses invalid settings and
-    /// gradients that do not lie inside their part.
-    pub fn new(config: PowerSgdConfig, buckets: &[BucketDesc]) -> Result<PowerSgd, DdpError> {
+    /// The hook with `config` (refused when invalid); it learns its buckets from
+    /// [`bind`](Self::bind), which the wrapper calls when it installs it.
+    pub fn new(config: PowerSgdConfig) -> Result<PowerSgd, DdpError> {
         config.validate()?;
+        let state = State {
+            iter: 0,
+            rng: config.random_seed,
+            errors: Vec::new(),
+            qs: Vec::new(),
+        };
+        Ok(PowerSgd {
+            config,
+            plans: Vec::new(),
+            state,
+        })
+    }
+
+    /// Plans buckets `buckets` (in communication order) and starts afresh; refuses gradients
+    /// that do not lie inside their part.
+    pub fn bind(&mut self, buckets: &[BucketDesc]) -> Result<(), DdpError> {
         for (b, bucket) in buckets.iter().enumerate() {
             for (i, g) in bucket.grads.iter().enumerate() {
                 let numel: usize = g.shape.iter().product();
@@ -218,19 +213,15 @@ impl PowerSgd {
                 }
             }
         }
-        let plans = buckets.iter().map(|b| plan(b, &config)).collect();
+        self.plans = buckets.iter().map(|b| plan(b, &self.config)).collect();
         let n = buckets.len();
-        let state = State {
+        self.state = State {
             iter: 0,
-            rng: config.random_seed,
+            rng: self.config.random_seed,
             errors: vec![None; n],
             qs: vec![None; n],
         };
-        Ok(PowerSgd {
-            config,
-            plans,
-            state,
-        })
+        Ok(())
     }
 
     /// Its settings.
@@ -509,9 +500,48 @@ impl PowerSgd {
     }
 }
 
+/// PowerSGD as the wrapper's communication hook (`DdpConfig::comm_hook`).
+impl CommHook for PowerSgd {
+    type Work = PowerSgdFlight<GradBuffer>;
+
+    fn bind(&mut self, buckets: &[BucketDesc]) -> Result<(), DdpError> {
+        PowerSgd::bind(self, buckets)
+    }
+
+    fn submit(
+        &mut self,
+        pg: &ProcessGroup,
+        bucket: usize,
+        parts: Vec<GradBuffer>,
+    ) -> Result<Self::Work, DdpError> {
+        PowerSgd::submit(self, pg, bucket, parts)
+    }
+
+    fn wait(&mut self, pg: &ProcessGroup, work: Self::Work) -> Result<Vec<GradBuffer>, DdpError> {
+        PowerSgd::wait(self, pg, work)
+    }
+
+    fn bytes(&self, work: &Self::Work) -> u64 {
+        work.bytes()
+    }
+
+    fn end_step(&mut self) {
+        PowerSgd::end_step(self)
+    }
+
+    fn state(&self) -> Option<Vec<u8>> {
+        Some(self.state_bytes())
+    }
+
+    fn load_state(&mut self, bytes: &[u8], name: &str) -> Result<(), DdpError> {
+        self.load_state_bytes(bytes, name)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm_hook::GradSlot;
 
     fn bucket(shapes: &[&[usize]]) -> BucketDesc {
         let mut grads = Vec::new();
@@ -574,26 +604,20 @@ mod tests {
 
     #[test]
     fn settings_and_layouts_that_cannot_run_are_refused() {
-        let b = bucket(&[&[4, 4]]);
-        let err = PowerSgd::new(
-            PowerSgdConfig::new().with_matrix_approximation_rank(0),
-            std::slice::from_ref(&b),
-        );
+        let err = PowerSgd::new(PowerSgdConfig::new().with_matrix_approximation_rank(0));
         assert!(err
             .unwrap_err()
             .to_string()
             .contains("matrix_approximation_rank"));
-        let err = PowerSgd::new(
-            PowerSgdConfig::new().with_orthogonalization_epsilon(f32::NAN),
-            std::slice::from_ref(&b),
-        );
+        let err = PowerSgd::new(PowerSgdConfig::new().with_orthogonalization_epsilon(f32::NAN));
         assert!(err
             .unwrap_err()
             .to_string()
             .contains("orthogonalization_epsilon"));
-        let mut outside = b;
+        let mut outside = bucket(&[&[4, 4]]);
         outside.grads[0].offset = 1;
-        let err = PowerSgd::new(PowerSgdConfig::new(), &[outside]).unwrap_err();
+        let mut hook = PowerSgd::new(PowerSgdConfig::new()).unwrap();
+        let err = hook.bind(&[outside]).unwrap_err();
         assert!(err.to_string().contains("gradient 0 of bucket 0"), "{err}");
     }
 }

@@ -1,15 +1,101 @@
-//! How one part of a bucket travels: the seam between the gradient pipeline (`pipeline.rs`)
-//! and the process group, the one place where a buffer is submitted and where its result is
-//! taken back. PyTorch calls this a communication hook; the modes of this crate are
-//! [`Reduction`]'s variants, and a new one (PowerSGD, another wire type) is a variant with its
-//! arms here, without touching the loop.
+//! How one part of a bucket travels on the host: [`HostCarrier`], the gradient pipeline's
+//! carrier (`pipeline.rs`, `carrier.rs`) for host buffers and the process group, and the one
+//! place where a buffer is submitted and where its result is taken back. The built-in modes
+//! are [`Reduction`]'s variants (all-reduce in a wire type, ZeRO's reduce-scatter), run part by
+//! part; a communication hook (PowerSGD, a user's own: `comm_hook.rs`) takes whole buckets
+//! instead, through `hook_carrier.rs`, when one is installed.
 
+use std::sync::Arc;
+
+use burn::optim::GradientsParams;
 use ddp_comm::{ProcessGroup, ReduceOp, Work};
 use half::{bf16, f16};
 
+use crate::carrier::Carrier;
 use crate::config::Compression;
+use crate::hook_carrier::{HookFlight, Hooked};
 use crate::host_buf::HostBuf;
+use crate::params::{take_grad, ParamInfo};
 use crate::DdpError;
+
+/// The pipeline's carrier on the host: buffers in host memory (burn's own, or ours), each
+/// part reduced by `reduction` through `pg`, or, with a communication hook installed, each
+/// bucket averaged by the hook.
+pub(crate) struct HostCarrier {
+    /// The process group.
+    pub pg: Arc<ProcessGroup>,
+    /// What each part's collective is (without a hook).
+    pub reduction: Reduction,
+    /// The communication hook, when one is installed: it replaces `reduction`.
+    pub hook: Option<Hooked>,
+}
+
+impl HostCarrier {
+    /// Whether the results are averages over the ranks already (a hook's, or a compressed
+    /// all-reduce's, whose buffers were divided before it) rather than sums.
+    pub(crate) fn averages(&self) -> bool {
+        self.hook.is_some()
+            || matches!(
+                self.reduction,
+                Reduction::AllReduce(Compression::Bf16 | Compression::F16)
+            )
+    }
+}
+
+impl Carrier for HostCarrier {
+    type Buf = HostBuf;
+    type Flight = Flight;
+
+    fn take(
+        &mut self,
+        grads: &mut GradientsParams,
+        info: &ParamInfo,
+    ) -> Result<Option<HostBuf>, DdpError> {
+        take_grad(grads, info)
+    }
+
+    fn len(&self, buf: &HostBuf) -> usize {
+        buf.len()
+    }
+
+    fn zeros(&mut self, len: usize) -> HostBuf {
+        HostBuf::zeros(len)
+    }
+
+    fn write(&mut self, buf: &mut HostBuf, at: usize, grad: HostBuf, add: bool) {
+        let grad = grad.as_ref();
+        let dst = &mut buf.as_mut()[at..at + grad.len()];
+        if add {
+            dst.iter_mut().zip(grad).for_each(|(d, s)| *d += s);
+        } else {
+            dst.copy_from_slice(grad);
+        }
+    }
+
+    fn submit(&mut self, part: usize, buf: HostBuf) -> (Flight, u64) {
+        match self.hook.as_mut() {
+            Some(hooked) => {
+                let (flight, bytes) = hooked.submit(&self.pg, part, buf);
+                (Flight::Hooked(flight), bytes)
+            }
+            None => self.reduction.submit(&self.pg, buf),
+        }
+    }
+
+    fn launch(&mut self) -> Result<Option<DdpError>, DdpError> {
+        Ok(None)
+    }
+
+    fn wait(&mut self, flight: Flight) -> Result<HostBuf, DdpError> {
+        match (flight, self.hook.as_mut()) {
+            (Flight::Hooked(flight), Some(hooked)) => hooked.wait(&self.pg, flight),
+            (Flight::Hooked(_), None) => Err(DdpError::Config(
+                "a bucket went to a communication hook that is no longer installed".into(),
+            )),
+            (flight, _) => flight.wait(),
+        }
+    }
+}
 
 /// What is done with each part's buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +117,8 @@ pub(crate) enum Flight {
     Bf16(Work<Vec<bf16>>, HostBuf),
     /// An f16 all-reduce, and the `f32` buffer its result goes back into.
     F16(Work<Vec<f16>>, HostBuf),
+    /// A part of a bucket handed to the communication hook (waited for through the carrier).
+    Hooked(HookFlight),
 }
 
 impl Reduction {
@@ -91,6 +179,9 @@ impl Flight {
                     .for_each(|(d, s)| *d = s.to_f32());
                 Ok(buf)
             }
+            Flight::Hooked(_) => Err(DdpError::Config(
+                "a hooked bucket's part is waited for through its carrier".into(),
+            )),
         }
     }
 }

@@ -465,7 +465,7 @@ impl ShardedDataParallel {
         }
         let rank = self.rank();
         let (chunks, layout, held) = (&self.shards.chunks[rank], &self.layout, &mut self.grad);
-        let presence = pipeline.finish(self.ddp.syncs(), |done: Done| {
+        let presence = pipeline.finish(self.ddp.syncs(), |done: Done<HostBuf>| {
             let range = chunks[done.part].range.clone();
             let large = layout.parts[done.part].len * 4 >= ADOPT_BYTES;
             let mut buf = done.buf;

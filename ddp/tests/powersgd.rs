@@ -65,6 +65,13 @@ fn split(desc: &BucketDesc, flat: &[f32]) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// PowerSGD with `config`, bound to buckets `descs`.
+fn bound(config: PowerSgdConfig, descs: &[BucketDesc]) -> PowerSgd {
+    let mut hook = PowerSgd::new(config).unwrap();
+    hook.bind(descs).unwrap();
+    hook
+}
+
 /// What a rank's run gives: every step's averaged buckets (flat), and the saved state.
 struct RankRun {
     outputs: Vec<Vec<f32>>,
@@ -213,7 +220,7 @@ fn check_fixture(name: &str) {
     let descs: Vec<BucketDesc> = parts.iter().map(|p| bucket(p)).collect();
     let steps = meta["steps"].as_u64().unwrap();
     let runs = run_ranks(2, |pg| {
-        let mut hook = PowerSgd::new(config.clone(), &descs).unwrap();
+        let mut hook = bound(config.clone(), &descs);
         train(&pg, &mut hook, &descs, 0, steps)
     });
     let mut at = 0;
@@ -329,7 +336,7 @@ fn three_ranks_get_the_same_bits() {
         .with_matrix_approximation_rank(2)
         .with_start_powersgd_iter(1);
     let runs = run_ranks(3, |pg| {
-        let mut hook = PowerSgd::new(config.clone(), &descs).unwrap();
+        let mut hook = bound(config.clone(), &descs);
         train(&pg, &mut hook, &descs, 0, 4)
     });
     for r in &runs[1..] {
@@ -348,11 +355,11 @@ fn a_resumed_hook_continues_bit_for_bit() {
         .with_start_powersgd_iter(1)
         .with_random_seed(3);
     let runs = run_ranks(2, |pg| {
-        let mut straight = PowerSgd::new(config.clone(), &descs).unwrap();
+        let mut straight = bound(config.clone(), &descs);
         let whole = train(&pg, &mut straight, &descs, 0, 5);
-        let mut first = PowerSgd::new(config.clone(), &descs).unwrap();
+        let mut first = bound(config.clone(), &descs);
         let head = train(&pg, &mut first, &descs, 0, 2);
-        let mut resumed = PowerSgd::new(config.clone(), &descs).unwrap();
+        let mut resumed = bound(config.clone(), &descs);
         resumed.load_state_bytes(&head.state, "state").unwrap();
         assert_eq!(resumed.iter(), 2);
         let tail = train(&pg, &mut resumed, &descs, 2, 3);
@@ -371,13 +378,11 @@ fn a_saved_state_loads_only_where_it_fits() {
     let descs = model_buckets();
     let config = PowerSgdConfig::new().with_start_powersgd_iter(0);
     let runs = run_ranks(2, |pg| {
-        let mut hook = PowerSgd::new(config.clone(), &descs).unwrap();
+        let mut hook = bound(config.clone(), &descs);
         train(&pg, &mut hook, &descs, 0, 1).state
     });
     let state = &runs[0];
-    let other = PowerSgd::new(config.clone().with_matrix_approximation_rank(2), &descs);
-    let err = other
-        .unwrap()
+    let err = bound(config.clone().with_matrix_approximation_rank(2), &descs)
         .load_state_bytes(state, "ck.bin")
         .unwrap_err()
         .to_string();
@@ -387,8 +392,7 @@ fn a_saved_state_loads_only_where_it_fits() {
     );
     let mut smaller = model_buckets();
     smaller[1] = bucket(&[vec![vec![16, 3, 5, 5]]]);
-    let err = PowerSgd::new(config.clone(), &smaller)
-        .unwrap()
+    let err = bound(config.clone(), &smaller)
         .load_state_bytes(state, "ck.bin")
         .unwrap_err()
         .to_string();
@@ -396,8 +400,7 @@ fn a_saved_state_loads_only_where_it_fits() {
         err.contains("bucket 1's PowerSGD error feedback has 1216 elements, this model's 1200"),
         "{err}"
     );
-    let err = PowerSgd::new(config, &descs[..1])
-        .unwrap()
+    let err = bound(config, &descs[..1])
         .load_state_bytes(state, "ck.bin")
         .unwrap_err()
         .to_string();
@@ -412,7 +415,7 @@ fn a_large_layer_sends_a_fraction_of_its_bytes() {
     let config = PowerSgdConfig::new()
         .with_matrix_approximation_rank(4)
         .with_start_powersgd_iter(0);
-    let hook = PowerSgd::new(config, &descs).unwrap();
+    let hook = bound(config, &descs);
     let (sent, total) = hook.compression_stats();
     assert_eq!((sent, total), (2048 * 8 + 2048, 2048 * 2049));
     assert!(total / sent >= 10);

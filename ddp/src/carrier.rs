@@ -1,0 +1,49 @@
+//! [`Carrier`]: what the gradient pipeline (`pipeline.rs`) needs from the memory its buffers
+//! live in and the communicator that reduces them, so that one loop drives every path: host
+//! buffers through the process group (`reduction.rs`, every CPU mode and ZeRO), device
+//! tensors through NCCL (`device_step.rs` over `cuda.rs`, the GPU path).
+
+use burn::optim::GradientsParams;
+
+use crate::params::ParamInfo;
+use crate::DdpError;
+
+/// Buffers and collectives of one path of the pipeline.
+pub(crate) trait Carrier {
+    /// A gradient as taken from burn, and a part's buffer (flat `f32`).
+    type Buf;
+    /// A part's collective in flight.
+    type Flight;
+
+    /// Takes the gradient of `info` out of `grads` (`None`: it has none this step; `Err`: it
+    /// cannot be read, a local failure naming it).
+    fn take(
+        &mut self,
+        grads: &mut GradientsParams,
+        info: &ParamInfo,
+    ) -> Result<Option<Self::Buf>, DdpError>;
+
+    /// Elements of `buf`.
+    fn len(&self, buf: &Self::Buf) -> usize;
+
+    /// A buffer of `len` zeros.
+    fn zeros(&mut self, len: usize) -> Self::Buf;
+
+    /// Writes `grad` into `buf` from element `at` on, or adds it there (`add`: a later
+    /// micro-step's).
+    fn write(&mut self, buf: &mut Self::Buf, at: usize, grad: Self::Buf, add: bool);
+
+    /// Submits the collective of part `part`'s buffer; returns it with the bytes it hands to
+    /// the communicator. A carrier may hold submissions back until [`launch`](Self::launch).
+    fn submit(&mut self, part: usize, buf: Self::Buf) -> (Self::Flight, u64);
+
+    /// Called once every part of the cycle was submitted, before the control all-reduce: a
+    /// carrier that holds submissions back sends them now, in order. `Ok(Some(e))`: a local
+    /// failure the control must carry to the other ranks (every collective still went out);
+    /// `Err`: a failure no collective can carry any more (the carrier has failed the group,
+    /// so that the peers stop too).
+    fn launch(&mut self) -> Result<Option<DdpError>, DdpError>;
+
+    /// Waits for a part's collective and returns the buffer with its result.
+    fn wait(&mut self, flight: Self::Flight) -> Result<Self::Buf, DdpError>;
+}

@@ -1,0 +1,165 @@
+//! A communication hook on the host path ([`Hooked`]): the pipeline submits and waits part by
+//! part, a hook ([`CommHook`](crate::CommHook)) takes and returns whole buckets; this file is
+//! the adapter between the two, used by `reduction.rs`'s carrier when a hook is installed.
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use ddp_comm::ProcessGroup;
+
+use crate::buckets::Layout;
+use crate::comm_hook::DynHook;
+use crate::host_buf::HostBuf;
+use crate::DdpError;
+
+/// A part of a hooked bucket in flight: its index in the layout's parts.
+pub(crate) struct HookFlight {
+    part: usize,
+}
+
+/// A bucket handed to the hook: its work, or the error its `submit` returned.
+type Submitted = Result<Box<dyn Any + Send>, DdpError>;
+
+/// The installed hook and what it holds between the pipeline's calls in one cycle.
+pub(crate) struct Hooked {
+    hook: Box<dyn DynHook>,
+    layout: Arc<Layout>,
+    /// Parts of the bucket being submitted, until its last one.
+    held: Vec<HostBuf>,
+    /// The buckets handed to the hook this cycle and not waited for yet, in order.
+    works: VecDeque<Submitted>,
+    /// The averaged parts of the bucket being waited for, in order.
+    ready: VecDeque<HostBuf>,
+    /// Whether the bucket being waited for failed (its later parts fail too).
+    failed: bool,
+}
+
+impl Hooked {
+    /// `hook`, bound to `layout`'s buckets by the caller.
+    pub(crate) fn new(hook: Box<dyn DynHook>, layout: Arc<Layout>) -> Hooked {
+        Hooked {
+            hook,
+            layout,
+            held: Vec::new(),
+            works: VecDeque::new(),
+            ready: VecDeque::new(),
+            failed: false,
+        }
+    }
+
+    /// The hook itself (its state for checkpoints).
+    pub(crate) fn hook(&self) -> &dyn DynHook {
+        self.hook.as_ref()
+    }
+
+    /// The hook itself, to restore its state.
+    pub(crate) fn hook_mut(&mut self) -> &mut dyn DynHook {
+        self.hook.as_mut()
+    }
+
+    /// Takes part `part`'s buffer. The pipeline submits parts in order, so a bucket's parts
+    /// arrive one after another: they are held until the bucket's last one, and then the
+    /// whole bucket goes to the hook's `submit`, which starts its collectives. Every rank
+    /// submits the same parts in the same order, so the hook is called alike everywhere.
+    /// Returns the bytes the hook hands to collectives (counted on the bucket's last part).
+    pub(crate) fn submit(
+        &mut self,
+        pg: &ProcessGroup,
+        part: usize,
+        buf: HostBuf,
+    ) -> (HookFlight, u64) {
+        let bucket = self.layout.parts[part].bucket;
+        let range = self.layout.buckets[bucket].parts.clone();
+        if part == 0 {
+            // A new cycle: nothing of a failed earlier one is kept.
+            self.works.clear();
+            self.ready.clear();
+            self.failed = false;
+        }
+        if part == range.start {
+            self.held.clear();
+        }
+        self.held.push(buf);
+        let mut bytes = 0;
+        if part + 1 == range.end {
+            let parts = std::mem::take(&mut self.held);
+            let work = self.hook.submit(pg, bucket, parts).map(|(work, b)| {
+                bytes = b;
+                work
+            });
+            self.works.push_back(work);
+        }
+        (HookFlight { part }, bytes)
+    }
+
+    /// Gives part `flight`'s averaged buffer back. On a bucket's first part, waits for the
+    /// bucket's work (the hook's `wait`, which may run further collectives: the pipeline
+    /// waits for the parts in order on every rank, so these too come alike) and checks that
+    /// the hook returned a buffer of the right length for every part; the later parts are
+    /// taken from what it returned. After the cycle's last part, the hook's `end_step`.
+    pub(crate) fn wait(
+        &mut self,
+        pg: &ProcessGroup,
+        flight: HookFlight,
+    ) -> Result<HostBuf, DdpError> {
+        let part = flight.part;
+        let bucket = self.layout.parts[part].bucket;
+        let range = self.layout.buckets[bucket].parts.clone();
+        if part == range.start {
+            self.ready.clear();
+            self.failed = false;
+            let work = self.works.pop_front().unwrap_or_else(|| {
+                Err(DdpError::Config(format!(
+                    "communication hook: bucket {bucket} was waited for but never submitted"
+                )))
+            });
+            let done = work.and_then(|work| self.hook.wait(pg, work));
+            match done.and_then(|parts| self.check(bucket, parts)) {
+                Ok(parts) => self.ready = parts.into(),
+                Err(e) => {
+                    self.failed = true;
+                    self.end_cycle(part);
+                    return Err(e);
+                }
+            }
+        }
+        let result = match self.ready.pop_front() {
+            Some(buf) if !self.failed => Ok(buf),
+            _ => Err(DdpError::Config(format!(
+                "communication hook: bucket {bucket} failed"
+            ))),
+        };
+        self.end_cycle(part);
+        result
+    }
+
+    /// Calls the hook's `end_step` once the cycle's last part was waited for.
+    fn end_cycle(&mut self, part: usize) {
+        if part + 1 == self.layout.parts.len() {
+            self.hook.end_step();
+        }
+    }
+
+    /// Refuses a result that does not have the bucket's parts' lengths (the pipeline would
+    /// unpack out of bounds), naming the bucket and the part.
+    fn check(&self, bucket: usize, parts: Vec<HostBuf>) -> Result<Vec<HostBuf>, DdpError> {
+        let want = &self.layout.parts[self.layout.buckets[bucket].parts.clone()];
+        if parts.len() != want.len() {
+            return Err(DdpError::Config(format!(
+                "communication hook: bucket {bucket} came back with {} buffers, it has {} parts",
+                parts.len(),
+                want.len()
+            )));
+        }
+        if let Some(k) = (0..want.len()).find(|&k| parts[k].len() != want[k].len) {
+            return Err(DdpError::Config(format!(
+                "communication hook: part {k} of bucket {bucket} came back with {} values, \
+                 it has {}",
+                parts[k].len(),
+                want[k].len
+            )));
+        }
+        Ok(parts)
+    }
+}
