@@ -56,8 +56,9 @@ fn shard_optimizer(cfg: &TrainConfig) -> ShardOptimizer {
     }
 }
 
-/// Restores the model (and, at stage 0, burn's optimizer) from the checkpoint at `path`; at
-/// stages 1 and 2 also returns the consolidated optimizer state for [`Stepper::new`].
+/// Restores the model (and, at stage 0, burn's optimizer) from the checkpoint at `path`; also
+/// returns the state [`Stepper::new`] loads after wrapping: at stage 0 this rank's
+/// communication hook state (PowerSGD's), at stages 1 and 2 the consolidated optimizer state.
 pub(crate) fn resume<M: Module>(
     cfg: &TrainConfig,
     pg: &ProcessGroup,
@@ -67,7 +68,10 @@ pub(crate) fn resume<M: Module>(
     optim: ModuleOptimizer,
 ) -> Result<(Resumed<M>, Option<Vec<u8>>), DdpError> {
     if cfg.zero_stage == 0 {
-        return ddp::resume(pg, path, run, model, optim).map(|r| (r, None));
+        return ddp::resume(pg, path, run, model, optim).map(|mut r| {
+            let hook_state = r.comm_hook_state.take();
+            (r, hook_state)
+        });
     }
     let r = ddp::resume_sharded(pg, path, run, model)?;
     let resumed = Resumed {
@@ -75,19 +79,21 @@ pub(crate) fn resume<M: Module>(
         optim,
         meta: r.meta,
         mismatch: r.mismatch,
+        comm_hook_state: None,
     };
     Ok((resumed, r.optim_state))
 }
 
 impl Stepper {
-    /// Wraps `model` for `cfg`'s stage; a sharded run loads `zero_state` (from [`resume`]),
-    /// naming `source` in errors.
+    /// Wraps `model` for `cfg`'s stage and loads `saved_state` (from [`resume`]), naming
+    /// `source` in errors: a DDP run with PowerSGD its hook state (ignored without a hook), a
+    /// sharded run its consolidated optimizer state.
     pub(crate) fn new<M: Module>(
         cfg: &TrainConfig,
         pg: Arc<ProcessGroup>,
         model: M,
         optim: ModuleOptimizer,
-        zero_state: Option<(Vec<u8>, String)>,
+        saved_state: Option<(Vec<u8>, String)>,
     ) -> Result<(M, Stepper), DdpError> {
         let stage = match cfg.zero_stage {
             0 => None,
@@ -106,14 +112,18 @@ impl Stepper {
                 overlap: cfg.overlap,
                 ..DdpConfig::default()
             };
-            let (model, ddp) = DistributedDataParallel::new(model, pg, config)?;
+            let (model, mut ddp) = DistributedDataParallel::new(model, pg, config)?;
+            let hooked = matches!(ddp.config().comm_hook, CommHookKind::PowerSgd(_));
+            if let Some((bytes, source)) = saved_state.filter(|_| hooked) {
+                ddp.load_comm_hook_state(&bytes, &source)?;
+            }
             return Ok((model, Stepper::Ddp { ddp, optim }));
         };
         let config = ZeroConfig::new(stage)
             .with_bucket_cap_mb(cfg.bucket_cap_mb)
             .with_overlap(cfg.overlap);
         let (model, mut zero) = ShardedDataParallel::new(model, pg, config, shard_optimizer(cfg))?;
-        if let Some((bytes, source)) = zero_state {
+        if let Some((bytes, source)) = saved_state {
             zero.load_consolidated(&bytes, &source)?;
         }
         Ok((model, Stepper::Zero(zero)))
@@ -239,8 +249,8 @@ impl Stepper {
         model: &M,
     ) -> Result<Option<PathBuf>, DdpError> {
         match self {
-            Stepper::Ddp { optim, .. } => {
-                ddp::save_checkpoint(pg, dir, run, position, model, optim)
+            Stepper::Ddp { ddp, optim } => {
+                ddp::save_ddp_checkpoint(pg, dir, run, position, model, optim, ddp)
             }
             Stepper::Zero(zero) => {
                 ddp::save_sharded_checkpoint(pg, dir, run, position, model, zero)

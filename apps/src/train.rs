@@ -288,7 +288,7 @@ where
     let mut start_loss_sum = 0.0;
     let mut step: u64 = 0;
     let mut optim = stepper::burn_optimizer(cfg);
-    let mut zero_state = None;
+    let mut saved_state = None;
     if resume {
         let dir = cfg
             .checkpoint_dir
@@ -312,7 +312,7 @@ where
             other => other?,
         };
         let (resumed, state) = resumed;
-        zero_state = state.map(|bytes| (bytes, path.display().to_string()));
+        saved_state = state.map(|bytes| (bytes, path.display().to_string()));
         (model, optim) = (resumed.model, resumed.optim);
         if let Some(what) = &resumed.mismatch {
             tracing::warn!(
@@ -354,7 +354,7 @@ where
     }
     let kill_at = test_kill_step(rank, world, restart);
 
-    let (wrapped, mut stepper) = Stepper::new(cfg, pg.clone(), model, optim, zero_state)?;
+    let (wrapped, mut stepper) = Stepper::new(cfg, pg.clone(), model, optim, saved_state)?;
     model = wrapped;
 
     let ranks = (world, rank);

@@ -256,6 +256,59 @@ fn resume_ends_where_an_uninterrupted_run_ends() {
     assert_ne!(first["params_hash"], whole["params_hash"]);
 }
 
+/// Issue 40: a `--comm-hook powersgd` run resumed from its epoch checkpoint ends bit-identical
+/// to an uninterrupted one (every rank's PowerSGD state, error feedback and Q, is in the
+/// checkpoint), and PowerSGD is really on (plain DDP ends elsewhere).
+#[test]
+fn a_resumed_powersgd_run_ends_bit_identical() {
+    let common = [
+        "--model",
+        "mlp",
+        "--train-samples",
+        "2000",
+        "--test-samples",
+        "200",
+        "--batch-size",
+        "50",
+    ];
+    let hook = [
+        "--comm-hook",
+        "powersgd",
+        "--powersgd-rank",
+        "2",
+        "--powersgd-start",
+        "5",
+    ];
+    let flags = [&common[..], &hook[..]].concat();
+    let whole = summary(&ddprun_mnist(2, &[&flags[..], &["--epochs", "2"]].concat()));
+    let plain = summary(&ddprun_mnist(
+        2,
+        &[&common[..], &["--epochs", "2"]].concat(),
+    ));
+    assert_ne!(whole["params_hash"], plain["params_hash"]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().to_str().unwrap();
+    let first = summary(&ddprun_mnist(
+        2,
+        &[&flags[..], &["--epochs", "1", "--checkpoint-dir", ck]].concat(),
+    ));
+    assert_eq!(first["epochs"], 1);
+    let resumed = summary(&ddprun_mnist(
+        2,
+        &[
+            &flags[..],
+            &["--epochs", "2", "--checkpoint-dir", ck, "--resume"],
+        ]
+        .concat(),
+    ));
+    assert_eq!(resumed["steps"], whole["steps"]);
+    assert_eq!(
+        resumed["params_hash"], whole["params_hash"],
+        "the resumed PowerSGD run ended with different weights"
+    );
+}
+
 #[test]
 fn a_corrupt_checkpoint_is_an_error_naming_the_file() {
     let dir = tempfile::tempdir().unwrap();

@@ -7,6 +7,7 @@
 //!
 //! ```text
 //! "DDPCKPT1" | u32 LE meta length | meta (JSON) | model record bytes | optimizer record bytes
+//!            | each rank's communication hook state (rank order; absent without one)
 //! ```
 //!
 //! The JSON meta holds the epoch, step, seed, world size, the two payload lengths and the
@@ -66,8 +67,13 @@ pub struct CheckpointMeta {
     pub model_len: u64,
     /// Length of the optimizer record.
     pub optim_len: u64,
-    /// Hex SHA-256 of model record followed by optimizer record.
+    /// Hex SHA-256 of the payload: model record, optimizer record, hook states.
     pub sha256: String,
+    /// Length of each rank's communication hook state (PowerSGD's error feedback and Q:
+    /// `DistributedDataParallel::comm_hook_state`), in rank order after the optimizer record;
+    /// empty when the run had none (and in checkpoints of older versions).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hook_lens: Vec<u64>,
 }
 
 /// A loaded checkpoint.
@@ -79,6 +85,8 @@ pub struct Checkpoint {
     pub model: Vec<u8>,
     /// The optimizer record, as `ModuleOptimizer::into_bytes()` wrote it.
     pub optim: Vec<u8>,
+    /// Each rank's communication hook state, in rank order (empty: none).
+    pub hooks: Vec<Vec<u8>>,
 }
 
 /// The path of the latest checkpoint in `dir`.
@@ -91,17 +99,30 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The payload's SHA-256, as the header stores it.
-fn digest(model: &[u8], optim: &[u8]) -> String {
+/// The payload's SHA-256, as the header stores it: of `model` followed by `rest` (the
+/// optimizer record and the hook states).
+fn digest(model: &[u8], rest: &[u8]) -> String {
     let mut h = Sha256::new();
     h.update(model);
-    h.update(optim);
+    h.update(rest);
     hex(&h.finalize())
 }
 
 /// Writes a checkpoint atomically to `dir/checkpoint.ddpck`, returning its path. `meta`'s
 /// lengths and digest are filled in here.
-pub fn save(dir: &Path, mut meta: CheckpointMeta, model: &[u8], optim: &[u8]) -> Result<PathBuf> {
+pub fn save(dir: &Path, meta: CheckpointMeta, model: &[u8], optim: &[u8]) -> Result<PathBuf> {
+    save_with_hooks(dir, meta, model, optim, &[])
+}
+
+/// [`save`], with each rank's communication hook state (`hooks`, in rank order) after the
+/// optimizer record.
+pub fn save_with_hooks(
+    dir: &Path,
+    mut meta: CheckpointMeta,
+    model: &[u8],
+    optim: &[u8],
+    hooks: &[Vec<u8>],
+) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).map_err(|e| {
         fail(format!(
             "creating checkpoint directory {}: {e}",
@@ -110,7 +131,10 @@ pub fn save(dir: &Path, mut meta: CheckpointMeta, model: &[u8], optim: &[u8]) ->
     })?;
     meta.model_len = model.len() as u64;
     meta.optim_len = optim.len() as u64;
-    meta.sha256 = digest(model, optim);
+    meta.hook_lens = hooks.iter().map(|h| h.len() as u64).collect();
+    let mut rest = optim.to_vec();
+    hooks.iter().for_each(|h| rest.extend_from_slice(h));
+    meta.sha256 = digest(model, &rest);
     let json = serde_json::to_vec(&meta)
         .map_err(|e| fail(format!("encoding the checkpoint header: {e}")))?;
     let path = checkpoint_path(dir);
@@ -119,7 +143,7 @@ pub fn save(dir: &Path, mut meta: CheckpointMeta, model: &[u8], optim: &[u8]) ->
         f.write_all(&(json.len() as u32).to_le_bytes())?;
         f.write_all(&json)?;
         f.write_all(model)?;
-        f.write_all(optim)
+        f.write_all(&rest)
     })
     .map_err(|e| fail(format!("writing checkpoint {}: {e}", path.display())))?;
     Ok(path)
@@ -200,24 +224,40 @@ pub fn parse(bytes: &[u8], name: &str) -> Result<Checkpoint> {
             meta.model_len
         )));
     }
-    let expected = meta.model_len + meta.optim_len;
-    if payload != expected {
+    let hooks_len = meta
+        .hook_lens
+        .iter()
+        .try_fold(0u64, |a, &l| a.checked_add(l));
+    let expected = hooks_len.and_then(|h| (meta.model_len + meta.optim_len).checked_add(h));
+    if expected != Some(payload) {
+        let announced = expected.map_or("more than 2^64".to_string(), |e| e.to_string());
         return Err(fail(format!(
-            "{name} is truncated or padded: the header announces {expected} payload bytes \
-             (`model_len` + `optim_len`), the file holds {payload}"
+            "{name} is truncated or padded: the header announces {announced} payload bytes \
+             (`model_len` + `optim_len` + `hook_lens`), the file holds {payload}"
         )));
     }
-    let (model, optim) = body.split_at(meta.model_len as usize);
-    let actual = digest(model, optim);
+    let (model, rest) = body.split_at(meta.model_len as usize);
+    let actual = digest(model, rest);
     if actual != meta.sha256 {
         return Err(fail(format!(
             "{name} is corrupted: SHA-256 of the payload is {actual}, the header says {}",
             meta.sha256
         )));
     }
+    let (optim, mut hooks_bytes) = rest.split_at(meta.optim_len as usize);
+    let hooks = meta
+        .hook_lens
+        .iter()
+        .map(|&l| {
+            let (hook, after) = hooks_bytes.split_at(l as usize);
+            hooks_bytes = after;
+            hook.to_vec()
+        })
+        .collect();
     Ok(Checkpoint {
         model: model.to_vec(),
         optim: optim.to_vec(),
+        hooks,
         meta,
     })
 }
@@ -238,6 +278,7 @@ mod tests {
             model_len: 0,
             optim_len: 0,
             sha256: String::new(),
+            hook_lens: Vec::new(),
         }
     }
 
@@ -267,6 +308,23 @@ mod tests {
         std::fs::write(&path, b"garbage").unwrap();
         let err = load(&path).unwrap_err().to_string();
         assert!(err.contains("not a ddp-rs checkpoint"), "{err}");
+    }
+
+    #[test]
+    fn hook_states_come_back_in_rank_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let hooks = vec![b"rank0".to_vec(), Vec::new(), b"rank-2".to_vec()];
+        let path = save_with_hooks(dir.path(), meta(), b"model", b"optim", &hooks).unwrap();
+        let ck = load(&path).unwrap();
+        assert_eq!(
+            (ck.model, ck.optim, ck.hooks),
+            (b"model".to_vec(), b"optim".to_vec(), hooks)
+        );
+        // Without hooks the header has no `hook_lens`, as older versions wrote it.
+        let path = save(dir.path(), meta(), b"model", b"optim").unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        assert!(!String::from_utf8_lossy(&bytes).contains("hook_lens"));
+        assert!(load(&path).unwrap().hooks.is_empty());
     }
 
     /// A checkpoint file whose header is `meta` (as JSON, lengths and digest as given) followed
@@ -331,6 +389,19 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("truncated or padded"), "{err}");
+
+        // Hook state lengths whose sum wraps around: an error naming the field, not a panic.
+        let wrapping_hooks = CheckpointMeta {
+            hook_lens: vec![u64::MAX, 2],
+            ..honest.clone()
+        };
+        let err = load(&forged(dir.path(), &wrapping_hooks, None, payload))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("truncated or padded") && err.contains("`hook_lens`"),
+            "{err}"
+        );
 
         // A header length field far beyond the file (4 GiB - 1): an error, not an allocation.
         let err = load(&forged(dir.path(), &honest, Some(u32::MAX), payload))

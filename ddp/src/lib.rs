@@ -49,8 +49,8 @@ pub use params::{flatten_params, load_flat_params, param_infos, ParamInfo, Param
 pub use powersgd::{PowerSgd, PowerSgdFlight};
 pub use powersgd_config::PowerSgdConfig;
 pub use resume::{
-    fetch, resume, resume_sharded, save_checkpoint, save_sharded_checkpoint, Position, Resumed,
-    ResumedSharded, RunId,
+    fetch, resume, resume_sharded, save_checkpoint, save_ddp_checkpoint, save_sharded_checkpoint,
+    Position, Resumed, ResumedSharded, RunId,
 };
 pub use shard_optim::{ShardOptimizer, ShardedAdamConfig, ShardedSgdConfig};
 pub use zero::{ShardMemory, ShardedDataParallel, ZeroConfig, ZeroStage, ZeroStats};

@@ -12,6 +12,9 @@
 //!   resumed run would not continue that run) unless the caller allows it. Every rank decides
 //!   the same. Then the model and optimizer records are loaded. Resume *before* wrapping the
 //!   model in [`crate::DistributedDataParallel`]: loading a record gives the parameters new ids.
+//! - A communication hook's state (PowerSGD's error feedback and Q) is each rank's own, not the
+//!   job's: [`save_ddp_checkpoint`] gathers every rank's into the file, and [`resume`] hands
+//!   each rank its own back ([`Resumed::comm_hook_state`]).
 
 use std::path::{Path, PathBuf};
 
@@ -22,6 +25,7 @@ use burn::tensor::Bytes;
 use ddp_comm::ProcessGroup;
 
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
+use crate::ddp::DistributedDataParallel;
 use crate::zero::ShardedDataParallel;
 use crate::DdpError;
 
@@ -66,12 +70,53 @@ pub fn save_checkpoint<M: Module>(
     model: &M,
     optim: &ModuleOptimizer,
 ) -> Result<Option<PathBuf>, DdpError> {
-    save_with(pg, dir, run, position, model, || {
+    save_with(pg, dir, run, position, model, Vec::new(), || {
         optim
             .into_bytes()
             .map(|b| b.to_vec())
             .map_err(|e| fail(format!("encoding the optimizer record: {e:?}")))
     })
+}
+
+/// [`save_checkpoint`] for a run wrapped in `ddp`, with every rank's communication hook state
+/// ([`DistributedDataParallel::comm_hook_state`], gathered to rank 0), so that a run resumed
+/// from it at the same world size continues bit for bit ([`Resumed::comm_hook_state`]).
+/// Without a hook with state it writes what [`save_checkpoint`] writes. Every rank calls it;
+/// rank 0 writes.
+pub fn save_ddp_checkpoint<M: Module>(
+    pg: &ProcessGroup,
+    dir: &Path,
+    run: &RunId,
+    position: &Position,
+    model: &M,
+    optim: &ModuleOptimizer,
+    ddp: &DistributedDataParallel,
+) -> Result<Option<PathBuf>, DdpError> {
+    let hooks = gather_states(pg, ddp.comm_hook_state())?;
+    save_with(pg, dir, run, position, model, hooks, || {
+        optim
+            .into_bytes()
+            .map(|b| b.to_vec())
+            .map_err(|e| fail(format!("encoding the optimizer record: {e:?}")))
+    })
+}
+
+/// Every rank's `state` in rank order (empty when no rank has one): the lengths are
+/// all-gathered, then the states, each padded to the longest.
+fn gather_states(pg: &ProcessGroup, state: Option<Vec<u8>>) -> Result<Vec<Vec<u8>>, DdpError> {
+    let mut mine = state.unwrap_or_default();
+    let lens = pg.all_gather(vec![mine.len() as i64])?;
+    let longest = lens.iter().copied().max().unwrap_or(0).max(0) as usize;
+    if longest == 0 {
+        return Ok(Vec::new());
+    }
+    mine.resize(longest, 0);
+    let all = pg.all_gather(mine)?;
+    Ok(all
+        .chunks(longest)
+        .zip(&lens)
+        .map(|(chunk, &len)| chunk[..(len.max(0) as usize).min(longest)].to_vec())
+        .collect())
 }
 
 /// [`save_checkpoint`] for a sharded run: the optimizer state is consolidated from every
@@ -87,19 +132,21 @@ pub fn save_sharded_checkpoint<M: Module>(
     zero: &ShardedDataParallel,
 ) -> Result<Option<PathBuf>, DdpError> {
     let state = zero.consolidated_state()?;
-    save_with(pg, dir, run, position, model, || {
+    save_with(pg, dir, run, position, model, Vec::new(), || {
         state.ok_or_else(|| fail("rank 0 holds no consolidated optimizer state"))
     })
 }
 
 /// Rank 0 writes the checkpoint with the optimizer bytes `optim` gives (called on rank 0
-/// only); a mid-epoch position first gathers every rank's loss sum.
+/// only) and the ranks' hook states `hooks`; a mid-epoch position first gathers every rank's
+/// loss sum.
 fn save_with<M: Module>(
     pg: &ProcessGroup,
     dir: &Path,
     run: &RunId,
     position: &Position,
     model: &M,
+    hooks: Vec<Vec<u8>>,
     optim: impl FnOnce() -> Result<Vec<u8>, DdpError>,
 ) -> Result<Option<PathBuf>, DdpError> {
     let epoch_loss_sums = if position.batch_in_epoch > 0 {
@@ -121,11 +168,12 @@ fn save_with<M: Module>(
         model_len: 0,
         optim_len: 0,
         sha256: String::new(),
+        hook_lens: Vec::new(),
     };
     let model_bytes = (model.clone().into_record().into_bytes())
         .map_err(|e| fail(format!("encoding the model record: {e:?}")))?;
     let optim_bytes = optim()?;
-    checkpoint::save(dir, meta, &model_bytes, &optim_bytes).map(Some)
+    checkpoint::save_with_hooks(dir, meta, &model_bytes, &optim_bytes, &hooks).map(Some)
 }
 
 /// What [`resume`] returns: the model and optimizer, restored when there was a checkpoint.
@@ -140,6 +188,11 @@ pub struct Resumed<M> {
     /// Set when the checkpoint's world size or seed differ from this run's and
     /// [`RunId::allow_mismatch`] let it through: what differs.
     pub mismatch: Option<String>,
+    /// This rank's communication hook state from the checkpoint, for
+    /// [`DistributedDataParallel::load_comm_hook_state`] after wrapping (`None`: none saved,
+    /// or the checkpoint was written at another world size, whose states do not map onto
+    /// these ranks).
+    pub comm_hook_state: Option<Vec<u8>>,
 }
 
 /// Restores `model` and `optim` from the checkpoint at `path`, or hands them back unchanged
@@ -173,6 +226,7 @@ pub fn resume<M: Module>(
         optim,
         meta: resumed.meta,
         mismatch: resumed.mismatch,
+        comm_hook_state: resumed.comm_hook_state,
     })
 }
 
@@ -188,6 +242,8 @@ pub struct ResumedSharded<M> {
     pub meta: Option<CheckpointMeta>,
     /// What differs from the checkpointed run when [`RunId::allow_mismatch`] let it through.
     pub mismatch: Option<String>,
+    /// This rank's communication hook state, as in [`Resumed::comm_hook_state`].
+    pub comm_hook_state: Option<Vec<u8>>,
 }
 
 /// [`resume`] for a sharded run: restores the model (before wrapping it) and returns the
@@ -200,12 +256,13 @@ pub fn resume_sharded<M: Module>(
     run: &RunId,
     model: M,
 ) -> Result<ResumedSharded<M>, DdpError> {
-    let Some(ck) = fetch(pg, path)? else {
+    let Some(mut ck) = fetch(pg, path)? else {
         return Ok(ResumedSharded {
             model,
             optim_state: None,
             meta: None,
             mismatch: None,
+            comm_hook_state: None,
         });
     };
     let mismatch = check_resumable(&ck.meta, path, run, pg.world_size())?;
@@ -215,11 +272,15 @@ pub fn resume_sharded<M: Module>(
     let model = model
         .try_load_record(record)
         .map_err(|e| fail(format!("{name}: model record: {e:?}")))?;
+    let world = pg.world_size();
+    let same_ranks = ck.meta.world_size == world && ck.hooks.len() == world;
+    let comm_hook_state = same_ranks.then(|| ck.hooks.swap_remove(pg.rank()));
     Ok(ResumedSharded {
         model,
         optim_state: Some(ck.optim),
         meta: Some(ck.meta),
         mismatch,
+        comm_hook_state,
     })
 }
 
