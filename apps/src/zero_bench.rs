@@ -22,11 +22,13 @@ use burn::module::Module;
 use burn::optim::AdamConfig;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use ddp::{
-    DdpConfig, DistributedDataParallel, ProcessGroup, ReduceOp, ShardOptimizer, ShardedAdamConfig,
-    ShardedDataParallel, ZeroConfig, ZeroStage,
+    CommHookKind, Compression, DdpConfig, DistributedDataParallel, PowerSgdConfig, ProcessGroup,
+    ReduceOp, ShardOptimizer, ShardedAdamConfig, ShardedDataParallel, ZeroConfig, ZeroStage,
 };
 use ddp_models::{Classifier, DeepMlpConfig, MnistCnnConfig, MnistMlpConfig};
 use serde::Serialize;
+
+use crate::options::HookKind;
 
 /// Settings of one measurement.
 #[derive(Debug, Clone, clap::Args)]
@@ -58,6 +60,16 @@ pub struct ZeroBenchArgs {
     /// The bucket size in MiB (DDP's and ZeRO's).
     #[arg(long, default_value_t = 25.0)]
     pub bucket_cap_mb: f64,
+    /// How stage 0 averages each bucket (`cargo xtask bench-powersgd`): all-reduce in f32
+    /// (`none`), bf16 or f16, or PowerSGD (`powersgd`).
+    #[arg(long, value_enum, default_value = "none")]
+    pub comm_hook: HookKind,
+    /// With `--comm-hook powersgd`: the rank of each gradient's approximation.
+    #[arg(long, default_value_t = 1)]
+    pub powersgd_rank: usize,
+    /// With `--comm-hook powersgd`: steps all-reduced plain first (warm-up steps included).
+    #[arg(long, default_value_t = 1000)]
+    pub powersgd_start: u64,
 }
 
 /// What rank 0 prints.
@@ -97,6 +109,12 @@ pub struct ZeroBenchResult {
 pub fn run(args: &ZeroBenchArgs) -> Result<Option<ZeroBenchResult>> {
     if args.stage > 2 || args.steps == 0 || args.batch == 0 {
         bail!("--stage must be 0, 1 or 2, --steps and --batch at least 1");
+    }
+    if args.stage > 0 && args.comm_hook != HookKind::None {
+        bail!(
+            "--comm-hook {:?} needs --stage 0 (ZeRO reduce-scatters f32 gradients)",
+            args.comm_hook
+        );
     }
     let pg = Arc::new(ProcessGroup::from_env()?);
     let device = Device::flex().autodiff();
@@ -143,9 +161,24 @@ fn run_model<M: Module + Classifier<4>>(
     let mut phases = None;
     let n = world as u64;
     if args.stage == 0 {
+        let (compression, comm_hook) = match args.comm_hook {
+            HookKind::None => (Compression::None, CommHookKind::AllReduce),
+            HookKind::Bf16 => (Compression::Bf16, CommHookKind::AllReduce),
+            HookKind::F16 => (Compression::F16, CommHookKind::AllReduce),
+            HookKind::Powersgd => (
+                Compression::None,
+                CommHookKind::PowerSgd(
+                    PowerSgdConfig::new()
+                        .with_matrix_approximation_rank(args.powersgd_rank)
+                        .with_start_powersgd_iter(args.powersgd_start),
+                ),
+            ),
+        };
         let config = DdpConfig::new()
             .with_overlap(overlap)
-            .with_bucket_cap_mb(args.bucket_cap_mb);
+            .with_bucket_cap_mb(args.bucket_cap_mb)
+            .with_compression(compression)
+            .with_comm_hook(comm_hook);
         let (mut model, mut ddp) = DistributedDataParallel::new(model, pg.clone(), config)?;
         let mut optim = AdamConfig::new().with_epsilon(eps).init();
         for step in 0..args.warmup + args.steps {
