@@ -30,7 +30,7 @@ use ddp_data::{
 use ddp_models::Classifier;
 use serde_json::json;
 
-use crate::options::{CompressionKind, OptimizerKind, TrainConfig};
+use crate::options::{CompressionKind, HookKind, OptimizerKind, TrainConfig};
 use crate::train::{Data, RunSummary, Task};
 
 /// The elastic range of this run: `--elastic`, else `DDP_ELASTIC`; `None`: not elastic.
@@ -135,6 +135,12 @@ where
         bail!("--elastic trains from memory only (not --data-format shards)");
     };
     let range = elastic_range(cfg).context("not an elastic run")?;
+    if cfg.comm_hook == HookKind::Powersgd {
+        bail!(
+            "--comm-hook powersgd cannot be combined with elastic training ({ELASTIC_ENV} or \
+             --elastic): its state is each rank's own and does not survive a change of members"
+        );
+    }
     let lookup = |k: &str| {
         if k == ELASTIC_ENV {
             Some(range.clone())
