@@ -33,14 +33,6 @@ use serde_json::json;
 use crate::options::{CompressionKind, HookKind, OptimizerKind, TrainConfig};
 use crate::train::{Data, RunSummary, Task};
 
-/// The elastic range of this run: `--elastic`, else `DDP_ELASTIC`; `None`: not elastic.
-pub fn elastic_range(cfg: &TrainConfig) -> Option<String> {
-    cfg.elastic
-        .clone()
-        .or_else(|| std::env::var(ELASTIC_ENV).ok())
-        .filter(|v| !v.trim().is_empty())
-}
-
 /// Milliseconds since the Unix epoch.
 fn now_ms() -> u128 {
     SystemTime::now()
@@ -134,7 +126,7 @@ where
     let (Data::Memory(train), Data::Memory(test)) = (train, test) else {
         bail!("--elastic trains from memory only (not --data-format shards)");
     };
-    let range = elastic_range(cfg).context("not an elastic run")?;
+    let range = cfg.elastic_range().context("not an elastic run")?;
     if cfg.comm_hook == HookKind::Powersgd {
         bail!(
             "--comm-hook powersgd cannot be combined with elastic training ({ELASTIC_ENV} or \

@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod elastic;
+pub mod fit;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod metrics;

@@ -428,7 +428,7 @@ pub struct TrainConfig {
     /// The traced steps (global, from 1, end excluded).
     pub trace_steps: std::ops::Range<u64>,
     /// `--elastic MIN:MAX`: elastic membership (`None`: `DDP_ELASTIC` decides, see
-    /// `elastic::elastic_range`).
+    /// [`TrainConfig::elastic_range`]).
     pub elastic: Option<String>,
 }
 
@@ -470,6 +470,14 @@ impl From<&TrainConfig> for ddp::PowerSgdConfig {
 }
 
 impl TrainConfig {
+    /// The elastic range of this run: `--elastic`, else `DDP_ELASTIC`; `None`: not elastic.
+    pub fn elastic_range(&self) -> Option<String> {
+        self.elastic
+            .clone()
+            .or_else(|| std::env::var(ddp_comm::ELASTIC_ENV).ok())
+            .filter(|v| !v.trim().is_empty())
+    }
+
     /// The wrapper's communication hook setting ([`ddp::DdpConfig::comm_hook`]; bf16 and f16
     /// travel as [`ddp::DdpConfig::compression`]).
     pub fn ddp_comm_hook(&self) -> ddp::CommHookKind {

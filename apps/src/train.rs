@@ -225,23 +225,6 @@ impl<S: BatchSource<D> + 'static, const D: usize> Feed<S, D> {
     }
 }
 
-/// Trains `task` with the settings in `cfg` on every rank of `pg`.
-pub fn train<M, S, const D: usize>(
-    cfg: &TrainConfig,
-    pg: Arc<ProcessGroup>,
-    device: Device,
-    task: Task<M, S>,
-) -> Result<RunSummary>
-where
-    M: Module + Classifier<D>,
-    S: BatchSource<D> + 'static,
-{
-    if crate::elastic::elastic_range(cfg).is_some() {
-        return crate::elastic::run(cfg, device, task);
-    }
-    run(cfg, pg, device, task)
-}
-
 /// Prints on rank 0, or on every rank with `--verbose`.
 struct Say {
     on: bool,
@@ -255,7 +238,9 @@ impl Say {
     }
 }
 
-fn run<M, S, const D: usize>(
+/// Trains `task` with the settings in `cfg` on every rank of `pg`, a fixed membership (the
+/// elastic loop is `elastic.rs`'s; [`crate::fit::train`] chooses).
+pub(crate) fn run<M, S, const D: usize>(
     cfg: &TrainConfig,
     pg: Arc<ProcessGroup>,
     device: Device,
@@ -930,7 +915,7 @@ pub fn start(
         bail!("--backend cuda: this build has no CUDA support (build with --features cuda)");
     }
     // An elastic run forms its groups itself, once its model is built (`elastic.rs`).
-    let elastic = crate::elastic::elastic_range(&cfg).is_some();
+    let elastic = cfg.elastic_range().is_some();
     let pg = Arc::new(match elastic {
         true => ProcessGroup::builder().no_env().build()?,
         false => ProcessGroup::from_env().context("joining the process group")?,

@@ -95,7 +95,22 @@ pub fn build_release_examples(examples: &[&str]) -> Result<PathBuf> {
 
 /// `cargo build --release --workspace` of the targets `names` of kind `flag` (`--bin`,
 /// `--example`) with the default features plus `features`; returns `target/release`.
+///
+/// With `$DDP_BIN_DIR` set, nothing is built: the binaries are taken from that folder (a copy
+/// kept aside, so that a benchmark measures what was built while the tree changes).
 fn build_release(flag: &str, names: &[&str], features: &[&str]) -> Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("DDP_BIN_DIR").filter(|d| !d.is_empty()) {
+        let dir = PathBuf::from(dir);
+        for name in names {
+            let at = if flag == "--example" {
+                dir.join("examples").join(name)
+            } else {
+                dir.join(name)
+            };
+            anyhow::ensure!(at.is_file(), "DDP_BIN_DIR: {} is missing", at.display());
+        }
+        return Ok(dir);
+    }
     let mut command = cargo();
     command.args(["build", "--release", "--workspace"]);
     let mut all = default_features();

@@ -123,7 +123,7 @@ fn run(
                 train: train_set,
                 test: test_set,
             };
-            train::train::<_, _, 4>(cfg, pg, device, task)?;
+            ddp_apps::fit::train::<_, _, 4>(cfg, pg, device, task)?;
         }
         ModelKind::Mlp => {
             let task = Task {
@@ -132,7 +132,7 @@ fn run(
                 train: train_set,
                 test: test_set,
             };
-            train::train::<_, _, 4>(cfg, pg, device, task)?;
+            ddp_apps::fit::train::<_, _, 4>(cfg, pg, device, task)?;
         }
     }
     Ok(())

@@ -73,6 +73,6 @@ fn run(cfg: &TrainConfig, pg: Arc<ProcessGroup>, device: Device, split: PimaSpli
         train: Arc::new(split.train).into(),
         test: Arc::new(split.test).into(),
     };
-    train::train::<_, _, 2>(cfg, pg, device, task)?;
+    ddp_apps::fit::train::<_, _, 2>(cfg, pg, device, task)?;
     Ok(())
 }
