@@ -103,6 +103,24 @@ pub struct ZeroBenchResult {
     /// Rank 0's gradient synchronisation after backward per step (DDP: pack + wait + unpack),
     /// seconds: what overlap shortens.
     pub sync_s: Option<f64>,
+    /// Bytes rank 0's network interfaces other than `lo` sent per timed step (DDP only;
+    /// `/proc/net/dev` of its network namespace, TCP/IP headers included): the wire's figure
+    /// where each rank has a namespace of its own, as `bench-powersgd` runs it.
+    pub wire_bytes_per_step: Option<f64>,
+}
+
+/// Bytes sent so far by every network interface of this namespace except `lo`
+/// (`/proc/net/dev`'s ninth field); `None` where it cannot be read.
+fn tx_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/net/dev").ok()?;
+    let mut total = 0u64;
+    for line in text.lines().skip(2) {
+        let (name, fields) = line.split_once(':')?;
+        if name.trim() != "lo" {
+            total += fields.split_whitespace().nth(8)?.parse::<u64>().ok()?;
+        }
+    }
+    Some(total)
 }
 
 /// Runs one rank of the benchmark; rank 0 returns the result.
@@ -150,6 +168,7 @@ fn run_model<M: Module + Classifier<4>>(
     let lr = 1e-4;
     let eps = 1e-8;
     let mut sync_s = None;
+    let (mut sent_before, mut wire_bytes_per_step) = (None, None);
     let overlap = args.overlap.unwrap_or(DdpConfig::new().overlap);
 
     let mut times = Vec::with_capacity(args.steps);
@@ -185,6 +204,7 @@ fn run_model<M: Module + Classifier<4>>(
             pg.barrier()?;
             if step == args.warmup {
                 ddp.take_stats();
+                sent_before = tx_bytes();
             }
             let start = Instant::now();
             let hooked = ddp.prepare(&model);
@@ -195,6 +215,10 @@ fn run_model<M: Module + Classifier<4>>(
                 times.push(start.elapsed().as_secs_f64());
             }
         }
+        pg.barrier()?;
+        wire_bytes_per_step = sent_before
+            .zip(tx_bytes())
+            .map(|(a, b)| b.saturating_sub(a) as f64 / args.steps as f64);
         params = ddp
             .params()
             .iter()
@@ -265,5 +289,6 @@ fn run_model<M: Module + Classifier<4>>(
         model: args.model.clone(),
         overlap,
         sync_s,
+        wire_bytes_per_step,
     }))
 }
