@@ -244,6 +244,11 @@ fn free_port() -> Result<u16> {
         .port())
 }
 
+/// The wall-clock stamp ending a trainer's line (`... at T`, ms since the Unix epoch).
+fn stamp(line: &str) -> Option<u128> {
+    line.rsplit_once(" at ")?.1.trim().parse().ok()
+}
+
 /// The step number in a trainer's progress line (`epoch 1 step 31 (...`).
 fn step_of(line: &str) -> Option<u64> {
     let (_, rest) = line.split_once(" step ")?;
@@ -299,14 +304,22 @@ fn elastic_recovery(
             );
         }
     }
+    // The trainers stamp the kill and the first step after each membership change with the
+    // wall clock (ms since the epoch, one host): those stamps, not the time a line came through
+    // the agents' pipes, measure the recovery.
     let start = agents[0].seen.first().map_or(Instant::now(), |(t, _)| *t);
-    let (killed, _) = agents[1]
+    let (killed, kill_line) = agents[1]
         .first("kills itself after step", start)
         .context("rank 1's kill line")?;
-    let (next, _) = first_step_after(&agents[0], killed, 0).context("a step after the kill")?;
-    let (back, _) = agents[1]
+    let killed_ms = stamp(kill_line).context("the kill line's time")?;
+    let (_, next_line) = agents[0]
+        .first("elastic: step ", killed)
+        .context("the survivors' first step after the kill")?;
+    let next_ms = stamp(next_line).context("the survivors' step time")?;
+    let (_, back_line) = agents[1]
         .first("elastic: step ", killed)
         .context("the healed rank's first step")?;
+    let back_ms = stamp(back_line).context("the healed rank's step time")?;
     let (past, _) = first_step_after(&agents[0], killed, KILL_AT + 1).context("step 32")?;
     let summary = |a: &Agent| -> Option<serde_json::Value> {
         a.seen.iter().rev().find_map(|(_, l)| {
@@ -316,16 +329,17 @@ fn elastic_recovery(
     };
     let s0 = summary(&agents[0]).context("rank 0's elastic summary")?;
     let secs = |t: Instant| t.duration_since(killed).as_secs_f64();
+    let after_kill = |ms: u128| ms.saturating_sub(killed_ms) as f64 / 1000.0;
     eprintln!(
         "elastic {model}: next step {:.2} s, back at 3 {:.2} s",
-        secs(next),
-        secs(back)
+        after_kill(next_ms),
+        after_kill(back_ms)
     );
     Ok(Recovery {
         model: model.into(),
         mode: "elastic".into(),
-        next_step_s: secs(next),
-        rejoin_s: secs(back),
+        next_step_s: after_kill(next_ms),
+        rejoin_s: after_kill(back_ms),
         past_kill_s: secs(past),
         steps_lost: s0["steps_dropped"].as_u64().unwrap_or(0),
         steps_repeated: s0["steps_repeated"].as_u64().unwrap_or(0),
