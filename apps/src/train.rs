@@ -72,7 +72,7 @@ pub struct RunSummary {
     pub metrics_dir: Option<PathBuf>,
 }
 
-/// A model, its data and its name: what a trainer hands to [`train`].
+/// A model, its data and its name: what a trainer hands to [`crate::fit::train`].
 pub struct Task<M, S> {
     /// Short model name, stored in checkpoints (`cnn`, `mlp`, `pima-mlp`).
     pub name: String,

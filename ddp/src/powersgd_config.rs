@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::DdpError;
 
-/// Settings of [`PowerSgd`]: PyTorch's `PowerSGDState` hyperparameters, with its defaults.
+/// Settings of [`PowerSgd`](crate::PowerSgd): PyTorch's `PowerSGDState` hyperparameters, with its defaults.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PowerSgdConfig {
