@@ -1,4 +1,4 @@
-//! The error type of the `ddp` crate.
+//! The error type of the `ddp` crate (package `burn-ddp`).
 
 /// What can go wrong in data-parallel training.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The library crates as crates.io would receive them, and the example built against them.
+#
+# 1. `cargo package --workspace` packs every crate. Those that can be published have
+#    the metadata crates.io requires (description, licence, readme, documentation, keywords,
+#    categories, rust-version), the licence files inside each crate, a version on every path
+#    dependency, and only the files the crate owns. The example and xtask (`publish = false`)
+#    are packed too: the example to be built from its pack, xtask so that the packs' build
+#    unifies features as the workspace's does (xtask's plotters turns on num-traits' `default`;
+#    without it every burn crate would compile again).
+# 2. The packs are unpacked side by side and built together, in release, as one workspace whose
+#    dependencies between them go through crates.io's names with `[patch.crates-io]` pointing at
+#    the unpacked packs (the crates are not on crates.io yet): so every crate compiles from its
+#    own pack alone, and the example (`ddp-user-example`, packed too) builds against the packed
+#    `burn-ddp` and `ddp-data` as a user's program does against the registry, not against the
+#    workspace. This replaces `cargo package`'s own verification, which builds every pack in
+#    turn in the dev profile and compiles burn once more for it (about 25 minutes on CI's two
+#    cores): here the one release build shares the workspace's compiled burn (the same versions
+#    from the copied Cargo.lock, the same features, the same profile), so only the packs
+#    compile.
+#
+# Run from the repository root with the feature set of the rest of CI as the first argument.
+# It writes under target/ only: target/package (cargo's packs), target/package-build, and the
+# packs' build in target/release (so the binaries there are then the packs' builds of the same
+# sources; the workspace's next cargo build links its own again).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FEATURES=${1:?usage: ci/packages.sh FEATURES}
+ROOT=$PWD
+
+rm -rf target/package target/package-build
+cargo package --workspace --no-verify --locked
+
+build=target/package-build
+mkdir -p "$build"
+crates=()
+for pack in target/package/*.crate; do
+  tar -xzf "$pack" -C "$build"
+  crates+=("$(basename "$pack" .crate)")
+done
+echo "packed: ${crates[*]}"
+
+python3 - "$build" "${crates[@]}" <<'PY'
+import pathlib, re, sys, tomllib
+
+build = pathlib.Path(sys.argv[1])
+crates = sys.argv[2:]
+names = {}
+for folder in crates:
+    manifest = tomllib.loads((build / folder / "Cargo.toml").read_text())
+    names[manifest["package"]["name"]] = folder
+    # A pack must stand alone: no dependency of any kind may point at a path.
+    for table in ("dependencies", "dev-dependencies", "build-dependencies"):
+        for dep, spec in manifest.get(table, {}).items():
+            if isinstance(spec, dict) and "path" in spec:
+                sys.exit(f"{folder}/Cargo.toml: [{table}] {dep} still has a path: {spec}")
+    if manifest["package"].get("publish") is False:
+        continue  # the example and xtask: never published
+    for key in ("description", "license", "readme", "documentation", "keywords", "categories",
+                "rust-version"):
+        if not manifest["package"].get(key):
+            sys.exit(f"{folder}/Cargo.toml: package.{key} is missing")
+    for licence in ("LICENSE-MIT", "LICENSE-APACHE", manifest["package"]["readme"]):
+        if not (build / folder / licence).is_file():
+            sys.exit(f"{folder}: {licence} is not in the pack")
+
+example = tomllib.loads((build / names["ddp-user-example"] / "Cargo.toml").read_text())
+for dep in ("burn-ddp", "ddp-data"):
+    spec = example["dependencies"][dep]
+    if not (isinstance(spec, dict) and spec.get("version")):
+        sys.exit(f"the packed example's {dep} is not a registry dependency: {spec}")
+
+root = tomllib.loads(pathlib.Path("Cargo.toml").read_text())
+release = root["profile"]["release"]
+lines = ["[workspace]", 'resolver = "2"',
+         "members = [" + ", ".join(f'"{f}"' for f in crates) + "]", "",
+         "# The workspace's release profile, so that its compiled dependencies are reused.",
+         "[profile.release]"]
+lines += [f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}" for k, v in release.items()]
+lines += ["", "# Not on crates.io yet: the registry's names resolve to the unpacked packs.",
+          "[patch.crates-io]"]
+lines += [f'{name} = {{ path = "{folder}" }}' for name, folder in sorted(names.items())
+          if name not in ("ddp-user-example", "xtask")]
+(build / "Cargo.toml").write_text("\n".join(lines) + "\n")
+print((build / "Cargo.toml").read_text())
+PY
+
+cp Cargo.lock "$build/Cargo.lock"
+cd "$build"
+# Every target of every pack (libraries, binaries; the example's user-train), as one build.
+CARGO_TARGET_DIR=$ROOT/target cargo build --release --workspace --features "$FEATURES"
+# The example's binary was built from the packs: its dependencies' sources are the unpacked
+# folders, which cargo's lock file records.
+python3 - <<'PY'
+import sys, tomllib
+lock = tomllib.loads(open("Cargo.lock").read())
+sources = {p["name"]: p.get("source") for p in lock["package"]}
+for name in ("burn-ddp", "ddp-data", "ddp-comm", "ddp-fsio"):
+    if name not in sources:
+        sys.exit(f"{name} is not in the packs' lock file")
+    if sources[name] is not None:
+        sys.exit(f"{name} came from {sources[name]}, not from its unpacked pack")
+print("the example built against the packs of burn-ddp, ddp-data, ddp-comm and ddp-fsio")
+PY
