@@ -8,7 +8,8 @@
 //! `world × batch`, and the learning rate follows the world as `--lr-scaling` says (fixed by
 //! default). Dropout masks depend on (seed, epoch, step, rank): the same membership schedule
 //! gives the same bits. Every membership change is a line (`elastic: generation G ...`), and
-//! so is the first step after it (`elastic: step N at world W at T`, T in ms since the epoch);
+//! so is the first step after it (`elastic: step N at world W at T`, T in ms since the epoch
+//! when the step was committed);
 //! with `--json` every rank prints `DDP_ELASTIC_SUMMARY {...}` at the end: its generations,
 //! steps committed, repeated and dropped, and for each epoch how often each sample was trained
 //! by the committed steps this rank saw (from the sampler's plan of every rank of each step).
@@ -35,9 +36,12 @@ use crate::train::{Data, RunSummary, Task};
 
 /// Milliseconds since the Unix epoch.
 fn now_ms() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis())
+    ms_since_epoch(SystemTime::now())
+}
+
+/// `t` in milliseconds since the Unix epoch.
+fn ms_since_epoch(t: SystemTime) -> u128 {
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis())
 }
 
 /// The optimizer step `cfg` asks for, for every generation (the same settings as the plain
@@ -392,11 +396,10 @@ where
             }
             if mark_next_step {
                 mark_next_step = false;
-                println!(
-                    "elastic: step {} at world {world} at {}",
-                    p.step + 1,
-                    now_ms()
-                );
+                // The time the step was committed: a step after which ranks joined returns
+                // only once they are healed.
+                let at = run.committed_at().map_or_else(now_ms, ms_since_epoch);
+                println!("elastic: step {} at world {world} at {at}", p.step + 1);
             }
             let step = p.step + 1;
             if kill_at == Some(step) {

@@ -13,11 +13,11 @@
 //! some survivor committed is applied by every survivor (each holds those gradients: the vote
 //! promises it); a step nobody committed is dropped by every survivor. No checkpoint is read.
 //! When processes wait to join, every member stops at the same step boundary (the vote says
-//! so), and the new group heals the joiners from rank 0, a survivor: rank 0's model record
-//! (weights, with burn's parameter ids), burn's optimizer record (DDP) or the resharded
-//! optimizer state (ZeRO, `elastic_zero.rs`), and the run's [`Progress`] (step, epoch,
-//! position in the epoch, and bytes of the caller's own: its RNG state, its loss sums), all
-//! over the group's own transport.
+//! so), and the new group heals the joiners from rank 0, a survivor: the weights as raw `f32`
+//! (the wrapper's broadcast of rank 0's values, in place), rank 0's burn parameter ids with
+//! burn's optimizer record (DDP) or the resharded optimizer state (ZeRO, `elastic_zero.rs`),
+//! and the run's [`Progress`] (step, epoch, position in the epoch, and bytes of the caller's
+//! own: its RNG state, its loss sums), all over the group's own transport.
 //!
 //! ZeRO keeps a copy of the step's starting point (the model, which makes its update copy the
 //! parameters, and this rank's shard of the optimizer state): a failure in the middle of a
@@ -25,10 +25,10 @@
 //! The shard of a rank that died is lost with it: its moments start again from zero.
 
 use std::sync::Arc;
+use std::time::SystemTime;
 
-use burn::module::Module;
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer};
-use burn::store::ModuleRecord;
 use burn::tensor::{Bytes, Tensor};
 use ddp_comm::membership::Left;
 use ddp_comm::{CommError, Continue, ElasticGroup, ProcessGroup, StepStatus, Vote};
@@ -36,6 +36,7 @@ use ddp_comm::{CommError, Continue, ElasticGroup, ProcessGroup, StepStatus, Vote
 use crate::config::DdpConfig;
 use crate::ddp::DistributedDataParallel;
 use crate::elastic_zero::reshard;
+use crate::params::param_ids;
 use crate::shard_optim::ShardOptimizer;
 use crate::zero::{ShardedDataParallel, ZeroConfig};
 use crate::DdpError;
@@ -164,6 +165,8 @@ pub struct ElasticDdp<M: Module> {
     progress: Progress,
     /// Processes waiting to join are admitted only once this step is committed.
     joins_from: u64,
+    /// When this rank finished its last committed step.
+    committed_at: Option<SystemTime>,
 }
 
 impl<M: Module> ElasticDdp<M> {
@@ -185,6 +188,7 @@ impl<M: Module> ElasticDdp<M> {
             optimizer,
             progress,
             joins_from: 0,
+            committed_at: None,
         };
         run.heal_and_wrap(healed, None)?;
         Ok(run)
@@ -195,6 +199,13 @@ impl<M: Module> ElasticDdp<M> {
         self.model
             .as_ref()
             .expect("the model is back after every call")
+    }
+
+    /// When (the wall clock) this rank finished its last committed step, `None` before the
+    /// first: to time a run. A step after which processes join returns only once the group has
+    /// re-formed and healed them, so the time [`step`](Self::step) returns is not the step's.
+    pub fn committed_at(&self) -> Option<SystemTime> {
+        self.committed_at
     }
 
     /// The run's progress after its last committed step.
@@ -312,6 +323,7 @@ impl<M: Module> ElasticDdp<M> {
                     Ok(vote) => {
                         self.model = Some(self.apply_ddp(model, lr, grads));
                         self.progress = after;
+                        self.committed_at = Some(SystemTime::now());
                         self.grow_if(vote)
                     }
                     Err(e) => {
@@ -331,6 +343,7 @@ impl<M: Module> ElasticDdp<M> {
                         Ok(vote) => {
                             self.model = Some(stepped);
                             self.progress = after;
+                            self.committed_at = Some(SystemTime::now());
                             self.grow_if(vote)
                         }
                         Err(e) => {
@@ -433,6 +446,7 @@ impl<M: Module> ElasticDdp<M> {
                     .expect("the model is back after every call");
                 self.model = Some(self.apply_ddp(model, lr, grads));
                 self.progress = after;
+                self.committed_at = Some(SystemTime::now());
                 dropped = false;
             }
             (
@@ -446,6 +460,7 @@ impl<M: Module> ElasticDdp<M> {
                 self.model = Some(model);
                 shard = Some(stepped);
                 self.progress = after;
+                self.committed_at = Some(SystemTime::now());
                 dropped = false;
             }
             (Continue::ApplyFinished, None) => {
@@ -475,39 +490,39 @@ impl<M: Module> ElasticDdp<M> {
     }
 
     /// In the current generation's group, every member at the same point: rank 0 sends the
-    /// joiners (`healed` ranks) its model, optimizer state and progress when the generation
-    /// has joiners, everyone adopts rank 0's progress, and the model is wrapped (ZeRO:
-    /// resharded from the survivors' old shards, `shard`). Returns the optimizer-state elements
-    /// lost (ZeRO).
+    /// joiners (`healed` ranks) what they cannot get from the wrapper when the generation has
+    /// joiners, everyone adopts rank 0's progress, and the model is wrapped (ZeRO: resharded
+    /// from the survivors' old shards, `shard`). Returns the optimizer-state elements lost
+    /// (ZeRO).
+    ///
+    /// How a joiner is healed, and why so: the weights travel as raw `f32` in the wrapper's own
+    /// broadcast of rank 0's values (in place, in the parameters' memory, no record); before it,
+    /// rank 0 sends its burn parameter ids (8 bytes a tensor), which the joiner adopts, so that
+    /// burn's optimizer record, keyed by parameter id, applies to the joiner's model as it is
+    /// (DDP: burn's optimizer state, the only part that must be serialised, since burn keeps it
+    /// private; ZeRO's state is resharded from the survivors' shards instead). A model record
+    /// would carry the weights a second time, encoded and decoded.
     fn heal_and_wrap(&mut self, healed: bool, shard: Option<&[u8]>) -> Result<usize, DdpError> {
         let pg = Arc::clone(self.group.group());
         let generation = self.group.generation();
         let has_joiners = generation.number > 1 && !generation.joined.is_empty();
         let rank0 = pg.rank() == 0;
-        // The progress, and the sizes of what follows.
         let mut model = self
             .model
             .take()
             .expect("the model is back after every call");
-        let (model_bytes, optim_bytes) = if rank0 && has_joiners {
-            let m = model
-                .clone()
-                .into_record()
-                .into_bytes()
-                .map_err(|e| DdpError::Checkpoint(format!("encoding the model record: {e:?}")))?
-                .to_vec();
+        // The progress, and the sizes of what follows.
+        let (ids, optim_bytes) = if rank0 && has_joiners {
+            let ids: Vec<i64> = param_ids(&model).iter().map(|id| id.val() as i64).collect();
             let o = match &self.optimizer {
-                ElasticOptimizer::Ddp { optim, .. } => optim
-                    .into_bytes()
-                    .map_err(|e| {
-                        DdpError::Checkpoint(format!("encoding the optimizer record: {e:?}"))
-                    })?
-                    .to_vec(),
-                ElasticOptimizer::Zero { .. } => Vec::new(),
+                ElasticOptimizer::Ddp { optim, .. } => Some(optim.into_bytes().map_err(|e| {
+                    DdpError::Checkpoint(format!("encoding the optimizer record: {e:?}"))
+                })?),
+                ElasticOptimizer::Zero { .. } => None,
             };
-            (m, o)
+            (ids, o)
         } else {
-            (Vec::new(), Vec::new())
+            (Vec::new(), None)
         };
         let p = &self.progress;
         let header = pg.broadcast(
@@ -516,8 +531,8 @@ impl<M: Module> ElasticDdp<M> {
                 p.epoch as i64,
                 p.position as i64,
                 p.extra.len() as i64,
-                model_bytes.len() as i64,
-                optim_bytes.len() as i64,
+                ids.len() as i64,
+                optim_bytes.as_ref().map_or(0, |b| b.len()) as i64,
             ],
             0,
         )?;
@@ -541,40 +556,21 @@ impl<M: Module> ElasticDdp<M> {
             extra,
         };
         if size(4) > 0 {
-            let bytes = pg.broadcast(
-                if rank0 {
-                    model_bytes
-                } else {
-                    vec![0u8; size(4)]
-                },
-                0,
-            )?;
+            let ids = pg.broadcast(if rank0 { ids } else { vec![0i64; size(4)] }, 0)?;
             if healed {
-                let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(bytes))
-                    .map_err(|e| DdpError::Checkpoint(format!("rank 0's model record: {e:?}")))?;
-                model = model
-                    .try_load_record(record)
-                    .map_err(|e| DdpError::Checkpoint(format!("rank 0's model record: {e:?}")))?;
+                model = adopt_ids(model, &ids)?;
             }
         }
         if size(5) > 0 {
-            let bytes = pg.broadcast(
-                if rank0 {
-                    optim_bytes
-                } else {
-                    vec![0u8; size(5)]
-                },
-                0,
-            )?;
-            if healed {
-                if let ElasticOptimizer::Ddp { optim, .. } = &mut self.optimizer {
-                    let fresh = std::mem::replace(optim, burn::optim::SgdConfig::new().init());
-                    *optim = fresh
-                        .from_bytes(Bytes::from_bytes_vec(bytes))
-                        .map_err(|e| {
-                            DdpError::Checkpoint(format!("rank 0's optimizer record: {e:?}"))
-                        })?;
-                }
+            let bytes = broadcast_bytes(&pg, optim_bytes, size(5), healed)?;
+            if let (Some(bytes), ElasticOptimizer::Ddp { optim, .. }) = (bytes, &mut self.optimizer)
+            {
+                let fresh = std::mem::replace(optim, burn::optim::SgdConfig::new().init());
+                *optim = fresh
+                    .from_bytes(Bytes::from_bytes_vec(bytes))
+                    .map_err(|e| {
+                        DdpError::Checkpoint(format!("rank 0's optimizer record: {e:?}"))
+                    })?;
             }
         }
         let mut lost = 0;
@@ -596,4 +592,118 @@ impl<M: Module> ElasticDdp<M> {
         self.wrapped = Some(wrapped);
         Ok(lost)
     }
+}
+
+/// Bytes per broadcast of [`broadcast_bytes`]: what a rank that does not keep them holds.
+const CHUNK_BYTES: usize = 32 << 20;
+
+/// The memory an in-place broadcast of [`broadcast_bytes`] runs on.
+enum Held {
+    /// Rank 0's bytes (burn's encoding, sent from where burn put them).
+    Root(Bytes),
+    /// A receiver's buffer: the whole message (kept) or one chunk (reused, discarded).
+    Receiver(Vec<u8>),
+}
+
+/// A window of [`Held`] memory lent to one broadcast.
+struct Window {
+    held: Held,
+    range: std::ops::Range<usize>,
+}
+
+impl AsMut<[u8]> for Window {
+    fn as_mut(&mut self) -> &mut [u8] {
+        match &mut self.held {
+            Held::Root(b) => &mut b[self.range.clone()],
+            Held::Receiver(v) => &mut v[self.range.clone()],
+        }
+    }
+}
+
+/// Sends rank 0's `bytes` (`len` of them, from the header) to every rank of `pg`, and returns
+/// them where `keep` (a joiner), `None` elsewhere. A collective.
+///
+/// How, and why so: the message goes in broadcasts of [`CHUNK_BYTES`], each in place, so that
+/// rank 0 sends from burn's own buffer (no copy), a rank that does not keep the message (a
+/// survivor) receives every chunk into one reused chunk buffer instead of allocating the whole
+/// state, and a joiner receives into one buffer whose pages are mapped before the first chunk
+/// arrives ([`faulted`]): the shared-memory broadcast moves piece by piece in lock-step, so a
+/// receiver that faults its pages in during it holds up every rank at every piece.
+fn broadcast_bytes(
+    pg: &ProcessGroup,
+    bytes: Option<Bytes>,
+    len: usize,
+    keep: bool,
+) -> Result<Option<Vec<u8>>, DdpError> {
+    let mut held = match bytes {
+        Some(b) if pg.rank() == 0 => {
+            if b.len() != len {
+                return Err(DdpError::Config(format!(
+                    "elastic heal: rank 0 announced {len} optimizer bytes and holds {}",
+                    b.len()
+                )));
+            }
+            Held::Root(b)
+        }
+        _ if keep => Held::Receiver(faulted(len)),
+        _ => Held::Receiver(faulted(len.min(CHUNK_BYTES))),
+    };
+    let whole = matches!(held, Held::Root(_)) || keep;
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(CHUNK_BYTES);
+        let range = if whole { at..at + n } else { 0..n };
+        let window = Window { held, range };
+        held = pg.submit_broadcast_in_place(window, 0).wait()?.held;
+        at += n;
+    }
+    Ok(match held {
+        Held::Receiver(v) if keep => Some(v),
+        _ => None,
+    })
+}
+
+/// A buffer of `len` zero bytes whose pages are mapped already (written once; the kernel is
+/// asked for huge pages for it, which makes that cheaper where virtual machines make each
+/// page fault dear).
+fn faulted(len: usize) -> Vec<u8> {
+    const HUGE: usize = 2 << 20;
+    let mut v: Vec<u8> = Vec::with_capacity(len);
+    let start = (v.as_mut_ptr() as usize).next_multiple_of(HUGE);
+    let end = (v.as_mut_ptr() as usize + len) / HUGE * HUGE;
+    if end > start {
+        // SAFETY: the range lies inside `v`'s allocation, which nothing reads yet; the
+        // advice changes no content, and a refusal (an old kernel, no huge pages) is harmless.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    }
+    v.resize(len, 0);
+    v
+}
+
+/// Gives `model`'s float tensors rank 0's burn parameter ids (`ids`, in visiting order), so
+/// that rank 0's optimizer record, keyed by id, applies to it. Values, element types and
+/// whether each requires a gradient stay. A list of another length is an error naming both
+/// counts (the join check compares the parameter lists, so it means a broken peer).
+fn adopt_ids<M: Module>(model: M, ids: &[i64]) -> Result<M, DdpError> {
+    struct Adopt<'a> {
+        ids: &'a [i64],
+        index: usize,
+    }
+    impl ModuleMapper for Adopt<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let id = self.ids[self.index];
+            self.index += 1;
+            let (_, value, mapper) = param.consume();
+            Param::from_mapped_value(ParamId::from(id as u64), value, mapper)
+        }
+    }
+    let own = param_ids(&model).len();
+    if own != ids.len() {
+        return Err(DdpError::ParamMismatch(format!(
+            "elastic heal: rank 0 sent {} parameter ids, this joiner's model has {own} float \
+             tensors",
+            ids.len()
+        )));
+    }
+    Ok(model.map(&mut Adopt { ids, index: 0 }))
 }

@@ -11,12 +11,16 @@
 //! - restart: one `ddprun --nproc-per-node 3 --max-restarts 1` with `--checkpoint-every 20`:
 //!   every rank restarts and resumes from step 20's checkpoint.
 //!
-//! Every line of every agent is stamped as it arrives. Reported, from the kill (the hook's
-//! line): the next step's line (the survivors' first committed step; the restarted job's first
-//! step), the time until the world is back at 3 (the healed rank's first step; the restarted
-//! job's first step), the time until the job is past the step it was killed in, the steps
-//! lost (computed and thrown away: the dropped step in flight; the steps after the checkpoint
-//! and the one in flight) and the steps computed twice.
+//! Every line of every agent is stamped as it arrives; the elastic trainers also stamp their
+//! lines with the wall clock. Reported, from the kill (the hook's line): the time until the
+//! survivors train again (re-formed at world 2 and wrapped: rank 0's generation-2 line), the
+//! next step (the survivors' first committed step, stamped when committed; the restarted
+//! job's first step), the heal (from the commit of the survivors' step after which the rank
+//! joins until the group of 3 trains: re-formed, the state sent, wrapped), the time until the
+//! world is back at 3 (the healed rank's first committed step; the restarted job's first
+//! step), the time until the job is past the step it was killed in, the steps lost (computed
+//! and thrown away: the dropped step in flight; the steps after the checkpoint and the one in
+//! flight) and the steps computed twice. `--no-restart` measures the elastic run alone.
 //!
 //! Steady state: `bench-scaling`'s run (CNN, batch 64 per rank, one thread per rank, 60
 //! steps) at 2 and 3 ranks, plain and with `--elastic N:N` (the commit vote after every step),
@@ -45,6 +49,9 @@ pub struct Args {
     /// Skip the steady-state comparison.
     #[arg(long)]
     no_steady: bool,
+    /// Skip the restart from a checkpoint (measure the elastic recovery only).
+    #[arg(long)]
+    no_restart: bool,
     /// MNIST folder (the trainer's default cache when absent).
     #[arg(long)]
     data_dir: Option<PathBuf>,
@@ -130,8 +137,15 @@ impl Drop for Agent {
 struct Recovery {
     model: String,
     mode: String,
-    /// From the kill to the next step's line.
+    /// From the kill until the survivors train again (re-formed and wrapped; elastic), or the
+    /// restarted job's first step (restart).
+    training_again_s: f64,
+    /// From the kill until the survivors' next step is committed (elastic), or the restarted
+    /// job's first step.
     next_step_s: f64,
+    /// The heal: from the survivors' step after which the rank joined until the group of 3
+    /// trains (re-formed, state sent, wrapped); NaN for a restart.
+    heal_s: f64,
     /// From the kill until the world is back at 3.
     rejoin_s: f64,
     /// From the kill until the job is past the step it was killed in.
@@ -182,18 +196,21 @@ pub fn run(args: Args) -> Result<()> {
             trainer.extend(["--data-dir".into(), dir.display().to_string()]);
         }
         rows.push(elastic_recovery(&bin_dir, model, &trainer, state_mb)?);
-        rows.push(checkpoint_recovery(&bin_dir, model, &trainer, state_mb)?);
+        if !args.no_restart {
+            rows.push(checkpoint_recovery(&bin_dir, model, &trainer, state_mb)?);
+        }
     }
     let mut md = String::from(
         "A kill -9 of rank 1 of 3 right after step 30 (train-mnist, one thread per rank, \
          one host): elastic (`ddprun --nnodes 2:3`, three agents) against ddprun's restart \
          from a checkpoint written every 20 steps.\n\n| model | mode | next step (s) | world \
          back at 3 (s) | past step 31 (s) | steps lost | steps computed twice | state \
-         moved (MB) |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n",
+         moved (MB) | training again (s) | heal (s) |\n| --- | --- | --- | --- | --- | --- | --- \
+         | --- | --- | --- |\n",
     );
     for r in &rows {
         md += &format!(
-            "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0} |\n",
+            "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0} | {:.2} | {:.2} |\n",
             r.model,
             r.mode,
             r.next_step_s,
@@ -201,7 +218,9 @@ pub fn run(args: Args) -> Result<()> {
             r.past_kill_s,
             r.steps_lost,
             r.steps_repeated,
-            r.state_mb
+            r.state_mb,
+            r.training_again_s,
+            r.heal_s
         );
     }
     let steady = if args.no_steady {
@@ -316,6 +335,27 @@ fn elastic_recovery(
         .first("elastic: step ", killed)
         .context("the survivors' first step after the kill")?;
     let next_ms = stamp(next_line).context("the survivors' step time")?;
+    let (_, shrunk_line) = agents[0]
+        .first("elastic: generation 2", killed)
+        .context("the survivors' generation 2")?;
+    let shrunk_ms = stamp(shrunk_line).context("generation 2's time")?;
+    // The generation that grows back: rank 0's line, printed once the joiner is healed and
+    // the model wrapped; the heal is timed from the commit of the step it continues after.
+    let (_, grown_line) = agents[0]
+        .first(" of 3 (joined slots [1]", killed)
+        .context("the generation that grows back to 3")?;
+    let grown_ms = stamp(grown_line).context("the grown generation's time")?;
+    let after = |line: &str, key: &str| -> Option<u64> {
+        line.split_once(key)?
+            .1
+            .split_whitespace()
+            .next()?
+            .trim_end_matches(',')
+            .parse()
+            .ok()
+    };
+    let heal_from =
+        (after(grown_line, "continuing after step ") == step_of(next_line)).then_some(next_ms);
     let (_, back_line) = agents[1]
         .first("elastic: step ", killed)
         .context("the healed rank's first step")?;
@@ -330,15 +370,22 @@ fn elastic_recovery(
     let s0 = summary(&agents[0]).context("rank 0's elastic summary")?;
     let secs = |t: Instant| t.duration_since(killed).as_secs_f64();
     let after_kill = |ms: u128| ms.saturating_sub(killed_ms) as f64 / 1000.0;
+    let heal_s = heal_from.map_or(f64::NAN, |from| {
+        grown_ms.saturating_sub(from) as f64 / 1000.0
+    });
     eprintln!(
-        "elastic {model}: next step {:.2} s, back at 3 {:.2} s",
+        "elastic {model}: training again {:.2} s, next step {:.2} s, heal {heal_s:.2} s, \
+         back at 3 {:.2} s",
+        after_kill(shrunk_ms),
         after_kill(next_ms),
         after_kill(back_ms)
     );
     Ok(Recovery {
         model: model.into(),
         mode: "elastic".into(),
+        training_again_s: after_kill(shrunk_ms),
         next_step_s: after_kill(next_ms),
+        heal_s,
         rejoin_s: after_kill(back_ms),
         past_kill_s: secs(past),
         steps_lost: s0["steps_dropped"].as_u64().unwrap_or(0),
@@ -395,7 +442,9 @@ fn checkpoint_recovery(
     Ok(Recovery {
         model: model.into(),
         mode: "restart from checkpoint".into(),
+        training_again_s: secs(next),
         next_step_s: secs(next),
+        heal_s: f64::NAN,
         rejoin_s: secs(next),
         past_kill_s: secs(past),
         // The steps after the checkpoint, and the one in flight.
