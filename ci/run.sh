@@ -194,4 +194,17 @@ DOCS_RS=1 CARGO_TARGET_DIR=target/gpu-check cargo clippy --release --workspace -
 step "docs: every crate's documentation renders without warnings (broken or private links)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features "$FEATURES"
 
+step "packages: every crate packed as crates.io takes it; the packs and the example built from them"
+# Last but one: the packs' build replaces the binaries in target/release (same sources).
+bash ci/packages.sh "$FEATURES"
+
+step "semver: the public API against the last release (cargo semver-checks from crates.io)"
+# The baseline is the commit of the last release (ci/semver-baseline) until a version is on
+# crates.io; ci/semver.sh says how.
+if ! command -v cargo-semver-checks >/dev/null 2>&1; then
+  cargo install --locked --quiet cargo-semver-checks
+fi
+cargo semver-checks --version
+bash ci/semver.sh "$FEATURES"
+
 step "done"
