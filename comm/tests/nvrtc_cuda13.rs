@@ -48,6 +48,7 @@ fn nvrtc_13_alone_is_refused_with_what_to_install() {
         &format!("{} was found but cudarc", lib.display()),
         "takes it only as libnvrtc.so or libnvrtc.so.12",
         "pip install nvidia-cuda-nvrtc-cu12",
+        "as libnvrtc.so in a folder of your own and put that folder first in LD_LIBRARY_PATH",
     ] {
         assert!(e.contains(part), "{part:?} not in {e}");
     }

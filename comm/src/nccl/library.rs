@@ -312,7 +312,9 @@ fn cudarc_name_hint(lib: CudaLibrary) -> String {
         CudaLibrary::Nvrtc => (
             "libnvrtc.so or libnvrtc.so.12",
             "install NVRTC for CUDA 12 next to it (`pip install nvidia-cuda-nvrtc-cu12`, which \
-             adds nvidia/cuda_nvrtc/lib/libnvrtc.so.12; a CUDA 13 driver runs it)",
+             adds nvidia/cuda_nvrtc/lib/libnvrtc.so.12; a CUDA 13 driver runs it), or link this \
+             file as libnvrtc.so in a folder of your own and put that folder first in \
+             LD_LIBRARY_PATH (NVRTC 13.0 ran burn's kernels so on an H100)",
         ),
         _ => (
             "libcuda.so or libcuda.so.1",
