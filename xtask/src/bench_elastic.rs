@@ -144,7 +144,8 @@ struct Recovery {
     /// job's first step.
     next_step_s: f64,
     /// The heal: from the survivors' step after which the rank joined until the group of 3
-    /// trains (re-formed, state sent, wrapped); NaN for a restart.
+    /// trains (re-formed, state sent, wrapped); NaN (shown as "–") for a restart, and when the
+    /// joiner was admitted in the survivors' own re-form (its heal is then inside their next step).
     heal_s: f64,
     /// From the kill until the world is back at 3.
     rejoin_s: f64,
@@ -210,7 +211,7 @@ pub fn run(args: Args) -> Result<()> {
     );
     for r in &rows {
         md += &format!(
-            "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0} | {:.2} | {:.2} |\n",
+            "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0} | {:.2} | {} |\n",
             r.model,
             r.mode,
             r.next_step_s,
@@ -220,8 +221,16 @@ pub fn run(args: Args) -> Result<()> {
             r.steps_repeated,
             r.state_mb,
             r.training_again_s,
-            r.heal_s
+            seconds_or_dash(r.heal_s)
         );
+    }
+    if rows
+        .iter()
+        .any(|r| r.mode == "elastic" && r.heal_s.is_nan())
+    {
+        md += "\nheal –: the restarted rank's join request was in the store before the \
+               survivors' re-form was decided, so their generation 2 admitted it and its heal is \
+               inside their next step.\n";
     }
     let steady = if args.no_steady {
         Vec::new()
@@ -374,10 +383,11 @@ fn elastic_recovery(
         grown_ms.saturating_sub(from) as f64 / 1000.0
     });
     eprintln!(
-        "elastic {model}: training again {:.2} s, next step {:.2} s, heal {heal_s:.2} s, \
-         back at 3 {:.2} s",
+        "elastic {model}: training again {:.2} s, next step {:.2} s, heal {} s, back at 3 \
+         {:.2} s",
         after_kill(shrunk_ms),
         after_kill(next_ms),
+        seconds_or_dash(heal_s),
         after_kill(back_ms)
     );
     Ok(Recovery {
@@ -504,4 +514,13 @@ fn steady_state(bin: &Path, args: &Args) -> Result<Vec<(usize, f64, f64)>> {
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Seconds with two decimals, or "–" for a figure that was not measured (NaN).
+fn seconds_or_dash(s: f64) -> String {
+    if s.is_nan() {
+        "–".to_string()
+    } else {
+        format!("{s:.2}")
+    }
 }
