@@ -145,7 +145,7 @@ struct Recovery {
     next_step_s: f64,
     /// The heal: from the survivors' step after which the rank joined until the group of 3
     /// trains (re-formed, state sent, wrapped); NaN (shown as "–") for a restart, and when the
-    /// joiner was admitted in the survivors' own re-form (its heal is then inside their next step).
+    /// generation that grew back does not continue after the survivors' first step.
     heal_s: f64,
     /// From the kill until the world is back at 3.
     rejoin_s: f64,
@@ -228,9 +228,11 @@ pub fn run(args: Args) -> Result<()> {
         .iter()
         .any(|r| r.mode == "elastic" && r.heal_s.is_nan())
     {
-        md += "\nheal –: the restarted rank's join request was in the store before the \
-               survivors' re-form was decided, so their generation 2 admitted it and its heal is \
-               inside their next step.\n";
+        md += "\nheal –: not measured, as the generation that grew back to 3 does not continue \
+               after the survivors' first step: either the restarted rank's join request was in \
+               the store before their re-form was decided, so their generation 2 admitted it (its \
+               heal is then inside their next step, and the world is back at 3 with it), or it was \
+               admitted after a later step.\n";
     }
     let steady = if args.no_steady {
         Vec::new()
