@@ -10,7 +10,10 @@
 //! random number per process, so that a restarted slot is a new process). Generation 1 is
 //! founded from the first processes to register; each later one is decided when the current
 //! generation cannot go on (a rank died or froze: the survivors report) or should grow (a
-//! process asked to join: every member stops at the same step boundary).
+//! process asked to join: every member stops at the same step boundary). A generation decided
+//! after a failure admits no joiner unless the job needs one to stay at its minimum: joiners
+//! wait for the survivors' next step boundary, so the survivors' first step after a death
+//! carries no heal.
 //!
 //! # Which step a generation continues from
 //!
@@ -263,6 +266,16 @@ pub fn decide_next(
         ));
         return next;
     }
+    // A re-form after a failure admits nobody while the survivors alone keep the job at its
+    // minimum: the join requests stay in the store (`joins_seen` does not pass them), the new
+    // generation's look-out sees them at once, and they are admitted at the survivors' next
+    // step boundary. So the survivors' first step after a death is never delayed by a heal
+    // (ddprun restarts a killed rank in well under a second, often before the re-form is
+    // decided), and a joiner is still admitted one step later.
+    if !next.left.is_empty() && next.members.len() >= min {
+        next.joins_seen = prev.joins_seen;
+        return next;
+    }
     for (n, request) in latest_per_slot(requests) {
         let slot = request.member.slot;
         if next.members.iter().any(|m| m.slot == slot) {
@@ -423,7 +436,15 @@ mod tests {
             (5, request(3, 23)),
             (6, request(0, 24)),
         ];
+        // After a failure (slot 1's old incarnation did not report) the joiners wait for the
+        // next step boundary: the survivors alone are above the minimum.
         let next = decide_next(&g, &reports, &requests, (2, 3), "failure");
+        assert_eq!(next.slots(), [0, 2]);
+        assert!(next.joined.is_empty() && next.refused.is_empty());
+        assert_eq!(next.joins_seen, g.joins_seen, "the requests stay pending");
+        // At that boundary (nobody left) they are decided.
+        let reports = [(0, report(10, 5, None)), (2, report(12, 5, None))];
+        let next = decide_next(&next, &reports, &requests, (2, 3), "join");
         assert_eq!(next.slots(), [0, 2, 1]);
         assert_eq!(next.joined, [1]);
         assert_eq!(next.members[2].incarnation, 21);

@@ -229,10 +229,8 @@ pub fn run(args: Args) -> Result<()> {
         .any(|r| r.mode == "elastic" && r.heal_s.is_nan())
     {
         md += "\nheal –: not measured, as the generation that grew back to 3 does not continue \
-               after the survivors' first step: either the restarted rank's join request was in \
-               the store before their re-form was decided, so their generation 2 admitted it (its \
-               heal is then inside their next step, and the world is back at 3 with it), or it was \
-               admitted after a later step.\n";
+               after the survivors' first step: the restarted rank's join request came after \
+               that step's boundary, so it was admitted at a later one.\n";
     }
     let steady = if args.no_steady {
         Vec::new()
