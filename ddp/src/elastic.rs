@@ -25,7 +25,7 @@
 //! The shard of a rank that died is lost with it: its moments start again from zero.
 
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer};
@@ -511,6 +511,16 @@ impl<M: Module> ElasticDdp<M> {
             .model
             .take()
             .expect("the model is back after every call");
+        let started = Instant::now();
+        let my_rank = pg.rank();
+        let phase = |what: &str| {
+            if has_joiners {
+                tracing::debug!(
+                    "elastic heal, rank {my_rank}: {what} at {:.3} s",
+                    started.elapsed().as_secs_f64()
+                );
+            }
+        };
         // The progress, and the sizes of what follows.
         let (ids, optim_bytes) = if rank0 && has_joiners {
             let ids: Vec<i64> = param_ids(&model).iter().map(|id| id.val() as i64).collect();
@@ -524,6 +534,7 @@ impl<M: Module> ElasticDdp<M> {
         } else {
             (Vec::new(), None)
         };
+        phase("optimizer record encoded");
         let p = &self.progress;
         let header = pg.broadcast(
             vec![
@@ -561,8 +572,10 @@ impl<M: Module> ElasticDdp<M> {
                 model = adopt_ids(model, &ids)?;
             }
         }
+        phase("progress and ids sent");
         if size(5) > 0 {
             let bytes = broadcast_bytes(&pg, optim_bytes, size(5), healed)?;
+            phase("optimizer record sent");
             if let (Some(bytes), ElasticOptimizer::Ddp { optim, .. }) = (bytes, &mut self.optimizer)
             {
                 let fresh = std::mem::replace(optim, burn::optim::SgdConfig::new().init());
@@ -573,6 +586,7 @@ impl<M: Module> ElasticDdp<M> {
                     })?;
             }
         }
+        phase("optimizer record decoded");
         let mut lost = 0;
         let (model, wrapped) = match &self.optimizer {
             ElasticOptimizer::Ddp { config, .. } => {
@@ -588,6 +602,7 @@ impl<M: Module> ElasticDdp<M> {
                 (model, Wrapped::Zero(zero))
             }
         };
+        phase("wrapped (weights broadcast)");
         self.model = Some(model);
         self.wrapped = Some(wrapped);
         Ok(lost)
