@@ -140,6 +140,9 @@ impl Stepper {
                         "DDP with PowerSGD (rank {}, compressing from step {})",
                         c.matrix_approximation_rank, c.start_powersgd_iter
                     ),
+                    CommHookKind::AllReduce if ddp.gradients_on_device() => {
+                        "DDP, gradients all-reduced on the GPU through NCCL".to_string()
+                    }
                     CommHookKind::AllReduce => "DDP".to_string(),
                 },
                 ddp.why_no_overlap(model),

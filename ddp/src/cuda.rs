@@ -36,10 +36,12 @@
 //! cudarc's `CudaContext::new`), so the pointer is valid in NCCL's context. The model's GPU must
 //! be NCCL's: [`DevicePath::detect`] refuses another one, naming both.
 //!
-//! This path is type-checked in CI (`DOCS_RS=1`, no LLVM download) but has not run on a GPU
-//! with burn 0.22 yet (docs/gpu.md); its sequence of collectives is tested on the CPU through
-//! `device_step.rs`'s fake. Other devices (flex, or other cubecl runtimes) take the host path.
-//! `DDP_NCCL=0` in the environment (on every rank) forces the host path on CUDA too.
+//! This path is type-checked in CI (`DOCS_RS=1`, no LLVM download); on a GPU it has run at one
+//! rank only (`DDP_NCCL=1`, one H200: docs/gpu.md), not yet between ranks; its sequence of
+//! collectives is tested on the CPU through `device_step.rs`'s fake. Other devices (flex, or other cubecl runtimes) take the host path.
+//! `DDP_NCCL=0` in the environment (on every rank) forces the host path on CUDA too;
+//! `DDP_NCCL=1` takes this path at one rank as well, to check it on one GPU
+//! ([`ddp_comm::nccl::gradients_through_nccl`]).
 
 use std::any::Any;
 use std::sync::Arc;
@@ -135,8 +137,9 @@ fn sync_client(client: &cubecl::client::Client) -> Result<(), DdpError> {
 }
 
 impl DevicePath {
-    /// The device path when the model is on a CUDA device, the group has more than one rank
-    /// and `DDP_NCCL` is not `0`: creates the NCCL communicator (a collective on `pg`, so every
+    /// The device path when the model is on a CUDA device and
+    /// [`ddp_comm::nccl::gradients_through_nccl`] says so (more than one rank and `DDP_NCCL`
+    /// not `0`, or `DDP_NCCL=1`): creates the NCCL communicator (a collective on `pg`, so every
     /// rank calls this at the same point) and checks that the model's GPU is NCCL's. `None`
     /// otherwise.
     pub(super) fn detect(
@@ -147,7 +150,7 @@ impl DevicePath {
         let Some(model_gpu) = cuda_index(device) else {
             return Ok(None);
         };
-        if pg.world_size() == 1 || std::env::var("DDP_NCCL").is_ok_and(|v| v.trim() == "0") {
+        if !ddp_comm::nccl::gradients_through_nccl(pg.world_size()) {
             return Ok(None);
         }
         let nccl = NcclGroup::new(pg).map_err(|e| {

@@ -2,6 +2,7 @@
 //! uses GPU `LOCAL_RANK` (its primary context, the one burn's CUDA backend also uses, so device
 //! pointers are shared); a process that sees exactly one GPU through `CUDA_VISIBLE_DEVICES`
 //! uses it. [`check_same_gpu`] refuses a model on another GPU than NCCL's.
+//! [`gradients_through_nccl`] says whether a job's gradients go through NCCL at all.
 
 use std::sync::Arc;
 
@@ -108,6 +109,24 @@ pub(super) fn open_device(
     })
 }
 
+/// Whether the gradients of a job of `world_size` ranks on CUDA devices go through NCCL on the
+/// GPU, from `DDP_NCCL` (the same on every rank): with more than one rank unless it is `0` (the
+/// host and the process group then carry them); with one rank only when it is `1`, where NCCL's
+/// all-reduce changes nothing but the whole device path runs (packing, one synchronisation, the
+/// in-place collective, the slots read back, unpacking): a check of that path on one GPU.
+pub fn gradients_through_nccl(world_size: usize) -> bool {
+    through_nccl(std::env::var("DDP_NCCL").ok().as_deref(), world_size)
+}
+
+/// [`gradients_through_nccl`] for the value `setting` of `DDP_NCCL`.
+fn through_nccl(setting: Option<&str>, world_size: usize) -> bool {
+    match setting.map(str::trim) {
+        Some("0") => false,
+        Some("1") => true,
+        _ => world_size > 1,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -155,5 +174,17 @@ mod tests {
             ),
             "{e}"
         );
+    }
+
+    #[test]
+    fn ddp_nccl_chooses_the_gradient_path() {
+        // Unset (or anything else): NCCL from two ranks on.
+        assert!(!through_nccl(None, 1));
+        assert!(through_nccl(None, 2));
+        assert!(through_nccl(Some("yes"), 3));
+        // 0: the host path at every size; 1: the device path at one rank too.
+        assert!(!through_nccl(Some(" 0 "), 4));
+        assert!(through_nccl(Some("1"), 1));
+        assert!(through_nccl(Some("1\n"), 8));
     }
 }

@@ -75,7 +75,7 @@ mod search;
 mod work;
 
 pub use api::{NcclLibrary, NcclResult};
-pub use device::{check_same_gpu, describe_gpu, pick_device};
+pub use device::{check_same_gpu, describe_gpu, gradients_through_nccl, pick_device};
 pub use dl::SharedLib;
 pub use group::{DeviceBytes, NcclGroup};
 pub use library::{
