@@ -10,12 +10,11 @@ use ddp_comm::ProcessGroup;
 ///
 /// First, before burn touches CUDA, the libraries are loaded: the NVIDIA driver, NVRTC (burn
 /// compiles its kernels with it) and, for more than one rank, NCCL (unless `DDP_NCCL=0`; at one
-/// rank with `DDP_NCCL=1`), found
-/// under their real names in `LD_LIBRARY_PATH`, the active venv's NVIDIA wheels and the system
-/// folders (`ddp_comm::nccl::load_cuda_libraries`). The first rank of each host prints which
-/// files were loaded, as the run's first line. A missing library, a machine without a driver,
-/// or fewer GPUs than local ranks is a clear error here (naming the library, the names tried
-/// and the folders searched) instead of a panic inside burn.
+/// rank with `DDP_NCCL=1`), found under their real names in `LD_LIBRARY_PATH`, the active venv's
+/// NVIDIA wheels and the system folders (`ddp_comm::nccl::load_cuda_libraries`). The first rank
+/// of each host prints which files were loaded, as the run's first line. A missing library, a
+/// machine without a driver, or fewer GPUs than local ranks is a clear error here (naming the
+/// library, the names tried and the folders searched) instead of a panic inside burn.
 pub fn cuda_device(pg: &ProcessGroup) -> Result<Device> {
     let nccl = ddp_comm::nccl::gradients_through_nccl(pg.world_size());
     let libraries = ddp_comm::nccl::load_cuda_libraries(true, nccl)

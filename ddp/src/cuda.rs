@@ -38,10 +38,10 @@
 //!
 //! This path is type-checked in CI (`DOCS_RS=1`, no LLVM download); on a GPU it has run at one
 //! rank only (`DDP_NCCL=1`, one H200: docs/gpu.md), not yet between ranks; its sequence of
-//! collectives is tested on the CPU through `device_step.rs`'s fake. Other devices (flex, or other cubecl runtimes) take the host path.
-//! `DDP_NCCL=0` in the environment (on every rank) forces the host path on CUDA too;
-//! `DDP_NCCL=1` takes this path at one rank as well, to check it on one GPU
-//! ([`ddp_comm::nccl::gradients_through_nccl`]).
+//! collectives is tested on the CPU through `device_step.rs`'s fake. Other devices (flex, or
+//! other cubecl runtimes) take the host path. `DDP_NCCL=0` in the environment (on every rank)
+//! forces the host path on CUDA too; `DDP_NCCL=1` takes this path at one rank as well, to check
+//! it on one GPU ([`ddp_comm::nccl::gradients_through_nccl`]).
 
 use std::any::Any;
 use std::sync::Arc;
