@@ -39,26 +39,10 @@ pub(crate) const ADOPT_BYTES: usize = 1 << 20;
 pub(crate) struct Bucket {
     /// Indices into the parameter list, in packing (reverse visiting) order.
     pub params: Vec<usize>,
-    /// Offset of each parameter's gradient in the bucket, were it one flat buffer (the GPU
-    /// path's layout).
-    #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
-    pub offsets: Vec<usize>,
-    /// Number of gradient elements.
-    #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
-    pub grad_len: usize,
     /// This bucket's parts, a range of [`Layout::parts`] (the communication hooks' view of a
     /// bucket).
     #[cfg_attr(not(test), allow(dead_code))]
     pub parts: Range<usize>,
-}
-
-impl Bucket {
-    /// Elements of the GPU path's flat buffer of this bucket: the gradients, one presence
-    /// slot per parameter, and two failure slots (`cuda.rs`, `device_step.rs`).
-    #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
-    pub fn len(&self) -> usize {
-        self.grad_len + self.params.len() + 2
-    }
 }
 
 /// One collective of a bucket: the gradients of `params`, one after another in one flat
@@ -138,12 +122,8 @@ pub(crate) fn plan_buckets(params: &[ParamInfo], config: &DdpConfig) -> Layout {
     };
     for (b, group) in groups.into_iter().enumerate() {
         let first_part = layout.parts.len();
-        let mut offsets = Vec::with_capacity(group.len());
-        let mut grad_len = 0;
         for &p in &group {
             let n = params[p].numel();
-            offsets.push(grad_len);
-            grad_len += n;
             let large = n * 4 >= ADOPT_BYTES;
             let joins = !large
                 && layout.parts.len() > first_part
@@ -169,8 +149,6 @@ pub(crate) fn plan_buckets(params: &[ParamInfo], config: &DdpConfig) -> Layout {
         }
         layout.buckets.push(Bucket {
             params: group,
-            offsets,
-            grad_len,
             parts: first_part..layout.parts.len(),
         });
     }
@@ -236,10 +214,13 @@ mod tests {
             names(&params, &layout),
             vec![vec!["f", "e"], vec!["d", "c", "b"], vec!["a"]]
         );
-        assert_eq!(layout.buckets[1].offsets, vec![0, mib / 2, mib]);
-        assert_eq!(layout.buckets[1].grad_len, 3 * mib);
-        // The GPU path's slots: 3 presence, 2 failure.
-        assert_eq!(layout.buckets[1].len(), 3 * mib + 5);
+        let bucket_parts = layout.buckets[1].parts.clone();
+        // d and c (half a MiB each) share a part; b (2 MiB) is a part of its own.
+        let parts: Vec<(Vec<usize>, usize)> = layout.parts[bucket_parts]
+            .iter()
+            .map(|part| (part.offsets.clone(), part.len))
+            .collect();
+        assert_eq!(parts, vec![(vec![0, mib / 2], mib), (vec![0], 2 * mib)]);
     }
 
     /// The MNIST CNN's parameters (visiting order): under PyTorch's rule the fully connected

@@ -1,9 +1,12 @@
 //! [`Carrier`]: what the gradient pipeline (`pipeline.rs`) needs from the memory its buffers
 //! live in and the communicator that reduces them, so that one loop drives every path: host
 //! buffers through the process group (`reduction.rs`, every CPU mode and ZeRO), device
-//! tensors through NCCL (`device_step.rs` over `cuda.rs`, the GPU path).
+//! tensors through NCCL (`cuda_carrier.rs`, the GPU path).
+
+use std::ops::Range;
 
 use burn::optim::GradientsParams;
+use burn::tensor::Device;
 
 use crate::params::ParamInfo;
 use crate::DdpError;
@@ -46,4 +49,24 @@ pub(crate) trait Carrier {
 
     /// Waits for a part's collective and returns the buffer with its result.
     fn wait(&mut self, flight: Self::Flight) -> Result<Self::Buf, DdpError>;
+
+    /// Whether the results are averages over the ranks already (a hook's, or a compressed
+    /// all-reduce's, whose buffers were divided before it) rather than sums.
+    fn averages(&self) -> bool;
+
+    /// `buf` divided by `denom`, in place where it can be (a part that is one gradient).
+    fn divided(&mut self, buf: Self::Buf, denom: f32) -> Self::Buf;
+
+    /// Elements `range` of `buf`, divided by `denom` (a gradient of a shared part).
+    fn slice_divided(&mut self, buf: &Self::Buf, range: Range<usize>, denom: f32) -> Self::Buf;
+
+    /// Registers `buf` as the gradient of `info` in `grads`, in the parameter's shape and
+    /// element type, on `device` (the model's).
+    fn put(
+        &mut self,
+        grads: &mut GradientsParams,
+        info: &ParamInfo,
+        buf: Self::Buf,
+        device: &Device,
+    );
 }

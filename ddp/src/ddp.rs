@@ -58,18 +58,16 @@ use ddp_comm::bytes::fnv1a;
 
 use crate::agree::{broadcast_values, diverged_ranks, verify_same_params};
 use crate::buckets::{plan_buckets, Bucket, Layout, Part};
+use crate::carrier::Carrier;
 use crate::comm_hook::{bucket_descs, CommHook, DynHook};
 use crate::config::{CommHookKind, Compression, DdpConfig};
 use crate::hook_carrier::Hooked;
-use crate::host_buf::HostBuf;
 use crate::overlap::{lock, OverlapState};
 // The GPU path (`cuda.rs`, a child module) names peers' failures as the pipeline does.
 use crate::params::{
-    check_dtypes, check_ranks, flatten_where, load_where, param_ids, param_infos, put_grad,
-    ParamInfo, ParamKind,
+    check_dtypes, check_ranks, flatten_where, load_where, param_ids, param_infos, ParamInfo,
+    ParamKind,
 };
-#[cfg(feature = "cuda")]
-use crate::pipeline::peer_failed;
 use crate::pipeline::{Done, Pipeline};
 use crate::powersgd::PowerSgd;
 use crate::reduction::{HostCarrier, Reduction};
@@ -253,7 +251,8 @@ impl DistributedDataParallel {
             .unwrap_or_default()
             .inner();
         #[cfg(feature = "cuda")]
-        let device_path = cuda::DevicePath::detect(&pg, &device, buckets.len())?;
+        let device_path =
+            cuda::DevicePath::detect(&pg, &device, &params, &layout, config.compression)?;
 
         let mut model = model;
         if pg.world_size() > 1 {
@@ -450,13 +449,6 @@ impl DistributedDataParallel {
         self.spans.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
-    /// Records one span of bucket `bucket` as a whole (the GPU path's) when recording is on.
-    #[cfg(feature = "cuda")]
-    fn span(&mut self, phase: SyncPhase, bucket: usize, start: Instant, end: Instant) {
-        let elements = self.buckets[bucket].len();
-        self.part_span(phase, bucket, elements, start, end);
-    }
-
     /// Records one span of a part of `elements` elements of bucket `bucket` when recording is
     /// on.
     fn part_span(
@@ -621,16 +613,17 @@ impl DistributedDataParallel {
     /// replaced after wrapping, e.g. by `load_record`). After an error the accumulated
     /// gradients are unspecified: start the step again with a new wrapper.
     pub fn accumulate(&mut self, mut grads: GradientsParams) -> Result<(), DdpError> {
-        #[cfg(feature = "cuda")]
-        if self.device_path.is_some() {
-            return self.accumulate_on_device(grads);
-        }
         let start = Instant::now();
-        let error = {
-            let mut pipeline = lock(&self.pipeline);
-            pipeline.begin(false);
-            pipeline.deliver_from(&mut grads);
-            pipeline.take_error()
+        #[cfg(feature = "cuda")]
+        let on_device = self
+            .device_path
+            .as_mut()
+            .map(|dp| dp.pipeline().accumulate(&mut grads));
+        #[cfg(not(feature = "cuda"))]
+        let on_device: Option<Option<DdpError>> = None;
+        let error = match on_device {
+            Some(error) => error,
+            None => lock(&self.pipeline).accumulate(&mut grads),
         };
         self.micro_steps += 1;
         self.stats.pack += start.elapsed();
@@ -690,11 +683,32 @@ impl DistributedDataParallel {
             self.stats.buckets += self.buckets.len() as u64;
         }
         #[cfg(feature = "cuda")]
-        if self.device_path.is_some() {
-            return self.sync_on_device(grads, local_error);
+        if let Some(mut dp) = self.device_path.take() {
+            let reduced = self.reduce(dp.pipeline(), &mut grads, local_error, begun);
+            self.device_path = Some(dp);
+            reduced?;
+            self.stats.steps += 1;
+            return Ok(grads);
         }
         let pipeline = Arc::clone(&self.pipeline);
         let mut pipeline = lock(&pipeline);
+        self.reduce(&mut pipeline, &mut grads, local_error, begun)?;
+        self.stats.steps += 1;
+        Ok(grads)
+    }
+
+    /// The one submit/complete loop of every DDP path (host or device, plain or overlapped):
+    /// hands `grads` to `pipeline` (after the hooks' gradients, when `begun`), which submits
+    /// the parts not yet submitted and the control all-reduce; unpacks each part as its
+    /// collective completes, in order, into averaged gradients; registers in `grads` those that
+    /// some rank had.
+    fn reduce<C: Carrier>(
+        &mut self,
+        pipeline: &mut Pipeline<C>,
+        grads: &mut GradientsParams,
+        local_error: Option<DdpError>,
+        begun: bool,
+    ) -> Result<(), DdpError> {
         if !begun {
             pipeline.begin(true);
         }
@@ -702,7 +716,7 @@ impl DistributedDataParallel {
             pipeline.fail(e);
         }
         let pack_start = Instant::now();
-        pipeline.deliver_from(&mut grads);
+        pipeline.deliver_from(grads);
         self.stats.pack += pack_start.elapsed();
 
         // Micro-steps are summed (PyTorch's no_sync); only ranks are averaged (compressed
@@ -714,9 +728,9 @@ impl DistributedDataParallel {
         };
         self.micro_steps = 0;
         let layout = Arc::clone(pipeline.layout());
-        let mut averaged: Vec<Option<HostBuf>> = (0..self.params.len()).map(|_| None).collect();
+        let mut averaged: Vec<Option<C::Buf>> = (0..self.params.len()).map(|_| None).collect();
         let mut previous_end = pack_start;
-        let presence = pipeline.finish(self.syncs, |done: Done<HostBuf>| {
+        let presence = pipeline.finish(self.syncs, |carrier, done: Done<C::Buf>| {
             let part = &layout.parts[done.part];
             let (b, elements) = (part.bucket, part.len);
             let (wait_start, wait_end) = done.waited;
@@ -726,20 +740,20 @@ impl DistributedDataParallel {
             let reduce_start = done.packed.1.max(previous_end);
             self.part_span(SyncPhase::AllReduce, b, elements, reduce_start, wait_end);
             previous_end = wait_end;
-            unpack(part, done.buf, denom, &mut averaged);
+            unpack(carrier, part, done.buf, denom, &mut averaged);
             let unpack_end = Instant::now();
             self.stats.unpack += unpack_end - wait_end;
             self.part_span(SyncPhase::Unpack, b, elements, wait_end, unpack_end);
         });
         self.stats.bytes += pipeline.take_bytes();
         let presence = presence?;
+        let carrier = pipeline.carrier();
         for (p, values) in averaged.into_iter().enumerate() {
             if let Some(values) = values.filter(|_| presence[p] > 0.0) {
-                put_grad(&mut grads, &self.params[p], values, &self.device);
+                carrier.put(grads, &self.params[p], values, &self.device);
             }
         }
-        self.stats.steps += 1;
-        Ok(grads)
+        Ok(())
     }
 
     /// What every sync does before the gradients (a collective): checks that `model` holds the
@@ -832,23 +846,6 @@ impl DistributedDataParallel {
         Ok(())
     }
 
-    /// Fails when `grads` still holds gradients after every known parameter's was taken: they
-    /// belong to parameters the wrapper does not know (ids changed after wrapping). (The GPU
-    /// path's; the pipeline checks the same in `deliver_from`.)
-    #[cfg(feature = "cuda")]
-    fn check_no_unknown_grads(&self, grads: &GradientsParams) -> Result<(), DdpError> {
-        if grads.is_empty() {
-            return Ok(());
-        }
-        Err(DdpError::ParamsChanged {
-            name: "?".into(),
-            detail: format!(
-                "{} gradients belong to parameters with ids the wrapper does not know",
-                grads.len()
-            ),
-        })
-    }
-
     /// Overwrites the module's buffers with rank 0's (PyTorch's `broadcast_buffers=True`).
     /// A collective: every rank calls it from `sync`. With `readable == false` (this rank's
     /// module no longer matches the parameter list) the rank still takes part, sending zeros
@@ -919,18 +916,20 @@ impl DistributedDataParallel {
 /// Turns a part's reduced buffer into averaged gradients (`averaged[p]` for each parameter p
 /// of the part): a part that is one gradient is divided in place and becomes it (burn's buffer
 /// goes back to burn); the parameters of a shared part get their slices, divided.
-fn unpack(part: &Part, buf: HostBuf, denom: f32, averaged: &mut [Option<HostBuf>]) {
-    if let ([p], true) = (part.params.as_slice(), buf.len() == part.len) {
-        let mut buf = buf;
-        buf.as_mut().iter_mut().for_each(|x| *x /= denom);
-        averaged[*p] = Some(buf);
+fn unpack<C: Carrier>(
+    carrier: &mut C,
+    part: &Part,
+    buf: C::Buf,
+    denom: f32,
+    averaged: &mut [Option<C::Buf>],
+) {
+    if let ([p], true) = (part.params.as_slice(), carrier.len(&buf) == part.len) {
+        averaged[*p] = Some(carrier.divided(buf, denom));
         return;
     }
-    let values = buf.as_ref();
     for (k, (&p, &off)) in part.params.iter().zip(&part.offsets).enumerate() {
         let end = part.offsets.get(k + 1).copied().unwrap_or(part.len);
-        let slice: Vec<f32> = values[off..end].iter().map(|x| x / denom).collect();
-        averaged[p] = Some(slice.into());
+        averaged[p] = Some(carrier.slice_divided(&buf, off..end, denom));
     }
 }
 

@@ -17,9 +17,9 @@ pub mod checkpoint;
 mod comm_hook;
 mod config;
 mod ddp;
-// The GPU path's sequence of collectives (used by `cuda.rs`; tested on the CPU with a fake).
-#[cfg(any(feature = "cuda", test))]
-mod device_step;
+// The pipeline's carrier on the GPU (device tensors through NCCL).
+#[cfg(feature = "cuda")]
+mod cuda_carrier;
 mod elastic;
 mod elastic_zero;
 mod error;

@@ -28,9 +28,6 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
 
-// `to_f32` lives with the host buffers; the GPU path (`cuda.rs`) reads its slots with it.
-#[cfg(feature = "cuda")]
-pub(crate) use crate::host_buf::to_f32;
 use crate::host_buf::HostBuf;
 use crate::DdpError;
 

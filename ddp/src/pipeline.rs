@@ -4,7 +4,7 @@
 //! stages 1 and 2, and the GPU path. The layout is `buckets.rs`'s; where the buffers live and
 //! how a part's collective runs is a [`Carrier`]'s (`carrier.rs`): host buffers through the
 //! process group (`reduction.rs`, where the per-part collective is chosen: all-reduce in a wire
-//! type, or reduce-scatter), or device tensors through NCCL (`device_step.rs`).
+//! type, or reduce-scatter), or device tensors through NCCL (`cuda_carrier.rs`).
 //!
 //! # The loop
 //!
@@ -177,6 +177,14 @@ impl<C: Carrier> Pipeline<C> {
         std::mem::take(&mut self.bytes)
     }
 
+    /// An accumulation micro-step (PyTorch's `no_sync`): every gradient of `grads` is added to
+    /// its part's buffer, nothing is communicated. Returns this rank's local failure.
+    pub(crate) fn accumulate(&mut self, grads: &mut GradientsParams) -> Option<DdpError> {
+        self.begin(false);
+        self.deliver_from(grads);
+        self.take_error()
+    }
+
     /// Hands over parameter `p`'s gradient of this micro-step (`Ok(None)`: it has none on this
     /// rank; `Err`: it could not be read, a local failure), and submits every bucket that is
     /// now complete, in order. A parameter is taken once per micro-step; frozen parameters and
@@ -268,15 +276,15 @@ impl<C: Carrier> Pipeline<C> {
     }
 
     /// Ends the cycle (see the module documentation): submits the buckets still held back and
-    /// the control all-reduce, hands each part to `done` as its collective completes, in
-    /// order, and returns the presence of every parameter summed over ranks and micro-steps
+    /// the control all-reduce, hands each part to `done` (with the carrier, to unpack it) as
+    /// its collective completes, in order, and returns the presence of every parameter summed over ranks and micro-steps
     /// (`0` where no rank had a gradient), or the step's error, the same on every rank: this
     /// rank's own failure, [`DdpError::PeerFailed`] (naming sync number `sync`), or a
     /// collective's error. After an error the parts handed to `done` must not be used.
     pub(crate) fn finish(
         &mut self,
         sync: u64,
-        mut done: impl FnMut(Done<C::Buf>),
+        mut done: impl FnMut(&mut C, Done<C::Buf>),
     ) -> Result<Vec<f32>, DdpError> {
         while self.next < self.layout.parts.len() {
             self.submit_part();
@@ -310,12 +318,15 @@ impl<C: Carrier> Pipeline<C> {
             let result = self.carrier.wait(s.flight);
             let waited = (wait_start, Instant::now());
             match result {
-                Ok(buf) if comm_error.is_none() => done(Done {
-                    part: s.part,
-                    buf,
-                    packed: s.packed,
-                    waited,
-                }),
+                Ok(buf) if comm_error.is_none() => done(
+                    &mut self.carrier,
+                    Done {
+                        part: s.part,
+                        buf,
+                        packed: s.packed,
+                        waited,
+                    },
+                ),
                 Ok(_) => {}
                 // Keep waiting for the rest, so that no buffer is left with the process group.
                 Err(e) => {
@@ -346,7 +357,7 @@ impl<C: Carrier> Pipeline<C> {
 
 /// The error of a sync that failed on other ranks: `failed` ranks reported a local failure, the
 /// sum of their ranks plus one is `ranks` (so a single one is named exactly; f32 holds integers
-/// exactly up to 2^24, bf16 up to 256, f16 up to 2048 on the GPU path).
+/// exactly up to 2^24).
 pub(crate) fn peer_failed(sync: u64, failed: f32, ranks: f32, world: usize) -> DdpError {
     let count = failed.round() as usize;
     let rank = ranks.round() - 1.0;
@@ -364,8 +375,10 @@ mod tests {
     use super::*;
     use crate::buckets::plan_buckets;
     use crate::config::{Compression, DdpConfig};
+    use crate::host_buf::HostBuf;
     use crate::params::ParamKind;
     use crate::reduction::{HostCarrier, Reduction};
+    use burn::tensor::Device;
 
     #[test]
     fn a_peer_failure_names_the_rank_when_exactly_one_failed() {
@@ -439,7 +452,7 @@ mod tests {
             pipeline.deliver(0, Ok(Some(grad.into())));
             pipeline.deliver(1, Ok(Some(vec![1.0; 5].into())));
             let mut parts = Vec::new();
-            let presence = pipeline.finish(1, |d| parts.push(d)).unwrap();
+            let presence = pipeline.finish(1, |_, d| parts.push(d)).unwrap();
             assert_eq!(presence, vec![1.0, 1.0]);
             let big_part = pipeline.layout().place[0].unwrap().part;
             let got = parts.iter().find(|d| d.part == big_part).unwrap();
@@ -466,7 +479,7 @@ mod tests {
         pipeline.deliver(0, Ok(Some(vec![2.0; big].into())));
         let mut sums = Vec::new();
         let presence = pipeline
-            .finish(1, |d| sums.push(d.buf.as_ref()[0]))
+            .finish(1, |_, d| sums.push(d.buf.as_ref()[0]))
             .unwrap();
         assert_eq!(presence, vec![2.0, 0.0]);
         assert!(sums.contains(&3.0), "{sums:?}");
@@ -488,12 +501,199 @@ mod tests {
             }),
         );
         let mut parts = 0;
-        let e = pipeline.finish(1, |_| parts += 1).unwrap_err().to_string();
+        let e = pipeline
+            .finish(1, |_, _| parts += 1)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("small"), "{e}");
         assert_eq!(parts, 2, "every part went out and came back");
         pipeline.begin(true);
         pipeline.deliver(0, Ok(Some(vec![1.0; big].into())));
         pipeline.deliver(1, Ok(Some(vec![1.0; 5].into())));
-        assert_eq!(pipeline.finish(1, |_| {}).unwrap(), vec![1.0, 1.0]);
+        assert_eq!(pipeline.finish(1, |_, _| {}).unwrap(), vec![1.0, 1.0]);
+    }
+
+    /// A carrier that holds every submission back until `launch`, as the GPU path's does (one
+    /// synchronisation per step), over the host carrier; its launch can fail locally, after
+    /// which it still sends every part (zeros), as the GPU path's stand-ins do.
+    struct HeldCarrier {
+        host: HostCarrier,
+        held: Vec<(usize, HostBuf)>,
+        launched: Vec<Option<crate::reduction::Flight>>,
+        /// Parts submitted to the process group so far, in order.
+        sent: Vec<usize>,
+        fail_launch: bool,
+    }
+
+    impl Carrier for HeldCarrier {
+        type Buf = HostBuf;
+        type Flight = usize;
+
+        fn take(
+            &mut self,
+            grads: &mut GradientsParams,
+            info: &ParamInfo,
+        ) -> Result<Option<HostBuf>, DdpError> {
+            self.host.take(grads, info)
+        }
+        fn len(&self, buf: &HostBuf) -> usize {
+            buf.len()
+        }
+        fn zeros(&mut self, len: usize) -> HostBuf {
+            HostBuf::zeros(len)
+        }
+        fn write(&mut self, buf: &mut HostBuf, at: usize, grad: HostBuf, add: bool) {
+            self.host.write(buf, at, grad, add)
+        }
+        fn submit(&mut self, part: usize, buf: HostBuf) -> (usize, u64) {
+            self.held.push((part, buf));
+            (self.held.len() - 1, 0)
+        }
+        fn launch(&mut self) -> Result<Option<DdpError>, DdpError> {
+            let error = self
+                .fail_launch
+                .then(|| DdpError::Config("launch failed".into()));
+            self.launched.clear();
+            for (part, buf) in std::mem::take(&mut self.held) {
+                let buf = if error.is_some() {
+                    HostBuf::zeros(buf.len())
+                } else {
+                    buf
+                };
+                self.sent.push(part);
+                let (flight, _) = self.host.submit(part, buf);
+                self.launched.push(Some(flight));
+            }
+            Ok(error)
+        }
+        fn wait(&mut self, flight: usize) -> Result<HostBuf, DdpError> {
+            match self.launched[flight].take() {
+                Some(flight) => flight.wait(),
+                None => Err(DdpError::Config(format!("flight {flight} waited twice"))),
+            }
+        }
+        fn averages(&self) -> bool {
+            false
+        }
+        fn divided(&mut self, buf: HostBuf, denom: f32) -> HostBuf {
+            self.host.divided(buf, denom)
+        }
+        fn slice_divided(
+            &mut self,
+            buf: &HostBuf,
+            range: std::ops::Range<usize>,
+            d: f32,
+        ) -> HostBuf {
+            self.host.slice_divided(buf, range, d)
+        }
+        fn put(&mut self, g: &mut GradientsParams, i: &ParamInfo, b: HostBuf, d: &Device) {
+            self.host.put(g, i, b, d)
+        }
+    }
+
+    /// Runs `f` on two ranks, one thread each, with process groups over loopback sockets.
+    fn two_ranks<T: Send>(f: impl Fn(Arc<ProcessGroup>) -> T + Sync) -> Vec<T> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let mut listener = Some(listener);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let own = if rank == 0 { listener.take() } else { None };
+                    let f = &f;
+                    s.spawn(move || {
+                        let mut builder = ProcessGroup::builder()
+                            .no_env()
+                            .rank(rank)
+                            .world_size(2)
+                            .master_addr("127.0.0.1")
+                            .master_port(port)
+                            .timeout(Duration::from_secs(30))
+                            .connect_timeout(Duration::from_secs(30));
+                        if let Some(l) = own {
+                            builder = builder.master_listener(l);
+                        }
+                        f(Arc::new(builder.build().expect("process group")))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// One step of a held-back pipeline on `pg` (the large parameter and the small one), rank
+    /// r's gradients all r + 1, its launch failing on `failing`: the parts' sums in part order,
+    /// the parts sent before `finish` and in it, and the step's outcome.
+    fn held_step(pg: Arc<ProcessGroup>, failing: Option<usize>) -> HeldOutcome {
+        let big = crate::buckets::ADOPT_BYTES / 4 + 3;
+        let params: Arc<[ParamInfo]> = vec![info("big", big), info("small", 5)].into();
+        let layout = Arc::new(plan_buckets(&params, &DdpConfig::default()));
+        let rank = pg.rank();
+        let carrier = HeldCarrier {
+            host: HostCarrier {
+                pg: Arc::clone(&pg),
+                reduction: Reduction::AllReduce(Compression::None),
+                hook: None,
+            },
+            held: Vec::new(),
+            launched: Vec::new(),
+            sent: Vec::new(),
+            fail_launch: failing == Some(rank),
+        };
+        let mut pipeline = Pipeline::new(pg, params, layout, carrier);
+        pipeline.begin(true);
+        let value = (rank + 1) as f32;
+        pipeline.deliver(1, Ok(Some(vec![value; 5].into())));
+        pipeline.deliver(0, Ok(Some(vec![value; big].into())));
+        let sent_before_finish = pipeline.carrier().sent.len();
+        let mut sums = Vec::new();
+        let result = pipeline.finish(7, |_, d| sums.push((d.part, d.buf.as_ref()[0])));
+        HeldOutcome {
+            sums,
+            sent_before_finish,
+            sent: pipeline.carrier().sent.clone(),
+            result: result.map_err(|e| e.to_string()),
+        }
+    }
+
+    struct HeldOutcome {
+        sums: Vec<(usize, f32)>,
+        sent_before_finish: usize,
+        sent: Vec<usize>,
+        result: Result<Vec<f32>, String>,
+    }
+
+    /// A carrier that holds parts back (the GPU path's) sends them all at `finish`, in part
+    /// order, and every rank gets the sums.
+    #[test]
+    fn held_back_parts_go_out_in_order_at_launch() {
+        for outcome in two_ranks(|pg| held_step(pg, None)) {
+            assert_eq!(
+                outcome.sent_before_finish, 0,
+                "nothing leaves before the launch"
+            );
+            assert_eq!(outcome.sent, vec![0, 1]);
+            // 1 + 2 on both parts, handed over in part order.
+            assert_eq!(outcome.sums, vec![(0, 3.0), (1, 3.0)]);
+            assert_eq!(outcome.result, Ok(vec![2.0, 2.0]));
+        }
+    }
+
+    /// A launch that fails on rank 1 (the GPU path's failed synchronisation) still sends every
+    /// part; rank 1 returns its own error and rank 0 learns of it from the control all-reduce,
+    /// naming rank 1.
+    #[test]
+    fn a_failed_launch_fails_the_step_on_every_rank() {
+        let outcomes = two_ranks(|pg| held_step(pg, Some(1)));
+        for outcome in &outcomes {
+            assert_eq!(outcome.sent, vec![0, 1], "every part went out");
+        }
+        let own = outcomes[1].result.as_ref().unwrap_err();
+        assert!(own.contains("launch failed"), "{own}");
+        let peer = outcomes[0].result.as_ref().unwrap_err();
+        assert!(
+            peer.contains("sync #7") && peer.contains("rank 1 failed"),
+            "{peer}"
+        );
     }
 }

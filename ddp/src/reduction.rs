@@ -5,9 +5,11 @@
 //! part; a communication hook (PowerSGD, a user's own: `comm_hook.rs`) takes whole buckets
 //! instead, through `hook_carrier.rs`, when one is installed.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use burn::optim::GradientsParams;
+use burn::tensor::Device;
 use ddp_comm::{ProcessGroup, ReduceOp, Work};
 use half::{bf16, f16};
 
@@ -15,7 +17,7 @@ use crate::carrier::Carrier;
 use crate::config::Compression;
 use crate::hook_carrier::{HookFlight, Hooked};
 use crate::host_buf::HostBuf;
-use crate::params::{take_grad, ParamInfo};
+use crate::params::{put_grad, take_grad, ParamInfo};
 use crate::DdpError;
 
 /// The pipeline's carrier on the host: buffers in host memory (burn's own, or ours), each
@@ -28,18 +30,6 @@ pub(crate) struct HostCarrier {
     pub reduction: Reduction,
     /// The communication hook, when one is installed: it replaces `reduction`.
     pub hook: Option<Hooked>,
-}
-
-impl HostCarrier {
-    /// Whether the results are averages over the ranks already (a hook's, or a compressed
-    /// all-reduce's, whose buffers were divided before it) rather than sums.
-    pub(crate) fn averages(&self) -> bool {
-        self.hook.is_some()
-            || matches!(
-                self.reduction,
-                Reduction::AllReduce(Compression::Bf16 | Compression::F16)
-            )
-    }
 }
 
 impl Carrier for HostCarrier {
@@ -94,6 +84,34 @@ impl Carrier for HostCarrier {
             )),
             (flight, _) => flight.wait(),
         }
+    }
+
+    fn averages(&self) -> bool {
+        self.hook.is_some()
+            || matches!(
+                self.reduction,
+                Reduction::AllReduce(Compression::Bf16 | Compression::F16)
+            )
+    }
+
+    fn divided(&mut self, mut buf: HostBuf, denom: f32) -> HostBuf {
+        buf.as_mut().iter_mut().for_each(|x| *x /= denom);
+        buf
+    }
+
+    fn slice_divided(&mut self, buf: &HostBuf, range: Range<usize>, denom: f32) -> HostBuf {
+        let slice: Vec<f32> = buf.as_ref()[range].iter().map(|x| x / denom).collect();
+        slice.into()
+    }
+
+    fn put(
+        &mut self,
+        grads: &mut GradientsParams,
+        info: &ParamInfo,
+        buf: HostBuf,
+        device: &Device,
+    ) {
+        put_grad(grads, info, buf, device);
     }
 }
 

@@ -384,10 +384,8 @@ impl ShardedDataParallel {
         let start = Instant::now();
         let result = match self.stage {
             ZeroStage::One => {
-                let mut pipeline = lock(self.ddp.pipeline());
-                pipeline.begin(false);
-                pipeline.deliver_from(&mut grads);
-                pipeline.take_error().map_or(Ok(()), Err)
+                let error = lock(self.ddp.pipeline()).accumulate(&mut grads);
+                error.map_or(Ok(()), Err)
             }
             ZeroStage::Two => {
                 // A collective: local failures travel with it.
@@ -465,7 +463,7 @@ impl ShardedDataParallel {
         }
         let rank = self.rank();
         let (chunks, layout, held) = (&self.shards.chunks[rank], &self.layout, &mut self.grad);
-        let presence = pipeline.finish(self.ddp.syncs(), |done: Done<HostBuf>| {
+        let presence = pipeline.finish(self.ddp.syncs(), |_, done: Done<HostBuf>| {
             let range = chunks[done.part].range.clone();
             let large = layout.parts[done.part].len * 4 >= ADOPT_BYTES;
             let mut buf = done.buf;
