@@ -133,7 +133,8 @@ impl DevicePath {
                 let index = self.index;
                 self.index += 1;
                 if (self.keep)(index) {
-                    let t = param.val();
+                    // NCCL reads the memory of the inner (non-autodiff) tensor.
+                    let t = param.val().inner();
                     let n: usize = t.dims().iter().product();
                     let t = t.reshape([n]);
                     let t = if t.dtype() == burn::tensor::DType::F32 {
@@ -191,6 +192,12 @@ impl DevicePath {
                     burn::tensor::DType::F16 => values.cast(FloatDType::F16),
                     burn::tensor::DType::BF16 => values.cast(FloatDType::BF16),
                     _ => values,
+                };
+                // Back on the autodiff device when the module records gradients.
+                let values = if tensor.is_autodiff() {
+                    values.autodiff()
+                } else {
+                    values
                 };
                 let fresh = values
                     .reshape(shape)

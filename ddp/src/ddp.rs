@@ -254,19 +254,20 @@ impl DistributedDataParallel {
         let device_path =
             cuda::DevicePath::detect(&pg, &device, &params, &layout, config.compression)?;
 
+        // On the GPU path rank 0's values reach every rank through NCCL, on the device (at one
+        // rank too, when DDP_NCCL=1 asks for the path: so that one GPU runs all of it).
+        #[cfg(feature = "cuda")]
+        let on_device = device_path.is_some();
+        #[cfg(not(feature = "cuda"))]
+        let on_device = false;
         let mut model = model;
-        if pg.world_size() > 1 {
+        if pg.world_size() > 1 || on_device {
             // Merge any pending RunningState update into its value before reading it.
             drop(model.valid());
-            // On the GPU path rank 0's values reach every rank through NCCL, on the device.
-            #[cfg(feature = "cuda")]
-            let on_device = device_path.is_some();
             #[cfg(feature = "cuda")]
             if let Some(dp) = device_path.as_ref() {
                 model = dp.broadcast_module(model, &|_| true)?;
             }
-            #[cfg(not(feature = "cuda"))]
-            let on_device = false;
             if !on_device {
                 model = broadcast_values(&pg, model, &params)?;
             }
@@ -419,7 +420,9 @@ impl DistributedDataParallel {
     }
 
     /// Whether gradients are all-reduced on the GPU through NCCL (feature `cuda`, burn's CUDA
-    /// backend, more than one rank) rather than through the host and the process group.
+    /// backend, more than one rank or `DDP_NCCL=1`) rather than through the host and the
+    /// process group. At one rank the path then runs whole (NCCL's all-reduce of one rank
+    /// changes nothing), to check it on one GPU.
     pub fn gradients_on_device(&self) -> bool {
         #[cfg(feature = "cuda")]
         {
@@ -669,7 +672,8 @@ impl DistributedDataParallel {
         local_error: Option<DdpError>,
         begun: bool,
     ) -> Result<GradientsParams, DdpError> {
-        if self.pg.world_size() == 1 && self.micro_steps == 0 && !begun && !self.hooked() {
+        let one_rank = self.pg.world_size() == 1 && !self.gradients_on_device();
+        if one_rank && self.micro_steps == 0 && !begun && !self.hooked() {
             // Averaging over one rank and one micro-step is the identity: skip the copies.
             // (The gradients are not taken out here, so unknown ones cannot be told apart;
             // with one rank there is no other rank to disagree with.)
@@ -679,7 +683,7 @@ impl DistributedDataParallel {
             self.stats.steps += 1;
             return Ok(grads);
         }
-        if self.pg.world_size() > 1 {
+        if self.pg.world_size() > 1 || self.gradients_on_device() {
             self.stats.buckets += self.buckets.len() as u64;
         }
         #[cfg(feature = "cuda")]
@@ -851,7 +855,8 @@ impl DistributedDataParallel {
     /// module no longer matches the parameter list) the rank still takes part, sending zeros
     /// of the agreed length and loading nothing; its sync fails anyway.
     fn broadcast_buffers<M: Module>(&self, model: &M, readable: bool) -> Result<(), DdpError> {
-        if self.pg.world_size() == 1 || !self.has_buffers || !self.config.broadcast_buffers {
+        let one_rank = self.pg.world_size() == 1 && !self.gradients_on_device();
+        if one_rank || !self.has_buffers || !self.config.broadcast_buffers {
             return Ok(());
         }
         #[cfg(feature = "cuda")]

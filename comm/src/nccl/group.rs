@@ -212,8 +212,7 @@ impl NcclGroup {
     /// Gives up on the group from this rank, with `reason` as the cause: aborts the
     /// communicator (every later collective here fails with `reason`) and fails the TCP process
     /// group naming this rank, so that the peers stop waiting for it at once. For a failure
-    /// that no collective can carry any more (the DDP device path's, see `ddp`'s
-    /// `device_step.rs`). Returns the error this rank reports.
+    /// that no collective can carry any more. Returns the error this rank reports.
     pub fn abandon(&self, reason: &str) -> CommError {
         let inner = &self.inner;
         let mut state = inner.lock();
