@@ -63,7 +63,6 @@ use crate::comm_hook::{bucket_descs, CommHook, DynHook};
 use crate::config::{CommHookKind, Compression, DdpConfig};
 use crate::hook_carrier::Hooked;
 use crate::overlap::{lock, OverlapState};
-// The GPU path (`cuda.rs`, a child module) names peers' failures as the pipeline does.
 use crate::params::{
     check_dtypes, check_ranks, flatten_where, load_where, param_ids, param_infos, ParamInfo,
     ParamKind,
@@ -158,7 +157,7 @@ pub struct DistributedDataParallel {
     params: Arc<[ParamInfo]>,
     /// Whether the module has buffers (`RunningState`s) to broadcast at every sync.
     has_buffers: bool,
-    /// The layout's buckets (also the GPU path's).
+    /// The layout's buckets (the host and device pipelines share the layout).
     buckets: Vec<Bucket>,
     /// The gradient pipeline, shared with the overlap hooks.
     pipeline: Arc<Mutex<Pipeline<HostCarrier>>>,
