@@ -5,6 +5,7 @@
 
 #![warn(missing_docs)]
 
+pub mod alloc;
 pub mod bench;
 pub mod elastic;
 pub mod fit;

@@ -910,6 +910,14 @@ pub fn start(
 ) -> Result<Started> {
     init_logging();
     let cfg = args.resolve(defaults)?;
+    if cfg.zero_stage > 0 {
+        // Sharding is for memory: large blocks back to the OS when freed (alloc.rs says why).
+        let limit = crate::alloc::large_blocks_from_the_os();
+        tracing::debug!(
+            "ZeRO stage {}: mimalloc's large blocks: {limit:?}",
+            cfg.zero_stage
+        );
+    }
     #[cfg(not(feature = "cuda"))]
     if cfg.backend == crate::options::BackendKind::Cuda {
         bail!("--backend cuda: this build has no CUDA support (build with --features cuda)");

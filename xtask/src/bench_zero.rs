@@ -254,8 +254,9 @@ fn memory_table(ours: &[Ours], load: &str) -> String {
          fp32 Adam (stage 0: 4M, stage 1: 2M + 2M/N, stage 2: M + 3M/N; M = the parameters' \
          bytes); limit 1.3 × figure + 100 MiB, no rank more than 10 % above the smallest; \
          gradients reduced during backward (`--overlap`). With glibc's malloc, which returns \
-         freed memory (the verdict), and with mimalloc, the trainers' allocator, which keeps it \
-         (largest rank). Load average before the runs: {load}.\n\n"
+         freed memory (the verdict), and with mimalloc, the trainers' allocator (largest rank; \
+         at stages 1 and 2 its blocks above 64 MiB are mapped on their own, as in the \
+         trainers' sharded runs). Load average before the runs: {load}.\n\n"
     );
     md += &util::md_header(
         &["ranks", "stage"],

@@ -8,12 +8,13 @@
 //!
 //! The allocator is chosen per run by `DDP_ALLOCATOR` (read once, before the first
 //! allocation): `mimalloc` (default, as the trainers: freed pages stay mapped, so a step
-//! allocates without page faults) or `system` (glibc's malloc: large blocks mapped fresh and
-//! unmapped on free). Peak memory differs: burn's CPU backend asks for a zeroed buffer for
-//! every matmul output and copies it into an aligned one at once (`docs/burn-notes.md`,
-//! section f); mimalloc writes those zeros into reused memory and keeps freed pages, which adds
-//! up to two copies of the largest tensor to the peak, while glibc's fresh pages are never
-//! written. `cargo xtask bench-zero` measures time with mimalloc and memory with both.
+//! allocates without page faults; at stages 1 and 2 blocks above 64 MiB are mapped on their
+//! own and unmapped when freed, as the trainers' sharded runs do: `ddp_apps::alloc`) or
+//! `system` (glibc's malloc: large blocks mapped fresh and unmapped on free). Peak memory
+//! differs: burn's CPU backend asks for a zeroed buffer for every matmul output and copies it
+//! into an aligned one at once (`docs/burn-notes.md`, section f); mimalloc writes those zeros
+//! into reused memory and keeps freed pages, while glibc's fresh pages are never written.
+//! `cargo xtask bench-zero` measures time with mimalloc and memory with both.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -108,6 +109,10 @@ struct Cli {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     ddp_apps::train::set_compute_threads(cli.threads)?;
+    if cli.args.stage > 0 {
+        // As the trainers do for a sharded run (ddp_apps::alloc; no effect under glibc).
+        ddp_apps::alloc::large_blocks_from_the_os();
+    }
     if let Some(result) = zero_bench::run(&cli.args)? {
         println!("ZERO_BENCH {}", serde_json::to_string(&result)?);
     }
