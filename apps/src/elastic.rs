@@ -209,6 +209,8 @@ where
             }
         }
     }
+    // The heal's large allocations mapped on their own (alloc.rs); set once per process.
+    let _ = ddp::set_heal_hooks(crate::alloc::heal_hooks());
     let mut run = ElasticDdp::start(group, model, optimizer, progress)?;
     // Test hooks: replay a membership schedule (this slot kills itself after a step; joiners
     // are admitted at a given step).

@@ -36,6 +36,7 @@ use ddp_comm::{CommError, Continue, ElasticGroup, ProcessGroup, StepStatus, Vote
 use crate::config::DdpConfig;
 use crate::ddp::DistributedDataParallel;
 use crate::elastic_zero::reshard;
+use crate::heal_hooks::HealScope;
 use crate::params::param_ids;
 use crate::shard_optim::ShardOptimizer;
 use crate::zero::{ShardedDataParallel, ZeroConfig};
@@ -511,6 +512,8 @@ impl<M: Module> ElasticDdp<M> {
             .model
             .take()
             .expect("the model is back after every call");
+        // The program's hooks (its allocator) around the heal's large allocations.
+        let _scope = (has_joiners || healed).then(HealScope::enter);
         let started = Instant::now();
         let my_rank = pg.rank();
         let phase = |what: &str| {

@@ -196,7 +196,7 @@ pub fn run(args: Args) -> Result<()> {
         if let Some(dir) = &args.data_dir {
             trainer.extend(["--data-dir".into(), dir.display().to_string()]);
         }
-        rows.push(elastic_recovery(&bin_dir, model, &trainer, state_mb)?);
+        rows.push(elastic_recovery(&bin_dir, &out, model, &trainer, state_mb)?);
         if !args.no_restart {
             rows.push(checkpoint_recovery(&bin_dir, model, &trainer, state_mb)?);
         }
@@ -294,9 +294,11 @@ fn first_step_after(agent: &Agent, after: Instant, above: u64) -> Option<(Instan
         .find_map(|(t, l)| step_of(l).filter(|s| *s > above).map(|s| (*t, s)))
 }
 
-/// Three elastic agents; rank 1 dies after step 30.
+/// Three elastic agents; rank 1 dies after step 30. Each agent's output (its trainers' lines,
+/// with `RUST_LOG=ddp=debug` the heal's phases) goes to `out/elastic-MODEL-agentN.log`.
 fn elastic_recovery(
     bin: &Path,
+    out: &Path,
     model: &str,
     trainer: &[String],
     state_mb: f64,
@@ -320,8 +322,11 @@ fn elastic_recovery(
             .env("DDP_TEST_KILL_RANK", "1");
         agents.push(Agent::start(command)?);
     }
-    for a in &mut agents {
-        if !a.finish(Duration::from_secs(1800))? {
+    for (node, a) in agents.iter_mut().enumerate() {
+        let finished = a.finish(Duration::from_secs(1800))?;
+        let log: String = a.seen.iter().map(|(_, l)| format!("{l}\n")).collect();
+        std::fs::write(out.join(format!("elastic-{model}-agent{node}.log")), log)?;
+        if !finished {
             bail!(
                 "an elastic agent failed:\n{}",
                 a.seen
