@@ -139,14 +139,13 @@ mod tests {
             panic!("unset MIMALLOC_ARENA_MAX_OBJECT_SIZE to run this test");
         }
         // SAFETY: as in large_blocks_from_the_os.
-        let before = unsafe { mi_option_get(MI_OPTION_ARENA_MAX_OBJECT_SIZE) };
+        let get = || unsafe { mi_option_get(MI_OPTION_ARENA_MAX_OBJECT_SIZE) };
         assert_eq!(
-            before, MI_ARENA_MAX_OBJECT_SIZE_DEFAULT_KIB,
+            get(),
+            MI_ARENA_MAX_OBJECT_SIZE_DEFAULT_KIB,
             "not mimalloc 3's option"
         );
         // A heal sets the limit for its length only.
-        // SAFETY: as in large_blocks_from_the_os.
-        let get = || unsafe { mi_option_get(MI_OPTION_ARENA_MAX_OBJECT_SIZE) };
         let hooks = heal_hooks();
         (hooks.begin)();
         assert_eq!(get(), ARENA_MAX_OBJECT_MIB * 1024, "during a heal");
@@ -161,9 +160,7 @@ mod tests {
             ARENA_MAX_OBJECT_MIB * 1024,
             "a sharded run after a heal"
         );
-        // SAFETY: as above.
-        let after = unsafe { mi_option_get(MI_OPTION_ARENA_MAX_OBJECT_SIZE) };
-        assert_eq!(after, ARENA_MAX_OBJECT_MIB * 1024);
+        assert_eq!(get(), ARENA_MAX_OBJECT_MIB * 1024);
         assert_eq!(large_blocks_from_the_os(), ArenaLimit::Set, "a second call");
 
         // A 256 MiB block through mimalloc (not the test harness's allocator): touched, it is

@@ -69,7 +69,7 @@ mod tests {
         ENDED.fetch_add(1, Ordering::SeqCst);
     }
 
-    /// The hooks run once around a scope, also when it is left by an error (unwinding drop);
+    /// The hooks run once around a scope, also when it is left early with an error;
     /// a second installation is refused.
     #[test]
     fn hooks_run_around_a_heal_and_install_once() {
