@@ -455,6 +455,7 @@ where
     summary.samples_per_sec = samples_done as f64 / train_time.as_secs_f64().max(1e-9);
     summary.peak_rss_mib = vec![crate::train::peak_rss_mib()];
     let (rank, generation) = (run.rank(), run.elastic_group().generation().number);
+    let vote_seconds = run.vote_time().as_secs_f64();
     let model = run.finish()?;
     if let (Some(path), 0) = (&cfg.export, rank) {
         ddp_models::export_safetensors(&model, path)
@@ -502,6 +503,8 @@ where
             "steps_in_order": committed.windows(2).all(|w| w[1] == w[0] + 1),
             "steps_repeated": repeated,
             "steps_dropped": dropped,
+            "vote_seconds": vote_seconds,
+            "train_seconds": train_time.as_secs_f64(),
             "epochs": epochs,
             "summary": summary,
         });

@@ -123,8 +123,24 @@ fn tx_bytes() -> Option<u64> {
     Some(total)
 }
 
+/// What rank 0 prints: [`ZeroBenchResult`]'s fields and the backward's own time.
+#[derive(Debug, Serialize)]
+pub struct ZeroBenchReport {
+    /// The measurement.
+    #[serde(flatten)]
+    pub result: ZeroBenchResult,
+    /// Rank 0's backward itself per step (DDP: the time of `backward` less `sync_s`), seconds:
+    /// with the all-reduces after backward, the compute that overlap can hide them behind.
+    pub backward_s: Option<f64>,
+}
+
 /// Runs one rank of the benchmark; rank 0 returns the result.
 pub fn run(args: &ZeroBenchArgs) -> Result<Option<ZeroBenchResult>> {
+    Ok(report(args)?.map(|r| r.result))
+}
+
+/// [`run`], with the backward's own time: what `ddp-zero-bench` prints.
+pub fn report(args: &ZeroBenchArgs) -> Result<Option<ZeroBenchReport>> {
     if args.stage > 2 || args.steps == 0 || args.batch == 0 {
         bail!("--stage must be 0, 1 or 2, --steps and --batch at least 1");
     }
@@ -150,13 +166,13 @@ pub fn run(args: &ZeroBenchArgs) -> Result<Option<ZeroBenchResult>> {
     }
 }
 
-/// [`run`] for one model.
+/// [`report`] for one model.
 fn run_model<M: Module + Classifier<4>>(
     args: &ZeroBenchArgs,
     pg: Arc<ProcessGroup>,
     device: &Device,
     model: M,
-) -> Result<Option<ZeroBenchResult>> {
+) -> Result<Option<ZeroBenchReport>> {
     let (rank, world) = (pg.rank(), pg.world_size());
     // A fixed synthetic batch per rank (the figures do not depend on the values).
     let x: Vec<f32> = (0..args.batch * 784)
@@ -167,7 +183,7 @@ fn run_model<M: Module + Classifier<4>>(
     let targets = Tensor::<1, Int>::from_data(TensorData::new(y, [args.batch]), device);
     let lr = 1e-4;
     let eps = 1e-8;
-    let mut sync_s = None;
+    let (mut sync_s, mut backward_s) = (None, None);
     let (mut sent_before, mut wire_bytes_per_step) = (None, None);
     let overlap = args.overlap.unwrap_or(DdpConfig::new().overlap);
 
@@ -200,6 +216,7 @@ fn run_model<M: Module + Classifier<4>>(
             .with_comm_hook(comm_hook);
         let (mut model, mut ddp) = DistributedDataParallel::new(model, pg.clone(), config)?;
         let mut optim = AdamConfig::new().with_epsilon(eps).init();
+        let mut backward_calls = 0.0;
         for step in 0..args.warmup + args.steps {
             pg.barrier()?;
             if step == args.warmup {
@@ -209,10 +226,13 @@ fn run_model<M: Module + Classifier<4>>(
             let start = Instant::now();
             let hooked = ddp.prepare(&model);
             let (loss, _) = hooked.loss(inputs.clone(), targets.clone());
+            let backward_start = Instant::now();
             let grads = ddp.backward(&model, loss)?;
+            let backward_call = backward_start.elapsed().as_secs_f64();
             model = optim.step(lr, model, grads);
             if step >= args.warmup {
                 times.push(start.elapsed().as_secs_f64());
+                backward_calls += backward_call;
             }
         }
         pg.barrier()?;
@@ -228,7 +248,9 @@ fn run_model<M: Module + Classifier<4>>(
         // burn's Adam: two f32 moments per trainable element.
         optimizer_bytes = 8 * params;
         let stats = ddp.take_stats();
-        sync_s = Some(stats.total().as_secs_f64() / stats.steps.max(1) as f64);
+        let sync = stats.total().as_secs_f64() / stats.steps.max(1) as f64;
+        sync_s = Some(sync);
+        backward_s = Some((backward_calls / args.steps.max(1) as f64 - sync).max(0.0));
         collective_bytes = stats.bytes / stats.steps.max(1);
         // DDP's pipeline keeps no buffer between steps: each gradient goes back to burn.
         gradient_bytes = 0;
@@ -275,7 +297,7 @@ fn run_model<M: Module + Classifier<4>>(
     }
     let mut sorted = slowest;
     sorted.sort_by(f64::total_cmp);
-    Ok(Some(ZeroBenchResult {
+    let result = ZeroBenchResult {
         stage: args.stage,
         world,
         params,
@@ -290,5 +312,6 @@ fn run_model<M: Module + Classifier<4>>(
         overlap,
         sync_s,
         wire_bytes_per_step,
-    }))
+    };
+    Ok(Some(ZeroBenchReport { result, backward_s }))
 }

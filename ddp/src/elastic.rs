@@ -25,7 +25,7 @@
 //! The shard of a rank that died is lost with it: its moments start again from zero.
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer};
@@ -168,6 +168,8 @@ pub struct ElasticDdp<M: Module> {
     joins_from: u64,
     /// When this rank finished its last committed step.
     committed_at: Option<SystemTime>,
+    /// Time spent in the commit vote, all steps together.
+    vote_time: Duration,
 }
 
 impl<M: Module> ElasticDdp<M> {
@@ -190,6 +192,7 @@ impl<M: Module> ElasticDdp<M> {
             progress,
             joins_from: 0,
             committed_at: None,
+            vote_time: Duration::ZERO,
         };
         run.heal_and_wrap(healed, None)?;
         Ok(run)
@@ -207,6 +210,13 @@ impl<M: Module> ElasticDdp<M> {
     /// re-formed and healed them, so the time [`step`](Self::step) returns is not the step's.
     pub fn committed_at(&self) -> Option<SystemTime> {
         self.committed_at
+    }
+
+    /// The time this rank has spent in the commit vote (one all-reduce of one integer after
+    /// each step's gradient collectives), all steps together: what the elastic setting adds
+    /// to a step where nothing fails.
+    pub fn vote_time(&self) -> Duration {
+        self.vote_time
     }
 
     /// The run's progress after its last committed step.
@@ -320,7 +330,7 @@ impl<M: Module> ElasticDdp<M> {
                         return Err(e);
                     }
                 };
-                match self.group.should_commit() {
+                match timed_vote(&self.group, &mut self.vote_time) {
                     Ok(vote) => {
                         self.model = Some(self.apply_ddp(model, lr, grads));
                         self.progress = after;
@@ -340,7 +350,7 @@ impl<M: Module> ElasticDdp<M> {
                     shard: zero.shard_state()?,
                 };
                 match zero.backward_step(lr, model, loss) {
-                    Ok(stepped) => match self.group.should_commit() {
+                    Ok(stepped) => match timed_vote(&self.group, &mut self.vote_time) {
                         Ok(vote) => {
                             self.model = Some(stepped);
                             self.progress = after;
@@ -636,6 +646,14 @@ impl AsMut<[u8]> for Window {
             Held::Receiver(v) => &mut v[self.range.clone()],
         }
     }
+}
+
+/// The group's commit vote, its time added to `total`.
+fn timed_vote(group: &ElasticGroup, total: &mut Duration) -> Result<Vote, CommError> {
+    let start = Instant::now();
+    let vote = group.should_commit();
+    *total += start.elapsed();
+    vote
 }
 
 /// Sends rank 0's `bytes` (`len` of them, from the header) to every rank of `pg`, and returns

@@ -239,12 +239,19 @@ pub fn run(args: Args) -> Result<()> {
     };
     if !steady.is_empty() {
         md += "\nSteady state (`bench-scaling`'s run: CNN, batch 64 per rank, 60 steps), \
-               medians of samples/s:\n\n| ranks | plain | --elastic N:N | elastic / plain |\n\
-               | --- | --- | --- | --- |\n";
-        for (world, plain, elastic) in &steady {
+               medians of samples/s; the commit vote (what `--elastic` adds to a step): the \
+               rank longest in it, per step and as a share of its training time, medians:\n\n\
+               | ranks | plain | --elastic N:N | elastic / plain | vote per step (ms) | \
+               vote / step |\n| --- | --- | --- | --- | --- | --- |\n";
+        for s in &steady {
             md += &format!(
-                "| {world} | {plain:.0} | {elastic:.0} | {:.3} |\n",
-                elastic / plain
+                "| {} | {:.0} | {:.0} | {:.3} | {:.2} | {:.2} % |\n",
+                s.world,
+                s.plain,
+                s.elastic,
+                s.elastic / s.plain,
+                s.vote_ms,
+                100.0 * s.vote_share
             );
         }
     }
@@ -254,8 +261,7 @@ pub fn run(args: Args) -> Result<()> {
         out.join("elastic.json"),
         serde_json::to_string_pretty(&serde_json::json!({
             "recovery": rows,
-            "steady": steady.iter().map(|(w, p, e)| serde_json::json!({
-                "world": w, "plain": p, "elastic": e })).collect::<Vec<_>>(),
+            "steady": steady,
         }))?,
     )?;
     println!(
@@ -469,12 +475,27 @@ fn checkpoint_recovery(
     })
 }
 
-/// `bench-scaling`'s run at 2 and 3 ranks, plain and `--elastic N:N`, alternating: (world,
-/// median plain samples/s, median elastic samples/s).
-fn steady_state(bin: &Path, args: &Args) -> Result<Vec<(usize, f64, f64)>> {
+/// One world size's steady state: medians over the runs.
+#[derive(Debug, serde::Serialize)]
+struct Steady {
+    world: usize,
+    /// Samples/s without the elastic setting.
+    plain: f64,
+    /// Samples/s with `--elastic N:N`.
+    elastic: f64,
+    /// The commit vote's time per step, the rank longest in it, ms.
+    vote_ms: f64,
+    /// The commit vote's time over the training time, the rank longest in it.
+    vote_share: f64,
+}
+
+/// `bench-scaling`'s run at 2 and 3 ranks, plain and `--elastic N:N`, alternating, with the
+/// commit vote's time from the elastic runs' summaries.
+fn steady_state(bin: &Path, args: &Args) -> Result<Vec<Steady>> {
     let mut rows = Vec::new();
     for world in [2usize, 3] {
         let (mut plain, mut elastic) = (Vec::new(), Vec::new());
+        let (mut vote_ms, mut vote_share) = (Vec::new(), Vec::new());
         for _ in 0..args.repeats {
             for on in [false, true] {
                 let mut a: Vec<String> = [
@@ -507,13 +528,55 @@ fn steady_state(bin: &Path, args: &Args) -> Result<Vec<(usize, f64, f64)>> {
                 let s = crate::train::launch(bin, "train-mnist", world, &a)?;
                 match on {
                     false => plain.push(s.samples_per_sec),
-                    true => elastic.push(s.samples_per_sec),
+                    true => {
+                        elastic.push(s.samples_per_sec);
+                        let (ms, share) = vote_time(&s.output, world)?;
+                        vote_ms.push(ms);
+                        vote_share.push(share);
+                    }
                 }
             }
         }
-        rows.push((world, median(&mut plain), median(&mut elastic)));
+        rows.push(Steady {
+            world,
+            plain: median(&mut plain),
+            elastic: median(&mut elastic),
+            vote_ms: median(&mut vote_ms),
+            vote_share: median(&mut vote_share),
+        });
     }
     Ok(rows)
+}
+
+/// The commit vote of the rank longest in it, from every rank's `DDP_ELASTIC_SUMMARY` line in
+/// `output`: (ms per committed step, share of its training time).
+fn vote_time(output: &[String], world: usize) -> Result<(f64, f64)> {
+    let mut worst: Option<(f64, f64)> = None;
+    let mut ranks = 0;
+    for line in output {
+        let Some((_, json)) = line.split_once("DDP_ELASTIC_SUMMARY ") else {
+            continue;
+        };
+        let v: serde_json::Value = serde_json::from_str(json).context("an elastic summary")?;
+        let field = |name: &str| {
+            v[name]
+                .as_f64()
+                .with_context(|| format!("{name} in the elastic summary {json}"))
+        };
+        let (vote, steps, train) = (
+            field("vote_seconds")?,
+            field("steps_committed")?,
+            field("train_seconds")?,
+        );
+        ranks += 1;
+        if worst.is_none_or(|(_, s)| vote / train > s) {
+            worst = Some((1e3 * vote / steps.max(1.0), vote / train.max(1e-9)));
+        }
+    }
+    if ranks != world {
+        bail!("{ranks} elastic summaries for {world} ranks");
+    }
+    worst.context("no elastic summary")
 }
 
 fn median(v: &mut [f64]) -> f64 {

@@ -3,8 +3,10 @@
 //! (4.8 MB of gradients) and a deep MLP (784 → 4 × 2048 → 10, 57 MB), over shared memory,
 //! over TCP on this host, and, as root, over TCP between two network namespaces joined by a
 //! veth pair limited with `tc` to a data-centre rate (10 Gbit/s) and to 1 Gbit/s, where the
-//! deep MLP's communication takes about as long as its backward. Buckets are DDP's defaults
-//! (25 MiB, the first 1 MiB). `ddp-zero-bench` at stage 0 runs each configuration under
+//! deep MLP's communication takes three times as long as its backward at the default batch.
+//! One more row runs the deep MLP over the last (slowest) veth rate at a larger batch
+//! (`--balanced-batch`, 256), where its backward takes about as long as its all-reduce: the
+//! case overlap is for. Buckets are DDP's defaults (25 MiB, the first 1 MiB). `ddp-zero-bench` at stage 0 runs each configuration under
 //! `ddprun`; off and on alternate, `--repeats` times, and medians are reported, with the
 //! machine's load average before the runs. Writes `overlap.md` and `overlap.json`.
 //!
@@ -39,6 +41,11 @@ pub struct Args {
     /// runs need root.
     #[arg(long, value_delimiter = ',', default_values_t = vec!["10gbit".to_string(), "1gbit".to_string()])]
     rate: Vec<String>,
+    /// Samples per rank of one more row: the deep MLP over the last `--rate` at a batch where
+    /// its backward takes about as long as its all-reduce (256 over 1 Gbit/s on a 2-core
+    /// machine; the table's backward column shows how close). 0: no such row.
+    #[arg(long, default_value_t = 256)]
+    balanced_batch: usize,
     /// Skip the two-namespace runs.
     #[arg(long)]
     no_netns: bool,
@@ -55,6 +62,7 @@ pub struct Args {
 struct Run {
     step_s: f64,
     sync_s: Option<f64>,
+    backward_s: Option<f64>,
 }
 
 /// One configuration's medians.
@@ -62,10 +70,12 @@ struct Run {
 struct Row {
     model: String,
     link: String,
+    batch: usize,
     off_ms: f64,
     on_ms: f64,
     sync_off_ms: f64,
     sync_on_ms: f64,
+    backward_off_ms: f64,
 }
 
 /// `cargo xtask bench-overlap`.
@@ -81,40 +91,53 @@ pub fn run(args: Args) -> Result<()> {
         links.extend(args.rate.iter().map(|rate| format!("veth {rate}")));
     }
     let load = load_average();
-    let mut rows = Vec::new();
+    let mut configurations: Vec<(&str, String, usize)> = Vec::new();
     for model in &args.models {
         for link in &links {
-            let (mut off, mut on) = (Vec::new(), Vec::new());
-            for _ in 0..args.repeats {
-                off.push(one(&bin, &args, model, link, false)?);
-                on.push(one(&bin, &args, model, link, true)?);
-            }
-            let med = |runs: &[Run], f: &dyn Fn(&Run) -> f64| {
-                let mut v: Vec<f64> = runs.iter().map(f).collect();
-                v.sort_by(f64::total_cmp);
-                1e3 * v[v.len() / 2]
-            };
-            let sync = |r: &Run| r.sync_s.unwrap_or(f64::NAN);
-            rows.push(Row {
-                model: model.into(),
-                link: link.clone(),
-                off_ms: med(&off, &|r| r.step_s),
-                on_ms: med(&on, &|r| r.step_s),
-                sync_off_ms: med(&off, &sync),
-                sync_on_ms: med(&on, &sync),
-            });
+            configurations.push((model, link.clone(), args.batch));
         }
+    }
+    if let Some(rate) = args.rate.last().filter(|_| !args.no_netns) {
+        if args.balanced_batch > 0 && args.models.iter().any(|m| m == "deep") {
+            configurations.push(("deep", format!("veth {rate}"), args.balanced_batch));
+        }
+    }
+    let mut rows = Vec::new();
+    for (model, link, batch) in configurations {
+        let (mut off, mut on) = (Vec::new(), Vec::new());
+        for _ in 0..args.repeats {
+            off.push(one(&bin, &args, model, &link, batch, false)?);
+            on.push(one(&bin, &args, model, &link, batch, true)?);
+        }
+        let med = |runs: &[Run], f: &dyn Fn(&Run) -> f64| {
+            let mut v: Vec<f64> = runs.iter().map(f).collect();
+            v.sort_by(f64::total_cmp);
+            1e3 * v[v.len() / 2]
+        };
+        let sync = |r: &Run| r.sync_s.unwrap_or(f64::NAN);
+        let backward = |r: &Run| r.backward_s.unwrap_or(f64::NAN);
+        rows.push(Row {
+            model: model.into(),
+            link,
+            batch,
+            backward_off_ms: med(&off, &backward),
+            off_ms: med(&off, &|r| r.step_s),
+            on_ms: med(&on, &|r| r.step_s),
+            sync_off_ms: med(&off, &sync),
+            sync_on_ms: med(&on, &sync),
+        });
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut md = format!(
-        "2 ranks, 1 compute thread each, {cores} core(s); batch {} per rank, Adam, buckets of \
-         {} MiB (the first 1 MiB); medians of {} runs of {} steps (each step the slowest \
-         rank's time); load average before the runs: {load}.\n\n",
-        args.batch, args.bucket_cap_mb, args.repeats, args.steps
+        "2 ranks, 1 compute thread each, {cores} core(s); batch per rank in the table, Adam, \
+         buckets of {} MiB (the first 1 MiB); medians of {} runs of {} steps (each step the \
+         slowest rank's time); load average before the runs: {load}.\n\n",
+        args.bucket_cap_mb, args.repeats, args.steps
     );
     md += &util::md_header(
-        &["model", "link"],
+        &["model", "link", "batch"],
         [
+            "backward, all-reduce after it (ms)",
             "step, all-reduce after backward (ms)",
             "step, during backward (ms)",
             "speed-up",
@@ -124,9 +147,11 @@ pub fn run(args: Args) -> Result<()> {
     );
     for r in &rows {
         md += &format!(
-            "| {} | {} | {:.1} | {:.1} | {:.2}x | {:.1} / {:.1} |\n",
+            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.2}x | {:.1} / {:.1} |\n",
             r.model,
             r.link,
+            r.batch,
+            r.backward_off_ms,
             r.off_ms,
             r.on_ms,
             r.off_ms / r.on_ms,
@@ -137,7 +162,8 @@ pub fn run(args: Args) -> Result<()> {
     md +=
         "\ncnn: the MNIST CNN (1.2 M parameters); deep: 784 → 4 × 2048 → 10 (14.2 M). Sync after \
            backward: rank 0's time in the wrapper after backward returned (packing, waiting for \
-           and unpacking the all-reduces), what overlap hides.\n";
+           and unpacking the all-reduces), what overlap hides; backward: rank 0's backward \
+           itself, the compute it can hide them behind.\n";
     println!("\n{md}");
     std::fs::write(out.join("overlap.md"), &md)?;
     std::fs::write(
@@ -156,11 +182,18 @@ pub fn run(args: Args) -> Result<()> {
 
 /// One 2-rank run of `model` over `link` (`shm`, `tcp`, or `veth RATE`: one rank in each of
 /// two namespaces).
-fn one(bin: &Path, args: &Args, model: &str, link: &str, overlap: bool) -> Result<Run> {
+fn one(
+    bin: &Path,
+    args: &Args,
+    model: &str,
+    link: &str,
+    batch: usize,
+    overlap: bool,
+) -> Result<Run> {
     let bench_args = |command: &mut Command| {
         command.arg(bin.join("ddp-zero-bench"));
         command.args(["--stage", "0", "--model", model, "--hidden", "2048"]);
-        command.args(["--batch", &args.batch.to_string()]);
+        command.args(["--batch", &batch.to_string()]);
         command.args(["--warmup", "2", "--steps", &args.steps.to_string()]);
         command.args(["--bucket-cap-mb", &args.bucket_cap_mb.to_string()]);
         command.args(["--overlap", if overlap { "true" } else { "false" }]);

@@ -66,6 +66,9 @@ pub struct Summary {
     /// Peak resident memory of each rank, MiB.
     #[serde(default)]
     pub peak_rss_mib: Vec<f64>,
+    /// The run's other output lines (every rank's), as printed.
+    #[serde(skip)]
+    pub output: Vec<String>,
 }
 
 /// Runs `trainer` on `nproc` local ranks through ddprun with `args`, streaming its output, and
@@ -86,7 +89,7 @@ pub fn launch(
     eprintln!("$ {}", util::command_line(&command));
     let mut child = command.spawn().context("starting ddprun")?;
     let stdout = child.stdout.take().context("ddprun's output")?;
-    let mut summary = None;
+    let (mut summary, mut output) = (None, Vec::new());
     for line in BufReader::new(stdout).lines() {
         let line = line?;
         match line.split_once("DDP_SUMMARY ") {
@@ -94,14 +97,19 @@ pub fn launch(
                 summary =
                     Some(serde_json::from_str::<Summary>(json).context("the trainer's summary")?)
             }
-            None => println!("{line}"),
+            None => {
+                println!("{line}");
+                output.push(line);
+            }
         }
     }
     let status = child.wait()?;
     if !status.success() {
         bail!("{trainer} failed ({status}); see the output above");
     }
-    summary.context("the trainer printed no summary")
+    let mut summary: Summary = summary.context("the trainer printed no summary")?;
+    summary.output = output;
+    Ok(summary)
 }
 
 /// `cargo xtask train-mnist` / `train-pima`.

@@ -113,7 +113,7 @@ fn main() -> Result<()> {
         // As the trainers do for a sharded run (ddp_apps::alloc; no effect under glibc).
         ddp_apps::alloc::large_blocks_from_the_os();
     }
-    if let Some(result) = zero_bench::run(&cli.args)? {
+    if let Some(result) = zero_bench::report(&cli.args)? {
         println!("ZERO_BENCH {}", serde_json::to_string(&result)?);
     }
     Ok(())
