@@ -434,6 +434,7 @@ impl<M: Module> ElasticDdp<M> {
         finished: Option<Finished<M>>,
         snapshot: Option<Snapshot<M>>,
     ) -> Result<Outcome, DdpError> {
+        let started = Instant::now();
         // This rank's shard of the committed state, cut for the old world (ZeRO).
         let mut shard = match (&snapshot, self.wrapped.as_ref()) {
             (Some(s), _) => Some(s.shard.clone()),
@@ -448,6 +449,12 @@ impl<M: Module> ElasticDdp<M> {
         let Some(change) = self.group.reform(status, cause.as_ref())? else {
             return Ok(Outcome::Finished);
         };
+        tracing::debug!(
+            "elastic re-form, rank {}: generation {} agreed in {:.3} s",
+            change.rank,
+            change.generation.number,
+            started.elapsed().as_secs_f64()
+        );
         let mut dropped = cause.is_some();
         match (change.action, finished) {
             (Continue::ApplyFinished, Some(Finished::Ddp { grads, lr, after })) => {
@@ -527,12 +534,10 @@ impl<M: Module> ElasticDdp<M> {
         let started = Instant::now();
         let my_rank = pg.rank();
         let phase = |what: &str| {
-            if has_joiners {
-                tracing::debug!(
-                    "elastic heal, rank {my_rank}: {what} at {:.3} s",
-                    started.elapsed().as_secs_f64()
-                );
-            }
+            tracing::debug!(
+                "elastic re-form, rank {my_rank}: {what} at {:.3} s",
+                started.elapsed().as_secs_f64()
+            );
         };
         // The progress, and the sizes of what follows.
         let (ids, optim_bytes) = if rank0 && has_joiners {
@@ -609,8 +614,10 @@ impl<M: Module> ElasticDdp<M> {
             ElasticOptimizer::Zero { config, optimizer } => {
                 let (model, mut zero) =
                     ShardedDataParallel::new(model, pg, config.clone(), optimizer.clone())?;
+                phase("ZeRO wrapper built (weights broadcast)");
                 if generation.number > 1 {
                     lost = reshard(&mut zero, shard)?;
+                    phase("optimizer state resharded");
                 }
                 (model, Wrapped::Zero(zero))
             }

@@ -610,7 +610,7 @@ impl ShardedDataParallel {
     }
 
     /// The header of this run's consolidated state (its optimizer, parameters, step counts).
-    fn state_header(&self) -> StateHeader {
+    pub(crate) fn state_header(&self) -> StateHeader {
         StateHeader {
             optimizer: self.optimizer.name().into(),
             vectors: self.optimizer.state_vectors(),
@@ -634,6 +634,18 @@ impl ShardedDataParallel {
     /// size, consolidate ([`consolidated_state`](Self::consolidated_state)).
     pub fn shard_state(&self) -> Result<Vec<u8>, DdpError> {
         encode(&self.shard_header(), &self.state)
+    }
+
+    /// Makes `state` (the optimizer's vectors over this rank's shard, in
+    /// [`shard_ranges`](Self::shard_ranges) order) this rank's state, with the step counts and
+    /// run of `header` (a state of the same parameters, checked by the caller).
+    pub(crate) fn adopt_state(&mut self, state: Vec<Vec<f32>>, header: StateHeader) {
+        self.state = state;
+        self.times = header.times;
+        self.steps = header.step;
+        if header.run != 0 {
+            self.run = header.run;
+        }
     }
 
     /// Loads this rank's own shard written by [`shard_state`](Self::shard_state); another

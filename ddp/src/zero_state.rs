@@ -199,6 +199,31 @@ pub(crate) fn decode(
     expected: &StateHeader,
     name: &str,
 ) -> Result<(StateHeader, Vec<Vec<f32>>), DdpError> {
+    let (header, data) = check(bytes, expected, name)?;
+    let total = header.total();
+    if total == 0 {
+        let vectors = vec![Vec::new(); header.vectors];
+        return Ok((header, vectors));
+    }
+    let vectors = data
+        .chunks_exact(4 * total)
+        .take(header.vectors)
+        .map(|c| {
+            c.chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+                .collect()
+        })
+        .collect();
+    Ok((header, vectors))
+}
+
+/// [`decode`]'s checks without the copy: the header and the state's bytes (`vectors` runs of
+/// `total()` little-endian `f32`s), once they match `expected` as `decode` requires.
+pub(crate) fn check<'a>(
+    bytes: &'a [u8],
+    expected: &StateHeader,
+    name: &str,
+) -> Result<(StateHeader, &'a [u8]), DdpError> {
     if bytes.len() < 12 || &bytes[..8] != MAGIC {
         return Err(fail(
             name,
@@ -305,19 +330,7 @@ pub(crate) fn decode(
             ),
         ));
     }
-    if total == 0 {
-        return Ok((header.clone(), vec![Vec::new(); header.vectors]));
-    }
-    let vectors = data
-        .chunks_exact(4 * total)
-        .take(header.vectors)
-        .map(|c| {
-            c.chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
-                .collect()
-        })
-        .collect();
-    Ok((header, vectors))
+    Ok((header, data))
 }
 
 #[cfg(test)]

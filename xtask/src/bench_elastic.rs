@@ -2,7 +2,8 @@
 //! restart from a checkpoint, and what the elastic setting costs a job where nothing fails.
 //!
 //! Failure: three ranks train MNIST with `train-mnist` (the CNN, and the 50.9 M-parameter MLP
-//! 784 → 64000 → 10 with Adam, 600 MB of state), and rank 1 kills itself (SIGKILL) right after
+//! 784 → 64000 → 10 with Adam, 600 MB of state; `mlp-zero1`, not run by default: the MLP
+//! under ZeRO stage 1), and rank 1 kills itself (SIGKILL) right after
 //! step 30 (the trainers' `DDP_TEST_KILL_AT_STEP` hook):
 //!
 //! - elastic: three `ddprun --nnodes 2:3` agents, one rank each, `--max-restarts 1`: the
@@ -24,7 +25,8 @@
 //!
 //! Steady state: `bench-scaling`'s run (CNN, batch 64 per rank, one thread per rank, 60
 //! steps) at 2 and 3 ranks, plain and with `--elastic N:N` (the commit vote after every step),
-//! alternating, `--repeats` times each; the medians of samples/s and their ratio.
+//! alternating, `--repeats` times each; the medians of samples/s and their ratio, and the
+//! commit vote's own time (`ElasticDdp::vote_time`, from every rank's summary).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -40,7 +42,8 @@ use crate::util;
 /// Options of `bench-elastic`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Models: `cnn` and/or `mlp` (the 50.9 M-parameter MLP).
+    /// Models: `cnn`, `mlp` (the 50.9 M-parameter MLP) and `mlp-zero1` (the same under ZeRO
+    /// stage 1: the optimizer state resharded over the survivors, not sent from rank 0).
     #[arg(long, value_delimiter = ',', default_values_t = vec!["cnn".to_string(), "mlp".to_string()])]
     models: Vec<String>,
     /// Runs of each steady-state configuration (medians are reported).
@@ -173,7 +176,21 @@ pub fn run(args: Args) -> Result<()> {
                 vec!["--model", "mlp", "--hidden", "64000", "--batch-size", "16"],
                 203.6 * 3.0,
             ),
-            other => bail!("--models: unknown model {other} (cnn, mlp)"),
+            // ZeRO stage 1: the joiner receives the weights and its third of Adam's moments.
+            "mlp-zero1" => (
+                vec![
+                    "--model",
+                    "mlp",
+                    "--hidden",
+                    "64000",
+                    "--batch-size",
+                    "16",
+                    "--zero-stage",
+                    "1",
+                ],
+                203.6 * (1.0 + 2.0 / 3.0),
+            ),
+            other => bail!("--models: unknown model {other} (cnn, mlp, mlp-zero1)"),
         };
         let mut trainer: Vec<String> = model_args.iter().map(|s| s.to_string()).collect();
         trainer.extend(
