@@ -9,9 +9,9 @@
 //! bytes at a time, in one receive buffer reused for every old shard, never the whole state
 //! (an earlier version built and encoded the consolidated state on every rank, decoded it and
 //! loaded its shard: 1.1-1.6 s of a re-form for the 50.9 M-parameter MLP's Adam moments at
-//! ZeRO stage 1, 3 ranks to 2 and back). The
-//! ranges of the ranks that left are lost with them: their optimizer state (Adam's moments of
-//! 1/N of the parameters) starts again from zero, the step counts are kept.
+//! ZeRO stage 1, 3 ranks to 2 and back). The ranges of the ranks that left are lost with
+//! them: their optimizer state (Adam's moments of 1/N of the parameters) starts again from
+//! zero, the step counts are kept.
 
 use std::ops::Range;
 
@@ -85,9 +85,8 @@ pub(crate) fn reshard(
             "no member of the new group holds any of the old optimizer state".into(),
         ));
     };
-    let total: usize = expected.params.iter().map(|(_, n)| n).sum();
     zero.adopt_state(state, header);
-    Ok(total.saturating_sub(covered))
+    Ok(expected.total().saturating_sub(covered))
 }
 
 /// Copies what `from` (state vectors over the flat-vector ranges `from_ranges`, in order, as
