@@ -31,7 +31,7 @@ use ddp_data::{
 use ddp_models::Classifier;
 use serde_json::json;
 
-use crate::options::{CompressionKind, HookKind, OptimizerKind, TrainConfig};
+use crate::options::{BackendKind, CompressionKind, HookKind, OptimizerKind, TrainConfig};
 use crate::train::{Data, RunSummary, Task};
 
 /// Milliseconds since the Unix epoch.
@@ -147,6 +147,18 @@ where
     let config =
         ElasticConfig::from_vars(&compat(&name, &model), &lookup)?.context("not an elastic run")?;
     let (min, max, slot) = (config.min, config.max, config.slot);
+    if cfg.backend == BackendKind::Cuda {
+        // burn compiles its GPU kernels on first use: before joining, not in a step that the
+        // whole job would wait for (warm_up.rs).
+        let optim = (cfg.zero_stage == 0).then(|| (crate::stepper::burn_optimizer(cfg), cfg.lr));
+        let took =
+            crate::warm_up::warm_up(&model, &*train, &*test, cfg.batch_size, optim, &device)?;
+        println!(
+            "elastic: slot {slot}: burn's GPU kernels compiled and tuned in {:.1} s, before \
+             joining",
+            took.as_secs_f64()
+        );
+    }
     let Some(group) = ElasticGroup::join(config)? else {
         println!("elastic: slot {slot}: the job has already finished");
         return Ok(empty_summary(&name));

@@ -17,4 +17,5 @@ pub mod spawn;
 mod stepper;
 pub mod trace;
 pub mod train;
+mod warm_up;
 pub mod zero_bench;

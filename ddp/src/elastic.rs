@@ -19,10 +19,11 @@
 //! and the run's [`Progress`] (step, epoch, position in the epoch, and bytes of the caller's
 //! own: its RNG state, its loss sums), all over the group's own transport.
 //!
-//! ZeRO keeps a copy of the step's starting point (the model, which makes its update copy the
-//! parameters, and this rank's shard of the optimizer state): a failure in the middle of a
-//! sharded step leaves each rank's shard updated or not, so dropping the step needs the copy.
-//! The shard of a rank that died is lost with it: its moments start again from zero.
+//! ZeRO keeps each step's starting point until the vote (the wrapper steps into a second set of
+//! buffers, reused from step to step: `ShardedDataParallel::keep_starting_points`): a failure
+//! in the middle of a sharded step leaves each rank's shard updated or not, so dropping the
+//! step needs it. The shard of a rank that died is lost with it: its moments start again from
+//! zero.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -134,12 +135,6 @@ enum Finished<M> {
         shard: Vec<u8>,
         after: Progress,
     },
-}
-
-/// A sharded step's starting point (see the module documentation).
-struct Snapshot<M> {
-    model: M,
-    shard: Vec<u8>,
 }
 
 /// An elastic data-parallel run: the membership, the model, the optimizer and the run's
@@ -323,7 +318,7 @@ impl<M: Module> ElasticDdp<M> {
                     Ok(grads) => grads,
                     Err(DdpError::Comm(e)) => {
                         self.model = Some(model);
-                        return self.reform(false, Some(e), None, None);
+                        return self.reform(false, Some(e), None);
                     }
                     Err(e) => {
                         self.model = Some(model);
@@ -340,44 +335,44 @@ impl<M: Module> ElasticDdp<M> {
                     Err(e) => {
                         self.model = Some(model);
                         let finished = Finished::Ddp { grads, lr, after };
-                        self.reform(true, Some(e), Some(finished), None)
+                        self.reform(true, Some(e), Some(finished))
                     }
                 }
             }
-            Wrapped::Zero(zero) => {
-                let snapshot = Snapshot {
-                    model: model.clone(),
-                    shard: zero.shard_state()?,
-                };
-                match zero.backward_step(lr, model, loss) {
-                    Ok(stepped) => match timed_vote(&self.group, &mut self.vote_time) {
-                        Ok(vote) => {
-                            self.model = Some(stepped);
-                            self.progress = after;
-                            self.committed_at = Some(SystemTime::now());
-                            self.grow_if(vote)
-                        }
-                        Err(e) => {
-                            let shard = zero.shard_state()?;
-                            self.model = Some(snapshot.model.clone());
-                            let finished = Finished::Zero {
-                                model: stepped,
-                                shard,
-                                after,
-                            };
-                            self.reform(true, Some(e), Some(finished), Some(snapshot))
-                        }
-                    },
-                    Err(DdpError::Comm(e)) => {
-                        self.model = Some(snapshot.model.clone());
-                        self.reform(false, Some(e), None, Some(snapshot))
+            Wrapped::Zero(zero) => match zero.try_backward_step(lr, model, loss) {
+                Ok(stepped) => match timed_vote(&self.group, &mut self.vote_time) {
+                    Ok(vote) => {
+                        zero.commit_step();
+                        self.model = Some(stepped);
+                        self.progress = after;
+                        self.committed_at = Some(SystemTime::now());
+                        self.grow_if(vote)
                     }
                     Err(e) => {
-                        self.model = Some(snapshot.model);
-                        Err(e)
+                        // This rank's step, applied if a survivor committed it; the
+                        // wrapper goes back to the starting point meanwhile.
+                        let shard = zero.shard_state()?;
+                        self.model = Some(zero.roll_back(stepped.clone())?);
+                        let finished = Finished::Zero {
+                            model: stepped,
+                            shard,
+                            after,
+                        };
+                        self.reform(true, Some(e), Some(finished))
+                    }
+                },
+                Err((e, model)) => {
+                    self.model = Some(model.ok_or_else(|| {
+                        DdpError::Config(format!(
+                            "elastic: the sharded step lost the model ({e}); it cannot go on"
+                        ))
+                    })?);
+                    match e {
+                        DdpError::Comm(e) => self.reform(false, Some(e), None),
+                        e => Err(e),
                     }
                 }
-            }
+            },
         }
     }
 
@@ -390,7 +385,7 @@ impl<M: Module> ElasticDdp<M> {
     ) -> Result<Result<R, Outcome>, DdpError> {
         match f(self) {
             Ok(r) => Ok(Ok(r)),
-            Err(DdpError::Comm(e)) => self.reform(false, Some(e), None, None).map(Err),
+            Err(DdpError::Comm(e)) => self.reform(false, Some(e), None).map(Err),
             Err(e) => Err(e),
         }
     }
@@ -416,7 +411,7 @@ impl<M: Module> ElasticDdp<M> {
     fn grow_if(&mut self, vote: Vote) -> Result<Outcome, DdpError> {
         match vote {
             Vote::CommitAndGrow if self.progress.step >= self.joins_from => {
-                self.reform(false, None, None, None)
+                self.reform(false, None, None)
             }
             _ => Ok(Outcome::Committed),
         }
@@ -426,19 +421,17 @@ impl<M: Module> ElasticDdp<M> {
     /// group's last handle is the membership's, which shuts it down on a thread of its own),
     /// re-forms, commits or drops the step in flight as decided, heals the joiners and wraps
     /// the model in the new group. `finished`: the step this rank finished but whose vote did
-    /// not complete; `snapshot`: a sharded step's starting point.
+    /// not complete (the model and a ZeRO wrapper hold the committed state meanwhile).
     fn reform(
         &mut self,
         finished_step: bool,
         cause: Option<CommError>,
         finished: Option<Finished<M>>,
-        snapshot: Option<Snapshot<M>>,
     ) -> Result<Outcome, DdpError> {
         let started = Instant::now();
         // This rank's shard of the committed state, cut for the old world (ZeRO).
-        let mut shard = match (&snapshot, self.wrapped.as_ref()) {
-            (Some(s), _) => Some(s.shard.clone()),
-            (None, Some(Wrapped::Zero(z))) => Some(z.shard_state()?),
+        let mut shard = match self.wrapped.as_ref() {
+            Some(Wrapped::Zero(z)) => Some(z.shard_state()?),
             _ => None,
         };
         self.wrapped = None;
@@ -487,8 +480,8 @@ impl<M: Module> ElasticDdp<M> {
                     change.generation.number, change.generation.step
                 )))
             }
-            // Dropped, or nothing was in flight: the committed state (restored from the
-            // snapshot for ZeRO, done above).
+            // Dropped, or nothing was in flight: the committed state (ZeRO's wrapper went
+            // back to the step's starting point already).
             _ => {}
         }
         if change.healed {
@@ -614,6 +607,7 @@ impl<M: Module> ElasticDdp<M> {
             ElasticOptimizer::Zero { config, optimizer } => {
                 let (model, mut zero) =
                     ShardedDataParallel::new(model, pg, config.clone(), optimizer.clone())?;
+                zero.keep_starting_points();
                 phase("ZeRO wrapper built (weights broadcast)");
                 if generation.number > 1 {
                     lost = reshard(&mut zero, shard)?;

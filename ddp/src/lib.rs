@@ -38,6 +38,8 @@ mod reduction;
 mod resume;
 mod shard_layout;
 mod shard_optim;
+#[cfg(test)]
+mod test_ranks;
 mod zero;
 mod zero_state;
 

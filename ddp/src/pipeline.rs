@@ -378,6 +378,7 @@ mod tests {
     use crate::host_buf::HostBuf;
     use crate::params::ParamKind;
     use crate::reduction::{HostCarrier, Reduction};
+    use crate::test_ranks::two_ranks;
     use burn::tensor::Device;
 
     #[test]
@@ -589,36 +590,6 @@ mod tests {
         fn put(&mut self, g: &mut GradientsParams, i: &ParamInfo, b: HostBuf, d: &Device) {
             self.host.put(g, i, b, d)
         }
-    }
-
-    /// Runs `f` on two ranks, one thread each, with process groups over loopback sockets.
-    fn two_ranks<T: Send>(f: impl Fn(Arc<ProcessGroup>) -> T + Sync) -> Vec<T> {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let mut listener = Some(listener);
-        std::thread::scope(|s| {
-            let handles: Vec<_> = (0..2)
-                .map(|rank| {
-                    let own = if rank == 0 { listener.take() } else { None };
-                    let f = &f;
-                    s.spawn(move || {
-                        let mut builder = ProcessGroup::builder()
-                            .no_env()
-                            .rank(rank)
-                            .world_size(2)
-                            .master_addr("127.0.0.1")
-                            .master_port(port)
-                            .timeout(Duration::from_secs(30))
-                            .connect_timeout(Duration::from_secs(30));
-                        if let Some(l) = own {
-                            builder = builder.master_listener(l);
-                        }
-                        f(Arc::new(builder.build().expect("process group")))
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        })
     }
 
     /// One step of a held-back pipeline on `pg` (the large parameter and the small one), rank

@@ -199,6 +199,24 @@ pub struct ShardedDataParallel {
     /// state's run once loaded): recorded in the saved states, so that another run's shard
     /// files are told apart.
     run: u64,
+    /// Whether a step keeps its starting point until [`commit_step`](Self::commit_step) or
+    /// [`roll_back`](Self::roll_back) (elastic runs).
+    keep: bool,
+    /// The last step's starting point, while `keep`.
+    previous: Option<StartingPoint>,
+    /// A committed step's starting point: the buffers the next step writes into.
+    spare: Option<StartingPoint>,
+}
+
+/// Where a step started (elastic runs keep it, to drop a step that failed after the update):
+/// the trainable parameters' memory and the optimizer state as they were, the step counts.
+/// The step itself writes into a second set of buffers, reused from step to step, so keeping
+/// the first costs copies of this rank's own ranges and state only, never an allocation.
+struct StartingPoint {
+    values: Vec<Option<HostBuf>>,
+    state: Vec<Vec<f32>>,
+    times: Vec<u64>,
+    steps: u64,
 }
 
 impl ShardedDataParallel {
@@ -266,6 +284,9 @@ impl ShardedDataParallel {
             stats: ZeroStats::default(),
             steps: 0,
             run,
+            keep: false,
+            previous: None,
+            spare: None,
             ddp,
         };
         Ok((model, zero))
@@ -412,11 +433,7 @@ impl ShardedDataParallel {
         model: M,
         grads: GradientsParams,
     ) -> Result<M, DdpError> {
-        let start = Instant::now();
-        let local = self.ddp.begin_sync(&model)?;
-        self.reduce(Some(grads), false, local)?;
-        self.stats.reduce += start.elapsed();
-        self.update_and_gather(lr, model)
+        self.step_keeping(lr, model, grads).map_err(|(e, _)| e)
     }
 
     /// [`step`](Self::step) from the loss: runs backward on `loss` (of the model
@@ -429,15 +446,83 @@ impl ShardedDataParallel {
         model: M,
         loss: Tensor<1>,
     ) -> Result<M, DdpError> {
+        self.try_backward_step(lr, model, loss).map_err(|(e, _)| e)
+    }
+
+    /// [`backward_step`](Self::backward_step) that gives the module back with the error where
+    /// it still holds the step's starting point: a failure before the update, or one in the
+    /// all-gather while [`keep_starting_points`](Self::keep_starting_points) is on.
+    pub(crate) fn try_backward_step<M: Module>(
+        &mut self,
+        lr: f64,
+        model: M,
+        loss: Tensor<1>,
+    ) -> Result<M, (DdpError, Option<M>)> {
         if !self.ddp.prepared() {
             let grads = self.ddp.timed_backward(&model, loss);
-            return self.step(lr, model, grads);
+            return self.step_keeping(lr, model, grads);
         }
-        let (grads, local) = self.ddp.overlapped_backward(&model, loss)?;
+        let (grads, local) = match self.ddp.overlapped_backward(&model, loss) {
+            Ok(done) => done,
+            Err(e) => return Err((e, Some(model))),
+        };
         let start = Instant::now();
-        self.reduce(Some(grads), true, local)?;
+        let reduced = self.reduce(Some(grads), true, local);
         self.stats.reduce += start.elapsed();
-        self.update_and_gather(lr, model)
+        match reduced {
+            Ok(()) => self.update_and_gather(lr, model),
+            Err(e) => Err((e, Some(model))),
+        }
+    }
+
+    /// [`step`](Self::step), giving the module back with the error as
+    /// [`try_backward_step`](Self::try_backward_step) does.
+    fn step_keeping<M: Module>(
+        &mut self,
+        lr: f64,
+        model: M,
+        grads: GradientsParams,
+    ) -> Result<M, (DdpError, Option<M>)> {
+        let start = Instant::now();
+        let reduced = self
+            .ddp
+            .begin_sync(&model)
+            .and_then(|local| self.reduce(Some(grads), false, local));
+        self.stats.reduce += start.elapsed();
+        match reduced {
+            Ok(()) => self.update_and_gather(lr, model),
+            Err(e) => Err((e, Some(model))),
+        }
+    }
+
+    /// From now on every step keeps its starting point until
+    /// [`commit_step`](Self::commit_step) or [`roll_back`](Self::roll_back) (elastic runs:
+    /// a step whose commit vote fails may have to be dropped). This rank then holds a second
+    /// copy of the trainable parameters and of its optimizer state.
+    pub(crate) fn keep_starting_points(&mut self) {
+        self.keep = true;
+    }
+
+    /// The last step stands: its starting point's buffers become the next step's.
+    pub(crate) fn commit_step(&mut self) {
+        if let Some(previous) = self.previous.take() {
+            self.spare = Some(previous);
+        }
+    }
+
+    /// Drops the last step: `stepped` (the module it returned, or a clone of it) gets the
+    /// starting point's parameter values back, and the optimizer state and step counts are the
+    /// starting point's again. An error when no starting point is kept.
+    pub(crate) fn roll_back<M: Module>(&mut self, stepped: M) -> Result<M, DdpError> {
+        let previous = self.previous.take().ok_or_else(|| {
+            DdpError::Config("ZeRO: no step to roll back (its starting point is not kept)".into())
+        })?;
+        let flat = &self.flat;
+        let (model, _) = take_values(stepped, &|i| flat[i].is_some())?;
+        self.state = previous.state;
+        self.times = previous.times;
+        self.steps = previous.steps;
+        Ok(put_values(model, self.params(), previous.values))
     }
 
     /// Ends a micro-step in the pipeline (`begun`: by an overlapped backward, whose hooks
@@ -511,8 +596,14 @@ impl ShardedDataParallel {
     /// The end of a step, once this rank's chunks of the gradient are summed over ranks:
     /// takes the trainable parameters' memory out of `model`, steps this rank's chunks in it
     /// part by part and all-gathers each part in place (updating part k+1 overlaps the
-    /// all-gather of part k), then puts the memory back into the module.
-    fn update_and_gather<M: Module>(&mut self, lr: f64, model: M) -> Result<M, DdpError> {
+    /// all-gather of part k), then puts the memory back into the module. While starting points
+    /// are kept, the step writes into the spare buffers instead (`start_from`), and a failed
+    /// all-gather gives the module back as it was.
+    fn update_and_gather<M: Module>(
+        &mut self,
+        lr: f64,
+        model: M,
+    ) -> Result<M, (DdpError, Option<M>)> {
         let start = Instant::now();
         let (rank, world) = (self.rank(), self.process_group().world_size());
         let fresh = vec![0.0; self.present.len()];
@@ -521,7 +612,9 @@ impl ShardedDataParallel {
         self.grad = (0..self.layout.parts.len()).map(|_| None).collect();
         self.micro_steps = 0;
         let flat = &self.flat;
-        let (model, mut values) = take_values(model, &|i| flat[i].is_some())?;
+        let (model, mut values) =
+            take_values(model, &|i| flat[i].is_some()).map_err(|e| (e, None))?;
+        let kept = self.keep.then(|| self.start_from(&mut values));
         let pg = Arc::clone(self.process_group());
         let denom = world as f32;
         let mut update = Duration::ZERO;
@@ -587,7 +680,13 @@ impl ShardedDataParallel {
             }
         }
         if let Some(e) = error {
-            return Err(e.into());
+            let model = kept.map(|kept| {
+                self.state = kept.state;
+                self.times = kept.times;
+                self.steps = kept.steps;
+                put_values(model, self.params(), kept.values)
+            });
+            return Err((e.into(), model));
         }
         for (part, buf) in self.layout.parts.iter().zip(gathered) {
             match part.params.as_slice() {
@@ -606,7 +705,43 @@ impl ShardedDataParallel {
         self.stats.gather += start.elapsed().saturating_sub(update);
         self.stats.steps += 1;
         self.steps += 1;
+        self.previous = kept;
         Ok(model)
+    }
+
+    /// Keeps the step's starting point (see [`StartingPoint`]): `values` (the parameters'
+    /// memory taken out of the module) and the optimizer state become the kept ones, and the
+    /// step goes on in the spare buffers (allocated on the first step), into which this rank's
+    /// own ranges and state are copied first; the all-gather fills in the other ranks' ranges.
+    fn start_from(&mut self, values: &mut Vec<Option<HostBuf>>) -> StartingPoint {
+        let mut next = match self.spare.take() {
+            Some(spare) => spare,
+            None => StartingPoint {
+                values: values
+                    .iter()
+                    .map(|v| v.as_ref().map(|v| HostBuf::zeros(v.len())))
+                    .collect(),
+                state: self.state.iter().map(|v| vec![0.0; v.len()]).collect(),
+                times: Vec::new(),
+                steps: 0,
+            },
+        };
+        for piece in &self.shards.pieces[self.rank()] {
+            let (Some(src), Some(dst)) = (&values[piece.param], &mut next.values[piece.param])
+            else {
+                continue;
+            };
+            let range = piece.range.clone();
+            dst.as_mut()[range.clone()].copy_from_slice(&src.as_ref()[range]);
+        }
+        for (dst, src) in next.state.iter_mut().zip(&self.state) {
+            dst.copy_from_slice(src);
+        }
+        std::mem::swap(values, &mut next.values);
+        std::mem::swap(&mut self.state, &mut next.state);
+        next.times = self.times.clone();
+        next.steps = self.steps;
+        next
     }
 
     /// The header of this run's consolidated state (its optimizer, parameters, step counts).
@@ -761,4 +896,118 @@ fn new_run_id() -> u64 {
     h.write_u128(now);
     h.write_u32(std::process::id());
     h.finish() | 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::params::flatten_params;
+    use crate::shard_optim::ShardedAdamConfig;
+    use crate::test_ranks::two_ranks;
+    use burn::module::Param;
+    use burn::nn::{Linear, LinearConfig};
+    use burn::tensor::{Device, TensorData};
+
+    /// A large weight (a part of its own, stepped in its own memory) and small ones (sharing
+    /// a part).
+    #[derive(Module, Debug)]
+    struct Net {
+        a: Linear,
+        b: Linear,
+    }
+
+    /// A linear layer with fixed weights (the same in every run).
+    fn linear(inputs: usize, outputs: usize, device: &Device) -> Linear {
+        let mut layer = LinearConfig::new(inputs, outputs).init(device);
+        let values = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i * 11 % 23) as f32 - 11.0) / (23.0 * inputs as f32).sqrt())
+                .collect()
+        };
+        let w = TensorData::new(values(inputs * outputs), [inputs, outputs]);
+        layer.weight = Param::from_tensor(Tensor::from_data(w, device));
+        let b = TensorData::new(values(outputs), [outputs]);
+        layer.bias = Some(Param::from_tensor(Tensor::from_data(b, device)));
+        layer
+    }
+
+    fn loss(net: &Net, rank: usize, step: usize) -> Tensor<1> {
+        let device = Device::flex().autodiff();
+        let x: Vec<f32> = (0..8 * 600)
+            .map(|i| ((i * 7 + rank * 13 + step * 31) % 17) as f32 / 17.0 - 0.5)
+            .collect();
+        let x = Tensor::<2>::from_data(TensorData::new(x, [8, 600]), &device);
+        net.b
+            .forward(net.a.forward(x).tanh())
+            .powf_scalar(2.0)
+            .mean()
+    }
+
+    /// Steps with the rank's own data; with `keep`, step 2 is first taken and rolled back
+    /// (checked against step 1's parameters and state), then taken again. Returns the
+    /// parameters, this rank's state and step counts after step 3.
+    fn train(pg: Arc<ProcessGroup>, keep: bool) -> (Vec<f32>, Vec<Vec<f32>>, Vec<u64>) {
+        let device = Device::flex().autodiff();
+        let net = Net {
+            a: linear(600, 512, &device),
+            b: linear(512, 4, &device),
+        };
+        let adam = ShardOptimizer::Adam(ShardedAdamConfig::new());
+        let config = ZeroConfig::new(ZeroStage::Two).with_bucket_cap_mb(1.0);
+        let (mut net, mut zero) = ShardedDataParallel::new(net, pg, config, adam).unwrap();
+        if keep {
+            zero.keep_starting_points();
+        }
+        let rank = zero.rank();
+        for step in 1..=3 {
+            if keep && step == 2 {
+                let (params, state) = (flatten_params(&net).unwrap(), zero.shard_state().unwrap());
+                let l = loss(&net, rank, step);
+                let stepped = zero.try_backward_step(1e-2, net, l).ok().unwrap();
+                assert_ne!(
+                    flatten_params(&stepped).unwrap(),
+                    params,
+                    "the step moved nothing"
+                );
+                net = zero.roll_back(stepped).unwrap();
+                assert_eq!(
+                    flatten_params(&net).unwrap(),
+                    params,
+                    "parameters not restored"
+                );
+                assert_eq!(
+                    zero.shard_state().unwrap(),
+                    state,
+                    "optimizer state not restored"
+                );
+            }
+            let l = loss(&net, rank, step);
+            net = zero.try_backward_step(1e-2, net, l).ok().unwrap();
+            if keep {
+                zero.commit_step();
+            }
+        }
+        (flatten_params(&net).unwrap(), zero.state, zero.times)
+    }
+
+    #[test]
+    fn a_kept_step_rolls_back_exactly_and_keeping_changes_no_bit() {
+        let plain = two_ranks(|pg| train(pg, false));
+        let kept = two_ranks(|pg| train(pg, true));
+        assert_eq!(plain[0].0, plain[1].0, "replicas differ");
+        for (rank, (p, k)) in plain.iter().zip(&kept).enumerate() {
+            assert_eq!(
+                p.0, k.0,
+                "rank {rank}: parameters differ when steps are kept"
+            );
+            assert_eq!(
+                p.1, k.1,
+                "rank {rank}: optimizer state differs when steps are kept"
+            );
+            assert_eq!(
+                p.2, k.2,
+                "rank {rank}: step counts differ when steps are kept"
+            );
+        }
+    }
 }
