@@ -622,26 +622,39 @@ impl ShardedDataParallel {
         for (j, part) in self.layout.parts.iter().enumerate() {
             let updating = Instant::now();
             let chunk = &self.shards.chunks[rank][j];
-            if let Some(held) = grads[j].as_mut() {
+            let g = grads[j].as_mut().map(|held| {
                 let g = &mut held.buf.as_mut()[held.at..held.at + chunk.range.len()];
                 g.iter_mut().for_each(|x| *x /= denom);
-                for piece in &self.shards.pieces[rank][chunk.pieces.clone()] {
-                    let p = piece.param;
-                    let (Some((_, k)), true) = (self.flat[p], present[p] > 0.0) else {
-                        continue;
-                    };
-                    let (s, n) = (piece.shard, piece.range.len());
-                    let at = s - chunk.shard;
-                    let mut state: Vec<&mut [f32]> =
-                        self.state.iter_mut().map(|v| &mut v[s..s + n]).collect();
-                    let param = values[p].as_mut().expect("taken above").as_mut();
-                    self.optimizer.update(
-                        lr,
-                        self.times[k],
-                        &mut param[piece.range.clone()],
-                        &g[at..at + n],
-                        &mut state,
-                    );
+                &*g
+            });
+            for piece in &self.shards.pieces[rank][chunk.pieces.clone()] {
+                let p = piece.param;
+                let (s, n) = (piece.shard, piece.range.len());
+                // The piece's averaged gradient and step count, unless nobody had one.
+                let step = match (g, self.flat[p]) {
+                    (Some(g), Some((_, k))) if present[p] > 0.0 => {
+                        let at = s - chunk.shard;
+                        Some((&g[at..at + n], self.times[k]))
+                    }
+                    _ => None,
+                };
+                let param =
+                    &mut values[p].as_mut().expect("taken above").as_mut()[piece.range.clone()];
+                let mut state: Vec<&mut [f32]> =
+                    self.state.iter_mut().map(|v| &mut v[s..s + n]).collect();
+                match (&kept, step) {
+                    (None, Some((g, time))) => {
+                        self.optimizer.update(lr, time, param, g, &mut state);
+                    }
+                    (None, None) => {}
+                    (Some(kept), step) => {
+                        let from = &kept.values[p].as_ref().expect("kept above").as_ref()
+                            [piece.range.clone()];
+                        let from_state: Vec<&[f32]> =
+                            kept.state.iter().map(|v| &v[s..s + n]).collect();
+                        let to = (param, state.as_mut_slice());
+                        step_from(&self.optimizer, lr, step, (from, &from_state), to);
+                    }
                 }
             }
             grads[j] = None;
@@ -711,8 +724,9 @@ impl ShardedDataParallel {
 
     /// Keeps the step's starting point (see [`StartingPoint`]): `values` (the parameters'
     /// memory taken out of the module) and the optimizer state become the kept ones, and the
-    /// step goes on in the spare buffers (allocated on the first step), into which this rank's
-    /// own ranges and state are copied first; the all-gather fills in the other ranks' ranges.
+    /// step goes on in the spare buffers (allocated on the first step): the update writes this
+    /// rank's own ranges and state there from the kept ones (`step_from`), the all-gather the
+    /// other ranks' ranges.
     fn start_from(&mut self, values: &mut Vec<Option<HostBuf>>) -> StartingPoint {
         let mut next = match self.spare.take() {
             Some(spare) => spare,
@@ -726,17 +740,6 @@ impl ShardedDataParallel {
                 steps: 0,
             },
         };
-        for piece in &self.shards.pieces[self.rank()] {
-            let (Some(src), Some(dst)) = (&values[piece.param], &mut next.values[piece.param])
-            else {
-                continue;
-            };
-            let range = piece.range.clone();
-            dst.as_mut()[range.clone()].copy_from_slice(&src.as_ref()[range]);
-        }
-        for (dst, src) in next.state.iter_mut().zip(&self.state) {
-            dst.copy_from_slice(src);
-        }
         std::mem::swap(values, &mut next.values);
         std::mem::swap(&mut self.state, &mut next.state);
         next.times = self.times.clone();
@@ -896,6 +899,44 @@ fn new_run_id() -> u64 {
     h.write_u128(now);
     h.write_u32(std::process::id());
     h.finish() | 1
+}
+
+/// Elements a block of [`step_from`].
+const STEP_BLOCK: usize = 4096;
+
+/// Writes one piece's step into the step's own buffers `to` (parameter, optimizer state) from
+/// its kept starting point `from`, with `optimizer` when `step` gives the averaged gradient and
+/// step count, else as it was. It goes a block at a time, the block copied and then updated
+/// while it is in the cache, so that keeping the starting point moves the same bytes through
+/// memory as an update in place (read the old values once, write the new ones once) instead
+/// of a copy of the shard before the update. The optimizers are element-wise, so a block's
+/// update is the piece's, bit for bit.
+fn step_from(
+    optimizer: &ShardOptimizer,
+    lr: f64,
+    step: Option<(&[f32], u64)>,
+    from: (&[f32], &[&[f32]]),
+    to: (&mut [f32], &mut [&mut [f32]]),
+) {
+    let ((from_param, from_state), (param, state)) = (from, to);
+    for start in (0..param.len()).step_by(STEP_BLOCK) {
+        let block = start..(start + STEP_BLOCK).min(param.len());
+        param[block.clone()].copy_from_slice(&from_param[block.clone()]);
+        for (to, from) in state.iter_mut().zip(from_state) {
+            to[block.clone()].copy_from_slice(&from[block.clone()]);
+        }
+        if let Some((grad, time)) = step {
+            let mut block_state: Vec<&mut [f32]> =
+                state.iter_mut().map(|v| &mut v[block.clone()]).collect();
+            optimizer.update(
+                lr,
+                time,
+                &mut param[block.clone()],
+                &grad[block],
+                &mut block_state,
+            );
+        }
+    }
 }
 
 #[cfg(test)]
