@@ -744,3 +744,109 @@ fn adopt_ids<M: Module>(model: M, ids: &[i64]) -> Result<M, DdpError> {
     }
     Ok(model.map(&mut Adopt { ids, index: 0 }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::params::flatten_params;
+    use crate::shard_optim::ShardedAdamConfig;
+    use crate::test_ranks::two_ranks;
+    use crate::zero::ZeroStage;
+    use burn::module::Param;
+    use burn::nn::{Linear, LinearConfig};
+    use burn::tensor::{Device, TensorData};
+
+    /// A large weight (a part of its own, stepped in its own memory) and small ones (sharing
+    /// a part).
+    #[derive(Module, Debug)]
+    struct Net {
+        a: Linear,
+        b: Linear,
+    }
+
+    /// A linear layer with fixed weights (the same in every run).
+    fn linear(inputs: usize, outputs: usize, device: &Device) -> Linear {
+        let mut layer = LinearConfig::new(inputs, outputs).init(device);
+        let values = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i * 11 % 23) as f32 - 11.0) / (23.0 * inputs as f32).sqrt())
+                .collect()
+        };
+        let w = TensorData::new(values(inputs * outputs), [inputs, outputs]);
+        layer.weight = Param::from_tensor(Tensor::from_data(w, device));
+        let b = TensorData::new(values(outputs), [outputs]);
+        layer.bias = Some(Param::from_tensor(Tensor::from_data(b, device)));
+        layer
+    }
+
+    fn loss(net: &Net, rank: usize, step: usize) -> Tensor<1> {
+        let device = Device::flex().autodiff();
+        let x: Vec<f32> = (0..8 * 600)
+            .map(|i| ((i * 7 + rank * 13 + step * 31) % 17) as f32 / 17.0 - 0.5)
+            .collect();
+        let x = Tensor::<2>::from_data(TensorData::new(x, [8, 600]), &device);
+        net.b
+            .forward(net.a.forward(x).tanh())
+            .powf_scalar(2.0)
+            .mean()
+    }
+
+    /// ZeRO stage 2 with Adam, each rank its own data; with `keep` (what an elastic run
+    /// does), step 2 is first taken and rolled back (checked against step 1's parameters and
+    /// state), then taken again. Returns the parameters after step 4 (which depend on the
+    /// optimizer state and step counts that steps 2 to 4 started from).
+    fn train(pg: Arc<ProcessGroup>, keep: bool) -> Vec<f32> {
+        let device = Device::flex().autodiff();
+        let net = Net {
+            a: linear(600, 512, &device),
+            b: linear(512, 4, &device),
+        };
+        let adam = ShardOptimizer::Adam(ShardedAdamConfig::new());
+        let config = ZeroConfig::new(ZeroStage::Two).with_bucket_cap_mb(1.0);
+        let pg_rank = pg.rank();
+        let (mut net, mut zero) = ShardedDataParallel::new(net, pg, config, adam).unwrap();
+        if keep {
+            zero.keep_starting_points();
+        }
+        let rank = pg_rank;
+        for step in 1..=4 {
+            if keep && step == 2 {
+                let (params, state) = (flatten_params(&net).unwrap(), zero.shard_state().unwrap());
+                let l = loss(&net, rank, step);
+                let stepped = zero.try_backward_step(1e-2, net, l).ok().unwrap();
+                assert_ne!(
+                    flatten_params(&stepped).unwrap(),
+                    params,
+                    "the step moved nothing"
+                );
+                net = zero.roll_back(stepped).unwrap();
+                assert_eq!(
+                    flatten_params(&net).unwrap(),
+                    params,
+                    "parameters not restored"
+                );
+                assert_eq!(
+                    zero.shard_state().unwrap(),
+                    state,
+                    "optimizer state not restored"
+                );
+            }
+            let l = loss(&net, rank, step);
+            net = zero.try_backward_step(1e-2, net, l).ok().unwrap();
+            if keep {
+                zero.commit_step();
+            }
+        }
+        flatten_params(&net).unwrap()
+    }
+
+    #[test]
+    fn a_kept_step_rolls_back_exactly_and_keeping_changes_no_bit() {
+        let plain = two_ranks(|pg| train(pg, false));
+        let kept = two_ranks(|pg| train(pg, true));
+        assert_eq!(plain[0], plain[1], "replicas differ");
+        for (rank, (p, k)) in plain.iter().zip(&kept).enumerate() {
+            assert_eq!(p, k, "rank {rank}: parameters differ when steps are kept");
+        }
+    }
+}

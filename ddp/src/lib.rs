@@ -41,6 +41,7 @@ mod shard_optim;
 #[cfg(test)]
 mod test_ranks;
 mod zero;
+mod zero_keep;
 mod zero_state;
 
 pub use crate::comm_hook::{BucketDesc, CommHook, GradBuffer, GradSlot};

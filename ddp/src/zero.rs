@@ -73,6 +73,7 @@ use crate::pipeline::Done;
 use crate::reduction::Reduction;
 use crate::shard_layout::{plan_shards, release_outside, ShardLayout};
 use crate::shard_optim::ShardOptimizer;
+use crate::zero_keep::{step_from, StartingPoint};
 use crate::zero_state::{
     check_shards_agree, decode, encode, shard_report, ShardHeader, StateHeader, SHARD_LAYOUT,
 };
@@ -206,17 +207,6 @@ pub struct ShardedDataParallel {
     previous: Option<StartingPoint>,
     /// A committed step's starting point: the buffers the next step writes into.
     spare: Option<StartingPoint>,
-}
-
-/// Where a step started (elastic runs keep it, to drop a step that failed after the update):
-/// the trainable parameters' memory and the optimizer state as they were, the step counts.
-/// The step itself writes into a second set of buffers, reused from step to step, so keeping
-/// the first costs copies of this rank's own ranges and state only, never an allocation.
-struct StartingPoint {
-    values: Vec<Option<HostBuf>>,
-    state: Vec<Vec<f32>>,
-    times: Vec<u64>,
-    steps: u64,
 }
 
 impl ShardedDataParallel {
@@ -899,156 +889,4 @@ fn new_run_id() -> u64 {
     h.write_u128(now);
     h.write_u32(std::process::id());
     h.finish() | 1
-}
-
-/// Elements a block of [`step_from`].
-const STEP_BLOCK: usize = 4096;
-
-/// Writes one piece's step into the step's own buffers `to` (parameter, optimizer state) from
-/// its kept starting point `from`, with `optimizer` when `step` gives the averaged gradient and
-/// step count, else as it was. It goes a block at a time, the block copied and then updated
-/// while it is in the cache, so that keeping the starting point moves the same bytes through
-/// memory as an update in place (read the old values once, write the new ones once) instead
-/// of a copy of the shard before the update. The optimizers are element-wise, so a block's
-/// update is the piece's, bit for bit.
-fn step_from(
-    optimizer: &ShardOptimizer,
-    lr: f64,
-    step: Option<(&[f32], u64)>,
-    from: (&[f32], &[&[f32]]),
-    to: (&mut [f32], &mut [&mut [f32]]),
-) {
-    let ((from_param, from_state), (param, state)) = (from, to);
-    for start in (0..param.len()).step_by(STEP_BLOCK) {
-        let block = start..(start + STEP_BLOCK).min(param.len());
-        param[block.clone()].copy_from_slice(&from_param[block.clone()]);
-        for (to, from) in state.iter_mut().zip(from_state) {
-            to[block.clone()].copy_from_slice(&from[block.clone()]);
-        }
-        if let Some((grad, time)) = step {
-            let mut block_state: Vec<&mut [f32]> =
-                state.iter_mut().map(|v| &mut v[block.clone()]).collect();
-            optimizer.update(
-                lr,
-                time,
-                &mut param[block.clone()],
-                &grad[block],
-                &mut block_state,
-            );
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::params::flatten_params;
-    use crate::shard_optim::ShardedAdamConfig;
-    use crate::test_ranks::two_ranks;
-    use burn::module::Param;
-    use burn::nn::{Linear, LinearConfig};
-    use burn::tensor::{Device, TensorData};
-
-    /// A large weight (a part of its own, stepped in its own memory) and small ones (sharing
-    /// a part).
-    #[derive(Module, Debug)]
-    struct Net {
-        a: Linear,
-        b: Linear,
-    }
-
-    /// A linear layer with fixed weights (the same in every run).
-    fn linear(inputs: usize, outputs: usize, device: &Device) -> Linear {
-        let mut layer = LinearConfig::new(inputs, outputs).init(device);
-        let values = |n: usize| -> Vec<f32> {
-            (0..n)
-                .map(|i| ((i * 11 % 23) as f32 - 11.0) / (23.0 * inputs as f32).sqrt())
-                .collect()
-        };
-        let w = TensorData::new(values(inputs * outputs), [inputs, outputs]);
-        layer.weight = Param::from_tensor(Tensor::from_data(w, device));
-        let b = TensorData::new(values(outputs), [outputs]);
-        layer.bias = Some(Param::from_tensor(Tensor::from_data(b, device)));
-        layer
-    }
-
-    fn loss(net: &Net, rank: usize, step: usize) -> Tensor<1> {
-        let device = Device::flex().autodiff();
-        let x: Vec<f32> = (0..8 * 600)
-            .map(|i| ((i * 7 + rank * 13 + step * 31) % 17) as f32 / 17.0 - 0.5)
-            .collect();
-        let x = Tensor::<2>::from_data(TensorData::new(x, [8, 600]), &device);
-        net.b
-            .forward(net.a.forward(x).tanh())
-            .powf_scalar(2.0)
-            .mean()
-    }
-
-    /// Steps with the rank's own data; with `keep`, step 2 is first taken and rolled back
-    /// (checked against step 1's parameters and state), then taken again. Returns the
-    /// parameters, this rank's state and step counts after step 3.
-    fn train(pg: Arc<ProcessGroup>, keep: bool) -> (Vec<f32>, Vec<Vec<f32>>, Vec<u64>) {
-        let device = Device::flex().autodiff();
-        let net = Net {
-            a: linear(600, 512, &device),
-            b: linear(512, 4, &device),
-        };
-        let adam = ShardOptimizer::Adam(ShardedAdamConfig::new());
-        let config = ZeroConfig::new(ZeroStage::Two).with_bucket_cap_mb(1.0);
-        let (mut net, mut zero) = ShardedDataParallel::new(net, pg, config, adam).unwrap();
-        if keep {
-            zero.keep_starting_points();
-        }
-        let rank = zero.rank();
-        for step in 1..=3 {
-            if keep && step == 2 {
-                let (params, state) = (flatten_params(&net).unwrap(), zero.shard_state().unwrap());
-                let l = loss(&net, rank, step);
-                let stepped = zero.try_backward_step(1e-2, net, l).ok().unwrap();
-                assert_ne!(
-                    flatten_params(&stepped).unwrap(),
-                    params,
-                    "the step moved nothing"
-                );
-                net = zero.roll_back(stepped).unwrap();
-                assert_eq!(
-                    flatten_params(&net).unwrap(),
-                    params,
-                    "parameters not restored"
-                );
-                assert_eq!(
-                    zero.shard_state().unwrap(),
-                    state,
-                    "optimizer state not restored"
-                );
-            }
-            let l = loss(&net, rank, step);
-            net = zero.try_backward_step(1e-2, net, l).ok().unwrap();
-            if keep {
-                zero.commit_step();
-            }
-        }
-        (flatten_params(&net).unwrap(), zero.state, zero.times)
-    }
-
-    #[test]
-    fn a_kept_step_rolls_back_exactly_and_keeping_changes_no_bit() {
-        let plain = two_ranks(|pg| train(pg, false));
-        let kept = two_ranks(|pg| train(pg, true));
-        assert_eq!(plain[0].0, plain[1].0, "replicas differ");
-        for (rank, (p, k)) in plain.iter().zip(&kept).enumerate() {
-            assert_eq!(
-                p.0, k.0,
-                "rank {rank}: parameters differ when steps are kept"
-            );
-            assert_eq!(
-                p.1, k.1,
-                "rank {rank}: optimizer state differs when steps are kept"
-            );
-            assert_eq!(
-                p.2, k.2,
-                "rank {rank}: step counts differ when steps are kept"
-            );
-        }
-    }
 }
