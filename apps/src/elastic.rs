@@ -468,6 +468,7 @@ where
     summary.peak_rss_mib = vec![crate::train::peak_rss_mib()];
     let (rank, generation) = (run.rank(), run.elastic_group().generation().number);
     let vote_seconds = run.vote_time().as_secs_f64();
+    let backwards_skipped = run.backwards_skipped();
     let model = run.finish()?;
     if let (Some(path), 0) = (&cfg.export, rank) {
         ddp_models::export_safetensors(&model, path)
@@ -515,6 +516,7 @@ where
             "steps_in_order": committed.windows(2).all(|w| w[1] == w[0] + 1),
             "steps_repeated": repeated,
             "steps_dropped": dropped,
+            "backwards_skipped": backwards_skipped,
             "vote_seconds": vote_seconds,
             "train_seconds": train_time.as_secs_f64(),
             "epochs": epochs,

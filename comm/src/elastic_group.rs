@@ -31,7 +31,8 @@
 //!
 //! # When something fails
 //!
-//! A collective that fails (a peer closed its connections: about 0.4 s after a kill; a peer
+//! A collective that fails (a peer closed its connections: at once after a kill, as an
+//! elastic group waits no grace for an ABORT that would explain the loss; a peer
 //! silent for `DDP_PEER_TIMEOUT`: a frozen one) or a vote that fails sends every survivor to
 //! [`ElasticGroup::reform`]: it reports its step, the first to report decides the next
 //! generation once every member has reported or been named by a survivor's error (or the peer
@@ -450,6 +451,11 @@ impl ElasticGroup {
         config.connect_timeout = deadline.saturating_duration_since(Instant::now());
         config.small_allreduce_bytes =
             crate::config::default_small_allreduce_bytes(config.world_size);
+        // No grace after a lost connection: a survivor fails the generation at the first
+        // connection lost (a kill is seen at once, not 400 ms later) and reports. Attribution
+        // needs no wait here: who goes on is decided from the reports, and a rank named by
+        // mistake is kept because it reports too (`decide`).
+        config.loss_grace = Duration::ZERO;
         let pg = Arc::new(ProcessGroup::with_config(config)?);
         self.poller = if rank == 0 {
             Some(Poller::start(

@@ -319,6 +319,19 @@ impl ProcessGroup {
         self.store.as_ref()
     }
 
+    /// The group's root cause if it has already failed (a peer died, closed its connections or
+    /// fell silent; a collective failed), `None` while it is healthy and at world size 1. A
+    /// cheap check (an atomic load) that lets a training loop skip work whose collective would
+    /// fail anyway: the elastic wrapper skips the backward pass of a step begun after a death.
+    pub fn failure(&self) -> Option<CommError> {
+        let health = self.health.as_ref()?;
+        if health.is_failed() {
+            health.error()
+        } else {
+            None
+        }
+    }
+
     /// The group's failure state (`None` at world size 1), for the NCCL layer: it reports its
     /// own failures through it and watches it for its peers' (`nccl/work.rs`).
     #[cfg(feature = "nccl")]

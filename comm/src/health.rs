@@ -12,7 +12,8 @@
 //! its close can reach a survivor before the survivor's own reader of k's socket has run (two
 //! cores, many threads). Blaming whichever socket event comes first would then send the user to
 //! the wrong machine. So a lost connection is only *evidence* ([`GroupHealth::peer_lost`]): the
-//! group waits a short grace period ([`LOSS_GRACE`]) for an ABORT frame that explains it, and an
+//! group waits a short grace period ([`GroupConfig::loss_grace`](crate::GroupConfig::loss_grace),
+//! 400 ms by default) for an ABORT frame that explains it, and an
 //! ABORT (which names the rank its sender blames, itself decided the same way) settles the
 //! matter at once. A rank that fails always gets its ABORTs onto the wire before its collective
 //! returns the error to the caller (`Mesh::flush_aborts`), so a process that exits right after
@@ -33,16 +34,15 @@ use crossbeam_channel::{Receiver, Sender};
 
 use crate::error::CommError;
 
-/// How long a lost connection waits for an ABORT frame that explains it before it is taken as
-/// the root cause itself (see the module's notes on attribution).
-pub(crate) const LOSS_GRACE: Duration = Duration::from_millis(400);
-
 /// Something to do when the group fails, given its root cause.
 type FailureHook = Box<dyn Fn(&CommError) + Send + Sync>;
 
 /// A group's failure state and progress counters.
 pub(crate) struct GroupHealth {
     rank: usize,
+    /// How long a lost connection waits for an ABORT that explains it (see the module's notes
+    /// on attribution).
+    grace: Duration,
     failed: AtomicBool,
     /// The group is being dropped: connections closing now are expected, not failures.
     closing: AtomicBool,
@@ -66,11 +66,13 @@ pub(crate) struct GroupHealth {
 }
 
 impl GroupHealth {
-    /// The health of a group, as seen by `rank`: not failed, not closing.
-    pub fn new(rank: usize) -> GroupHealth {
+    /// The health of a group, as seen by `rank`: not failed, not closing. A lost connection
+    /// waits `grace` for an ABORT that explains it.
+    pub fn new(rank: usize, grace: Duration) -> GroupHealth {
         let (failed_tx, failed_rx) = crossbeam_channel::bounded(1);
         GroupHealth {
             rank,
+            grace,
             failed: AtomicBool::new(false),
             closing: AtomicBool::new(false),
             error: Mutex::new(None),
@@ -108,7 +110,7 @@ impl GroupHealth {
     }
 
     /// A connection was lost (`err` is [`CommError::PeerClosed`], [`CommError::PeerIo`] or
-    /// [`CommError::PeerSilent`]): evidence, not yet a verdict. Waits up to [`LOSS_GRACE`] for
+    /// [`CommError::PeerSilent`]): evidence, not yet a verdict. Waits up to the grace period for
     /// the group to fail for a better-explained reason (an ABORT naming an earlier root cause);
     /// if none comes, fails the group with the first connection lost. Blocks the calling thread
     /// (a reader, writer or liveness thread that is ending anyway) for at most the grace period.
@@ -121,7 +123,7 @@ impl GroupHealth {
             .unwrap_or_else(|p| p.into_inner())
             .push(err);
         // Disconnected (returns at once) as soon as the group fails.
-        let _ = self.failed_rx.recv_timeout(LOSS_GRACE);
+        let _ = self.failed_rx.recv_timeout(self.grace);
         if self.is_failed() {
             return;
         }
@@ -134,7 +136,7 @@ impl GroupHealth {
     pub fn verdict(&self, fallback: CommError) -> CommError {
         let _ = self
             .failed_rx
-            .recv_timeout(LOSS_GRACE + Duration::from_secs(1));
+            .recv_timeout(self.grace + Duration::from_secs(1));
         self.error().unwrap_or(fallback)
     }
 
@@ -168,5 +170,51 @@ impl GroupHealth {
         for hook in self.hooks.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             hook(&err);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn closed(peer: usize) -> CommError {
+        CommError::PeerClosed { rank: 0, peer }
+    }
+
+    /// `peer_lost` on a thread of its own; its return (bounded wait) means the verdict is in.
+    fn lose(health: &Arc<GroupHealth>, peer: usize) -> crossbeam_channel::Receiver<()> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let h = health.clone();
+        std::thread::spawn(move || {
+            h.peer_lost(closed(peer));
+            let _ = tx.send(());
+        });
+        rx
+    }
+
+    #[test]
+    fn without_a_grace_the_first_connection_lost_fails_the_group_at_once() {
+        // A grace of a minute would keep `peer_lost` waiting past this test's deadline.
+        let health = Arc::new(GroupHealth::new(0, Duration::ZERO));
+        lose(&health, 2)
+            .recv_timeout(Duration::from_secs(10))
+            .expect("peer_lost returned");
+        assert_eq!(health.error(), Some(closed(2)));
+    }
+
+    #[test]
+    fn within_the_grace_an_abort_names_the_root_cause() {
+        let health = Arc::new(GroupHealth::new(0, Duration::from_secs(60)));
+        let returned = lose(&health, 2);
+        // Still waiting for an explanation (the grace is a minute).
+        assert!(returned.recv_timeout(Duration::from_millis(200)).is_err());
+        assert!(!health.is_failed());
+        // An ABORT blaming rank 1 arrives: it is the root cause, and the wait ends.
+        health.fail(closed(1));
+        returned
+            .recv_timeout(Duration::from_secs(10))
+            .expect("peer_lost returned");
+        assert_eq!(health.error(), Some(closed(1)));
     }
 }

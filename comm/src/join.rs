@@ -128,6 +128,7 @@ pub(crate) fn join(
         streams,
         config.timeout,
         config.peer_timeout,
+        config.loss_grace,
         segment_bytes.max(8),
         flight.clone(),
     )?;

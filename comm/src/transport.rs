@@ -88,17 +88,19 @@ pub(crate) struct Mesh {
 
 impl Mesh {
     /// Starts a reader and a writer thread on each connection. `max_frame` caps the payload of a
-    /// DATA frame a peer may send; `timeout` is the deadline of every wait.
+    /// DATA frame a peer may send; `timeout` is the deadline of every wait; `loss_grace` how
+    /// long a lost connection waits for an ABORT that explains it (`health.rs`).
     pub fn start(
         rank: usize,
         streams: Vec<Option<TcpStream>>,
         timeout: Duration,
         peer_timeout: Duration,
+        loss_grace: Duration,
         max_frame: usize,
         flight: Arc<FlightRecorder>,
     ) -> Result<Mesh, CommError> {
         let world = streams.len();
-        let health = Arc::new(GroupHealth::new(rank));
+        let health = Arc::new(GroupHealth::new(rank, loss_grace));
         let pool = BufferPool::new();
         let (done_tx, threads_done) = crossbeam_channel::bounded::<()>(0);
         let mut links = Vec::with_capacity(world);
@@ -616,7 +618,16 @@ mod tests {
         peer_timeout: Duration,
     ) -> Mesh {
         let flight = FlightRecorder::new(rank, 2, None);
-        Mesh::start(rank, streams, timeout, peer_timeout, 64 << 20, flight).unwrap()
+        Mesh::start(
+            rank,
+            streams,
+            timeout,
+            peer_timeout,
+            crate::config::DEFAULT_LOSS_GRACE,
+            64 << 20,
+            flight,
+        )
+        .unwrap()
     }
 
     /// Two meshes (ranks 0 and 1) joined by one real TCP connection.

@@ -189,6 +189,9 @@ fn survivors_go_on_and_a_restarted_rank_rejoins() {
     for s in [0, 2] {
         let line = peers[s].wait_for("reformed gen 2", deadline);
         assert!(line.contains("world 2"), "{line}");
+        // A survivor fails the generation at the first connection lost, without the 400 ms a
+        // plain group waits for an ABORT that would explain it (`health.rs`).
+        assert_eq!(field(&line, "grace_ms"), 0, "{line}");
         let next = peers[s].wait_for(" world 2 step ", deadline);
         after.push(field(&next, "at") - killed_at);
     }
@@ -230,6 +233,9 @@ fn a_frozen_rank_is_removed_after_the_peer_timeout() {
     for s in [0, 1] {
         let line = peers[s].wait_for("reformed gen 2", deadline);
         assert!(line.contains("world 2"), "{line}");
+        // A survivor fails the generation at the first connection lost, without the 400 ms a
+        // plain group waits for an ABORT that would explain it (`health.rs`).
+        assert_eq!(field(&line, "grace_ms"), 0, "{line}");
     }
     let took = stopped.elapsed();
     assert!(

@@ -165,6 +165,8 @@ pub struct ElasticDdp<M: Module> {
     committed_at: Option<SystemTime>,
     /// Time spent in the commit vote, all steps together.
     vote_time: Duration,
+    /// Steps whose backward pass was skipped: the group had failed before it began.
+    backwards_skipped: u64,
 }
 
 impl<M: Module> ElasticDdp<M> {
@@ -188,6 +190,7 @@ impl<M: Module> ElasticDdp<M> {
             joins_from: 0,
             committed_at: None,
             vote_time: Duration::ZERO,
+            backwards_skipped: 0,
         };
         run.heal_and_wrap(healed, None)?;
         Ok(run)
@@ -212,6 +215,13 @@ impl<M: Module> ElasticDdp<M> {
     /// to a step where nothing fails.
     pub fn vote_time(&self) -> Duration {
         self.vote_time
+    }
+
+    /// Steps whose backward pass this rank skipped because the group had already failed when
+    /// [`step`](Self::step) was called (the step was dropped, as a failed collective drops it):
+    /// a survivor of a death during the forward pass goes to the re-form at once.
+    pub fn backwards_skipped(&self) -> u64 {
+        self.backwards_skipped
     }
 
     /// The run's progress after its last committed step.
@@ -312,6 +322,15 @@ impl<M: Module> ElasticDdp<M> {
             .model
             .take()
             .expect("the model is back after every call");
+        // The group failed while this step's forward pass ran (a peer died right after the
+        // last commit, as a kill usually comes): its collectives would fail, so its backward
+        // pass is not run. The step is dropped as a failed collective would drop it.
+        if let Some(e) = self.group.group().failure() {
+            drop(loss);
+            self.model = Some(model);
+            self.backwards_skipped += 1;
+            return self.reform(false, Some(e), None);
+        }
         match self.wrapped.as_mut().expect("wrapped between calls") {
             Wrapped::Ddp(ddp) => {
                 let grads = match ddp.backward(&model, loss) {
@@ -755,6 +774,7 @@ mod tests {
     use burn::module::Param;
     use burn::nn::{Linear, LinearConfig};
     use burn::tensor::{Device, TensorData};
+    use ddp_comm::ReduceOp;
 
     /// A large weight (a part of its own, stepped in its own memory) and small ones (sharing
     /// a part).
@@ -848,5 +868,113 @@ mod tests {
         for (rank, (p, k)) in plain.iter().zip(&kept).enumerate() {
             assert_eq!(p, k, "rank {rank}: parameters differ when steps are kept");
         }
+    }
+
+    /// One slot of a two-slot elastic run of `Net` (DDP, SGD) in this process, its store at
+    /// `port`; collectives time out after `timeout`.
+    fn elastic_run(slot: usize, port: u16, timeout: Duration) -> ElasticDdp<Net> {
+        let base = ddp_comm::GroupConfig {
+            rank: slot,
+            world_size: 2,
+            master_port: port,
+            torch_agent_store: Some(0),
+            job_id: Some(format!("skip-test-{port}")),
+            transport: ddp_comm::Transport::Tcp,
+            timeout,
+            connect_timeout: Duration::from_secs(30),
+            ..Default::default()
+        };
+        let config = ddp_comm::ElasticConfig {
+            min: 1,
+            max: 2,
+            slot,
+            compat: "skip-test".into(),
+            // Founded at once when both slots are in (MAX), never alone.
+            last_call: Duration::from_secs(30),
+            poll: ddp_comm::DEFAULT_POLL,
+            base,
+        };
+        let group = ElasticGroup::join(config).unwrap().expect("a founder");
+        let device = Device::flex().autodiff();
+        let net = Net {
+            a: linear(600, 16, &device),
+            b: linear(16, 4, &device),
+        };
+        let optimizer = ElasticOptimizer::Ddp {
+            config: DdpConfig::new(),
+            optim: burn::optim::SgdConfig::new().init(),
+        };
+        ElasticDdp::start(group, net, optimizer, Progress::default()).unwrap()
+    }
+
+    fn after(step: u64) -> Progress {
+        Progress {
+            step,
+            ..Progress::default()
+        }
+    }
+
+    /// The group fails while rank 0 runs a step's forward pass (rank 1's collective times out
+    /// and its ABORT arrives): rank 0 does not run that step's backward, drops the step and
+    /// re-forms with rank 1 (which reported too, so it stays); both then go on.
+    #[test]
+    fn a_step_begun_after_the_group_failed_skips_its_backward() {
+        let store =
+            ddp_comm::TorchStoreHost::start(std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+                .unwrap();
+        let port = store.port();
+        let (failed_tx, failed_rx) = std::sync::mpsc::channel::<()>();
+        let other = std::thread::spawn(move || {
+            let mut run = elastic_run(1, port, Duration::from_secs(1));
+            let l = loss(run.model(), 1, 1);
+            assert!(matches!(
+                run.step(0.1, l, after(1)).unwrap(),
+                Outcome::Committed
+            ));
+            // A collective rank 0 never enters: it times out, and the group fails.
+            let changed = run
+                .collective(|r| Ok(r.process_group().all_reduce(vec![1.0f32], ReduceOp::Sum)?))
+                .unwrap();
+            let _ = failed_tx.send(());
+            assert!(changed.is_err(), "the group re-formed");
+            let l = loss(run.model(), 1, 2);
+            assert!(matches!(
+                run.step(0.1, l, after(2)).unwrap(),
+                Outcome::Committed
+            ));
+            run.finish().unwrap();
+        });
+        let mut run = elastic_run(0, port, Duration::from_secs(1));
+        let l = loss(run.model(), 0, 1);
+        assert!(matches!(
+            run.step(0.1, l, after(1)).unwrap(),
+            Outcome::Committed
+        ));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while run.process_group().failure().is_none() {
+            assert!(Instant::now() < deadline, "rank 0 never saw the group fail");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // The forward pass of step 2, then the step: nothing of it may run on the failed group.
+        let l = loss(run.model(), 0, 2);
+        match run.step(0.1, l, after(2)).unwrap() {
+            Outcome::Changed(m) => {
+                assert!(m.dropped, "{m:?}");
+                assert_eq!(m.world_size, 2, "{m:?}");
+            }
+            o => panic!("step 2 on a failed group: {o:?}"),
+        }
+        assert_eq!(run.backwards_skipped(), 1);
+        assert_eq!(run.progress().step, 1);
+        failed_rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("rank 1 re-formed");
+        let l = loss(run.model(), 0, 2);
+        assert!(matches!(
+            run.step(0.1, l, after(2)).unwrap(),
+            Outcome::Committed
+        ));
+        run.finish().unwrap();
+        other.join().unwrap();
     }
 }

@@ -373,7 +373,7 @@ fn elastic_recovery(
         .context("the survivors' first step after the kill")?;
     let next_ms = stamp(next_line).context("the survivors' step time")?;
     let (_, shrunk_line) = agents[0]
-        .first("elastic: generation 2", killed)
+        .first("elastic: generation 2: rank", killed)
         .context("the survivors' generation 2")?;
     let shrunk_ms = stamp(shrunk_line).context("generation 2's time")?;
     // The generation that grows back: rank 0's line, printed once the joiner is healed and

@@ -3,8 +3,8 @@
 //! through the failures and joins of its job, printing one line per event:
 //!
 //! - `elastic slot S gen G rank R world W step N at T`: step N committed;
-//! - `elastic slot S reformed gen G rank R world W from N action A healed H at T`: a new
-//!   generation;
+//! - `elastic slot S reformed gen G rank R world W from N action A healed H grace_ms M at T`: a
+//!   new generation (M: its group's loss grace, `GroupConfig::loss_grace`);
 //! - `elastic slot S done at T` (every step done), `elastic slot S error: <message>`.
 //!
 //! T is the wall clock in milliseconds since the Unix epoch. Each step all-reduces
@@ -109,13 +109,14 @@ fn run() -> Result<(), ddp_comm::CommError> {
         }
         println!(
             "elastic slot {slot} reformed gen {} rank {} world {} from {} action {:?} healed {} \
-             at {}",
+             grace_ms {} at {}",
             change.generation.number,
             change.rank,
             change.generation.members.len(),
             change.generation.step,
             change.action,
             change.healed,
+            group.group().config().loss_grace.as_millis(),
             now_ms()
         );
         assert_eq!(committed, change.generation.step, "slot {slot}");
