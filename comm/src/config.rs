@@ -13,9 +13,10 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// link is named on every survivor within 10 s (see `liveness.rs` for why not shorter).
 pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(7);
 
-/// Default of [`GroupConfig::loss_grace`]: how long a lost connection waits for an ABORT frame
-/// that explains it before it is itself taken as the group's root cause.
-pub const DEFAULT_LOSS_GRACE: Duration = Duration::from_millis(400);
+/// How long a lost connection of a group waits for an ABORT frame that explains it before it
+/// is itself taken as the group's root cause (`health.rs`); an elastic job's groups wait none
+/// (`elastic_group.rs`).
+pub(crate) const DEFAULT_LOSS_GRACE: Duration = Duration::from_millis(400);
 /// Default deadline for reaching the rendezvous store and the peers at start-up: 300 s.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default master port when neither `MASTER_PORT` nor Slurm gives one (torchrun's default).
@@ -65,14 +66,6 @@ pub struct GroupConfig {
     /// busy outside collectives keeps sending heartbeats and never trips it; a peer alive but not
     /// entering a collective (a desync) is caught by `timeout` instead.
     pub peer_timeout: Duration,
-    /// How long a lost connection (a peer's socket closed or reset, or a peer silent for
-    /// `peer_timeout`) waits for an ABORT frame that explains it before the group fails with
-    /// that connection as its root cause ([`DEFAULT_LOSS_GRACE`], 400 ms). The wait is for
-    /// attribution: a rank that fails because of another's death may close its connections
-    /// before the survivor has read the dead rank's, and the ABORT it sent first names the real
-    /// cause. An elastic job's groups use none: there every survivor reports to the store and a
-    /// rank named by mistake is kept because it reports (`elastic_group.rs`).
-    pub loss_grace: Duration,
     /// Where the flight recorder writes `flight-rank<R>.json` on a failure, a timeout or
     /// SIGUSR1 (`DDP_TRACE_DIR`; `None`: nowhere, and SIGUSR1 keeps its default action).
     pub trace_dir: Option<std::path::PathBuf>,
@@ -128,7 +121,6 @@ impl Default for GroupConfig {
             timeout: DEFAULT_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             peer_timeout: DEFAULT_PEER_TIMEOUT,
-            loss_grace: DEFAULT_LOSS_GRACE,
             trace_dir: None,
             token: None,
             job_id: None,

@@ -455,8 +455,7 @@ impl ElasticGroup {
         // connection lost (a kill is seen at once, not 400 ms later) and reports. Attribution
         // needs no wait here: who goes on is decided from the reports, and a rank named by
         // mistake is kept because it reports too (`decide`).
-        config.loss_grace = Duration::ZERO;
-        let pg = Arc::new(ProcessGroup::with_config(config)?);
+        let pg = Arc::new(ProcessGroup::init(config, None, Duration::ZERO)?);
         self.poller = if rank == 0 {
             Some(Poller::start(
                 &self.config,

@@ -45,8 +45,8 @@ use std::time::Duration;
 
 use crate::config::{
     default_small_allreduce_bytes, GroupConfig, Transport, DEFAULT_CONNECT_TIMEOUT,
-    DEFAULT_LOSS_GRACE, DEFAULT_MASTER_PORT, DEFAULT_PEER_TIMEOUT, DEFAULT_SEGMENT_BYTES,
-    DEFAULT_TIMEOUT, MAX_SEGMENT_BYTES,
+    DEFAULT_MASTER_PORT, DEFAULT_PEER_TIMEOUT, DEFAULT_SEGMENT_BYTES, DEFAULT_TIMEOUT,
+    MAX_SEGMENT_BYTES,
 };
 use crate::error::CommError;
 use crate::slurm::{first_host, parse_tasks_per_node};
@@ -215,7 +215,6 @@ pub(crate) fn resolve(given: &Explicit, env: Lookup) -> Result<GroupConfig, Comm
         timeout,
         connect_timeout,
         peer_timeout,
-        loss_grace: DEFAULT_LOSS_GRACE,
         trace_dir,
         token,
         job_id,

@@ -8,12 +8,13 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use crossbeam_channel::Sender;
 
 use crate::algorithms::Ctx;
 use crate::collectives::{self, Transports};
-use crate::config::GroupConfig;
+use crate::config::{GroupConfig, DEFAULT_LOSS_GRACE};
 use crate::elastic::inherited_store_listener;
 use crate::element::{DType, Element, ReduceOp};
 use crate::env::process_env;
@@ -40,6 +41,8 @@ use crate::work::Work;
 /// the peers and joins its threads.
 pub struct ProcessGroup {
     config: GroupConfig,
+    /// See [`ProcessGroup::loss_grace`].
+    loss_grace: Duration,
     jobs: Option<Sender<Job>>,
     thread: Option<JoinHandle<()>>,
     store: Option<Store>,
@@ -195,19 +198,21 @@ impl ProcessGroup {
             config.master_port
         );
         let listener = inherited_store_listener(&config, &process_env)?;
-        ProcessGroup::init(config, listener)
+        ProcessGroup::init(config, listener, DEFAULT_LOSS_GRACE)
     }
 
     /// Joins the group described by `config`.
     pub fn with_config(config: GroupConfig) -> Result<ProcessGroup, CommError> {
-        ProcessGroup::init(config, None)
+        ProcessGroup::init(config, None, DEFAULT_LOSS_GRACE)
     }
 
     /// Joins the group described by `config` (`join.rs`), then runs the start-up barrier and
-    /// starts the communication thread; rank 0 hosts the store on `listener` when given.
+    /// starts the communication thread; rank 0 hosts the store on `listener` when given. A
+    /// lost connection waits `loss_grace` for an ABORT that explains it (`health.rs`).
     pub(crate) fn init(
         config: GroupConfig,
         listener: Option<TcpListener>,
+        loss_grace: Duration,
     ) -> Result<ProcessGroup, CommError> {
         if config.rank >= config.world_size {
             return Err(CommError::config(
@@ -221,6 +226,7 @@ impl ProcessGroup {
         if config.world_size == 1 {
             return Ok(ProcessGroup {
                 config,
+                loss_grace,
                 jobs: None,
                 thread: None,
                 store: None,
@@ -236,7 +242,7 @@ impl ProcessGroup {
             ));
         }
         let rank = config.rank;
-        let joined = join(&config, listener)?;
+        let joined = join(&config, listener, loss_grace)?;
 
         // A barrier over the mesh: nobody returns before everyone is connected, so rank 0 may
         // drop the group (and the store) at once without stranding a rank still starting up.
@@ -269,6 +275,7 @@ impl ProcessGroup {
             })?;
         Ok(ProcessGroup {
             config,
+            loss_grace,
             jobs: Some(jobs),
             thread: Some(thread),
             store: Some(joined.store),
@@ -317,6 +324,17 @@ impl ProcessGroup {
     /// The rendezvous store client (`None` at world size 1).
     pub fn store(&self) -> Option<&Store> {
         self.store.as_ref()
+    }
+
+    /// How long a lost connection (a peer's socket closed or reset, or a peer silent for the
+    /// peer timeout) waits for an ABORT frame that explains it before the group fails with that
+    /// connection as its root cause: 400 ms, for attribution (a rank that fails because of
+    /// another's death may close its connections before this rank has read the dead one's,
+    /// and the ABORT it sent first names the real cause). An elastic job's groups wait none:
+    /// there every survivor reports to the store, and a rank named by mistake is kept because
+    /// it reports ([`crate::ElasticGroup`]).
+    pub fn loss_grace(&self) -> Duration {
+        self.loss_grace
     }
 
     /// The group's root cause if it has already failed (a peer died, closed its connections or

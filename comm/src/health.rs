@@ -12,8 +12,8 @@
 //! its close can reach a survivor before the survivor's own reader of k's socket has run (two
 //! cores, many threads). Blaming whichever socket event comes first would then send the user to
 //! the wrong machine. So a lost connection is only *evidence* ([`GroupHealth::peer_lost`]): the
-//! group waits a short grace period ([`GroupConfig::loss_grace`](crate::GroupConfig::loss_grace),
-//! 400 ms by default) for an ABORT frame that explains it, and an
+//! group waits a short grace period ([`crate::ProcessGroup::loss_grace`], 400 ms; none in an
+//! elastic job) for an ABORT frame that explains it, and an
 //! ABORT (which names the rank its sender blames, itself decided the same way) settles the
 //! matter at once. A rank that fails always gets its ABORTs onto the wire before its collective
 //! returns the error to the caller (`Mesh::flush_aborts`), so a process that exits right after

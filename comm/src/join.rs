@@ -54,6 +54,7 @@ pub(crate) struct Joined {
 pub(crate) fn join(
     config: &GroupConfig,
     listener: Option<TcpListener>,
+    loss_grace: std::time::Duration,
 ) -> Result<Joined, CommError> {
     let rank = config.rank;
     let deadline = Instant::now() + config.connect_timeout;
@@ -128,7 +129,7 @@ pub(crate) fn join(
         streams,
         config.timeout,
         config.peer_timeout,
-        config.loss_grace,
+        loss_grace,
         segment_bytes.max(8),
         flight.clone(),
     )?;

@@ -99,7 +99,7 @@ pub use algorithms::chunk_range;
 pub use builder::GroupBuilder;
 pub use config::{
     default_small_allreduce_bytes, GroupConfig, Transport, DEFAULT_CONNECT_TIMEOUT,
-    DEFAULT_LOSS_GRACE, DEFAULT_MASTER_PORT, DEFAULT_PEER_TIMEOUT, DEFAULT_SEGMENT_BYTES,
+    DEFAULT_MASTER_PORT, DEFAULT_PEER_TIMEOUT, DEFAULT_SEGMENT_BYTES,
     DEFAULT_SMALL_ALLREDUCE_BYTES, DEFAULT_TIMEOUT, MAX_SEGMENT_BYTES,
 };
 pub use elastic_group::{

@@ -4,7 +4,7 @@
 //!
 //! - `elastic slot S gen G rank R world W step N at T`: step N committed;
 //! - `elastic slot S reformed gen G rank R world W from N action A healed H grace_ms M at T`: a
-//!   new generation (M: its group's loss grace, `GroupConfig::loss_grace`);
+//!   new generation (M: its group's `ProcessGroup::loss_grace`);
 //! - `elastic slot S done at T` (every step done), `elastic slot S error: <message>`.
 //!
 //! T is the wall clock in milliseconds since the Unix epoch. Each step all-reduces
@@ -116,7 +116,7 @@ fn run() -> Result<(), ddp_comm::CommError> {
             change.generation.step,
             change.action,
             change.healed,
-            group.group().config().loss_grace.as_millis(),
+            group.group().loss_grace().as_millis(),
             now_ms()
         );
         assert_eq!(committed, change.generation.step, "slot {slot}");
