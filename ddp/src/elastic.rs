@@ -916,14 +916,17 @@ mod tests {
 
     /// The group fails while rank 0 runs a step's forward pass (rank 1's collective times out
     /// and its ABORT arrives): rank 0 does not run that step's backward, drops the step and
-    /// re-forms with rank 1 (which reported too, so it stays); both then go on.
+    /// re-forms with rank 1; both then go on. Rank 1 reports only after rank 0 has (its
+    /// timeout names rank 0, and a named rank that has not reported may be left out).
     #[test]
     fn a_step_begun_after_the_group_failed_skips_its_backward() {
-        let store =
+        let store = Arc::new(
             ddp_comm::TorchStoreHost::start(std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-                .unwrap();
+                .unwrap(),
+        );
         let port = store.port();
         let (failed_tx, failed_rx) = std::sync::mpsc::channel::<()>();
+        let host = store.clone();
         let other = std::thread::spawn(move || {
             let mut run = elastic_run(1, port, Duration::from_secs(1));
             let l = loss(run.model(), 1, 1);
@@ -932,9 +935,20 @@ mod tests {
                 Outcome::Committed
             ));
             // A collective rank 0 never enters: it times out, and the group fails.
-            let changed = run
-                .collective(|r| Ok(r.process_group().all_reduce(vec![1.0f32], ReduceOp::Sum)?))
-                .unwrap();
+            let e = run
+                .process_group()
+                .all_reduce(vec![1.0f32], ReduceOp::Sum)
+                .unwrap_err();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !host
+                .keys()
+                .iter()
+                .any(|k| k.ends_with("elastic/g1/report/0"))
+            {
+                assert!(Instant::now() < deadline, "rank 0 never reported");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let changed = run.collective(|_| Err::<(), _>(DdpError::Comm(e))).unwrap();
             let _ = failed_tx.send(());
             assert!(changed.is_err(), "the group re-formed");
             let l = loss(run.model(), 1, 2);
