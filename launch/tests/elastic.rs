@@ -191,10 +191,13 @@ fn below_its_minimum_the_job_restarts_as_a_new_round() {
     // SAFETY: kill has no memory-safety preconditions.
     unsafe { libc::kill(peers[1] as i32, libc::SIGSTOP) };
     agent.wait_for("fell below its minimum");
+    // Silence counts from the last heartbeat heard (every 0.4 s, a fifth of the timeout; it
+    // may precede the stop by that much, more on a loaded host), and an elastic group waits
+    // no grace after it: before 1.2 s, something other than the silence removed the rank.
     let took = frozen_at.elapsed();
     assert!(
-        took >= Duration::from_secs(2),
-        "{took:?} is less than DDP_PEER_TIMEOUT=2"
+        took >= Duration::from_millis(1200),
+        "{took:?} is too short for DDP_PEER_TIMEOUT=2"
     );
     let (status, text) = agent.finish();
     assert!(status.success(), "{status}\n{text}");
