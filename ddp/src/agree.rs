@@ -1,5 +1,6 @@
 //! What the ranks must agree on, checked collectively: the parameter list when the wrapper is
-//! made (`verify_same_params`), rank 0's values in every replica (`broadcast_values`), and one
+//! made (`verify_same_params`), rank 0's values in every replica (`broadcast_values`, all of
+//! them or, for replicas known to be identical, the buffers: [`Start`]), and one
 //! value per rank, such as a hash of the replica's parameters or the run and step of a shard
 //! file (`diverged_ranks` says who is out of line).
 
@@ -9,20 +10,53 @@ use ddp_comm::ProcessGroup;
 
 use crate::buckets::ADOPT_BYTES;
 use crate::host_buf::HostBuf;
-use crate::params::{put_values, take_values, ParamInfo};
+use crate::params::{put_values, take_values, ParamInfo, ParamKind};
 use crate::DdpError;
 
-/// Makes every float tensor of `model` (laid out as `params`) rank 0's, on every rank: the
+/// How a new wrapper makes the replicas' values agree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Start {
+    /// Rank 0's parameter and buffer values are broadcast to every rank (a new job, a
+    /// generation with joiners).
+    Broadcast,
+    /// The parameters are identical on every rank already (an elastic generation of
+    /// survivors, all at the same committed step): only the buffers are broadcast.
+    Identical,
+}
+
+impl Start {
+    /// `Identical` if `identical`, else `Broadcast`.
+    pub(crate) fn identical_if(identical: bool) -> Start {
+        match identical {
+            true => Start::Identical,
+            false => Start::Broadcast,
+        }
+    }
+
+    /// Whether rank 0's value of `param` travels: every value, or (identical replicas) the
+    /// buffers alone, which the forward pass of a dropped step may have changed on some ranks
+    /// only.
+    pub(crate) fn sends(self, param: &ParamInfo) -> bool {
+        self == Start::Broadcast || param.kind == ParamKind::Buffer
+    }
+}
+
+/// Makes every float tensor of `model` (laid out as `params`) that `start` sends rank 0's,
+/// on every rank (nothing when it sends none, as every rank's parameter list is the same): the
 /// tensors are taken out of the module (without a copy where it holds them alone), the large
 /// ones broadcast one by one in their own memory and the others packed into one buffer, and
-/// put back. So a replica is never held twice, which a broadcast of one flat copy of the whole
-/// model would do on every rank. A collective.
+/// put back. So a replica is never held twice, which a broadcast of one flat copy of the
+/// whole model would do on every rank. A collective.
 pub(crate) fn broadcast_values<M: Module>(
     pg: &ProcessGroup,
     model: M,
     params: &[ParamInfo],
+    start: Start,
 ) -> Result<M, DdpError> {
-    let (model, mut values) = take_values(model, &|_| true)?;
+    if !params.iter().any(|p| start.sends(p)) {
+        return Ok(model);
+    }
+    let (model, mut values) = take_values(model, &|i| start.sends(&params[i]))?;
     let large = |v: &HostBuf| v.len() * 4 >= ADOPT_BYTES;
     let mut packed = Vec::new();
     for v in values.iter().flatten().filter(|v| !large(v)) {
@@ -132,6 +166,65 @@ pub(crate) fn verify_same_params(pg: &ProcessGroup, params: &[ParamInfo]) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::params::{flatten_params, load_flat_params, param_infos};
+    use crate::test_ranks::two_ranks;
+    use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
+    use burn::tensor::Device;
+
+    /// Trainable parameters (a large weight, broadcast in its own memory, and a small bias)
+    /// and buffers (the running statistics).
+    #[derive(Module, Debug)]
+    struct Net {
+        lin: Linear,
+        norm: BatchNorm,
+    }
+
+    /// Each rank's own values (`rank + 1` everywhere), through `start`'s broadcast; returns
+    /// `(value of every trainable element, of every buffer element)` as the rank ends with.
+    fn start_with(pg: std::sync::Arc<ProcessGroup>, start: Start) -> (Vec<f32>, Vec<f32>) {
+        let device = Device::flex().autodiff();
+        let net = Net {
+            lin: LinearConfig::new(300, 200).init(&device),
+            norm: BatchNormConfig::new(200).init(&device),
+        };
+        let n = flatten_params(&net).unwrap().len();
+        let net = load_flat_params(net, &vec![pg.rank() as f32 + 1.0; n]).unwrap();
+        let params = param_infos(&net);
+        let net = broadcast_values(&pg, net, &params, start).unwrap();
+        let (mut trained, mut buffers) = (Vec::new(), Vec::new());
+        let mut values = flatten_params(&net).unwrap().into_iter();
+        for p in &params {
+            let part = values.by_ref().take(p.numel());
+            match p.kind {
+                ParamKind::Buffer => buffers.extend(part),
+                _ => trained.extend(part),
+            }
+        }
+        (trained, buffers)
+    }
+
+    #[test]
+    fn identical_replicas_get_rank_0s_buffers_and_keep_their_parameters() {
+        let all = |v: &[f32], x: f32| !v.is_empty() && v.iter().all(|&y| y == x);
+        let identical = two_ranks(|pg| start_with(pg, Start::Identical));
+        assert!(
+            all(&identical[1].0, 2.0),
+            "rank 1's parameters were overwritten"
+        );
+        assert!(
+            all(&identical[1].1, 1.0),
+            "rank 1's buffers are not rank 0's"
+        );
+        let broadcast = two_ranks(|pg| start_with(pg, Start::Broadcast));
+        assert!(
+            all(&broadcast[1].0, 1.0),
+            "rank 1's parameters are not rank 0's"
+        );
+        assert!(
+            all(&broadcast[1].1, 1.0),
+            "rank 1's buffers are not rank 0's"
+        );
+    }
 
     #[test]
     fn diverged_ranks_blames_a_majority_only_when_there_is_one() {

@@ -56,7 +56,7 @@ use ddp_comm::ProcessGroup;
 
 use ddp_comm::bytes::fnv1a;
 
-use crate::agree::{broadcast_values, diverged_ranks, verify_same_params};
+use crate::agree::{broadcast_values, diverged_ranks, verify_same_params, Start};
 use crate::buckets::{plan_buckets, Bucket, Layout, Part};
 use crate::carrier::Carrier;
 use crate::comm_hook::{bucket_descs, CommHook, DynHook};
@@ -194,17 +194,30 @@ impl DistributedDataParallel {
         config: DdpConfig,
     ) -> Result<(M, Self), DdpError> {
         let reduction = Reduction::AllReduce(config.compression);
-        Self::with_reduction(model, pg, config, reduction)
+        Self::with_reduction(model, pg, config, reduction, Start::Broadcast)
     }
 
-    /// [`new`](Self::new), with each part of a bucket carried by `reduction`: for
-    /// [`crate::ShardedDataParallel`], which keeps the parameter list, the checks, the buffer
-    /// broadcast, the pipeline and the hooks of this wrapper, and reduce-scatters.
+    /// [`new`](Self::new) for replicas whose parameters are known to be identical already
+    /// (`Start::Identical`: an elastic generation of survivors only), or as `new`.
+    pub(crate) fn with_start<M: Module>(
+        model: M,
+        pg: Arc<ProcessGroup>,
+        config: DdpConfig,
+        start: Start,
+    ) -> Result<(M, Self), DdpError> {
+        let reduction = Reduction::AllReduce(config.compression);
+        Self::with_reduction(model, pg, config, reduction, start)
+    }
+
+    /// [`with_start`](Self::with_start), with each part of a bucket carried by `reduction`:
+    /// for [`crate::ShardedDataParallel`], which keeps the parameter list, the checks, the
+    /// buffer broadcast, the pipeline and the hooks of this wrapper, and reduce-scatters.
     pub(crate) fn with_reduction<M: Module>(
         model: M,
         pg: Arc<ProcessGroup>,
         config: DdpConfig,
         reduction: Reduction,
+        start: Start,
     ) -> Result<(M, Self), DdpError> {
         if !(config.bucket_cap_mb > 0.0 && config.first_bucket_mb > 0.0) {
             return Err(DdpError::Config(format!(
@@ -260,15 +273,15 @@ impl DistributedDataParallel {
         #[cfg(not(feature = "cuda"))]
         let on_device = false;
         let mut model = model;
-        if pg.world_size() > 1 || on_device {
+        if (pg.world_size() > 1 || on_device) && params.iter().any(|p| start.sends(p)) {
             // Merge any pending RunningState update into its value before reading it.
             drop(model.valid());
             #[cfg(feature = "cuda")]
             if let Some(dp) = device_path.as_ref() {
-                model = dp.broadcast_module(model, &|_| true)?;
+                model = dp.broadcast_module(model, &|i| start.sends(&params[i]))?;
             }
             if !on_device {
-                model = broadcast_values(&pg, model, &params)?;
+                model = broadcast_values(&pg, model, &params, start)?;
             }
         }
         let overlap = (config.overlap && pg.world_size() > 1 && !buckets.is_empty())

@@ -34,6 +34,7 @@ use burn::tensor::{Bytes, Tensor};
 use ddp_comm::membership::Left;
 use ddp_comm::{CommError, Continue, ElasticGroup, ProcessGroup, StepStatus, Vote};
 
+use crate::agree::Start;
 use crate::config::DdpConfig;
 use crate::ddp::DistributedDataParallel;
 use crate::elastic_zero::reshard;
@@ -618,16 +619,20 @@ impl<M: Module> ElasticDdp<M> {
         }
         phase("optimizer record decoded");
         let mut lost = 0;
+        // Survivors alone hold the same parameters (a dropped step changed none, an applied
+        // one all alike): they are not broadcast. Every member reads the same generation.
+        let start = Start::identical_if(generation.number > 1 && !has_joiners);
         let (model, wrapped) = match &self.optimizer {
             ElasticOptimizer::Ddp { config, .. } => {
-                let (model, ddp) = DistributedDataParallel::new(model, pg, config.clone())?;
+                let (model, ddp) =
+                    DistributedDataParallel::with_start(model, pg, config.clone(), start)?;
                 (model, Wrapped::Ddp(ddp))
             }
             ElasticOptimizer::Zero { config, optimizer } => {
-                let (model, mut zero) =
-                    ShardedDataParallel::new(model, pg, config.clone(), optimizer.clone())?;
+                let (cfg, o) = (config.clone(), optimizer.clone());
+                let (model, mut zero) = ShardedDataParallel::with_start(model, pg, cfg, o, start)?;
                 zero.keep_starting_points();
-                phase("ZeRO wrapper built (weights broadcast)");
+                phase("ZeRO wrapper built");
                 if generation.number > 1 {
                     lost = reshard(&mut zero, shard)?;
                     phase("optimizer state resharded");
@@ -635,7 +640,7 @@ impl<M: Module> ElasticDdp<M> {
                 (model, Wrapped::Zero(zero))
             }
         };
-        phase("wrapped (weights broadcast)");
+        phase("wrapped");
         self.model = Some(model);
         self.wrapped = Some(wrapped);
         Ok(lost)

@@ -63,6 +63,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
 use ddp_comm::ProcessGroup;
 
+use crate::agree::Start;
 use crate::buckets::{Layout, ADOPT_BYTES};
 use crate::config::DdpConfig;
 use crate::ddp::DistributedDataParallel;
@@ -219,6 +220,18 @@ impl ShardedDataParallel {
         config: ZeroConfig,
         optimizer: ShardOptimizer,
     ) -> Result<(M, Self), DdpError> {
+        Self::with_start(model, pg, config, optimizer, Start::Broadcast)
+    }
+
+    /// [`new`](Self::new), or (`Start::Identical`) for replicas whose parameters are identical
+    /// already: an elastic generation of survivors.
+    pub(crate) fn with_start<M: Module>(
+        model: M,
+        pg: Arc<ProcessGroup>,
+        config: ZeroConfig,
+        optimizer: ShardOptimizer,
+        start: Start,
+    ) -> Result<(M, Self), DdpError> {
         let ddp_config = DdpConfig::new()
             .with_bucket_cap_mb(config.bucket_cap_mb)
             .with_first_bucket_mb(config.first_bucket_mb)
@@ -230,6 +243,7 @@ impl ShardedDataParallel {
             pg,
             ddp_config,
             Reduction::ReduceScatter,
+            start,
         )?;
         let params = ddp.params();
         if let Some(p) = params
