@@ -35,8 +35,10 @@
 //! elastic group waits no grace for an ABORT that would explain the loss; a peer
 //! silent for `DDP_PEER_TIMEOUT`: a frozen one) or a vote that fails sends every survivor to
 //! [`ElasticGroup::reform`]: it reports its step, the first to report decides the next
-//! generation once every member has reported or been named by a survivor's error (or the peer
-//! timeout has passed), and everyone forms the new group. A member left out (it reported too
+//! generation once every member has reported or been named by a survivor (the root cause of
+//! its error, or any connection it lost: the ranks of a node die together, and each error
+//! blames one; else it waits until the peer timeout has passed), and everyone forms the new
+//! group. A member left out (it reported too
 //! late) joins again as a new process would, and is healed.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -560,6 +562,16 @@ impl ElasticGroup {
             blamed,
             why: why.clone(),
         };
+        // Every member whose connection this rank lost (a node's ranks die together; the
+        // report blames one), before the report, so that the decider finds it with the report.
+        let lost: Vec<usize> = self.pg.as_ref().map_or_else(Vec::new, |pg| {
+            pg.lost_peers()
+                .into_iter()
+                .filter_map(|r| prev.members.get(r).map(|m| m.slot))
+                .collect()
+        });
+        self.store
+            .set(&format!("g{g}/lost/{}", self.me.slot), &to_json(&lost))?;
         self.store
             .set(&format!("g{g}/report/{}", self.me.slot), &to_json(&report))?;
         // The old group goes away on a thread of its own (see the module documentation).
@@ -634,10 +646,13 @@ impl ElasticGroup {
     }
 
     /// The decision of the generation after `prev` (this process won it): waits until every
-    /// member reported or was named by a survivor's error, or `until`; then publishes.
+    /// member reported or was named by a survivor (its error's root cause, or a connection it
+    /// lost), or `until`; then publishes.
     fn decide(&self, prev: &Generation, until: Instant, reason: &str) -> Result<(), CommError> {
         let g = prev.number;
         let mut reports: Vec<(usize, Report)> = Vec::new();
+        // The slots whose connections the reporters lost (written before each report).
+        let mut lost: Vec<usize> = Vec::new();
         let mut named_since: Option<Instant> = None;
         loop {
             for m in &prev.members {
@@ -650,6 +665,12 @@ impl ElasticGroup {
                         m.slot,
                         from_json(&self.store.get_timeout(&key, CALL)?, &key)?,
                     ));
+                    let key = format!("g{g}/lost/{}", m.slot);
+                    if self.store.check(&[&key])? {
+                        let slots: Vec<usize> =
+                            from_json(&self.store.get_timeout(&key, CALL)?, &key)?;
+                        lost.extend(slots);
+                    }
                 }
             }
             let reported = |m: &Member| {
@@ -657,7 +678,9 @@ impl ElasticGroup {
                     .iter()
                     .any(|(s, r)| *s == m.slot && r.incarnation == m.incarnation)
             };
-            let named = |m: &Member| reports.iter().any(|(_, r)| r.blamed == Some(m.slot));
+            let named = |m: &Member| {
+                lost.contains(&m.slot) || reports.iter().any(|(_, r)| r.blamed == Some(m.slot))
+            };
             if prev.members.iter().all(reported) {
                 break;
             }

@@ -350,6 +350,16 @@ impl ProcessGroup {
         }
     }
 
+    /// The ranks whose connections to this one were lost (closed, reset, or silent past the
+    /// peer timeout), in the order seen, before or after the group failed; empty while
+    /// healthy and at world size 1. The group fails at the first; when several ranks die
+    /// together (a node) the others follow, and an elastic job reports them all.
+    pub fn lost_peers(&self) -> Vec<usize> {
+        self.health
+            .as_ref()
+            .map_or_else(Vec::new, |h| h.lost_peers())
+    }
+
     /// The group's failure state (`None` at world size 1), for the NCCL layer: it reports its
     /// own failures through it and watches it for its peers' (`nccl/work.rs`).
     #[cfg(feature = "nccl")]

@@ -54,9 +54,9 @@ pub(crate) struct GroupHealth {
     failed_rx: Receiver<()>,
     /// Run once, on failure (see [`GroupHealth::on_failure`]).
     hooks: Mutex<Vec<FailureHook>>,
-    /// Connections lost (closed, reset, stuck) before the group failed, in the order seen: the
-    /// evidence from which [`GroupHealth::peer_lost`] picks a root cause if no ABORT explains
-    /// it.
+    /// Connections lost (closed, reset, stuck), before or after the group failed, in the order
+    /// seen: the evidence from which [`GroupHealth::peer_lost`] picks a root cause if no ABORT
+    /// explains it.
     lost: Mutex<Vec<CommError>>,
     /// Counts frames received and collectives finished: [`crate::Work::wait`]'s evidence that
     /// the group is still making progress.
@@ -114,14 +114,16 @@ impl GroupHealth {
     /// the group to fail for a better-explained reason (an ABORT naming an earlier root cause);
     /// if none comes, fails the group with the first connection lost. Blocks the calling thread
     /// (a reader, writer or liveness thread that is ending anyway) for at most the grace period.
+    /// Recorded even after the group failed: when several peers die together (a node), the
+    /// later losses are what [`lost_peers`](Self::lost_peers) tells an elastic job.
     pub fn peer_lost(&self, err: CommError) {
-        if self.is_failed() {
-            return;
-        }
         self.lost
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(err);
+        if self.is_failed() {
+            return;
+        }
         // Disconnected (returns at once) as soon as the group fails.
         let _ = self.failed_rx.recv_timeout(self.grace);
         if self.is_failed() {
@@ -129,6 +131,18 @@ impl GroupHealth {
         }
         let first = self.lost.lock().unwrap_or_else(|p| p.into_inner())[0].clone();
         self.fail(first);
+    }
+
+    /// The peers whose connections were lost (closed, reset or silent), in the order seen,
+    /// each once; the losses expected while the group closes are not among them.
+    pub fn lost_peers(&self) -> Vec<usize> {
+        let mut peers = Vec::new();
+        for err in self.lost.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            if let Some(p) = err.peer().filter(|p| !peers.contains(p)) {
+                peers.push(p);
+            }
+        }
+        peers
     }
 
     /// Waits until the group has failed (at most a little longer than the grace period of a

@@ -217,6 +217,45 @@ fn survivors_go_on_and_a_restarted_rank_rejoins() {
     }
 }
 
+/// Two ranks of four die together (a node): each survivor's error blames the first, yet the
+/// survivors go on at once, as each reports every connection it lost; without that, the
+/// decider would wait for the unnamed one until the peer timeout + 2 s (4 s here).
+#[test]
+fn when_a_node_dies_the_survivors_go_on_without_waiting_for_the_timeout() {
+    let job = Job::new("2:4");
+    // Long sleeps between steps: the kills find the survivors outside any collective, so
+    // both connections are lost before either survivor fails its step and reports.
+    let env = [
+        ("PEER_STEPS", "40"),
+        ("PEER_SLEEP_MS", "200"),
+        ("WORLD_SIZE", "4"),
+    ];
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut peers: Vec<Peer> = (0..4).map(|s| job.spawn(s, &env)).collect();
+    for p in &mut peers {
+        p.wait_for("step 3 ", deadline);
+    }
+    let killed = Instant::now();
+    // Slot 2 first: both survivors see its connection close first and blame it.
+    peers[2].child.kill().unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    peers[3].child.kill().unwrap();
+    for s in [0, 1] {
+        let line = peers[s].wait_for("reformed gen 2", deadline);
+        assert!(line.contains("world 2"), "{line}");
+    }
+    let took = killed.elapsed();
+    assert!(
+        took < Duration::from_millis(1500),
+        "re-formed {took:?} after the kills (the peer timeout is 2 s)"
+    );
+    for s in [0, 1] {
+        let (status, lines) = peers[s].finish(deadline);
+        assert!(status.success(), "{}", lines.join("\n"));
+        check_each_once(&steps(&lines), 1, 40, &format!("slot {s}"));
+    }
+}
+
 /// A frozen (SIGSTOP) rank is removed after the peer timeout like a dead one; the job goes on.
 #[test]
 fn a_frozen_rank_is_removed_after_the_peer_timeout() {
