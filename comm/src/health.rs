@@ -58,6 +58,9 @@ pub(crate) struct GroupHealth {
     /// seen: the evidence from which [`GroupHealth::peer_lost`] picks a root cause if no ABORT
     /// explains it.
     lost: Mutex<Vec<CommError>>,
+    /// Peers that sent an ABORT: alive when their group failed (a rank that fails sends one
+    /// to every peer, then half-closes the link), so their lost connection is not a death.
+    aborted: Mutex<Vec<usize>>,
     /// Counts frames received and collectives finished: [`crate::Work::wait`]'s evidence that
     /// the group is still making progress.
     pub progress: AtomicU64,
@@ -80,6 +83,7 @@ impl GroupHealth {
             failed_rx,
             hooks: Mutex::new(Vec::new()),
             lost: Mutex::new(Vec::new()),
+            aborted: Mutex::new(Vec::new()),
             progress: AtomicU64::new(0),
             landed: AtomicU64::new(0),
         }
@@ -133,12 +137,30 @@ impl GroupHealth {
         self.fail(first);
     }
 
+    /// `peer` sent an ABORT (before the reader fails the group with it): it was alive.
+    pub fn peer_aborted(&self, peer: usize) {
+        self.aborted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(peer);
+    }
+
     /// The peers whose connections were lost (closed, reset or silent), in the order seen,
-    /// each once; the losses expected while the group closes are not among them.
+    /// each once, less those that sent an ABORT (its frame precedes the close on the same
+    /// link, so it is read first); the losses expected while the group closes are not among
+    /// them.
     pub fn lost_peers(&self) -> Vec<usize> {
+        let aborted = self
+            .aborted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let mut peers = Vec::new();
         for err in self.lost.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            if let Some(p) = err.peer().filter(|p| !peers.contains(p)) {
+            if let Some(p) = err
+                .peer()
+                .filter(|p| !peers.contains(p) && !aborted.contains(p))
+            {
                 peers.push(p);
             }
         }
@@ -194,6 +216,19 @@ mod tests {
 
     fn closed(peer: usize) -> CommError {
         CommError::PeerClosed { rank: 0, peer }
+    }
+
+    #[test]
+    fn lost_peers_are_listed_after_the_failure_unless_they_sent_an_abort() {
+        let health = GroupHealth::new(0, Duration::ZERO);
+        health.peer_lost(closed(3));
+        assert!(health.is_failed());
+        // Rank 1 failed too: its ABORT, then its half-close. Rank 2 died after the failure.
+        health.peer_aborted(1);
+        health.peer_lost(closed(1));
+        health.peer_lost(closed(2));
+        health.peer_lost(closed(3));
+        assert_eq!(health.lost_peers(), vec![3, 2]);
     }
 
     /// `peer_lost` on a thread of its own; its return (bounded wait) means the verdict is in.

@@ -151,6 +151,7 @@ pub(crate) fn reader_loop(stream: TcpStream, link: ReaderLink, tx: Sender<Incomi
                 }
                 let cause = String::from_utf8_lossy(&text).into_owned();
                 let blamed = (header.arg != u32::MAX).then_some(header.arg as usize);
+                health.peer_aborted(peer);
                 health.fail(CommError::PeerAborted {
                     rank,
                     peer,

@@ -235,8 +235,14 @@ fn when_a_node_dies_the_survivors_go_on_without_waiting_for_the_timeout() {
     for p in &mut peers {
         p.wait_for("step 3 ", deadline);
     }
+    // Both stopped first, so that neither can react to the other's death (a rank that sees a
+    // death sends an ABORT, which would mark it alive); then slot 2 is killed first, so that
+    // both survivors see its connection close first and blame it.
+    for s in [2, 3] {
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe { libc::kill(peers[s].child.id() as i32, libc::SIGSTOP) };
+    }
     let killed = Instant::now();
-    // Slot 2 first: both survivors see its connection close first and blame it.
     peers[2].child.kill().unwrap();
     std::thread::sleep(Duration::from_millis(5));
     peers[3].child.kill().unwrap();
