@@ -13,7 +13,7 @@ use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::Tensor;
 use ddp::{
-    CommHookKind, Compression, DdpConfig, DdpError, DistributedDataParallel, Position,
+    CommHookKind, Compression, DdpConfig, DdpError, DistributedDataParallel, FusedAdam, Position,
     ProcessGroup, Resumed, RunId, ShardOptimizer, ShardedAdamConfig, ShardedDataParallel,
     ShardedSgdConfig, SyncSpan, SyncStats, ZeroConfig, ZeroStage,
 };
@@ -34,10 +34,12 @@ pub(crate) enum Stepper {
 }
 
 /// burn's optimizer for `cfg` (stage 0), as the trainers have always used it: Adam with
-/// PyTorch's epsilon (1e-8), or SGD with `--momentum` (burn's dampening).
+/// PyTorch's epsilon (1e-8), or SGD with `--momentum` (burn's dampening). Adam is
+/// [`FusedAdam`]: burn's Adam bit for bit, with burn's record, in one pass over memory on the
+/// CPU backend.
 pub(crate) fn burn_optimizer(cfg: &TrainConfig) -> ModuleOptimizer {
     match cfg.optimizer {
-        OptimizerKind::Adam => burn::optim::AdamConfig::new().with_epsilon(1e-8).init(),
+        OptimizerKind::Adam => FusedAdam::init(&ShardedAdamConfig::new().with_epsilon(1e-8)),
         OptimizerKind::Sgd => {
             let momentum = (cfg.momentum > 0.0)
                 .then(|| burn::optim::momentum::MomentumConfig::new().with_momentum(cfg.momentum));
