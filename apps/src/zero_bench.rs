@@ -4,7 +4,9 @@
 //! The model is the MNIST MLP made wide (784 → `hidden` → 10; 64000 hidden units give 50.9 M
 //! parameters), so that Adam's state (8 bytes per parameter) dominates a rank's memory. Each
 //! rank trains `warmup + steps` steps on its own synthetic batch with Adam, either plain DDP
-//! (stage 0: `DistributedDataParallel` and burn's Adam) or `ShardedDataParallel` (stages 1, 2).
+//! (stage 0: `DistributedDataParallel` and `ddp::FusedAdam`, the trainers' Adam; with
+//! `DDP_BENCH_ADAM=burn` in the environment burn's own `Adam`, whose steps are the same bit for
+//! bit, so that `bench-zero` can time both in one run) or `ShardedDataParallel` (stages 1, 2).
 //! A step's time is the slowest rank's (all-gathered), from a barrier to the end of the
 //! optimizer step; the median over the timed steps is reported.
 //!
@@ -22,8 +24,9 @@ use burn::module::Module;
 use burn::optim::AdamConfig;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use ddp::{
-    CommHookKind, Compression, DdpConfig, DistributedDataParallel, PowerSgdConfig, ProcessGroup,
-    ReduceOp, ShardOptimizer, ShardedAdamConfig, ShardedDataParallel, ZeroConfig, ZeroStage,
+    CommHookKind, Compression, DdpConfig, DistributedDataParallel, FusedAdam, PowerSgdConfig,
+    ProcessGroup, ReduceOp, ShardOptimizer, ShardedAdamConfig, ShardedDataParallel, ZeroConfig,
+    ZeroStage,
 };
 use ddp_models::{Classifier, DeepMlpConfig, MnistCnnConfig, MnistMlpConfig};
 use serde::Serialize;
@@ -215,7 +218,11 @@ fn run_model<M: Module + Classifier<4>>(
             .with_compression(compression)
             .with_comm_hook(comm_hook);
         let (mut model, mut ddp) = DistributedDataParallel::new(model, pg.clone(), config)?;
-        let mut optim = AdamConfig::new().with_epsilon(eps).init();
+        let mut optim = if std::env::var("DDP_BENCH_ADAM").is_ok_and(|v| v == "burn") {
+            AdamConfig::new().with_epsilon(eps).init()
+        } else {
+            FusedAdam::init(&ShardedAdamConfig::new().with_epsilon(eps))
+        };
         let mut backward_calls = 0.0;
         for step in 0..args.warmup + args.steps {
             pg.barrier()?;

@@ -13,6 +13,10 @@
 //! M + M + 2M/N; stage 2 M + M/N + 2M/N. The limit is 1.3 times that plus 100 MiB (the
 //! process, the transport's buffers), and no rank may be more than 10 % above the smallest.
 //!
+//! Stage 0 steps with `ddp::FusedAdam` (the trainers' Adam); each world size's stage 0 also
+//! runs once with burn's own `Adam` (`DDP_BENCH_ADAM=burn`, the same steps bit for bit), and
+//! a last table gives both step times and their ratio.
+//!
 //! One compute thread per rank: on a machine with fewer cores than ranks the ranks share
 //! cores, and step times there measure oversubscription as much as the step.
 
@@ -94,6 +98,7 @@ pub fn run(args: Args) -> Result<()> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut ours = Vec::new();
     let mut theirs = Vec::new();
+    let mut burn_adam = Vec::new();
     for &world in &args.worlds {
         for stage in 0..=2u8 {
             ours.push(run_ours(&bin_dir, &args, world, stage)?);
@@ -101,16 +106,18 @@ pub fn run(args: Args) -> Result<()> {
                 theirs.push(run_theirs(python, &args, world, stage)?);
             }
         }
+        burn_adam.push(run_burn_adam(&bin_dir, &args, world)?);
     }
     let mut md = memory_table(&ours, &crate::bench_overlap::load_average());
     md += &table(&args, cores, &ours, &theirs);
+    md += &adam_table(&ours, &burn_adam);
     println!("\n{md}");
     std::fs::write(out.join("zero.md"), &md)?;
     std::fs::write(
         out.join("zero.json"),
         serde_json::to_string_pretty(&serde_json::json!({
             "cores": cores, "hidden": args.hidden, "batch": args.batch,
-            "ours": ours, "pytorch": theirs,
+            "ours": ours, "pytorch": theirs, "stage0_burn_adam": burn_adam,
         }))?,
     )?;
     let svg = out.join("zero.svg");
@@ -176,6 +183,46 @@ fn run_ours(bin_dir: &Path, args: &Args, world: usize, stage: u8) -> Result<Ours
     ours.outside_rss_mimalloc_mib = outside_rss(&text, world)?;
     ours.outside_rss_mib = outside_rss(&run("system")?, world)?;
     Ok(ours)
+}
+
+/// Stage 0 at `world` with burn's own `Adam` instead of `FusedAdam` (mimalloc, as the step
+/// times of [`run_ours`]).
+fn run_burn_adam(bin_dir: &Path, args: &Args, world: usize) -> Result<Ours> {
+    let text = util::run_stdout(
+        Command::new(bin_dir.join("ddprun"))
+            .args(["--nproc-per-node", &world.to_string(), "--"])
+            .arg(bin_dir.join("ddp-zero-bench"))
+            .args(["--stage", "0"])
+            .args(["--hidden", &args.hidden.to_string()])
+            .args(["--batch", &args.batch.to_string()])
+            .args(["--steps", &args.steps.to_string()])
+            .args(["--overlap", "true"])
+            .env("DDP_ALLOCATOR", "mimalloc")
+            .env("DDP_BENCH_ADAM", "burn"),
+    )?;
+    tagged(&text, "ZERO_BENCH ")
+}
+
+/// Stage 0's step with `FusedAdam` against burn's `Adam`, per world size, measured in this
+/// run.
+fn adam_table(ours: &[Ours], burn_adam: &[Ours]) -> String {
+    let mut md = String::from(
+        "\n### Stage 0's optimizer: FusedAdam against burn's Adam (same steps, bit for bit)\n\n\
+         | ranks | step, burn's Adam (s) | step, FusedAdam (s) | speed-up |\n\
+         | --- | --- | --- | --- |\n",
+    );
+    for b in burn_adam {
+        if let Some(f) = ours.iter().find(|o| o.stage == 0 && o.world == b.world) {
+            md += &format!(
+                "| {} | {:.3} | {:.3} | {:.2}x |\n",
+                b.world,
+                b.step_s,
+                f.step_s,
+                b.step_s / f.step_s
+            );
+        }
+    }
+    md
 }
 
 /// Every rank's `[rank R] PEAK_RSS_KB k` line in `text`, in MiB, in rank order.
@@ -349,7 +396,7 @@ fn table(args: &Args, cores: usize, ours: &[Ours], theirs: &[Theirs]) -> String 
             o.ring_sent_bytes as f64 / 1e6,
         );
     }
-    md += "\nStage 0: DDP (all-reduce) and burn's Adam on every rank; stage 1: optimizer state \
+    md += "\nStage 0: DDP (all-reduce) and FusedAdam (burn's Adam, bit for bit) on every rank; stage 1: optimizer state \
            sharded; stage 2: optimizer state and gradients sharded (both: gradients \
            reduce-scattered, parameters all-gathered). Gradient buffers: what the wrapper keeps \
            between micro-steps (DDP: none, its gradients go back to burn; stage 1's full \
