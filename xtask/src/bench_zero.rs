@@ -396,10 +396,10 @@ fn table(args: &Args, cores: usize, ours: &[Ours], theirs: &[Theirs]) -> String 
             o.ring_sent_bytes as f64 / 1e6,
         );
     }
-    md += "\nStage 0: DDP (all-reduce) and FusedAdam (burn's Adam, bit for bit) on every rank; \
-           stage 1: optimizer state sharded; stage 2: optimizer state and gradients sharded \
-           (both: gradients reduce-scattered, parameters all-gathered). Gradient buffers: what \
-           the wrapper keeps between micro-steps (DDP: none, its gradients go back to burn; stage 1's full \
+    md += "\nStage 0: DDP (all-reduce) and FusedAdam on every rank; stage 1: optimizer state \
+           sharded; stage 2: optimizer state and gradients sharded (both: gradients \
+           reduce-scattered, parameters all-gathered). Gradient buffers: what the wrapper keeps \
+           between micro-steps (DDP: none, its gradients go back to burn; stage 1's full \
            buffer, which it fills when accumulating; stage 2's shard). Ring bytes: what a ring algorithm sends per rank for \
            the step's collectives (all-reduce of B: 2(N-1)/N·B; reduce-scatter: (N-1)/N·B; \
            all-gather: (N-1)/N of the gathered bytes). Peak RSS: the largest rank's, whole \
