@@ -552,9 +552,17 @@ fn note_change<M: Module>(
         .map(|l| format!("rank {} (slot {}): {}", l.rank, l.slot, l.why))
         .collect();
     let at = now_ms();
+    // When ranks joined after a committed step, when that step was committed: the heal took
+    // from then until `at`.
+    let committed = match run.committed_at() {
+        Some(t) if !m.dropped && !m.joined.is_empty() => {
+            format!(", committed at {}", ms_since_epoch(t))
+        }
+        _ => String::new(),
+    };
     println!(
         "elastic: generation {}: rank {} of {} (joined slots {:?}; left: {}), continuing after \
-         step {}{}{} at {at}",
+         step {}{committed}{}{} at {at}",
         m.generation,
         m.rank,
         m.world_size,

@@ -391,8 +391,13 @@ fn elastic_recovery(
             .parse()
             .ok()
     };
-    let heal_from =
-        (after(grown_line, "continuing after step ") == step_of(next_line)).then_some(next_ms);
+    // The step's commit time as rank 0 printed it; before the trainers printed it, the
+    // survivors' first step's (when the rank joined after that one).
+    let heal_from = after(grown_line, ", committed at ")
+        .map(u128::from)
+        .or_else(|| {
+            (after(grown_line, "continuing after step ") == step_of(next_line)).then_some(next_ms)
+        });
     let (_, back_line) = agents[1]
         .first("elastic: step ", killed)
         .context("the healed rank's first step")?;
