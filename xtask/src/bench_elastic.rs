@@ -16,8 +16,9 @@
 //! lines with the wall clock. Reported, from the kill (the hook's line): the time until the
 //! survivors train again (re-formed at world 2 and wrapped: rank 0's generation-2 line), the
 //! next step (the survivors' first committed step, stamped when committed; the restarted
-//! job's first step), the heal (from the commit of the survivors' step after which the rank
-//! joins until the group of 3 trains: re-formed, the state sent, wrapped), the time until the
+//! job's first step), the heal (from the commit of the step after which the rank joins, as
+//! rank 0's generation line says it, until the group of 3 trains: re-formed, the state sent,
+//! wrapped), the time until the
 //! world is back at 3 (the healed rank's first committed step; the restarted job's first
 //! step), the time until the job is past the step it was killed in, the steps lost (computed
 //! and thrown away: the dropped step in flight; the steps after the checkpoint and the one in
@@ -245,9 +246,9 @@ pub fn run(args: Args) -> Result<()> {
         .iter()
         .any(|r| r.mode == "elastic" && r.heal_s.is_nan())
     {
-        md += "\nheal –: not measured, as the generation that grew back to 3 does not continue \
-               after the survivors' first step: the restarted rank's join request came after \
-               that step's boundary, so it was admitted at a later one.\n";
+        md += "\nheal –: not measured: rank 0's line of the generation that grew back to 3 \
+               names no commit time (a trainer from before it did) and that generation does \
+               not continue after the survivors' first step.\n";
     }
     let steady = if args.no_steady {
         Vec::new()
