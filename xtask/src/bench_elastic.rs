@@ -18,11 +18,10 @@
 //! next step (the survivors' first committed step, stamped when committed; the restarted
 //! job's first step), the heal (from the commit of the step after which the rank joins, as
 //! rank 0's generation line says it, until the group of 3 trains: re-formed, the state sent,
-//! wrapped), the time until the
-//! world is back at 3 (the healed rank's first committed step; the restarted job's first
-//! step), the time until the job is past the step it was killed in, the steps lost (computed
-//! and thrown away: the dropped step in flight; the steps after the checkpoint and the one in
-//! flight) and the steps computed twice. `--no-restart` measures the elastic run alone.
+//! wrapped), the time until the world is back at 3 (the healed rank's first committed step;
+//! the restarted job's first step), the time until the job is past the step it was killed
+//! in, the steps lost (computed and thrown away: the dropped step in flight; the steps after
+//! the checkpoint and the one in flight) and the steps computed twice. `--no-restart` measures the elastic run alone.
 //!
 //! Steady state: `bench-scaling`'s run (CNN, batch 64 per rank, one thread per rank, 60
 //! steps) at 2 and 3 ranks, plain and with `--elastic N:N` (the commit vote after every step),

@@ -166,16 +166,7 @@ fn run_ours(bin_dir: &Path, args: &Args, world: usize, stage: u8) -> Result<Ours
     }
     let run = |allocator: &str| {
         util::run_stdout(
-            Command::new(bin_dir.join("ddprun"))
-                .args(["--nproc-per-node", &world.to_string(), "--"])
-                .args([TIME, "-a", "-o", "/dev/stdout", "-f", "PEAK_RSS_KB %M"])
-                .arg(bin_dir.join("ddp-zero-bench"))
-                .args(["--stage", &stage.to_string()])
-                .args(["--hidden", &args.hidden.to_string()])
-                .args(["--batch", &args.batch.to_string()])
-                .args(["--steps", &args.steps.to_string()])
-                .args(["--overlap", "true"])
-                .env("DDP_ALLOCATOR", allocator),
+            bench_command(bin_dir, args, world, stage, true).env("DDP_ALLOCATOR", allocator),
         )
     };
     let text = run("mimalloc")?;
@@ -189,18 +180,29 @@ fn run_ours(bin_dir: &Path, args: &Args, world: usize, stage: u8) -> Result<Ours
 /// times of [`run_ours`]).
 fn run_burn_adam(bin_dir: &Path, args: &Args, world: usize) -> Result<Ours> {
     let text = util::run_stdout(
-        Command::new(bin_dir.join("ddprun"))
-            .args(["--nproc-per-node", &world.to_string(), "--"])
-            .arg(bin_dir.join("ddp-zero-bench"))
-            .args(["--stage", "0"])
-            .args(["--hidden", &args.hidden.to_string()])
-            .args(["--batch", &args.batch.to_string()])
-            .args(["--steps", &args.steps.to_string()])
-            .args(["--overlap", "true"])
+        bench_command(bin_dir, args, world, 0, false)
             .env("DDP_ALLOCATOR", "mimalloc")
             .env("DDP_BENCH_ADAM", "burn"),
     )?;
     tagged(&text, "ZERO_BENCH ")
+}
+
+/// `ddp-zero-bench` at `stage` on `world` ranks under ddprun, with `args`' model and steps and
+/// overlap on; with `timed`, each rank under GNU time ([`TIME`], its peak RSS).
+fn bench_command(bin_dir: &Path, args: &Args, world: usize, stage: u8, timed: bool) -> Command {
+    let mut command = Command::new(bin_dir.join("ddprun"));
+    command.args(["--nproc-per-node", &world.to_string(), "--"]);
+    if timed {
+        command.args([TIME, "-a", "-o", "/dev/stdout", "-f", "PEAK_RSS_KB %M"]);
+    }
+    command
+        .arg(bin_dir.join("ddp-zero-bench"))
+        .args(["--stage", &stage.to_string()])
+        .args(["--hidden", &args.hidden.to_string()])
+        .args(["--batch", &args.batch.to_string()])
+        .args(["--steps", &args.steps.to_string()])
+        .args(["--overlap", "true"]);
+    command
 }
 
 /// Stage 0's step with `FusedAdam` against burn's `Adam`, per world size, measured in this
