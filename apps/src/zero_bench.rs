@@ -137,6 +137,42 @@ pub struct ZeroBenchReport {
     pub backward_s: Option<f64>,
 }
 
+/// What rank 0 prints for `ddp-zero-bench --overlap-pairs` ([`overlap_pairs`]): one DDP run
+/// (stage 0) whose timed steps alternate between the all-reduces during backward (the forward
+/// pass on `prepare`'s hooked copy) and after it (on the model itself), in the order on, off,
+/// off, on, on, off, ..., so that both are timed in the same processes, on the same memory,
+/// under the same load, and neither always follows the other. On this kind of shared 2-core
+/// machine the same configuration's step time moves by up to 15 % from one pair of processes
+/// to the next, more than overlap changes it on one host; within one run it does not.
+#[derive(Debug, Serialize)]
+pub struct OverlapPairs {
+    /// The model.
+    pub model: String,
+    /// Ranks.
+    pub world: usize,
+    /// Timed pairs (one step each way).
+    pub pairs: usize,
+    /// Median step time (the slowest rank's) with the all-reduces during backward, seconds.
+    pub on_step_s: f64,
+    /// Median step time (the slowest rank's) with the all-reduces after backward, seconds.
+    pub off_step_s: f64,
+    /// The median over the pairs of (step after backward / step during backward): the
+    /// speed-up overlap gives.
+    pub speedup: f64,
+    /// Rank 0's synchronisation after backward per step with overlap (what it left to wait
+    /// for), seconds.
+    pub on_sync_s: f64,
+    /// Rank 0's synchronisation after backward per step without overlap (pack + wait +
+    /// unpack: what overlap can hide), seconds.
+    pub off_sync_s: f64,
+    /// Rank 0's backward itself per step without overlap (the compute overlap hides the
+    /// all-reduces behind), seconds.
+    pub off_backward_s: f64,
+    /// All-reduces started during backward per step with overlap (rank 0): 0 would mean the
+    /// hooks never fired.
+    pub buckets_during_backward: f64,
+}
+
 /// Runs one rank of the benchmark; rank 0 returns the result.
 pub fn run(args: &ZeroBenchArgs) -> Result<Option<ZeroBenchResult>> {
     Ok(report(args)?.map(|r| r.result))
@@ -144,6 +180,37 @@ pub fn run(args: &ZeroBenchArgs) -> Result<Option<ZeroBenchResult>> {
 
 /// [`run`], with the backward's own time: what `ddp-zero-bench` prints.
 pub fn report(args: &ZeroBenchArgs) -> Result<Option<ZeroBenchReport>> {
+    match measure(args, false)? {
+        Some(Measured::Report(report)) => Ok(Some(report)),
+        Some(Measured::Pairs(_)) => bail!("a paired run was measured for a report"),
+        None => Ok(None),
+    }
+}
+
+/// One rank of a run whose steps alternate with and without overlap (see [`OverlapPairs`]):
+/// stage 0, `--overlap` not false, `--steps` even; rank 0 returns the result.
+pub fn overlap_pairs(args: &ZeroBenchArgs) -> Result<Option<OverlapPairs>> {
+    if args.stage != 0 || args.overlap == Some(false) {
+        bail!("--overlap-pairs times plain DDP (--stage 0) with and without --overlap");
+    }
+    if !args.steps.is_multiple_of(2) || args.warmup < 2 {
+        bail!("--overlap-pairs needs an even --steps and --warmup 2 or more (one step each way)");
+    }
+    match measure(args, true)? {
+        Some(Measured::Pairs(pairs)) => Ok(Some(pairs)),
+        Some(Measured::Report(_)) => bail!("a report was measured for a paired run"),
+        None => Ok(None),
+    }
+}
+
+/// What [`measure`] gives rank 0.
+enum Measured {
+    Report(ZeroBenchReport),
+    Pairs(OverlapPairs),
+}
+
+/// One rank of [`report`] (`pairs` false) or [`overlap_pairs`].
+fn measure(args: &ZeroBenchArgs, pairs: bool) -> Result<Option<Measured>> {
     if args.stage > 2 || args.steps == 0 || args.batch == 0 {
         bail!("--stage must be 0, 1 or 2, --steps and --batch at least 1");
     }
@@ -158,24 +225,41 @@ pub fn report(args: &ZeroBenchArgs) -> Result<Option<ZeroBenchReport>> {
     match args.model.as_str() {
         "mlp" => {
             let model = MnistMlpConfig::new().with_hidden(args.hidden).init(&device);
-            run_model(args, pg, &device, model)
+            run_model(args, pg, &device, model, pairs)
         }
         "deep" => {
             let model = DeepMlpConfig::new().with_hidden(args.hidden).init(&device);
-            run_model(args, pg, &device, model)
+            run_model(args, pg, &device, model, pairs)
         }
-        "cnn" => run_model(args, pg, &device, MnistCnnConfig::new().init(&device)),
+        "cnn" => run_model(
+            args,
+            pg,
+            &device,
+            MnistCnnConfig::new().init(&device),
+            pairs,
+        ),
         other => bail!("--model {other}: expected mlp, deep or cnn"),
     }
 }
 
-/// [`report`] for one model.
+/// Adam's learning rate and epsilon in every configuration.
+const LR: f64 = 1e-4;
+const EPS: f32 = 1e-8;
+
+/// Whether step `t` of a paired run (counted from the first timed step) runs with overlap: on,
+/// off, off, on, on, off, ... (the warm-up steps alternate on, off).
+fn paired_on(t: usize) -> bool {
+    (t / 2 + t).is_multiple_of(2)
+}
+
+/// [`measure`] for one model.
 fn run_model<M: Module + Classifier<4>>(
     args: &ZeroBenchArgs,
     pg: Arc<ProcessGroup>,
     device: &Device,
     model: M,
-) -> Result<Option<ZeroBenchReport>> {
+    pairs: bool,
+) -> Result<Option<Measured>> {
     let (rank, world) = (pg.rank(), pg.world_size());
     // A fixed synthetic batch per rank (the figures do not depend on the values).
     let x: Vec<f32> = (0..args.batch * 784)
@@ -184,10 +268,24 @@ fn run_model<M: Module + Classifier<4>>(
     let y: Vec<i64> = (0..args.batch).map(|i| ((i + rank) % 10) as i64).collect();
     let inputs = Tensor::<4>::from_data(TensorData::new(x, [args.batch, 1, 28, 28]), device);
     let targets = Tensor::<1, Int>::from_data(TensorData::new(y, [args.batch]), device);
-    let lr = 1e-4;
-    let eps = 1e-8;
+    if pairs {
+        let warmup = args.warmup;
+        let hooked = |step: usize| match step.checked_sub(warmup) {
+            Some(t) => paired_on(t),
+            None => step.is_multiple_of(2),
+        };
+        let run = ddp_steps(args, &pg, model, &inputs, &targets, true, hooked)?;
+        let times = run.steps.iter().map(|s| s.time).collect();
+        let slowest = pg.all_reduce(times, ReduceOp::Max)?;
+        if rank != 0 {
+            return Ok(None);
+        }
+        return Ok(Some(Measured::Pairs(paired_figures(
+            args, world, &run, &slowest,
+        ))));
+    }
     let (mut sync_s, mut backward_s) = (None, None);
-    let (mut sent_before, mut wire_bytes_per_step) = (None, None);
+    let mut wire_bytes_per_step = None;
     let overlap = args.overlap.unwrap_or(DdpConfig::new().overlap);
 
     let mut times = Vec::with_capacity(args.steps);
@@ -199,66 +297,18 @@ fn run_model<M: Module + Classifier<4>>(
     let mut phases = None;
     let n = world as u64;
     if args.stage == 0 {
-        let (compression, comm_hook) = match args.comm_hook {
-            HookKind::None => (Compression::None, CommHookKind::AllReduce),
-            HookKind::Bf16 => (Compression::Bf16, CommHookKind::AllReduce),
-            HookKind::F16 => (Compression::F16, CommHookKind::AllReduce),
-            HookKind::Powersgd => (
-                Compression::None,
-                CommHookKind::PowerSgd(
-                    PowerSgdConfig::new()
-                        .with_matrix_approximation_rank(args.powersgd_rank)
-                        .with_start_powersgd_iter(args.powersgd_start),
-                ),
-            ),
-        };
-        let config = DdpConfig::new()
-            .with_overlap(overlap)
-            .with_bucket_cap_mb(args.bucket_cap_mb)
-            .with_compression(compression)
-            .with_comm_hook(comm_hook);
-        let (mut model, mut ddp) = DistributedDataParallel::new(model, pg.clone(), config)?;
-        let mut optim = if std::env::var("DDP_BENCH_ADAM").is_ok_and(|v| v == "burn") {
-            AdamConfig::new().with_epsilon(eps).init()
-        } else {
-            FusedAdam::init(&ShardedAdamConfig::new().with_epsilon(eps))
-        };
-        let mut backward_calls = 0.0;
-        for step in 0..args.warmup + args.steps {
-            pg.barrier()?;
-            if step == args.warmup {
-                ddp.take_stats();
-                sent_before = tx_bytes();
-            }
-            let start = Instant::now();
-            let hooked = ddp.prepare(&model);
-            let (loss, _) = hooked.loss(inputs.clone(), targets.clone());
-            let backward_start = Instant::now();
-            let grads = ddp.backward(&model, loss)?;
-            let backward_call = backward_start.elapsed().as_secs_f64();
-            model = optim.step(lr, model, grads);
-            if step >= args.warmup {
-                times.push(start.elapsed().as_secs_f64());
-                backward_calls += backward_call;
-            }
-        }
-        pg.barrier()?;
-        wire_bytes_per_step = sent_before
-            .zip(tx_bytes())
-            .map(|(a, b)| b.saturating_sub(a) as f64 / args.steps as f64);
-        params = ddp
-            .params()
-            .iter()
-            .filter(|p| p.trainable())
-            .map(|p| p.numel())
-            .sum();
+        let run = ddp_steps(args, &pg, model, &inputs, &targets, overlap, |_| true)?;
+        times = run.steps.iter().map(|s| s.time).collect();
+        wire_bytes_per_step = run.wire_bytes_per_step;
+        params = run.params;
         // burn's Adam: two f32 moments per trainable element.
         optimizer_bytes = 8 * params;
-        let stats = ddp.take_stats();
-        let sync = stats.total().as_secs_f64() / stats.steps.max(1) as f64;
+        let per_step =
+            |f: &dyn Fn(&DdpStep) -> f64| run.steps.iter().map(f).sum::<f64>() / args.steps as f64;
+        let sync = per_step(&|s| s.sync);
         sync_s = Some(sync);
-        backward_s = Some((backward_calls / args.steps.max(1) as f64 - sync).max(0.0));
-        collective_bytes = stats.bytes / stats.steps.max(1);
+        backward_s = Some(per_step(&|s| s.backward_call - s.sync).max(0.0));
+        collective_bytes = run.collective_bytes;
         // DDP's pipeline keeps no buffer between steps: each gradient goes back to burn.
         gradient_bytes = 0;
         ring_sent_bytes = 2 * (n - 1) * collective_bytes / n;
@@ -268,7 +318,7 @@ fn run_model<M: Module + Classifier<4>>(
         } else {
             ZeroStage::Two
         };
-        let adam = ShardOptimizer::Adam(ShardedAdamConfig::new().with_epsilon(eps));
+        let adam = ShardOptimizer::Adam(ShardedAdamConfig::new().with_epsilon(EPS));
         let config = ZeroConfig::new(stage)
             .with_overlap(overlap)
             .with_bucket_cap_mb(args.bucket_cap_mb);
@@ -279,7 +329,7 @@ fn run_model<M: Module + Classifier<4>>(
             // The hooked copy lives for the forward pass only: the step then updates the
             // parameters in their own memory.
             let (loss, _) = zero.prepare(&model).loss(inputs.clone(), targets.clone());
-            model = zero.backward_step(lr, model, loss)?;
+            model = zero.backward_step(LR, model, loss)?;
             if step >= args.warmup {
                 times.push(start.elapsed().as_secs_f64());
             }
@@ -320,5 +370,205 @@ fn run_model<M: Module + Classifier<4>>(
         sync_s,
         wire_bytes_per_step,
     };
-    Ok(Some(ZeroBenchReport { result, backward_s }))
+    Ok(Some(Measured::Report(ZeroBenchReport {
+        result,
+        backward_s,
+    })))
+}
+
+/// One DDP step's figures on this rank.
+struct DdpStep {
+    /// From the barrier to the end of the optimizer step, seconds.
+    time: f64,
+    /// The wrapper's synchronisation after backward (pack + wait + unpack), seconds.
+    sync: f64,
+    /// The `backward` call (backward itself and the sync), seconds.
+    backward_call: f64,
+    /// Whether the forward pass ran on `prepare`'s hooked copy.
+    hooked: bool,
+    /// All-reduces started during backward.
+    during: u64,
+}
+
+/// The timed steps of [`ddp_steps`] and what the run handed to collectives.
+struct DdpRun {
+    steps: Vec<DdpStep>,
+    /// Trainable parameters.
+    params: usize,
+    /// Bytes handed to collectives per timed step.
+    collective_bytes: u64,
+    /// Bytes sent by the network interfaces other than `lo` per timed step.
+    wire_bytes_per_step: Option<f64>,
+}
+
+/// Stage 0: `warmup + steps` DDP steps with Adam (`FusedAdam`, or burn's with
+/// `DDP_BENCH_ADAM=burn`), the forward pass on `prepare`'s hooked copy at the steps where
+/// `hooked(step)` holds and on the model itself elsewhere (`backward` then all-reduces after
+/// backward); the timed steps' figures.
+fn ddp_steps<M: Module + Classifier<4>>(
+    args: &ZeroBenchArgs,
+    pg: &Arc<ProcessGroup>,
+    model: M,
+    inputs: &Tensor<4>,
+    targets: &Tensor<1, Int>,
+    overlap: bool,
+    hooked: impl Fn(usize) -> bool,
+) -> Result<DdpRun> {
+    let (compression, comm_hook) = match args.comm_hook {
+        HookKind::None => (Compression::None, CommHookKind::AllReduce),
+        HookKind::Bf16 => (Compression::Bf16, CommHookKind::AllReduce),
+        HookKind::F16 => (Compression::F16, CommHookKind::AllReduce),
+        HookKind::Powersgd => (
+            Compression::None,
+            CommHookKind::PowerSgd(
+                PowerSgdConfig::new()
+                    .with_matrix_approximation_rank(args.powersgd_rank)
+                    .with_start_powersgd_iter(args.powersgd_start),
+            ),
+        ),
+    };
+    let config = DdpConfig::new()
+        .with_overlap(overlap)
+        .with_bucket_cap_mb(args.bucket_cap_mb)
+        .with_compression(compression)
+        .with_comm_hook(comm_hook);
+    let (mut model, mut ddp) = DistributedDataParallel::new(model, pg.clone(), config)?;
+    let mut optim = if std::env::var("DDP_BENCH_ADAM").is_ok_and(|v| v == "burn") {
+        AdamConfig::new().with_epsilon(EPS).init()
+    } else {
+        FusedAdam::init(&ShardedAdamConfig::new().with_epsilon(EPS))
+    };
+    let mut steps = Vec::with_capacity(args.steps);
+    let (mut sent_before, mut bytes) = (None, 0);
+    for step in 0..args.warmup + args.steps {
+        pg.barrier()?;
+        if step == args.warmup {
+            sent_before = tx_bytes();
+        }
+        let start = Instant::now();
+        let hook = hooked(step);
+        let forward = if hook {
+            ddp.prepare(&model)
+        } else {
+            model.clone()
+        };
+        let (loss, _) = forward.loss(inputs.clone(), targets.clone());
+        let backward_start = Instant::now();
+        let grads = ddp.backward(&model, loss)?;
+        let backward_call = backward_start.elapsed().as_secs_f64();
+        model = optim.step(LR, model, grads);
+        let time = start.elapsed().as_secs_f64();
+        let stats = ddp.take_stats();
+        if step >= args.warmup {
+            bytes += stats.bytes;
+            steps.push(DdpStep {
+                time,
+                sync: stats.total().as_secs_f64(),
+                backward_call,
+                hooked: hook,
+                during: stats.buckets_during_backward,
+            });
+        }
+    }
+    pg.barrier()?;
+    let wire_bytes_per_step = sent_before
+        .zip(tx_bytes())
+        .map(|(a, b)| b.saturating_sub(a) as f64 / args.steps as f64);
+    let params = ddp
+        .params()
+        .iter()
+        .filter(|p| p.trainable())
+        .map(|p| p.numel())
+        .sum();
+    Ok(DdpRun {
+        steps,
+        params,
+        collective_bytes: bytes / args.steps as u64,
+        wire_bytes_per_step,
+    })
+}
+
+/// Rank 0's [`OverlapPairs`] from its paired run and every step's slowest time.
+fn paired_figures(
+    args: &ZeroBenchArgs,
+    world: usize,
+    run: &DdpRun,
+    slowest: &[f64],
+) -> OverlapPairs {
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    let of = |on: bool, f: &dyn Fn(usize, &DdpStep) -> f64| {
+        let picked = run.steps.iter().enumerate().filter(|(_, s)| s.hooked == on);
+        median(picked.map(|(i, s)| f(i, s)).collect())
+    };
+    let mean = |on: bool, f: &dyn Fn(&DdpStep) -> f64| {
+        let picked: Vec<f64> = run.steps.iter().filter(|s| s.hooked == on).map(f).collect();
+        picked.iter().sum::<f64>() / picked.len().max(1) as f64
+    };
+    // Pair k is timed steps 2k and 2k + 1, one of each kind.
+    let ratios = (0..args.steps / 2)
+        .map(|k| {
+            let (a, b) = (2 * k, 2 * k + 1);
+            let (on, off) = if run.steps[a].hooked { (a, b) } else { (b, a) };
+            slowest[off] / slowest[on]
+        })
+        .collect();
+    OverlapPairs {
+        model: args.model.clone(),
+        world,
+        pairs: args.steps / 2,
+        on_step_s: of(true, &|i, _| slowest[i]),
+        off_step_s: of(false, &|i, _| slowest[i]),
+        speedup: median(ratios),
+        on_sync_s: mean(true, &|s| s.sync),
+        off_sync_s: mean(false, &|s| s.sync),
+        off_backward_s: mean(false, &|s| (s.backward_call - s.sync).max(0.0)),
+        buckets_during_backward: mean(true, &|s| s.during as f64),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The order on, off, off, on, ...: every pair has one step of each kind, and neither kind
+    /// always comes first.
+    #[test]
+    fn paired_steps_alternate_in_balanced_pairs() {
+        let order: Vec<bool> = (0..8).map(paired_on).collect();
+        assert_eq!(order, [true, false, false, true, true, false, false, true]);
+    }
+
+    /// The speed-up is the median of each pair's off / on, whichever came first in the pair.
+    #[test]
+    fn the_speed_up_is_the_median_over_pairs() {
+        let step = |hooked| DdpStep {
+            time: 0.0,
+            sync: 0.0,
+            backward_call: 0.0,
+            hooked,
+            during: 1,
+        };
+        let run = DdpRun {
+            steps: (0..6).map(|t| step(paired_on(t))).collect(),
+            params: 1,
+            collective_bytes: 0,
+            wire_bytes_per_step: None,
+        };
+        // Pairs (on, off), (off, on), (on, off): ratios 1.2, 1.5, 0.9.
+        let slowest = [1.0, 1.2, 3.0, 2.0, 1.0, 0.9];
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: ZeroBenchArgs,
+        }
+        let args = <Cli as clap::Parser>::parse_from(["bench", "--steps", "6"]).args;
+        let figures = paired_figures(&args, 2, &run, &slowest);
+        assert_eq!(figures.pairs, 3);
+        assert!((figures.speedup - 1.2).abs() < 1e-12, "{}", figures.speedup);
+        assert_eq!(figures.on_step_s, 1.0);
+        assert_eq!(figures.off_step_s, 1.2);
+    }
 }

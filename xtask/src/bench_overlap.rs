@@ -1,14 +1,21 @@
 //! `cargo xtask bench-overlap`: step time of 2-rank DDP with the all-reduces after backward
-//! (`--overlap false`) and during backward (`--overlap`), in the same run, for the MNIST CNN
+//! and during backward (`--overlap`), in the same run, for the MNIST CNN
 //! (4.8 MB of gradients) and a deep MLP (784 → 4 × 2048 → 10, 57 MB), over shared memory,
 //! over TCP on this host, and, as root, over TCP between two network namespaces joined by a
 //! veth pair limited with `tc` to a data-centre rate (10 Gbit/s) and to 1 Gbit/s, where the
 //! deep MLP's communication takes three times as long as its backward at the default batch.
 //! One more row runs the deep MLP over the last (slowest) veth rate at a larger batch
 //! (`--balanced-batch`, 256), where its backward takes about as long as its all-reduce: the
-//! case overlap is for. Buckets are DDP's defaults (25 MiB, the first 1 MiB). `ddp-zero-bench` at stage 0 runs each configuration under
-//! `ddprun`; off and on alternate, `--repeats` times, and medians are reported, with the
-//! machine's load average before the runs. Writes `overlap.md` and `overlap.json`.
+//! case overlap is for. Buckets are DDP's defaults (25 MiB, the first 1 MiB).
+//!
+//! Each configuration is `--repeats` runs of `ddp-zero-bench --overlap-pairs` under `ddprun`:
+//! within one run the steps alternate with and without overlap (on, off, off, on, ...), so both
+//! are timed in the same processes under the same load. (Timed in separate runs, as this bench
+//! did before, the same configuration's step moved by up to 15 % from one pair of processes to
+//! the next on a shared 2-core machine: more than overlap changes the CNN's step on one host.)
+//! The speed-up is the median over pairs of adjacent steps, the other columns medians over
+//! steps; each is the median over the runs. The machine's load average before the runs is
+//! printed with them. Writes `overlap.md` and `overlap.json`.
 //!
 //! One compute thread per rank: on a 2-core machine the communication threads compete with
 //! the other rank's backward for the cores, which is part of what the figures show.
@@ -25,10 +32,11 @@ use crate::util;
 /// Options of `bench-overlap`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Timed steps per run (after 2 warm-up steps).
-    #[arg(long, default_value_t = 10)]
+    /// Timed steps per run (after 4 warm-up steps), half of them with overlap; even.
+    #[arg(long, default_value_t = 40)]
     steps: usize,
-    /// Runs of each configuration with and without overlap (alternating); medians reported.
+    /// Runs of each configuration (each alternating with and without overlap); medians
+    /// reported.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
     /// Samples per rank per step.
@@ -57,12 +65,17 @@ pub struct Args {
     out: Option<PathBuf>,
 }
 
-/// The figures of one run (`ddp-zero-bench`'s `ZERO_BENCH` line, the fields used here).
+/// The figures of one run (`ddp-zero-bench --overlap-pairs`' `OVERLAP_PAIRS` line, the
+/// fields used here).
 #[derive(Debug, Clone, Deserialize, Serialize)]
 struct Run {
-    step_s: f64,
-    sync_s: Option<f64>,
-    backward_s: Option<f64>,
+    on_step_s: f64,
+    off_step_s: f64,
+    speedup: f64,
+    on_sync_s: f64,
+    off_sync_s: f64,
+    off_backward_s: f64,
+    buckets_during_backward: f64,
 }
 
 /// One configuration's medians.
@@ -73,6 +86,7 @@ struct Row {
     batch: usize,
     off_ms: f64,
     on_ms: f64,
+    speedup: f64,
     sync_off_ms: f64,
     sync_on_ms: f64,
     backward_off_ms: f64,
@@ -80,6 +94,9 @@ struct Row {
 
 /// `cargo xtask bench-overlap`.
 pub fn run(args: Args) -> Result<()> {
+    if args.steps < 2 || !args.steps.is_multiple_of(2) || args.repeats == 0 {
+        bail!("--steps must be even and at least 2 (half with overlap), --repeats at least 1");
+    }
     let bin = util::build_release_bins(&["ddprun", "ddp-zero-bench"], &[])?;
     let out = match args.out.clone() {
         Some(out) => out,
@@ -104,34 +121,38 @@ pub fn run(args: Args) -> Result<()> {
     }
     let mut rows = Vec::new();
     for (model, link, batch) in configurations {
-        let (mut off, mut on) = (Vec::new(), Vec::new());
+        let mut runs = Vec::new();
         for _ in 0..args.repeats {
-            off.push(one(&bin, &args, model, &link, batch, false)?);
-            on.push(one(&bin, &args, model, &link, batch, true)?);
+            let run = one(&bin, &args, model, &link, batch)?;
+            if run.buckets_during_backward < 1.0 {
+                bail!("{model} over {link}: no all-reduce started during backward with --overlap");
+            }
+            runs.push(run);
         }
-        let med = |runs: &[Run], f: &dyn Fn(&Run) -> f64| {
+        let med = |f: &dyn Fn(&Run) -> f64| {
             let mut v: Vec<f64> = runs.iter().map(f).collect();
             v.sort_by(f64::total_cmp);
-            1e3 * v[v.len() / 2]
+            v[v.len() / 2]
         };
-        let sync = |r: &Run| r.sync_s.unwrap_or(f64::NAN);
-        let backward = |r: &Run| r.backward_s.unwrap_or(f64::NAN);
         rows.push(Row {
             model: model.into(),
             link,
             batch,
-            backward_off_ms: med(&off, &backward),
-            off_ms: med(&off, &|r| r.step_s),
-            on_ms: med(&on, &|r| r.step_s),
-            sync_off_ms: med(&off, &sync),
-            sync_on_ms: med(&on, &sync),
+            backward_off_ms: 1e3 * med(&|r| r.off_backward_s),
+            off_ms: 1e3 * med(&|r| r.off_step_s),
+            on_ms: 1e3 * med(&|r| r.on_step_s),
+            speedup: med(&|r| r.speedup),
+            sync_off_ms: 1e3 * med(&|r| r.off_sync_s),
+            sync_on_ms: 1e3 * med(&|r| r.on_sync_s),
         });
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut md = format!(
         "2 ranks, 1 compute thread each, {cores} core(s); batch per rank in the table, Adam, \
-         buckets of {} MiB (the first 1 MiB); medians of {} runs of {} steps (each step the \
-         slowest rank's time); load average before the runs: {load}.\n\n",
+         buckets of {} MiB (the first 1 MiB); {} runs of {} steps, each alternating with and \
+         without overlap (each step the slowest rank's time); speed-up: the median over pairs \
+         of adjacent steps, the rest medians over steps, each the median over the runs; load \
+         average before the runs: {load}.\n\n",
         args.bucket_cap_mb, args.repeats, args.steps
     );
     md += &util::md_header(
@@ -154,7 +175,7 @@ pub fn run(args: Args) -> Result<()> {
             r.backward_off_ms,
             r.off_ms,
             r.on_ms,
-            r.off_ms / r.on_ms,
+            r.speedup,
             r.sync_off_ms,
             r.sync_on_ms
         );
@@ -182,21 +203,14 @@ pub fn run(args: Args) -> Result<()> {
 
 /// One 2-rank run of `model` over `link` (`shm`, `tcp`, or `veth RATE`: one rank in each of
 /// two namespaces).
-fn one(
-    bin: &Path,
-    args: &Args,
-    model: &str,
-    link: &str,
-    batch: usize,
-    overlap: bool,
-) -> Result<Run> {
+fn one(bin: &Path, args: &Args, model: &str, link: &str, batch: usize) -> Result<Run> {
     let bench_args = |command: &mut Command| {
         command.arg(bin.join("ddp-zero-bench"));
         command.args(["--stage", "0", "--model", model, "--hidden", "2048"]);
         command.args(["--batch", &batch.to_string()]);
-        command.args(["--warmup", "2", "--steps", &args.steps.to_string()]);
+        command.args(["--warmup", "4", "--steps", &args.steps.to_string()]);
         command.args(["--bucket-cap-mb", &args.bucket_cap_mb.to_string()]);
-        command.args(["--overlap", if overlap { "true" } else { "false" }]);
+        command.arg("--overlap-pairs");
     };
     let Some(rate) = link.strip_prefix("veth ") else {
         let mut command = Command::new(bin.join("ddprun"));
@@ -233,12 +247,12 @@ fn one(
     tagged(&text)
 }
 
-/// The `ZERO_BENCH` line of rank 0 in `text`.
+/// The `OVERLAP_PAIRS` line of rank 0 in `text`.
 fn tagged(text: &str) -> Result<Run> {
     let json = text
         .lines()
-        .find_map(|l| l.split_once("ZERO_BENCH ").map(|(_, j)| j.trim()))
-        .with_context(|| format!("no ZERO_BENCH line in:\n{text}"))?;
+        .find_map(|l| l.split_once("OVERLAP_PAIRS ").map(|(_, j)| j.trim()))
+        .with_context(|| format!("no OVERLAP_PAIRS line in:\n{text}"))?;
     serde_json::from_str(json).with_context(|| format!("parsing {json}"))
 }
 

@@ -104,6 +104,10 @@ struct Cli {
     /// Compute threads of this rank (default 1).
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Stage 0 only: time the steps with and without `--overlap` in the same run, alternating
+    /// (`ddp_apps::zero_bench::overlap_pairs`), and print `OVERLAP_PAIRS {json}`.
+    #[arg(long)]
+    overlap_pairs: bool,
 }
 
 fn main() -> Result<()> {
@@ -113,7 +117,11 @@ fn main() -> Result<()> {
         // As the trainers do for a sharded run (ddp_apps::alloc; no effect under glibc).
         ddp_apps::alloc::large_blocks_from_the_os();
     }
-    if let Some(result) = zero_bench::report(&cli.args)? {
+    if cli.overlap_pairs {
+        if let Some(pairs) = zero_bench::overlap_pairs(&cli.args)? {
+            println!("OVERLAP_PAIRS {}", serde_json::to_string(&pairs)?);
+        }
+    } else if let Some(result) = zero_bench::report(&cli.args)? {
         println!("ZERO_BENCH {}", serde_json::to_string(&result)?);
     }
     Ok(())
