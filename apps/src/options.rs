@@ -145,7 +145,7 @@ pub struct TrainArgs {
     pub zero_stage: Option<u8>,
     /// Start each gradient bucket's all-reduce (with --zero-stage, its reduce-scatter) during
     /// backward, as soon as its gradients are complete (PyTorch DDP's overlap; results are
-    /// bit-identical either way).
+    /// bit-identical either way). On by default; `--overlap false` starts them after backward.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub overlap: Option<bool>,
     /// Directory of the data set (MNIST: where the four files are or will be downloaded;
@@ -276,7 +276,7 @@ impl TrainArgs {
             powersgd_rank: a.powersgd_rank.unwrap_or(1),
             powersgd_start: a.powersgd_start.unwrap_or(1000),
             zero_stage: a.zero_stage.unwrap_or(0),
-            overlap: a.overlap.unwrap_or(false),
+            overlap: a.overlap.unwrap_or(ddp::DdpConfig::new().overlap),
             data_dir: a.data_dir,
             data_format: a.data_format.unwrap_or(DataFormat::Memory),
             prefetch_shards: a.prefetch_shards.unwrap_or(2),
@@ -391,7 +391,7 @@ pub struct TrainConfig {
     pub powersgd_start: u64,
     /// ZeRO stage (0 = plain DDP).
     pub zero_stage: u8,
-    /// All-reduces during backward.
+    /// All-reduces (ZeRO: reduce-scatters) during backward (on by default).
     pub overlap: bool,
     /// Data directory.
     pub data_dir: Option<PathBuf>,

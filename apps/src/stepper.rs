@@ -132,8 +132,8 @@ impl Stepper {
     }
 
     /// What the first line says about the step of `model`: `DDP` or `ZeRO stage N`, with
-    /// `--overlap` whether the collectives really start during backward (and why not where
-    /// they cannot).
+    /// `--overlap` (the default) whether the collectives really start during backward (and
+    /// why not where they cannot).
     pub(crate) fn describe<M: Module>(&self, model: &M, overlap: bool) -> String {
         let (what, why_not, during) = match self {
             Stepper::Ddp { ddp, .. } => (
@@ -173,7 +173,7 @@ impl Stepper {
         match (overlap, why_not) {
             (false, _) => what,
             (true, None) => format!("{what} ({during})"),
-            (true, Some(why)) => format!("{what} (--overlap is off: {why})"),
+            (true, Some(why)) => format!("{what} (no overlap: {why})"),
         }
     }
 

@@ -56,7 +56,8 @@ pub struct RunSummary {
     pub unpack_seconds: f64,
     /// Gradient buckets all-reduced on this rank (DDP: every bucket of every step).
     pub buckets: u64,
-    /// Of which: all-reduces started during backward (`--overlap`); 0 where overlap is off.
+    /// Of which: all-reduces started during backward (`--overlap`, the default); 0 where overlap
+    /// is off or cannot run.
     pub buckets_during_backward: u64,
     /// Wall time of this process's run, in seconds.
     pub wall_seconds: f64,

@@ -168,6 +168,9 @@ pub struct OverlapPairs {
     /// Rank 0's backward itself per step without overlap (the compute overlap hides the
     /// all-reduces behind), seconds.
     pub off_backward_s: f64,
+    /// Rank 0's backward per step with overlap (longer than without by the hooks' work and
+    /// by the communication's CPU time where the cores are all busy), seconds.
+    pub on_backward_s: f64,
     /// All-reduces started during backward per step with overlap (rank 0): 0 would mean the
     /// hooks never fired.
     pub buckets_during_backward: f64,
@@ -525,6 +528,7 @@ fn paired_figures(
         on_sync_s: mean(true, &|s| s.sync),
         off_sync_s: mean(false, &|s| s.sync),
         off_backward_s: mean(false, &|s| (s.backward_call - s.sync).max(0.0)),
+        on_backward_s: mean(true, &|s| (s.backward_call - s.sync).max(0.0)),
         buckets_during_backward: mean(true, &|s| s.during as f64),
     }
 }

@@ -637,7 +637,7 @@ fn help_and_first_line_speak_for_the_trainer() {
         .find(|l| l.contains("training pima-mlp"))
         .unwrap_or_else(|| panic!("no first line in:\n{all}"));
     assert!(
-        line.contains("(not scaled), adam, DDP (--overlap is off: "),
+        line.contains("(not scaled), adam, DDP (no overlap: "),
         "{line}"
     );
     assert!(line.contains("one rank"), "{line}");
@@ -662,7 +662,10 @@ fn help_and_first_line_speak_for_the_trainer() {
     let all = text(&out);
     assert!(out.status.success(), "{all}");
     assert!(
-        all.contains("× 1 ranks, linear scaling), sgd (momentum 0.5), DDP, "),
+        all.contains(
+            "× 1 ranks, linear scaling), sgd (momentum 0.5), DDP (no overlap: one rank, \
+             nothing to all-reduce), "
+        ),
         "{all}"
     );
 }

@@ -1,9 +1,10 @@
 //! `--zero-stage` and `--overlap` end to end: the trainer as real processes under `ddprun`, on
 //! the real MNIST.
 //!
-//! - `--overlap` (all-reduces during backward) ends with the very weights of the default path,
-//!   for the MLP and the CNN, over shared memory and TCP, and its all-reduces did start during
-//!   backward (the JSON summary counts them; none without it);
+//! - overlap (all-reduces during backward, the default) ends with the very weights of
+//!   `--overlap false` (after backward), for the MLP and the CNN, over shared memory and TCP,
+//!   and its all-reduces did start during backward (the JSON summary counts them; none
+//!   without it);
 //! - stages 1 and 2 end with the very weights of plain DDP (stage 0): the same parameter hash
 //!   and byte-identical exported safetensors; so does stage 2 with `--overlap`, whose
 //!   reduce-scatters did start during backward;
@@ -209,7 +210,7 @@ fn a_rank_killed_during_sharded_training_is_named() {
 }
 
 #[test]
-fn overlap_ends_with_the_weights_of_the_default_path() {
+fn overlap_ends_with_the_weights_of_the_all_reduce_after_backward() {
     for (model, transport) in [("mlp", "shm"), ("cnn", "tcp")] {
         let args = [
             "--model",
@@ -226,8 +227,13 @@ fn overlap_ends_with_the_weights_of_the_default_path() {
             "1",
         ];
         let env = [("DDP_TRANSPORT", transport)];
-        let plain = summary(&train(2, &args, &env));
-        let out = train(2, &[&args[..], &["--overlap"]].concat(), &env);
+        let plain = summary(&train(
+            2,
+            &[&args[..], &["--overlap", "false"]].concat(),
+            &env,
+        ));
+        // Overlap is the default: no flag.
+        let out = train(2, &args, &env);
         assert!(
             text(&out).contains("DDP (all-reduces during backward)"),
             "{}",

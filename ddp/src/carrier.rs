@@ -50,8 +50,8 @@ pub(crate) trait Carrier {
     /// Waits for a part's collective and returns the buffer with its result.
     fn wait(&mut self, flight: Self::Flight) -> Result<Self::Buf, DdpError>;
 
-    /// Whether the results are averages over the ranks already (a hook's, or a compressed
-    /// all-reduce's, whose buffers were divided before it) rather than sums.
+    /// Whether the results are averages over the ranks already (a hook's, an all-reduce's:
+    /// `ReduceOp::Avg` in f32, compressed buffers divided before it) rather than sums.
     fn averages(&self) -> bool;
 
     /// `buf` divided by `denom`, in place where it can be (a part that is one gradient).

@@ -11,11 +11,13 @@
 //!    a bucket closes once it holds `bucket_cap_mb`, the first one `first_bucket_mb`). A large
 //!    gradient travels in burn's own buffer, small ones are copied into a shared one; each
 //!    bucket's all-reduces go to the process group's communication thread as soon as it is
-//!    packed, so packing bucket k+1 overlaps the all-reduce of bucket k. One small all-reduce
-//!    of every parameter's presence and of the failure slots follows the last bucket.
-//! 3. It then waits for the buckets in submission order; unpacking bucket k (dividing by the
-//!    world size, building tensors, without a copy where the buffer was burn's) overlaps the
-//!    all-reduce of the buckets after it.
+//!    packed, so packing bucket k+1 overlaps the all-reduce of bucket k. The all-reduce
+//!    averages (the sum over ranks, each finished chunk divided by the world size by the rank
+//!    that finished it: `ReduceOp::Avg`). One small all-reduce of every parameter's presence
+//!    and of the failure slots follows the last bucket.
+//! 3. It then waits for the buckets in submission order; unpacking bucket k (building
+//!    tensors, without a copy where the buffer was burn's) overlaps the all-reduce of the
+//!    buckets after it.
 //! 4. A parameter that got no gradient on this rank contributes zeros and no presence; it
 //!    gets the averaged gradient back if any rank produced one, and stays absent otherwise, so
 //!    the optimizer sees the same gradient set on every rank.
@@ -30,11 +32,12 @@
 //! ranks. Divide the loss by the number of micro-steps to get the gradient of the mean over all
 //! their samples.
 //!
-//! By default communication starts after backward returns and overlaps packing and unpacking,
-//! not backward itself: burn 0.22's autodiff offers no public hook that fires when one
-//! parameter's gradient is ready (docs/burn-notes.md). With [`DdpConfig::overlap`], `prepare`
-//! and [`DistributedDataParallel::backward`] make such hooks (`overlap.rs`): each bucket's
-//! all-reduce then starts during backward, as in PyTorch.
+//! burn 0.22's autodiff offers no public hook that fires when one parameter's gradient is
+//! ready (docs/burn-notes.md). With [`DdpConfig::overlap`] (on by default), `prepare` and
+//! [`DistributedDataParallel::backward`] make such hooks (`overlap.rs`): each bucket's
+//! all-reduce then starts during backward, as in PyTorch. Without them (`with_overlap(false)`,
+//! or a loop that calls `sync` on the gradients of a plain `loss.backward()`) communication
+//! starts after backward returns and overlaps packing and unpacking only.
 //!
 //! A communication hook ([`DdpConfig::comm_hook`]'s PowerSGD, or a user's own through
 //! [`DistributedDataParallel::register_comm_hook`]) replaces step 2's per-part all-reduce and

@@ -54,7 +54,8 @@ use crate::DdpError;
 pub(crate) struct Done<B> {
     /// The part (an index into the layout's parts).
     pub part: usize,
-    /// Its buffer, with the result (DDP: the sum over ranks; ZeRO: this rank's chunk summed,
+    /// Its buffer, with the result (DDP: the average over ranks, or the sum where the carrier
+    /// does not average; ZeRO: this rank's chunk summed,
     /// in place).
     pub buf: B,
     /// When its packing started (its submission minus the time spent packing it) and when it
@@ -574,7 +575,7 @@ mod tests {
             }
         }
         fn averages(&self) -> bool {
-            false
+            self.host.averages()
         }
         fn divided(&mut self, buf: HostBuf, denom: f32) -> HostBuf {
             self.host.divided(buf, denom)
@@ -593,7 +594,7 @@ mod tests {
     }
 
     /// One step of a held-back pipeline on `pg` (the large parameter and the small one), rank
-    /// r's gradients all r + 1, its launch failing on `failing`: the parts' sums in part order,
+    /// r's gradients all r + 1, its launch failing on `failing`: the parts' results in part order,
     /// the parts sent before `finish` and in it, and the step's outcome.
     fn held_step(pg: Arc<ProcessGroup>, failing: Option<usize>) -> HeldOutcome {
         let big = crate::buckets::ADOPT_BYTES / 4 + 3;
@@ -644,8 +645,9 @@ mod tests {
                 "nothing leaves before the launch"
             );
             assert_eq!(outcome.sent, vec![0, 1]);
-            // 1 + 2 on both parts, handed over in part order.
-            assert_eq!(outcome.sums, vec![(0, 3.0), (1, 3.0)]);
+            // (1 + 2) / 2 on both parts (the host carrier's all-reduce averages), handed over
+            // in part order.
+            assert_eq!(outcome.sums, vec![(0, 1.5), (1, 1.5)]);
             assert_eq!(outcome.result, Ok(vec![2.0, 2.0]));
         }
     }

@@ -87,20 +87,24 @@ impl Carrier for HostCarrier {
     }
 
     fn averages(&self) -> bool {
-        self.hook.is_some()
-            || matches!(
-                self.reduction,
-                Reduction::AllReduce(Compression::Bf16 | Compression::F16)
-            )
+        self.hook.is_some() || matches!(self.reduction, Reduction::AllReduce(_))
     }
 
     fn divided(&mut self, mut buf: HostBuf, denom: f32) -> HostBuf {
-        buf.as_mut().iter_mut().for_each(|x| *x /= denom);
+        // x / 1 is x: an averaged part goes back to burn without a pass over it.
+        if denom != 1.0 {
+            buf.as_mut().iter_mut().for_each(|x| *x /= denom);
+        }
         buf
     }
 
     fn slice_divided(&mut self, buf: &HostBuf, range: Range<usize>, denom: f32) -> HostBuf {
-        let slice: Vec<f32> = buf.as_ref()[range].iter().map(|x| x / denom).collect();
+        let slice = &buf.as_ref()[range];
+        let slice: Vec<f32> = if denom == 1.0 {
+            slice.to_vec()
+        } else {
+            slice.iter().map(|x| x / denom).collect()
+        };
         slice.into()
     }
 
@@ -118,9 +122,13 @@ impl Carrier for HostCarrier {
 /// What is done with each part's buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Reduction {
-    /// DDP: every rank gets the sum over ranks of the whole buffer, all-reduced in the given
-    /// wire type. Compressed buffers are divided by the world size first, so that partial sums
-    /// stay within the largest gradient (f16 tops out at 65504).
+    /// DDP: every rank gets the average over ranks of the whole buffer, all-reduced in the
+    /// given wire type. In f32 the collective averages (`ReduceOp::Avg`: the same sum, then
+    /// each finished chunk divided by the world size once, by the rank that finished it, while
+    /// it is in cache), so the division is neither a pass of its own nor on the training
+    /// thread after backward, and its bits are those of the sum divided by the world size.
+    /// Compressed buffers are divided by the world size first, so that partial sums stay
+    /// within the largest gradient (f16 tops out at 65504).
     AllReduce(Compression),
     /// ZeRO: rank r gets the sum over ranks of its chunk `chunk_range(len, N, r)`, written in
     /// place into its buffer (the rest of the buffer is left unspecified).
@@ -149,7 +157,7 @@ impl Reduction {
         };
         match self {
             Reduction::AllReduce(Compression::None) => (
-                Flight::F32(pg.submit_all_reduce_in_place(buf, ReduceOp::Sum)),
+                Flight::F32(pg.submit_all_reduce_in_place(buf, ReduceOp::Avg)),
                 4 * len,
             ),
             Reduction::AllReduce(Compression::Bf16) => {

@@ -165,7 +165,7 @@ struct Held {
 ///
 /// ```text
 /// let adam = ShardOptimizer::Adam(ShardedAdamConfig::new());
-/// let config = ZeroConfig::new(ZeroStage::Two).with_overlap(true);
+/// let config = ZeroConfig::new(ZeroStage::Two); // overlap on by default, as DDP's
 /// let (mut model, mut zero) = ShardedDataParallel::new(model, pg, config, adam)?;
 /// for (x, y) in loader {
 ///     let loss = zero.prepare(&model).loss(x, y);   // the hooked copy lives for the forward
