@@ -15,6 +15,10 @@
 //! memory (`getrusage`'s maximum RSS, the whole process), and the bytes handed to collectives
 //! per step with the bytes a ring sends per rank for them (all-reduce of B: 2(N-1)/N·B;
 //! reduce-scatter of B: (N-1)/N·B; all-gather of N blocks of S: (N-1)·S).
+//!
+//! With `--overlap-pairs` ([`overlap_pairs`], `cargo xtask bench-overlap`) a stage-0 run
+//! alternates its steps with and without overlap instead, and rank 0 prints one line
+//! `OVERLAP_PAIRS {json}` ([`OverlapPairs`]).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -245,8 +249,9 @@ fn measure(args: &ZeroBenchArgs, pairs: bool) -> Result<Option<Measured>> {
     }
 }
 
-/// Adam's learning rate and epsilon in every configuration.
+/// Adam's learning rate in every configuration.
 const LR: f64 = 1e-4;
+/// Adam's epsilon in every configuration.
 const EPS: f32 = 1e-8;
 
 /// Whether step `t` of a paired run (counted from the first timed step) runs with overlap: on,
