@@ -360,8 +360,6 @@ fn run_model<M: Module + Classifier<4>>(
     if rank != 0 {
         return Ok(None);
     }
-    let mut sorted = slowest;
-    sorted.sort_by(f64::total_cmp);
     let result = ZeroBenchResult {
         stage: args.stage,
         world,
@@ -369,7 +367,7 @@ fn run_model<M: Module + Classifier<4>>(
         optimizer_bytes,
         gradient_bytes,
         peak_rss_mib: rss,
-        step_s: sorted[sorted.len() / 2],
+        step_s: median(slowest),
         collective_bytes,
         ring_sent_bytes,
         phases_s: phases,
@@ -496,6 +494,12 @@ fn ddp_steps<M: Module + Classifier<4>>(
     })
 }
 
+/// The median of `v` (the upper one of an even count; NaN when empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 /// Rank 0's [`OverlapPairs`] from its paired run and every step's slowest time.
 fn paired_figures(
     args: &ZeroBenchArgs,
@@ -503,13 +507,14 @@ fn paired_figures(
     run: &DdpRun,
     slowest: &[f64],
 ) -> OverlapPairs {
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-    };
-    let of = |on: bool, f: &dyn Fn(usize, &DdpStep) -> f64| {
-        let picked = run.steps.iter().enumerate().filter(|(_, s)| s.hooked == on);
-        median(picked.map(|(i, s)| f(i, s)).collect())
+    // The median slowest-rank time of the steps with (`on`) or without overlap.
+    let step_time = |on: bool| {
+        let picked = run
+            .steps
+            .iter()
+            .zip(slowest)
+            .filter(|(s, _)| s.hooked == on);
+        median(picked.map(|(_, t)| *t).collect())
     };
     let mean = |on: bool, f: &dyn Fn(&DdpStep) -> f64| {
         let picked: Vec<f64> = run.steps.iter().filter(|s| s.hooked == on).map(f).collect();
@@ -527,8 +532,8 @@ fn paired_figures(
         model: args.model.clone(),
         world,
         pairs: args.steps / 2,
-        on_step_s: of(true, &|i, _| slowest[i]),
-        off_step_s: of(false, &|i, _| slowest[i]),
+        on_step_s: step_time(true),
+        off_step_s: step_time(false),
         speedup: median(ratios),
         on_sync_s: mean(true, &|s| s.sync),
         off_sync_s: mean(false, &|s| s.sync),
