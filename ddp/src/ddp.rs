@@ -518,8 +518,15 @@ impl DistributedDataParallel {
         loss: Tensor<1>,
     ) -> Result<(GradientsParams, Option<DdpError>), DdpError> {
         let local_error = self.begin_sync(model)?;
-        lock(&self.pipeline).begin(true);
         let overlap = self.overlap.as_mut().expect("hooked by prepare");
+        {
+            let mut pipeline = lock(&self.pipeline);
+            pipeline.begin(true);
+            // The first pass learns the loss's paths (which parameters get pieces of their
+            // gradient outside their hooks): every part waits for the end of backward; later
+            // passes hold only the parts of such parameters.
+            pipeline.hold(overlap.loss_depth().is_none());
+        }
         let loss = overlap.arm(loss);
         let start = Instant::now();
         let grads = loss.backward();
@@ -570,6 +577,14 @@ impl DistributedDataParallel {
     /// (see the `overlap` module). A loss of the copy that goes through `loss.backward()`
     /// and [`sync`](Self::sync) (or [`accumulate`](Self::accumulate)) trains as without
     /// overlap.
+    ///
+    /// The loss may also reach the parameters outside the copy: a term on `model`'s own
+    /// parameters (an L2 penalty), two copies in one step, a layer of `model` run directly.
+    /// Every such piece is added to the gradient before its bucket goes out, so the result is
+    /// the gradient without overlap (see [`late_gradient_params`](Self::late_gradient_params)
+    /// for the buckets this holds back); a path that first appears after its bucket went
+    /// out fails the step on every rank with [`DdpError::LateGradient`], and the step can be
+    /// run again.
     pub fn prepare<M: Module>(&mut self, model: &M) -> M {
         if self.why_no_overlap(model).is_some() {
             return model.clone();
@@ -618,6 +633,18 @@ impl DistributedDataParallel {
     /// overlap): where the hooks fire is derived from it.
     pub fn overlap_depth(&self) -> Option<usize> {
         self.overlap.as_ref().and_then(OverlapState::loss_depth)
+    }
+
+    /// The trainable parameters whose buckets wait for the end of an overlapped backward
+    /// because the loss was seen to reach them outside the hooked use of the copy from
+    /// [`prepare`](Self::prepare) (a term on the model's own parameter, two prepared copies in
+    /// one step): their gradients are summed whole before they go out, as without overlap, at
+    /// the cost of that overlap. Empty without overlap or before the first overlapped pass.
+    pub fn late_gradient_params(&self) -> Vec<String> {
+        lock(&self.pipeline)
+            .late_params()
+            .map(|info| info.name.clone())
+            .collect()
     }
 
     /// Gradient accumulation without communication (PyTorch's `with model.no_sync():`): adds

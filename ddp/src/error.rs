@@ -78,6 +78,25 @@ pub enum DdpError {
         /// The failing rank, when exactly one failed.
         rank: Option<usize>,
     },
+    /// A piece of a parameter's gradient reached the wrapper after the parameter's bucket had
+    /// gone out during an overlapped backward ([`crate::DdpConfig::overlap`]): the loss reached
+    /// the parameter by a path outside the copy from `prepare` (a term on the model's own
+    /// parameter, a second prepared copy) that earlier passes never took. The step fails on
+    /// every rank (the others return [`DdpError::PeerFailed`]); the wrapper holds that
+    /// parameter's bucket until backward ends from now on, so running the step again includes
+    /// every piece.
+    #[error(
+        "parameter `{name}` received a piece of its gradient after its bucket went out during \
+         the overlapped backward: the loss reaches it by a path outside the copy from \
+         `prepare` (the model's own parameter, or a second prepared copy) that no earlier \
+         pass took. Nothing was dropped: this step fails on every rank, and from now on this \
+         parameter's bucket waits for the end of backward, so run the step again (or use \
+         DdpConfig::with_overlap(false))"
+    )]
+    LateGradient {
+        /// The parameter's name.
+        name: String,
+    },
     /// A checkpoint that cannot be written, read or loaded; the text names the file.
     #[error("{0}")]
     Checkpoint(String),

@@ -18,6 +18,17 @@
 //! with a parameter whose hook never fired (no gradient on this rank this step) wait for the
 //! sync after backward, which hands over what `GradientsParams` holds.
 //!
+//! A hook sees the uses of its parameter in its own copy only. The loss may reach the
+//! parameter by other paths too: a term on the model's own parameter (an L2 penalty read from
+//! `model`), a second copy from `prepare` (siamese inputs: each copy has its own hooks), a
+//! layer of the model run outside the copy. burn adds those pieces on the parameter itself,
+//! and the pipeline adds them to what the hook handed over, so the bucket carries the whole
+//! gradient, as without overlap. The pieces are only known at the end of backward: the first
+//! overlapped pass holds every bucket until then and learns which parameters get such pieces,
+//! and later passes hold the buckets of those (`pipeline.rs`, "late" parameters). A path that
+//! appears later, after its bucket went out, fails the step on every rank, naming the
+//! parameter ([`DdpError::LateGradient`]); the retried step holds that bucket too.
+//!
 //! Where a hook fires is set by its carrier's depth (see `overlap_ops.rs`). The first overlapped
 //! step measures the depth D of the loss (a probe on the loss) with every hook at depth 1 (no
 //! overlap yet); afterwards trainable parameter t of n (visiting order: for most models the

@@ -243,13 +243,6 @@ pub(crate) fn take_grad(
         .transpose()
 }
 
-/// Removes the gradient of `info` from `grads` without reading it.
-pub(crate) fn drop_grad(grads: &mut GradientsParams, info: &ParamInfo) {
-    with_rank!(info.shape.len(), D => {
-        drop(grads.remove::<D>(info.id))
-    }, ())
-}
-
 /// Puts a flat `f32` gradient back for `info`, on `device` (the device without autodiff, where
 /// burn keeps gradients), in the parameter's element type (an `f32` one without a copy).
 pub(crate) fn put_grad(

@@ -22,6 +22,20 @@
 //!    gradient of its bucket is: communication never waits for a gradient it does not carry.
 //!    A parameter without a gradient on this rank holds its part (and every later one) back
 //!    until `deliver_from` says it has none; its slot stays zero.
+//!
+//!    A parameter can receive its gradient in more than one piece: an overlapped backward
+//!    hands over what its hook saw (the uses of one prepared copy), and burn leaves what came
+//!    by other paths (a term on the model's own parameter, a second prepared copy, which has
+//!    a hook of its own) on the parameter, where `deliver_from` finds it. Every piece is
+//!    added to the parameter's slot, as burn adds them without overlap, so the part carries
+//!    the parameter's whole gradient — provided the part had not gone out yet. To make sure
+//!    of that, a parameter seen to get a second piece is marked *late* for good, and in an
+//!    overlapped micro-step ([`Pipeline::hold`]) every part with a late parameter waits for
+//!    `deliver_from` (the end of backward), as does every part on the first overlapped pass
+//!    (before any path is known). A piece that arrives after its part went out anyway (a path
+//!    the loss never took before) cannot be sent any more without splitting the parameter's
+//!    sum: it is a local failure naming the parameter ([`DdpError::LateGradient`]), which
+//!    fails the step on every rank through the control below; the next step holds the part.
 //! 3. [`Pipeline::finish`] submits what is left (a carrier that holds submissions back, the
 //!    GPU path's, sends them all now, after one synchronisation), then one small **control**
 //!    all-reduce over the process group: how
@@ -45,9 +59,9 @@ use std::time::{Duration, Instant};
 use burn::optim::GradientsParams;
 use ddp_comm::{ProcessGroup, ReduceOp};
 
-use crate::buckets::Layout;
+use crate::buckets::{Layout, Place};
 use crate::carrier::Carrier;
-use crate::params::{drop_grad, ParamInfo};
+use crate::params::ParamInfo;
 use crate::DdpError;
 
 /// A part whose collective completed, handed to [`Pipeline::finish`]'s caller.
@@ -87,8 +101,14 @@ pub(crate) struct Pipeline<C: Carrier> {
     presence: Vec<f32>,
     /// Per parameter: handed over in this micro-step.
     delivered: Vec<bool>,
-    /// Per part: gradients of this micro-step not handed over yet.
+    /// Per parameter: seen to receive a piece of its gradient besides its first (a path
+    /// outside its hook); its part waits for the end of an overlapped backward from then on.
+    late: Vec<bool>,
+    /// Per part: gradients of this micro-step not handed over yet, plus one while the part
+    /// is held for the end of backward.
     pending: Vec<usize>,
+    /// Per part: held for the end of backward in this micro-step ([`hold`](Self::hold)).
+    held: Vec<bool>,
     /// Whether complete parts go out at once (the micro-step that ends the cycle).
     communicate: bool,
     /// The next part to submit.
@@ -121,7 +141,9 @@ impl<C: Carrier> Pipeline<C> {
             written: vec![false; n],
             presence: vec![0.0; n],
             delivered: vec![false; n],
+            late: vec![false; n],
             pending: vec![0; parts],
+            held: vec![false; parts],
             communicate: false,
             next: 0,
             submitted: Vec::new(),
@@ -148,10 +170,33 @@ impl<C: Carrier> Pipeline<C> {
         for (pending, part) in self.pending.iter_mut().zip(&self.layout.parts) {
             *pending = part.params.len();
         }
+        self.held.fill(false);
         self.communicate = communicate;
         self.next = 0;
         self.submitted.clear();
         self.pack_time.fill(Duration::ZERO);
+    }
+
+    /// Holds parts of this micro-step back until [`deliver_from`](Self::deliver_from) (the end
+    /// of an overlapped backward): every part when `all` (the first overlapped pass, before
+    /// any path of the loss is known), else the parts with a late parameter (one seen to get a
+    /// piece of its gradient outside its hook). Call it after [`begin`](Self::begin).
+    pub(crate) fn hold(&mut self, all: bool) {
+        for (j, part) in self.layout.parts.iter().enumerate() {
+            if all || part.params.iter().any(|&p| self.late[p]) {
+                self.held[j] = true;
+                self.pending[j] += 1;
+            }
+        }
+    }
+
+    /// The parameters seen to get a piece of their gradient outside their hook, whose parts
+    /// wait for the end of an overlapped backward.
+    pub(crate) fn late_params(&self) -> impl Iterator<Item = &ParamInfo> + '_ {
+        self.params
+            .iter()
+            .zip(&self.late)
+            .filter_map(|(info, &late)| late.then_some(info))
     }
 
     /// Records a local failure of this cycle (the first one is kept and reported).
@@ -188,40 +233,80 @@ impl<C: Carrier> Pipeline<C> {
 
     /// Hands over parameter `p`'s gradient of this micro-step (`Ok(None)`: it has none on this
     /// rank; `Err`: it could not be read, a local failure), and submits every bucket that is
-    /// now complete, in order. A parameter is taken once per micro-step; frozen parameters and
-    /// buffers are ignored.
+    /// now complete, in order. The first delivery of a parameter in a micro-step completes its
+    /// share of the part; a further one is another piece of the same gradient (see the module
+    /// documentation), added to the first. Frozen parameters and buffers are ignored.
     pub(crate) fn deliver(&mut self, p: usize, grad: Result<Option<C::Buf>, DdpError>) {
         let Some(place) = self.layout.place.get(p).copied().flatten() else {
             return;
         };
         if std::mem::replace(&mut self.delivered[p], true) {
+            self.deliver_piece(p, place, grad);
             return;
         }
         let start = Instant::now();
         match grad {
             Ok(Some(g)) => {
                 self.presence[p] += 1.0;
-                let part = &self.layout.parts[place.part];
-                let slot = &mut self.bufs[place.part];
-                if slot.is_none() && part.params.len() == 1 && self.carrier.len(&g) == part.len {
-                    // The part is this one gradient: burn's buffer becomes the part's.
-                    *slot = Some(g);
-                } else {
-                    let mut buf = match slot.take() {
-                        Some(buf) => buf,
-                        None => self.carrier.zeros(part.len),
-                    };
-                    self.carrier
-                        .write(&mut buf, place.offset, g, self.written[p]);
-                    self.bufs[place.part] = Some(buf);
-                }
-                self.written[p] = true;
+                self.pack(p, place, g);
             }
             Ok(None) => {}
             Err(e) => self.fail(e),
         }
         self.pack_time[place.part] += start.elapsed();
         self.pending[place.part] -= 1;
+        self.submit_ready();
+    }
+
+    /// A further piece of parameter `p`'s gradient in this micro-step: added to its slot while
+    /// its part is still here; after the part went out, a local failure naming the parameter
+    /// (the part's sum cannot be completed any more, and a second collective for the piece
+    /// alone would round differently from the sum without overlap). Either way `p` is late
+    /// from now on, so that its part waits for the end of the next overlapped backward.
+    fn deliver_piece(&mut self, p: usize, place: Place, grad: Result<Option<C::Buf>, DdpError>) {
+        self.late[p] = true;
+        let grad = match grad {
+            Ok(Some(g)) => g,
+            Ok(None) => return,
+            Err(e) => return self.fail(e),
+        };
+        if place.part < self.next {
+            return self.fail(DdpError::LateGradient {
+                name: self.params[p].name.clone(),
+            });
+        }
+        let start = Instant::now();
+        if !self.written[p] {
+            // Its first delivery had no gradient (it could not be read): count it now.
+            self.presence[p] += 1.0;
+        }
+        self.pack(p, place, grad);
+        self.pack_time[place.part] += start.elapsed();
+    }
+
+    /// Writes `g` into parameter `p`'s slot of its part (added to what the slot holds from
+    /// this cycle). A part that is this one gradient takes burn's buffer itself.
+    fn pack(&mut self, p: usize, place: Place, g: C::Buf) {
+        let part = &self.layout.parts[place.part];
+        let slot = &mut self.bufs[place.part];
+        if slot.is_none() && part.params.len() == 1 && self.carrier.len(&g) == part.len {
+            // The part is this one gradient: burn's buffer becomes the part's.
+            *slot = Some(g);
+        } else {
+            let mut buf = match slot.take() {
+                Some(buf) => buf,
+                None => self.carrier.zeros(part.len),
+            };
+            self.carrier
+                .write(&mut buf, place.offset, g, self.written[p]);
+            self.bufs[place.part] = Some(buf);
+        }
+        self.written[p] = true;
+    }
+
+    /// Submits, in order, every part from the next one on that is complete (when this
+    /// micro-step communicates).
+    fn submit_ready(&mut self) {
         if self.communicate {
             while self.next < self.layout.parts.len() && self.pending[self.next] == 0 {
                 self.submit_part();
@@ -229,21 +314,27 @@ impl<C: Carrier> Pipeline<C> {
         }
     }
 
-    /// Hands over, from `grads`, every gradient not handed over yet in this micro-step, in
-    /// bucket order (so that packing a bucket overlaps the collectives of the earlier ones);
-    /// gradients that belong to parameters the wrapper does not know are a local failure.
+    /// Hands over, from `grads`, every gradient of this micro-step, in part order (so that
+    /// packing a part overlaps the collectives of the earlier ones), and releases each held
+    /// part once its gradients are in: a parameter not handed over yet is delivered; one whose
+    /// hook had it may still have a piece on the parameter (a path outside the hooked copy),
+    /// which is added. Gradients that belong to parameters the wrapper does not know are a
+    /// local failure.
     pub(crate) fn deliver_from(&mut self, grads: &mut GradientsParams) {
         let layout = Arc::clone(&self.layout);
-        for bucket in &layout.buckets {
-            for &p in &bucket.params {
+        for (j, part) in layout.parts.iter().enumerate() {
+            for &p in &part.params {
                 let info = &self.params[p];
-                if self.delivered[p] {
-                    // Its hook had it: anything left on the parameter is no gradient of ours.
-                    drop_grad(grads, info);
-                } else {
+                if !self.delivered[p] {
                     let grad = self.carrier.take(grads, info);
                     self.deliver(p, grad);
+                } else if let Some(piece) = self.carrier.take(grads, info).transpose() {
+                    self.deliver(p, piece.map(Some));
                 }
+            }
+            if std::mem::take(&mut self.held[j]) {
+                self.pending[j] -= 1;
+                self.submit_ready();
             }
         }
         if !grads.is_empty() {

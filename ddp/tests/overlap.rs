@@ -439,3 +439,263 @@ fn a_gradient_on_some_ranks_only_gives_the_same_bits_with_overlap() {
         }
     }
 }
+
+/// A trunk and a head, for losses that reach the parameters by more than one path.
+#[derive(Module, Debug)]
+struct PathNet {
+    trunk: Linear,
+    head: Linear,
+}
+
+impl PathNet {
+    fn new(rank_offset: f32) -> PathNet {
+        let device = device();
+        let net = PathNet {
+            trunk: LinearConfig::new(IN, HIDDEN).init(&device),
+            head: LinearConfig::new(HIDDEN, OUT).init(&device),
+        };
+        let n = flatten_params(&net).unwrap().len();
+        let values: Vec<f32> = (0..n)
+            .map(|i| ((i * 41 + 5) % 107) as f32 / 107.0 - 0.5 + rank_offset)
+            .collect();
+        load_flat_params(net, &values).unwrap()
+    }
+
+    fn loss(&self, x: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
+        let h = relu(self.trunk.forward(x));
+        (self.head.forward(h) - y).powi_scalar(2).mean()
+    }
+}
+
+/// How a step's loss reaches the parameters besides the forward pass on one prepared copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LossPath {
+    /// Only through the prepared copy (the reference the others must differ from).
+    Copy,
+    /// Plus an L2 penalty on the model's own head weight (the example).
+    Penalty,
+    /// Through two prepared copies (siamese inputs), no term of the model's own.
+    TwoCopies,
+    /// Plus the model's own trunk on a second input: the trunk's parameters are used in the
+    /// copy and outside it.
+    InsideAndOutside,
+    /// The penalty from step 2 on, on rank 1 only: a path that appears after the wrapper has
+    /// learned the loss's paths.
+    LatePenaltyOnRank1,
+}
+
+/// The loss of one step on `path`: the forward passes on copies from `prepare` (`ddp` or
+/// `zero`'s, whichever runs), and whatever else `path` adds on `model` itself.
+fn path_loss(
+    path: LossPath,
+    model: &PathNet,
+    mut prepare: impl FnMut(&PathNet) -> PathNet,
+    step: usize,
+    rank: usize,
+) -> Tensor<1> {
+    let (x, y) = data(step, 0, rank);
+    let hooked = prepare(model);
+    let main = hooked.loss(x, y);
+    let penalty = || {
+        model
+            .head
+            .weight
+            .val()
+            .powi_scalar(2)
+            .sum()
+            .mul_scalar(1e-2)
+    };
+    match path {
+        LossPath::Copy => main,
+        LossPath::Penalty => main + penalty(),
+        LossPath::LatePenaltyOnRank1 if rank == 1 && step >= 2 => main + penalty(),
+        LossPath::LatePenaltyOnRank1 => main,
+        LossPath::TwoCopies => {
+            let other = prepare(model);
+            let (x2, y2) = data(step, 1, rank);
+            main + other.loss(x2, y2)
+        }
+        LossPath::InsideAndOutside => {
+            let (x2, _) = data(step, 1, rank);
+            main + model
+                .trunk
+                .forward(x2)
+                .powi_scalar(2)
+                .mean()
+                .mul_scalar(0.1)
+        }
+    }
+}
+
+/// Per rank: the final parameters, the parameters the wrapper holds for the end of backward,
+/// and each step's outcome (`Ok` or the error's text) in order, retries included.
+type PathOutcome = (Vec<f32>, Vec<String>, Vec<Result<(), String>>);
+
+/// `steps` steps of SGD on 2 ranks over TCP on `path`, buckets of `bucket_mb`: DDP, or ZeRO
+/// stage 2 (`zero`). A step that fails is run again once (every rank fails it together,
+/// and nothing of it was applied).
+fn train_path(
+    path: LossPath,
+    overlap: bool,
+    zero: bool,
+    bucket_mb: f64,
+    steps: usize,
+) -> Vec<PathOutcome> {
+    use burn::optim::SgdConfig;
+    use ddp::{ShardOptimizer, ShardedDataParallel, ShardedSgdConfig, ZeroConfig, ZeroStage};
+    run_ranks_over(2, Transport::Tcp, |pg| {
+        let rank = pg.rank();
+        let start = PathNet::new(rank as f32);
+        let lr = 5e-2;
+        let mut outcomes = Vec::new();
+        if zero {
+            let config = ZeroConfig::new(ZeroStage::Two)
+                .with_bucket_cap_mb(bucket_mb)
+                .with_first_bucket_mb(bucket_mb)
+                .with_overlap(overlap);
+            let optim = ShardOptimizer::Sgd(ShardedSgdConfig::new());
+            let (mut model, mut zero) = ShardedDataParallel::new(start, pg, config, optim).unwrap();
+            for step in 0..steps {
+                for _attempt in 0..2 {
+                    let loss = path_loss(path, &model, |m| zero.prepare(m), step, rank);
+                    match zero.backward_step(lr, model.clone(), loss) {
+                        Ok(stepped) => {
+                            model = stepped;
+                            outcomes.push(Ok(()));
+                            break;
+                        }
+                        Err(e) => outcomes.push(Err(e.to_string())),
+                    }
+                }
+            }
+            (flatten_params(&model).unwrap(), Vec::new(), outcomes)
+        } else {
+            let config = DdpConfig::new()
+                .with_bucket_cap_mb(bucket_mb)
+                .with_first_bucket_mb(bucket_mb)
+                .with_overlap(overlap);
+            let (mut model, mut ddp) = DistributedDataParallel::new(start, pg, config).unwrap();
+            let mut optim = SgdConfig::new().init();
+            for step in 0..steps {
+                for _attempt in 0..2 {
+                    let loss = path_loss(path, &model, |m| ddp.prepare(m), step, rank);
+                    match ddp.backward(&model, loss) {
+                        Ok(grads) => {
+                            model = optim.step(lr, model, grads);
+                            outcomes.push(Ok(()));
+                            break;
+                        }
+                        Err(e) => outcomes.push(Err(e.to_string())),
+                    }
+                }
+            }
+            let late = ddp.late_gradient_params();
+            (flatten_params(&model).unwrap(), late, outcomes)
+        }
+    })
+}
+
+/// Every path of the loss gives with overlap the bits of the run without it, on both ranks,
+/// with one bucket and with several, DDP and ZeRO stage 2; and each path changes the result
+/// (a dropped piece would give the `Copy` run's weights instead).
+#[test]
+fn overlap_gives_the_same_bits_whatever_path_the_loss_takes() {
+    let cases = [
+        (LossPath::Penalty, false, vec!["head.weight"]),
+        (
+            LossPath::TwoCopies,
+            false,
+            vec!["trunk.weight", "trunk.bias", "head.weight", "head.bias"],
+        ),
+        (
+            LossPath::InsideAndOutside,
+            false,
+            vec!["trunk.weight", "trunk.bias"],
+        ),
+        (LossPath::Penalty, true, vec![]),
+    ];
+    // Every case is checked, and every failure listed (not only the first).
+    let mut failures = Vec::new();
+    for bucket_mb in [25.0, SMALL_BUCKETS_MB] {
+        for zero in [false, true] {
+            let plain = train_path(LossPath::Copy, false, zero, bucket_mb, 4);
+            for (path, with_zero, late) in &cases {
+                if *with_zero != zero {
+                    continue;
+                }
+                let what = format!(
+                    "{path:?}, {}, buckets of {bucket_mb} MiB",
+                    if zero { "ZeRO-2" } else { "DDP" }
+                );
+                let off = train_path(*path, false, zero, bucket_mb, 4);
+                let on = train_path(*path, true, zero, bucket_mb, 4);
+                assert!(
+                    off[0].0.iter().zip(&plain[0].0).any(|(a, b)| a != b),
+                    "{what}: the path changes the result"
+                );
+                assert!(off.iter().all(|o| o.2.iter().all(Result::is_ok)), "{what}");
+                for r in 0..2 {
+                    if let Some(e) = on[r].2.iter().find(|o| o.is_err()) {
+                        failures.push(format!("{what}, rank {r}: a step failed: {e:?}"));
+                    }
+                    if let Some(i) = first_difference(&on[r].0, &off[0].0) {
+                        failures.push(format!(
+                            "{what}, rank {r}: element {i} differs from overlap off: {} vs {}",
+                            on[r].0[i], off[0].0[i]
+                        ));
+                    }
+                    if !zero {
+                        let mut seen = on[r].1.clone();
+                        let mut want: Vec<String> = late.iter().map(|s| s.to_string()).collect();
+                        seen.sort();
+                        want.sort();
+                        if seen != want {
+                            failures.push(format!(
+                                "{what}, rank {r}: held {seen:?}, expected {want:?}"
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The first element whose bits differ (the lengths must agree).
+fn first_difference(a: &[f32], b: &[f32]) -> Option<usize> {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .position(|(x, y)| x.to_bits() != y.to_bits())
+}
+
+/// A path the loss takes only from step 2 on, on rank 1 only, after the wrapper learned the
+/// paths of the first pass: rank 1's head weight gets the penalty's piece after its bucket
+/// went out. The step fails on both ranks (rank 1 naming the parameter, rank 0 naming rank
+/// 1), nothing of it is applied, and run again it gives, like every later step, the bits of
+/// the run without overlap.
+#[test]
+fn a_new_path_after_its_bucket_went_out_fails_the_step_on_every_rank() {
+    for bucket_mb in [25.0, SMALL_BUCKETS_MB] {
+        let off = train_path(LossPath::LatePenaltyOnRank1, false, false, bucket_mb, 4);
+        let on = train_path(LossPath::LatePenaltyOnRank1, true, false, bucket_mb, 4);
+        let what = format!("buckets of {bucket_mb} MiB");
+        for r in 0..2 {
+            assert!(off[r].2.iter().all(Result::is_ok), "{what}: {:?}", off[r].2);
+            // Steps 0 and 1, step 2 failed and again, step 3.
+            assert_eq!(on[r].2.len(), 5, "{what}, rank {r}: {:?}", on[r].2);
+            let failed: Vec<usize> = (0..5).filter(|&i| on[r].2[i].is_err()).collect();
+            assert_eq!(failed, vec![2], "{what}, rank {r}: {:?}", on[r].2);
+            assert_bit_identical(&on[r].0, &off[0].0, &format!("{what}, rank {r}"));
+        }
+        let own = on[1].2[2].as_ref().unwrap_err();
+        assert!(
+            own.contains("`head.weight`") && own.contains("run the step again"),
+            "{what}: {own}"
+        );
+        let peer = on[0].2[2].as_ref().unwrap_err();
+        assert!(peer.contains("rank 1 failed"), "{what}: {peer}");
+        assert_eq!(on[1].1, vec!["head.weight".to_string()], "{what}");
+    }
+}
