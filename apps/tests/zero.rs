@@ -110,7 +110,9 @@ fn zero_stages_end_with_the_weights_of_plain_ddp() {
                 "{}",
                 text(&out)
             );
-            assert!(early >= s["steps"].as_u64().unwrap(), "{s}");
+            // Every step but the first, which holds its buckets until backward ends (it
+            // learns which parameters the loss reaches outside the hooked copy).
+            assert!(early + 1 >= s["steps"].as_u64().unwrap(), "{s}");
         } else {
             assert_eq!(early, 0, "{s}");
         }
@@ -241,11 +243,12 @@ fn overlap_ends_with_the_weights_of_the_all_reduce_after_backward() {
         );
         let overlapped = summary(&out);
         assert_eq!(plain["steps"], overlapped["steps"]);
-        // The all-reduces started during backward: bucket 0 at least, at every step.
+        // The all-reduces started during backward: bucket 0 at least, at every step but the
+        // first (which holds its buckets until backward ends, to learn the loss's paths).
         let steps = overlapped["steps"].as_u64().unwrap();
         let early = overlapped["buckets_during_backward"].as_u64().unwrap();
         assert!(
-            steps > 0 && early >= steps && early <= overlapped["buckets"].as_u64().unwrap(),
+            steps > 1 && early + 1 >= steps && early <= overlapped["buckets"].as_u64().unwrap(),
             "{model} over {transport}: {overlapped}"
         );
         assert_eq!(plain["buckets_during_backward"], 0, "{plain}");
