@@ -50,6 +50,21 @@ pub(crate) trait Carrier {
     /// Waits for a part's collective and returns the buffer with its result.
     fn wait(&mut self, flight: Self::Flight) -> Result<Self::Buf, DdpError>;
 
+    /// Whether a failure in [`wait`](Self::wait) can be this rank's alone (a communication
+    /// hook's error): then the control all-reduce goes after the waits, so that it carries
+    /// such a failure to the other ranks, and a `wait` error other than a collective's is a
+    /// local failure of the step. Otherwise (`false`) the control goes out before the waits,
+    /// overlapping them.
+    fn local_wait_failures(&self) -> bool {
+        false
+    }
+
+    /// Called once the cycle's outcome is known, the same on every rank: `ok` when the step
+    /// succeeded everywhere.
+    fn end_cycle(&mut self, ok: bool) {
+        let _ = ok;
+    }
+
     /// Whether the results are averages over the ranks already (a hook's, an all-reduce's:
     /// `ReduceOp::Avg` in f32, compressed buffers divided before it) rather than sums.
     fn averages(&self) -> bool;

@@ -101,6 +101,15 @@ pub struct BucketDesc {
 /// depends only on the bucket and the step keeps the ranks' sequences of collectives equal
 /// (the process group matches collectives by their order). The result must be the same bits on
 /// every rank, or the replicas drift apart.
+///
+/// **Errors fail the step on every rank.** An error from `submit` or `wait` on one rank (a
+/// hook that rejects non-finite values, say) is that rank's failure of the step: the wrapper
+/// still waits for every other bucket, then its control all-reduce (after the hooks' waits)
+/// carries the failure, so every rank's `sync` returns an error (the others
+/// [`DdpError::PeerFailed`], naming the rank) and no replica steps; then every rank calls
+/// [`discard_step`](Self::discard_step) instead of `end_step`. For the ranks' collectives
+/// to stay in step, a hook must issue the same collectives whether or not it returns an
+/// error: decide after the exchange (check the result in `wait`), never skip one on one rank.
 pub trait CommHook: Send + 'static {
     /// One bucket's exchange in flight, from `submit` to `wait`.
     type Work: Send + 'static;
@@ -131,8 +140,16 @@ pub trait CommHook: Send + 'static {
         0
     }
 
-    /// Called after every bucket of a step has been waited for.
+    /// Called after every bucket of a step has been waited for, once the step succeeded on
+    /// every rank.
     fn end_step(&mut self) {}
+
+    /// Called instead of [`end_step`](Self::end_step) when the step failed on some rank (a
+    /// hook's error, a gradient that could not be read, a peer's failure): no rank applies
+    /// it, so a hook with state goes back to the state it had before the step's first
+    /// `submit`, and the step can be run again as if it never ran. The default does nothing
+    /// (right for a hook without state).
+    fn discard_step(&mut self) {}
 
     /// This rank's state, to save in a checkpoint; `None` for a hook without state.
     fn state(&self) -> Option<Vec<u8>> {
@@ -165,6 +182,7 @@ pub(crate) trait DynHook: Send {
         work: Box<dyn Any + Send>,
     ) -> Result<Vec<HostBuf>, DdpError>;
     fn end_step(&mut self);
+    fn discard_step(&mut self);
     fn state(&self) -> Option<Vec<u8>>;
     fn load_state(&mut self, bytes: &[u8], name: &str) -> Result<(), DdpError>;
 }
@@ -200,6 +218,10 @@ impl<H: CommHook> DynHook for H {
 
     fn end_step(&mut self) {
         CommHook::end_step(self)
+    }
+
+    fn discard_step(&mut self) {
+        CommHook::discard_step(self)
     }
 
     fn state(&self) -> Option<Vec<u8>> {

@@ -35,7 +35,7 @@ use ddp_comm::membership::Left;
 use ddp_comm::{CommError, Continue, ElasticGroup, ProcessGroup, StepStatus, Vote};
 
 use crate::agree::Start;
-use crate::config::DdpConfig;
+use crate::config::{CommHookKind, DdpConfig};
 use crate::ddp::DistributedDataParallel;
 use crate::elastic_zero::reshard;
 use crate::heal_hooks::HealScope;
@@ -175,12 +175,18 @@ impl<M: Module> ElasticDdp<M> {
     /// weights (the wrapper broadcasts them) and `progress`; a rank that joined a running job
     /// is healed from rank 0 instead (weights, optimizer state, progress). Every member of the
     /// generation calls it at the same point.
+    ///
+    /// Refused before any collective, with the reason: PowerSGD ([`DdpConfig::comm_hook`]).
+    /// Its error feedback is each rank's own residual of the compressed gradients: a lost rank
+    /// takes its part of the gradient along, a joiner has none (and another step count, hence
+    /// other collectives), and a new generation would start a fresh hook.
     pub fn start(
         group: ElasticGroup,
         model: M,
         optimizer: ElasticOptimizer,
         progress: Progress,
     ) -> Result<ElasticDdp<M>, DdpError> {
+        refuse_stateful_hook(&optimizer)?;
         let healed = group.joined_running();
         let mut run = ElasticDdp {
             group,
@@ -647,6 +653,31 @@ impl<M: Module> ElasticDdp<M> {
     }
 }
 
+/// Refuses a communication hook with state per rank (PowerSGD) under elastic training, with
+/// the reason. Every generation builds a new wrapper, hence a new hook; carrying PowerSGD's
+/// state into it cannot keep its promise either: its error feedback is each rank's own
+/// residual (what its compressed gradients left out, to be sent in later steps), so a rank
+/// that is lost takes its share of the gradient with it, a joiner has none, and a joiner's
+/// step count (plain all-reduce or compressed) would differ from the survivors', which
+/// mismatches their collectives. The trainers refuse `--comm-hook powersgd --elastic` for
+/// the same reason; bf16/f16 compression (stateless) runs elastic.
+pub(crate) fn refuse_stateful_hook(optimizer: &ElasticOptimizer) -> Result<(), DdpError> {
+    match optimizer {
+        ElasticOptimizer::Ddp { config, .. } => match config.comm_hook {
+            CommHookKind::AllReduce => Ok(()),
+            CommHookKind::PowerSgd(_) => Err(DdpError::Config(
+                "PowerSGD (DdpConfig::comm_hook) cannot run under ElasticDdp: its error \
+                 feedback is each rank's own residual of the compressed gradients, so a lost \
+                 rank takes its part of the gradient along, a joiner has none, and every new \
+                 generation would start a fresh hook (plain steps again, the residual \
+                 dropped); use CommHookKind::AllReduce, or DdpConfig::compression Bf16/F16"
+                    .into(),
+            )),
+        },
+        ElasticOptimizer::Zero { .. } => Ok(()),
+    }
+}
+
 /// Bytes per broadcast of [`broadcast_bytes`]: what a rank that does not keep them holds.
 const CHUNK_BYTES: usize = 32 << 20;
 
@@ -910,6 +941,55 @@ mod tests {
             optim: burn::optim::SgdConfig::new().init(),
         };
         ElasticDdp::start(group, net, optimizer, Progress::default()).unwrap()
+    }
+
+    /// PowerSGD under `ElasticDdp` is refused with the reason, before any collective (a
+    /// one-slot job, so that nobody waits).
+    #[test]
+    fn powersgd_is_refused_with_the_reason() {
+        let store =
+            ddp_comm::TorchStoreHost::start(std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+                .unwrap();
+        let port = store.port();
+        let base = ddp_comm::GroupConfig {
+            rank: 0,
+            world_size: 1,
+            master_port: port,
+            torch_agent_store: Some(0),
+            job_id: Some(format!("powersgd-test-{port}")),
+            transport: ddp_comm::Transport::Tcp,
+            timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(30),
+            ..Default::default()
+        };
+        let config = ddp_comm::ElasticConfig {
+            min: 1,
+            max: 1,
+            slot: 0,
+            compat: "powersgd-test".into(),
+            last_call: Duration::from_secs(30),
+            poll: ddp_comm::DEFAULT_POLL,
+            base,
+        };
+        let group = ElasticGroup::join(config).unwrap().expect("a founder");
+        let device = Device::flex().autodiff();
+        let net = Net {
+            a: linear(6, 4, &device),
+            b: linear(4, 2, &device),
+        };
+        let optimizer = ElasticOptimizer::Ddp {
+            config: DdpConfig::new()
+                .with_comm_hook(CommHookKind::PowerSgd(crate::PowerSgdConfig::new())),
+            optim: burn::optim::SgdConfig::new().init(),
+        };
+        let Err(e) = ElasticDdp::start(group, net, optimizer, Progress::default()) else {
+            panic!("PowerSGD under ElasticDdp was accepted");
+        };
+        let text = e.to_string();
+        assert!(
+            text.contains("PowerSGD") && text.contains("error feedback") && text.contains("joiner"),
+            "{text}"
+        );
     }
 
     fn after(step: u64) -> Progress {

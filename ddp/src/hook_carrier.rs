@@ -33,6 +33,9 @@ pub(crate) struct Hooked {
     ready: VecDeque<HostBuf>,
     /// Whether the bucket being waited for failed (its later parts fail too).
     failed: bool,
+    /// The first error a `submit` of this cycle returned: a local failure of the step, which
+    /// the pipeline's control all-reduce carries to the other ranks.
+    submit_error: Option<DdpError>,
 }
 
 impl Hooked {
@@ -45,6 +48,7 @@ impl Hooked {
             works: VecDeque::new(),
             ready: VecDeque::new(),
             failed: false,
+            submit_error: None,
         }
     }
 
@@ -76,6 +80,7 @@ impl Hooked {
             self.works.clear();
             self.ready.clear();
             self.failed = false;
+            self.submit_error = None;
         }
         if part == range.start {
             self.held.clear();
@@ -84,20 +89,48 @@ impl Hooked {
         let mut bytes = 0;
         if part + 1 == range.end {
             let parts = std::mem::take(&mut self.held);
-            let work = self.hook.submit(pg, bucket, parts).map(|(work, b)| {
-                bytes = b;
-                work
-            });
+            let work = match self.hook.submit(pg, bucket, parts) {
+                Ok((work, b)) => {
+                    bytes = b;
+                    Ok(work)
+                }
+                Err(e) => {
+                    // The step's failure (the pipeline takes it before its control
+                    // all-reduce); the bucket's wait fails with a pointer to it.
+                    self.submit_error.get_or_insert(e);
+                    Err(DdpError::Config(format!(
+                        "communication hook: the submit of bucket {bucket} failed (the step's \
+                         error says why)"
+                    )))
+                }
+            };
             self.works.push_back(work);
         }
         (HookFlight { part }, bytes)
+    }
+
+    /// The first error a hook's `submit` returned in this cycle, if any.
+    pub(crate) fn take_submit_error(&mut self) -> Option<DdpError> {
+        self.submit_error.take()
+    }
+
+    /// Ends the cycle once its outcome is known on every rank: the hook's `end_step` when the
+    /// step succeeded everywhere, its `discard_step` when it failed anywhere (no rank applies
+    /// it, so the hook's state must be the one from before the step).
+    pub(crate) fn end_step(&mut self, ok: bool) {
+        if ok {
+            self.hook.end_step();
+        } else {
+            self.hook.discard_step();
+        }
     }
 
     /// Gives part `flight`'s averaged buffer back. On a bucket's first part, waits for the
     /// bucket's work (the hook's `wait`, which may run further collectives: the pipeline
     /// waits for the parts in order on every rank, so these too come alike) and checks that
     /// the hook returned a buffer of the right length for every part; the later parts are
-    /// taken from what it returned. After the cycle's last part, the hook's `end_step`.
+    /// taken from what it returned. The hook's `end_step` (or `discard_step`) comes from
+    /// [`end_step`](Self::end_step), once the step's outcome is known.
     pub(crate) fn wait(
         &mut self,
         pg: &ProcessGroup,
@@ -119,25 +152,15 @@ impl Hooked {
                 Ok(parts) => self.ready = parts.into(),
                 Err(e) => {
                     self.failed = true;
-                    self.end_cycle(part);
                     return Err(e);
                 }
             }
         }
-        let result = match self.ready.pop_front() {
+        match self.ready.pop_front() {
             Some(buf) if !self.failed => Ok(buf),
             _ => Err(DdpError::Config(format!(
                 "communication hook: bucket {bucket} failed"
             ))),
-        };
-        self.end_cycle(part);
-        result
-    }
-
-    /// Calls the hook's `end_step` once the cycle's last part was waited for.
-    fn end_cycle(&mut self, part: usize) {
-        if part + 1 == self.layout.parts.len() {
-            self.hook.end_step();
         }
     }
 

@@ -48,6 +48,10 @@
 //!    later ones), and the control decides: a failure anywhere fails the step on every rank
 //!    (the failing rank returns its own error, the others [`DdpError::PeerFailed`] naming it),
 //!    and a parameter no rank had a gradient for stays absent, as burn's optimizer expects.
+//!    With a communication hook the control follows the waits instead: a hook's `wait` can
+//!    fail on one rank only (a user's check of the result), and that failure must reach the
+//!    others before any of them steps. The carrier learns the outcome last
+//!    ([`Carrier::end_cycle`]: a hook's `end_step`, or its `discard_step` after a failure).
 //!
 //! Buffers are taken by the collectives and come back as results: nothing of a cycle is kept
 //! once it finished, so a rank holds one copy of each gradient at most, and none once its part
@@ -390,19 +394,15 @@ impl<C: Carrier> Pipeline<C> {
                 self.written.fill(false);
                 self.presence = vec![0.0; self.params.len()];
                 self.error = None;
+                self.carrier.end_cycle(false);
                 return Err(e);
             }
         }
-        let failed = self.error.is_some();
-        let mut control = std::mem::take(&mut self.presence);
-        control.push(if failed { 1.0 } else { 0.0 });
-        control.push(if failed {
-            (self.pg.rank() + 1) as f32
-        } else {
-            0.0
-        });
-        self.bytes += 4 * control.len() as u64;
-        let control = self.pg.submit_all_reduce(control, ReduceOp::Sum);
+        // Where a wait can fail on this rank alone (a communication hook's error), the control
+        // follows the waits, so that it carries that failure too; otherwise it goes first and
+        // flies while the parts are waited for.
+        let late_control = self.carrier.local_wait_failures();
+        let mut control = (!late_control).then(|| self.submit_control());
 
         let mut comm_error = None;
         for s in std::mem::take(&mut self.submitted) {
@@ -420,30 +420,55 @@ impl<C: Carrier> Pipeline<C> {
                     },
                 ),
                 Ok(_) => {}
+                // This rank's own failure (a hook's error): the control carries it.
+                Err(e) if late_control && !matches!(e, DdpError::Comm(_)) => self.fail(e),
                 // Keep waiting for the rest, so that no buffer is left with the process group.
                 Err(e) => {
                     comm_error.get_or_insert(e);
                 }
             }
         }
-        let control = control.wait();
+        let control = match control.take() {
+            Some(control) => control,
+            None => self.submit_control(),
+        }
+        .wait();
         // The cycle is over whatever happened: the next one starts afresh.
         self.written.fill(false);
         self.presence = vec![0.0; self.params.len()];
         let local = self.error.take();
-        let mut sums = control?;
-        if let Some(e) = comm_error {
-            return Err(e);
-        }
-        if let Some(e) = local {
-            return Err(e);
-        }
-        let ranks = sums.pop().unwrap_or(0.0);
-        let count = sums.pop().unwrap_or(0.0);
-        if count > 0.0 {
-            return Err(peer_failed(sync, count, ranks, self.pg.world_size()));
-        }
-        Ok(sums)
+        let outcome = (|| {
+            let mut sums = control?;
+            if let Some(e) = comm_error {
+                return Err(e);
+            }
+            if let Some(e) = local {
+                return Err(e);
+            }
+            let ranks = sums.pop().unwrap_or(0.0);
+            let count = sums.pop().unwrap_or(0.0);
+            if count > 0.0 {
+                return Err(peer_failed(sync, count, ranks, self.pg.world_size()));
+            }
+            Ok(sums)
+        })();
+        self.carrier.end_cycle(outcome.is_ok());
+        outcome
+    }
+
+    /// Submits the control all-reduce: this cycle's presence of every parameter, and the
+    /// failure slots (1 and this rank plus one when this rank failed, zeros otherwise).
+    fn submit_control(&mut self) -> ddp_comm::Work<Vec<f32>> {
+        let failed = self.error.is_some();
+        let mut control = std::mem::take(&mut self.presence);
+        control.push(if failed { 1.0 } else { 0.0 });
+        control.push(if failed {
+            (self.pg.rank() + 1) as f32
+        } else {
+            0.0
+        });
+        self.bytes += 4 * control.len() as u64;
+        self.pg.submit_all_reduce(control, ReduceOp::Sum)
     }
 }
 

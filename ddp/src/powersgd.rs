@@ -140,6 +140,12 @@ pub struct PowerSgd {
     config: PowerSgdConfig,
     plans: Vec<Plan>,
     state: State,
+    /// The state from before the step in progress (taken at its first `submit`, its buffers
+    /// reused from step to step), for [`discard_step`](Self::discard_step); `None` between
+    /// steps.
+    before_step: Option<State>,
+    /// The last step's copy, kept for its allocations.
+    spare: Option<State>,
 }
 
 /// One bucket's exchange in flight, from [`PowerSgd::submit`] to [`PowerSgd::wait`].
@@ -191,6 +197,8 @@ impl PowerSgd {
             config,
             plans: Vec::new(),
             state,
+            before_step: None,
+            spare: None,
         })
     }
 
@@ -221,6 +229,7 @@ impl PowerSgd {
             errors: vec![None; n],
             qs: vec![None; n],
         };
+        self.before_step = None;
         Ok(())
     }
 
@@ -255,6 +264,27 @@ impl PowerSgd {
     /// on the last bucket. Every bucket of a step sees the same step count.
     pub fn end_step(&mut self) {
         self.state.iter += 1;
+        self.spare = self.before_step.take().or(self.spare.take());
+    }
+
+    /// Drops the step in progress (it failed on some rank, and no rank applies it): the
+    /// state (error feedback, Q, generator, step count) goes back to what it was before the
+    /// step's first [`submit`](Self::submit), so that running the step again gives the bits of
+    /// a run where it never failed.
+    pub fn discard_step(&mut self) {
+        if let Some(before) = self.before_step.take() {
+            self.spare = Some(std::mem::replace(&mut self.state, before));
+        }
+    }
+
+    /// Remembers the state before the step's first submit (see
+    /// [`discard_step`](Self::discard_step)): a copy into the last step's buffers.
+    fn keep_state_before_step(&mut self) {
+        if self.before_step.is_none() {
+            let mut copy = self.spare.take().unwrap_or_else(|| self.state.clone());
+            copy.clone_from(&self.state);
+            self.before_step = Some(copy);
+        }
     }
 
     /// Starts the exchange of bucket `bucket`, whose buffers `parts` hold this rank's summed
@@ -297,6 +327,8 @@ impl PowerSgd {
                 plan.part_lens
             )));
         }
+        self.keep_state_before_step();
+        let plan = &self.plans[bucket];
         if !self.compressing() {
             let bytes = 4 * plan.len as u64;
             let works = parts
@@ -496,6 +528,7 @@ impl PowerSgd {
             check("Q", &state.qs[b], plan.q_len)?;
         }
         self.state = state;
+        self.before_step = None;
         Ok(())
     }
 }
@@ -527,6 +560,10 @@ impl CommHook for PowerSgd {
 
     fn end_step(&mut self) {
         PowerSgd::end_step(self)
+    }
+
+    fn discard_step(&mut self) {
+        PowerSgd::discard_step(self)
     }
 
     fn state(&self) -> Option<Vec<u8>> {

@@ -73,7 +73,18 @@ impl Carrier for HostCarrier {
     }
 
     fn launch(&mut self) -> Result<Option<DdpError>, DdpError> {
-        Ok(None)
+        // Every part went to the hook: a submit that failed is this rank's failure.
+        Ok(self.hook.as_mut().and_then(Hooked::take_submit_error))
+    }
+
+    fn local_wait_failures(&self) -> bool {
+        self.hook.is_some()
+    }
+
+    fn end_cycle(&mut self, ok: bool) {
+        if let Some(hooked) = self.hook.as_mut() {
+            hooked.end_step(ok);
+        }
     }
 
     fn wait(&mut self, flight: Flight) -> Result<HostBuf, DdpError> {

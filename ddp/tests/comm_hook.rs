@@ -405,3 +405,219 @@ fn hooks_that_cannot_run_are_refused_by_name() {
         assert!(err.contains("part 0 of bucket 0 came back with"), "{err}");
     }
 }
+
+/// Where [`Picky`] fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FailIn {
+    /// Never (the reference run).
+    Nowhere,
+    /// In `submit`, after submitting its all-reduces (as the trait asks: the same collectives
+    /// on every rank).
+    Submit,
+    /// In `wait`, after its all-reduces completed (a check of the result).
+    Wait,
+}
+
+/// A user's hook that all-reduces and averages, and fails once, on rank 1 only, in step 2's
+/// bucket 0 (`fail_in` says where), as a hook that rejects a value would.
+struct Picky {
+    rank: usize,
+    fail_in: FailIn,
+    /// Steps ended (`end_step`).
+    steps: u64,
+    /// Whether it has failed already (the step run again succeeds).
+    failed: bool,
+}
+
+impl Picky {
+    /// Whether this call fails.
+    fn fails(&mut self, here: FailIn, bucket: usize) -> bool {
+        let fail = self.fail_in == here
+            && self.rank == 1
+            && self.steps == 2
+            && bucket == 0
+            && !self.failed;
+        self.failed |= fail;
+        fail
+    }
+}
+
+impl CommHook for Picky {
+    type Work = (usize, Vec<CommWork<GradBuffer>>);
+
+    fn submit(
+        &mut self,
+        pg: &ProcessGroup,
+        bucket: usize,
+        parts: Vec<GradBuffer>,
+    ) -> Result<Self::Work, DdpError> {
+        let works = parts
+            .into_iter()
+            .map(|p| pg.submit_all_reduce_in_place(p, ReduceOp::Sum))
+            .collect::<Vec<_>>();
+        if self.fails(FailIn::Submit, bucket) {
+            // Its collectives are out, as on the other rank; their results are not wanted.
+            for w in works {
+                let _ = w.wait();
+            }
+            return Err(DdpError::Config(
+                "picky hook: submit refused bucket 0".into(),
+            ));
+        }
+        Ok((bucket, works))
+    }
+
+    fn wait(&mut self, pg: &ProcessGroup, work: Self::Work) -> Result<Vec<GradBuffer>, DdpError> {
+        let (bucket, works) = work;
+        let world = pg.world_size() as f32;
+        let mut parts = Vec::new();
+        for w in works {
+            let mut part = w.wait()?;
+            part.as_mut().iter_mut().for_each(|x| *x /= world);
+            parts.push(part);
+        }
+        if self.fails(FailIn::Wait, bucket) {
+            return Err(DdpError::Config(
+                "picky hook: wait rejected bucket 0".into(),
+            ));
+        }
+        Ok(parts)
+    }
+
+    fn end_step(&mut self) {
+        self.steps += 1;
+    }
+}
+
+/// Per rank: the final parameters and every attempt's outcome (`Ok`, or the error's text).
+type Attempts = (Vec<f32>, Vec<Result<(), String>>);
+
+/// 5 steps of SGD on two ranks over TCP with [`Picky`] failing in `fail_in`; a step that
+/// fails is run again (once).
+fn train_picky(fail_in: FailIn, overlap: bool) -> Vec<Attempts> {
+    run_ranks_over(2, Transport::Tcp, |pg| {
+        let rank = pg.rank();
+        let (mut model, mut ddp) =
+            DistributedDataParallel::new(Net::new(rank), pg, config(overlap)).unwrap();
+        let hook = Picky {
+            rank,
+            fail_in,
+            steps: 0,
+            failed: false,
+        };
+        ddp.register_comm_hook(hook).unwrap();
+        let mut optim = SgdConfig::new().init();
+        let mut attempts = Vec::new();
+        for step in 0..5 {
+            for _attempt in 0..2 {
+                let hooked = ddp.prepare(&model);
+                let (x, y) = data(step, rank);
+                match ddp.backward(&model, hooked.loss(x, y)) {
+                    Ok(grads) => {
+                        model = optim.step(0.05, model, grads);
+                        attempts.push(Ok(()));
+                        break;
+                    }
+                    Err(e) => attempts.push(Err(e.to_string())),
+                }
+            }
+        }
+        (flatten_params(&model).unwrap(), attempts)
+    })
+}
+
+/// A hook's error on rank 1 only (in `wait`, after its collectives; in `submit`, after
+/// submitting them) fails the step on both ranks: rank 1 with its hook's error, rank 0 naming
+/// rank 1; no replica applies it, the collectives stay in step (the step run again and the
+/// later ones succeed), and the run ends with the bits of a run whose hook never failed.
+#[test]
+fn a_hook_error_on_one_rank_fails_the_step_on_every_rank() {
+    // Every case is checked, and every failure listed (not only the first).
+    let mut failures = Vec::new();
+    for overlap in [false, true] {
+        let reference = train_picky(FailIn::Nowhere, overlap);
+        for fail_in in [FailIn::Wait, FailIn::Submit] {
+            let what = format!("overlap {overlap}, failing in {fail_in:?}");
+            let runs = train_picky(fail_in, overlap);
+            for (r, (params, attempts)) in runs.iter().enumerate() {
+                assert!(reference[r].1.iter().all(Result::is_ok), "{what}");
+                let failed: Vec<usize> = (0..attempts.len())
+                    .filter(|&i| attempts[i].is_err())
+                    .collect();
+                if failed != [2] || attempts.len() != 6 {
+                    failures.push(format!(
+                        "{what}, rank {r}: attempts {attempts:?} (want step 2 failed once)"
+                    ));
+                }
+                if let Some(i) = differs(params, &reference[r].0) {
+                    failures.push(format!(
+                        "{what}, rank {r}: element {i} differs from the run that never failed"
+                    ));
+                }
+            }
+            match runs[1].1.get(2) {
+                Some(Err(own)) if own.contains("picky hook") => {}
+                other => failures.push(format!("{what}: rank 1's step 2: {other:?}")),
+            }
+            match runs[0].1.get(2) {
+                Some(Err(peer)) if peer.contains("rank 1 failed") => {}
+                other => failures.push(format!("{what}: rank 0's step 2: {other:?}")),
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A PowerSGD run (compressing from step 1, error feedback and warm start on) whose step 2
+/// fails on every rank (rank 1 syncs a model the wrapper does not know: a local failure) and
+/// is run again ends with the parameters and the hook state, bit for bit, of a run where it
+/// never failed: the failed step left the hook's state (error feedback, Q, step count) as it
+/// was.
+#[test]
+fn a_failed_step_leaves_the_powersgd_state_as_it_was() {
+    let run = |fail: bool| {
+        run_ranks_over(2, Transport::Tcp, |pg| {
+            let rank = pg.rank();
+            let setup = config(false).with_comm_hook(powersgd(1));
+            let (mut model, mut ddp) =
+                DistributedDataParallel::new(Net::new(rank), pg, setup).unwrap();
+            let mut optim = SgdConfig::new().init();
+            let mut errors = Vec::new();
+            for step in 0..5 {
+                if fail && step == 2 {
+                    let (x, y) = data(step, rank);
+                    let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+                    // Rank 1 hands over a model with other parameter ids.
+                    let stranger = Net::new(rank);
+                    let shown = if rank == 1 { &stranger } else { &model };
+                    errors.push(ddp.sync(shown, grads).unwrap_err().to_string());
+                }
+                let (x, y) = data(step, rank);
+                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+                let grads = ddp.sync(&model, grads).unwrap();
+                model = optim.step(0.05, model, grads);
+            }
+            (
+                flatten_params(&model).unwrap(),
+                ddp.comm_hook_state().expect("PowerSGD keeps state"),
+                errors,
+            )
+        })
+    };
+    let reference = run(false);
+    let failed = run(true);
+    for r in 0..2 {
+        assert_eq!(failed[r].2.len(), 1, "rank {r}: the step failed");
+        assert_bit_identical(&failed[r].0, &reference[r].0, &format!("rank {r}"));
+        assert!(
+            failed[r].1 == reference[r].1,
+            "rank {r}: the hook's state differs from the run without the failure"
+        );
+    }
+    assert!(
+        failed[0].2[0].contains("rank 1 failed"),
+        "{}",
+        failed[0].2[0]
+    );
+    assert!(failed[1].2[0].contains("ParamId"), "{}", failed[1].2[0]);
+}
