@@ -22,8 +22,9 @@
 //! ZeRO keeps each step's starting point until the vote (the wrapper steps into a second set of
 //! buffers, reused from step to step: `ShardedDataParallel::keep_starting_points`): a failure
 //! in the middle of a sharded step leaves each rank's shard updated or not, so dropping the
-//! step needs it. The shard of a rank that died is lost with it: its moments start again from
-//! zero.
+//! step needs it. The shard of a rank that died is lost with it: every parameter with a lost
+//! element starts its optimizer again (moments zero and step count 0 together, on every rank:
+//! `elastic_zero.rs`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -109,7 +110,8 @@ pub struct Membership {
     pub dropped: bool,
     /// Whether this rank was healed from rank 0 (it joined, or was left out and came back).
     pub healed: bool,
-    /// The optimizer-state elements lost with the ranks that left (ZeRO only).
+    /// The optimizer-state elements lost with the ranks that left (ZeRO only); each parameter
+    /// with a lost element starts its optimizer again as a whole (moments and step count).
     pub lost_state: usize,
 }
 

@@ -7,11 +7,16 @@ use ddp_comm::ProcessGroup;
 
 /// Runs `f` on two ranks, one thread each, with process groups over loopback sockets.
 pub(crate) fn two_ranks<T: Send>(f: impl Fn(Arc<ProcessGroup>) -> T + Sync) -> Vec<T> {
+    ranks(2, f)
+}
+
+/// Runs `f` on `n` ranks, one thread each, with process groups over loopback sockets.
+pub(crate) fn ranks<T: Send>(n: usize, f: impl Fn(Arc<ProcessGroup>) -> T + Sync) -> Vec<T> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let mut listener = Some(listener);
     std::thread::scope(|s| {
-        let handles: Vec<_> = (0..2)
+        let handles: Vec<_> = (0..n)
             .map(|rank| {
                 let own = if rank == 0 { listener.take() } else { None };
                 let f = &f;
@@ -19,7 +24,7 @@ pub(crate) fn two_ranks<T: Send>(f: impl Fn(Arc<ProcessGroup>) -> T + Sync) -> V
                     let mut builder = ProcessGroup::builder()
                         .no_env()
                         .rank(rank)
-                        .world_size(2)
+                        .world_size(n)
                         .master_addr("127.0.0.1")
                         .master_port(port)
                         .timeout(Duration::from_secs(30))

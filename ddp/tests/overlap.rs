@@ -634,18 +634,18 @@ fn overlap_gives_the_same_bits_whatever_path_the_loss_takes() {
                     "{what}: the path changes the result"
                 );
                 assert!(off.iter().all(|o| o.2.iter().all(Result::is_ok)), "{what}");
-                for r in 0..2 {
-                    if let Some(e) = on[r].2.iter().find(|o| o.is_err()) {
+                for (r, (params, held, steps)) in on.iter().enumerate() {
+                    if let Some(e) = steps.iter().find(|o| o.is_err()) {
                         failures.push(format!("{what}, rank {r}: a step failed: {e:?}"));
                     }
-                    if let Some(i) = first_difference(&on[r].0, &off[0].0) {
+                    if let Some(i) = first_difference(params, &off[0].0) {
                         failures.push(format!(
                             "{what}, rank {r}: element {i} differs from overlap off: {} vs {}",
-                            on[r].0[i], off[0].0[i]
+                            params[i], off[0].0[i]
                         ));
                     }
                     if !zero {
-                        let mut seen = on[r].1.clone();
+                        let mut seen = held.clone();
                         let mut want: Vec<String> = late.iter().map(|s| s.to_string()).collect();
                         seen.sort();
                         want.sort();
