@@ -31,7 +31,9 @@ use ddp_data::{
 use ddp_models::Classifier;
 use serde_json::json;
 
-use crate::options::{BackendKind, CompressionKind, HookKind, OptimizerKind, TrainConfig};
+use crate::options::{
+    BackendKind, CompressionKind, HookKind, LrScaling, OptimizerKind, TrainConfig,
+};
 use crate::train::{Data, RunSummary, Task};
 
 /// Milliseconds since the Unix epoch.
@@ -81,19 +83,51 @@ fn elastic_optimizer(cfg: &TrainConfig) -> ElasticOptimizer {
     }
 }
 
-/// What every process of the job must share, in words: the model's name and a hash of its
-/// parameter list (names and shapes).
-fn compat<M: Module>(name: &str, model: &M) -> String {
+/// What every process of the job must share, as settings (one `name = value` per line, so
+/// that a process with another value is refused naming the setting and both values, and the
+/// job goes on without it): the model (its name and a hash of its parameter list: names and
+/// shapes), the optimizer and its settings, the learning rate and its scaling, the batch size
+/// (the elastic sampler cuts the epoch by it), the buckets, the communication hook and wire
+/// type, the ZeRO stage and the seed. A joiner with another of these would step differently
+/// from the others forever, skip or repeat samples, or (buckets, hook) make the job re-form
+/// again and again. Overlap, threads and loader workers change no result and may differ.
+fn compat<M: Module>(name: &str, model: &M, cfg: &TrainConfig) -> String {
     let params = ddp::param_infos(model);
     let text: String = params
         .iter()
         .map(|p| format!("{}{:?};", p.name, p.shape))
         .collect();
-    format!(
-        "{name} ({} tensors, parameter list {:016x})",
-        params.len(),
-        ddp_comm::hash::fnv1a(text.as_bytes())
-    )
+    let optimizer = match cfg.optimizer {
+        OptimizerKind::Adam => "adam".to_string(),
+        OptimizerKind::Sgd => format!("sgd (momentum {})", cfg.momentum),
+    };
+    let hook = match cfg.comm_hook {
+        HookKind::Powersgd => format!(
+            "powersgd (rank {}, start {})",
+            cfg.powersgd_rank, cfg.powersgd_start
+        ),
+        other => format!("{other:?} ({:?} on the wire)", cfg.compression).to_lowercase(),
+    };
+    let scaling = match cfg.lr_scaling {
+        LrScaling::None => "not scaled",
+        LrScaling::Linear => "times the world size",
+        LrScaling::Sqrt => "times the square root of the world size",
+    };
+    [
+        format!(
+            "model = {name} ({} tensors, parameter list {:016x})",
+            params.len(),
+            ddp_comm::hash::fnv1a(text.as_bytes())
+        ),
+        format!("optimizer = {optimizer}"),
+        format!("lr = {} ({scaling})", cfg.lr),
+        format!("batch size = {} per rank", cfg.batch_size),
+        format!("buckets = {} MiB", cfg.bucket_cap_mb),
+        format!("comm hook = {hook}"),
+        format!("zero stage = {}", cfg.zero_stage),
+        format!("seed = {}", cfg.seed),
+    ]
+    .join("\n")
 }
 
 /// One membership change, for the summary.
@@ -144,8 +178,8 @@ where
             std::env::var(k).ok()
         }
     };
-    let config =
-        ElasticConfig::from_vars(&compat(&name, &model), &lookup)?.context("not an elastic run")?;
+    let config = ElasticConfig::from_vars(&compat(&name, &model, cfg), &lookup)?
+        .context("not an elastic run")?;
     let (min, max, slot) = (config.min, config.max, config.slot);
     if cfg.backend == BackendKind::Cuda {
         // burn compiles its GPU kernels on first use: before joining, not in a step that the
@@ -685,5 +719,89 @@ fn empty_summary(name: &str) -> RunSummary {
         checkpoint: None,
         export: None,
         metrics_dir: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::options::TrainArgs;
+    use burn::nn::LinearConfig;
+    use clap::Parser;
+    use ddp_comm::membership::JobTerms;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: TrainArgs,
+    }
+
+    /// The job terms of a trainer started with `flags` (a small model, the terms a process
+    /// registers with).
+    fn terms(flags: &[&str]) -> JobTerms {
+        let argv = std::iter::once("train-mnist").chain(flags.iter().copied());
+        let defaults = TrainArgs {
+            epochs: Some(1),
+            batch_size: Some(32),
+            lr: Some(1e-3),
+            ..Default::default()
+        };
+        let cfg = Cli::parse_from(argv).args.resolve(&defaults).unwrap();
+        let model = LinearConfig::new(3, 2).init(&Device::flex().autodiff());
+        JobTerms {
+            job_id: None,
+            min: 2,
+            max: 3,
+            compat: compat("mlp", &model, &cfg),
+        }
+    }
+
+    /// A joiner started with another `--lr` or another `--bucket-cap-mb` than the job is
+    /// refused, naming the setting and both values; one that differs only in settings that
+    /// change no result (overlap, threads) is admitted.
+    #[test]
+    fn a_joiner_with_another_lr_or_bucket_size_is_refused_naming_both_values() {
+        let job = terms(&["--lr", "0.001", "--bucket-cap-mb", "25"]);
+        let why = job
+            .refuse(&terms(&["--lr", "0.002", "--bucket-cap-mb", "25"]))
+            .expect("another --lr is refused");
+        assert_eq!(
+            why,
+            "another setting: lr is 0.002 (not scaled) in this process, the job runs with 0.001 \
+             (not scaled)"
+        );
+        let why = job
+            .refuse(&terms(&["--lr", "0.001", "--bucket-cap-mb", "4"]))
+            .expect("another bucket size is refused");
+        assert_eq!(
+            why,
+            "another setting: buckets is 4 MiB in this process, the job runs with 25 MiB"
+        );
+        for (flags, setting) in [
+            (&["--batch-size", "64"][..], "batch size"),
+            (&["--seed", "7"], "seed"),
+            (&["--optimizer", "sgd"], "optimizer"),
+            (&["--lr-scaling", "linear"], "lr"),
+            (&["--comm-hook", "bf16"], "comm hook"),
+            (&["--zero-stage", "1"], "zero stage"),
+        ] {
+            let flags = [&["--lr", "0.001", "--bucket-cap-mb", "25"][..], flags].concat();
+            let why = job.refuse(&terms(&flags)).expect("refused");
+            assert!(
+                why.starts_with(&format!("another setting: {setting} is ")),
+                "{flags:?}: {why}"
+            );
+        }
+        let same = terms(&[
+            "--lr",
+            "0.001",
+            "--bucket-cap-mb",
+            "25",
+            "--overlap",
+            "false",
+            "--threads",
+            "2",
+        ]);
+        assert_eq!(job.refuse(&same), None);
     }
 }

@@ -11,6 +11,8 @@
 //!   run's - 0.5 pt. The same with ZeRO stage 2.
 //! - The same membership schedule (a rank leaves after a given step, a new agent's rank joins
 //!   at a given step) gives bit-identical weights; another schedule gives other weights.
+//! - A process started with another `--lr`, then another `--bucket-cap-mb`, than the job's is
+//!   refused at join, naming the setting and both values, and the job goes on at 2 ranks.
 //!
 //! Every process runs under a deadline (`Guarded`): no test can hang.
 
@@ -372,4 +374,53 @@ fn the_same_membership_schedule_gives_the_same_bits() {
     assert_eq!(first, second, "the same schedule gave other weights");
     let (other, _) = scheduled_run(34);
     assert_ne!(first, other, "another schedule gave the same weights");
+}
+
+/// A node started with another `--lr` (then another `--bucket-cap-mb`) than the running job's
+/// is refused before it joins, its error naming the setting and both values; the job it
+/// knocked at never re-forms and finishes its epoch at 2 ranks with equal weights.
+#[test]
+fn a_joiner_with_another_lr_or_bucket_size_is_refused_and_the_job_goes_on() {
+    let _alone = one_at_a_time();
+    let samples = 30_000;
+    let job = ["--lr", "0.001", "--bucket-cap-mb", "25"];
+    let args = trainer_args(samples, &job);
+    let port = free_port();
+    let deadline = Instant::now() + DEADLINE;
+    let mut agents: Vec<Agent> = (0..2).map(|n| agent(n, port, 0, &[], &args)).collect();
+    agents[0].wait_for("step 5 (", deadline);
+    for (flags, said) in [
+        (
+            ["--lr", "0.002", "--bucket-cap-mb", "25"],
+            "lr is 0.002 (not scaled) in this process, the job runs with 0.001 (not scaled)",
+        ),
+        (
+            ["--lr", "0.001", "--bucket-cap-mb", "4"],
+            "buckets is 4 MiB in this process, the job runs with 25 MiB",
+        ),
+    ] {
+        let mut stranger = agent(2, port, 0, &[], &trainer_args(samples, &flags));
+        let (ok, lines) = stranger.finish();
+        let all = lines.join("\n");
+        assert!(!ok, "{flags:?} was let in:\n{all}");
+        assert!(
+            all.contains("refused") && all.contains(said),
+            "{flags:?}:\n{all}"
+        );
+    }
+    let finished: Vec<(bool, Vec<String>)> = agents.iter_mut().map(Agent::finish).collect();
+    let mut hashes = Vec::new();
+    for (n, (ok, lines)) in finished.iter().enumerate() {
+        let all = lines.join("\n");
+        assert!(ok, "node {n} failed:\n{all}");
+        assert!(
+            !all.contains("elastic: generation 2"),
+            "node {n} re-formed:\n{all}"
+        );
+        let s = json_after(lines, "DDP_ELASTIC_SUMMARY ");
+        check_whole_epoch(&s, samples as u64, &format!("node {n}"));
+        assert_eq!(s["summary"]["world_size"], 2, "{s}");
+        hashes.push(s["summary"]["params_hash"].clone());
+    }
+    assert_eq!(hashes[0], hashes[1], "replicas differ");
 }

@@ -81,7 +81,9 @@ pub struct ElasticConfig {
     /// This process's slot: its launch `RANK`, kept across restarts.
     pub slot: usize,
     /// What every rank must share, in words (the model's name and parameter list, ...): a
-    /// process with another is refused naming both.
+    /// process with another is refused naming both. Written as settings, one `name = value`
+    /// per line (`model = mlp (...)`, `lr = 0.001`, ...), a refusal names the first setting
+    /// that differs and both its values.
     pub compat: String,
     /// See [`DEFAULT_LAST_CALL`].
     pub last_call: Duration,

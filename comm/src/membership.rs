@@ -154,13 +154,56 @@ impl JobTerms {
             ));
         }
         if self.compat != ours.compat {
-            return Some(format!(
-                "another model: it trains {:?}, the job trains {:?}",
-                ours.compat, self.compat
-            ));
+            return Some(
+                setting_difference(&self.compat, &ours.compat).unwrap_or_else(|| {
+                    format!(
+                        "another model: it trains {:?}, the job trains {:?}",
+                        ours.compat, self.compat
+                    )
+                }),
+            );
         }
         None
     }
+}
+
+/// Where two `compat` texts written as settings differ (one `name = value` per line, see
+/// [`ElasticConfig::compat`](crate::ElasticConfig::compat)): the first of the job's settings
+/// whose value differs in `ours` or that `ours` lacks, then any that only `ours` has, as a
+/// sentence naming the setting and both values. `None` when either text is not such a list
+/// (a line without ` = `), or when they agree.
+fn setting_difference(job: &str, ours: &str) -> Option<String> {
+    let parse = |text: &str| -> Option<Vec<(String, String)>> {
+        text.lines()
+            .map(|l| {
+                l.split_once(" = ")
+                    .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+            })
+            .collect()
+    };
+    let (job, ours) = (parse(job)?, parse(ours)?);
+    let find = |list: &[(String, String)], name: &str| {
+        list.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+    };
+    for (name, value) in &job {
+        match find(&ours, name) {
+            Some(v) if v == *value => {}
+            Some(v) => {
+                return Some(format!(
+                    "another setting: {name} is {v} in this process, the job runs with {value}"
+                ))
+            }
+            None => {
+                return Some(format!(
+                    "another setting: this process does not set {name}, the job runs with \
+                     {value}"
+                ))
+            }
+        }
+    }
+    ours.iter()
+        .find(|(k, _)| find(&job, k).is_none())
+        .map(|(k, v)| format!("another setting: this process sets {k} = {v}, the job has no {k}"))
 }
 
 /// The founding generation from the join requests registered so far (`requests`, numbered
@@ -491,5 +534,39 @@ mod tests {
         assert!(other(&|t| t.job_id = Some("b".into())).contains("job b"));
         assert!(other(&|t| t.max = 4).contains("incompatible world"));
         assert!(other(&|t| t.compat = "mlp".into()).contains("another model"));
+    }
+
+    /// Terms whose `compat` is a list of settings name the first setting that differs, with
+    /// both values; a setting only one side has is named too.
+    #[test]
+    fn terms_of_settings_name_the_setting_and_both_values() {
+        let job = JobTerms {
+            job_id: None,
+            min: 2,
+            max: 3,
+            compat: "model = mlp (4 tensors)\nlr = 0.001 (linear scaling)\nbatch size = 32".into(),
+        };
+        assert_eq!(job.refuse(&job.clone()), None);
+        let with = |compat: &str| {
+            let mut t = job.clone();
+            t.compat = compat.into();
+            job.refuse(&t).unwrap()
+        };
+        let why = with("model = mlp (4 tensors)\nlr = 0.002 (linear scaling)\nbatch size = 16");
+        assert_eq!(
+            why,
+            "another setting: lr is 0.002 (linear scaling) in this process, the job runs with \
+             0.001 (linear scaling)"
+        );
+        let why = with("model = mlp (4 tensors)\nlr = 0.001 (linear scaling)");
+        assert!(
+            why.contains("does not set batch size") && why.contains("32"),
+            "{why}"
+        );
+        let why =
+            with("model = mlp (4 tensors)\nlr = 0.001 (linear scaling)\nbatch size = 32\nseed = 7");
+        assert!(why.contains("seed = 7"), "{why}");
+        // A compat that is no list of settings is compared whole, as a model.
+        assert!(with("cnn").contains("another model"));
     }
 }

@@ -298,21 +298,44 @@ fn a_frozen_rank_is_removed_after_the_peer_timeout() {
     }
 }
 
-/// A process of another job, another world range or another program is refused, naming the
-/// field, and the job it knocked at goes on undisturbed.
+/// A process of another job, another world range, another program or another setting (the
+/// program's `compat` as settings, one `name = value` per line, as the trainers write it: here
+/// another `lr`, other buckets) is refused, naming the field or the setting with both values,
+/// and the job it knocked at goes on undisturbed.
 #[test]
 fn an_incompatible_process_is_refused_while_the_job_goes_on() {
     let job = Job::new("2:3");
-    let env = [("PEER_STEPS", "80"), ("PEER_SLEEP_MS", "20")];
+    let settings = "model = peer\nlr = 0.001 (not scaled)\nbuckets = 25 MiB";
+    let env = [
+        ("PEER_STEPS", "80"),
+        ("PEER_SLEEP_MS", "20"),
+        ("PEER_COMPAT", settings),
+    ];
     let deadline = Instant::now() + Duration::from_secs(90);
     let mut peers: Vec<Peer> = (0..2).map(|s| job.spawn(s, &env)).collect();
     for p in &mut peers {
         p.wait_for("step 5 ", deadline);
     }
+    let other_lr = "model = peer\nlr = 0.002 (not scaled)\nbuckets = 25 MiB";
+    let other_buckets = "model = peer\nlr = 0.001 (not scaled)\nbuckets = 4 MiB";
     for (extra, said) in [
-        (vec![("DDP_JOB_ID", "another-job")], "job another-job"),
-        (vec![("DDP_ELASTIC", "2:4")], "incompatible world"),
+        (
+            vec![("DDP_JOB_ID", "another-job"), ("PEER_COMPAT", settings)],
+            "job another-job",
+        ),
+        (
+            vec![("DDP_ELASTIC", "2:4"), ("PEER_COMPAT", settings)],
+            "incompatible world",
+        ),
         (vec![("PEER_COMPAT", "mlp")], "another model"),
+        (
+            vec![("PEER_COMPAT", other_lr)],
+            "lr is 0.002 (not scaled) in this process, the job runs with 0.001 (not scaled)",
+        ),
+        (
+            vec![("PEER_COMPAT", other_buckets)],
+            "buckets is 4 MiB in this process, the job runs with 25 MiB",
+        ),
     ] {
         let mut stranger = job.spawn(2, &extra);
         let (status, lines) = stranger.finish(deadline);
