@@ -181,7 +181,7 @@ where
     let config = ElasticConfig::from_vars(&compat(&name, &model, cfg), &lookup)?
         .context("not an elastic run")?;
     let (min, max, slot) = (config.min, config.max, config.slot);
-    if cfg.backend == BackendKind::Cuda {
+    if cfg.backend != BackendKind::Cpu {
         // burn compiles its GPU kernels on first use: before joining, not in a step that the
         // whole job would wait for (warm_up.rs).
         let optim = (cfg.zero_stage == 0).then(|| (crate::stepper::burn_optimizer(cfg), cfg.lr));

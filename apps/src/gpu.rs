@@ -1,26 +1,35 @@
-//! `--backend cuda` (feature `cuda`): burn's CUDA backend on the GPU of `LOCAL_RANK` (gradients
-//! of more than one rank are all-reduced on the GPU through NCCL by the `ddp` crate).
+//! The GPU backends: `--backend cuda` (feature `cuda`), burn's CUDA backend on the GPU of
+//! `LOCAL_RANK` (gradients of more than one rank are all-reduced on the GPU through NCCL by the
+//! `ddp` crate), and `--backend wgpu` (feature `wgpu`), burn's wgpu backend on wgpu's default
+//! adapter (gradients through the host). Both use burn's kernel cache in one folder per user.
 
-use anyhow::{anyhow, Result};
+#[cfg(feature = "cuda")]
+use anyhow::anyhow;
+use anyhow::Result;
 use burn::tensor::Device;
 use ddp_comm::ProcessGroup;
 
 /// burn's CUDA device for this rank: GPU `LOCAL_RANK` (or the one GPU `CUDA_VISIBLE_DEVICES`
 /// leaves visible).
 ///
-/// First, before burn touches CUDA, the libraries are loaded: the NVIDIA driver, NVRTC (burn
+/// First, before burn touches CUDA, burn's kernel caches are pointed at one folder per user
+/// (`ddp::kernel_cache::configure_kernel_cache`), and the libraries are loaded: the NVIDIA driver, NVRTC (burn
 /// compiles its kernels with it) and, for more than one rank, NCCL (unless `DDP_NCCL=0`; at one
 /// rank with `DDP_NCCL=1`), found under their real names in `LD_LIBRARY_PATH`, the active venv's
 /// NVIDIA wheels and the system folders (`ddp_comm::nccl::load_cuda_libraries`). The first rank
 /// of each host prints which files were loaded, as the run's first line. A missing library, a
 /// machine without a driver, or fewer GPUs than local ranks is a clear error here (naming the
 /// library, the names tried and the folders searched) instead of a panic inside burn.
+#[cfg(feature = "cuda")]
 pub fn cuda_device(pg: &ProcessGroup) -> Result<Device> {
+    // Before the first device: burn's compiled kernels and autotune results in one folder per
+    // user, shared by every rank of the host, so only the first process compiles and tunes.
+    let cache = ddp::kernel_cache::configure_kernel_cache(None);
     let nccl = ddp_comm::nccl::gradients_through_nccl(pg.world_size());
     let libraries = ddp_comm::nccl::load_cuda_libraries(true, nccl)
         .map_err(|e| anyhow!("--backend cuda: rank {}: {e}", pg.rank()))?;
     if pg.local_rank() == 0 {
-        eprintln!("rank {}: {libraries}", pg.rank());
+        eprintln!("rank {}: {libraries}; {cache}", pg.rank());
     }
     let count = ddp_comm::nccl::device_count()
         .map_err(|e| anyhow!("--backend cuda: rank {}: {e}", pg.rank()))?;
@@ -33,4 +42,18 @@ pub fn cuda_device(pg: &ProcessGroup) -> Result<Device> {
     )
     .map_err(|m| anyhow!("--backend cuda: rank {}: {m}", pg.rank()))?;
     Ok(Device::cuda(ordinal))
+}
+
+/// burn's wgpu device for this rank: wgpu's default adapter (a discrete GPU first; on a machine
+/// without one, Mesa's lavapipe, a Vulkan device on the CPU; `CUBECL_WGPU_DEFAULT_DEVICE`
+/// chooses another), shared by the ranks of a host. burn's kernel caches are pointed at one
+/// folder per user first (`ddp::kernel_cache::configure_kernel_cache`), and the first rank of
+/// each host says where.
+#[cfg(feature = "wgpu")]
+pub fn wgpu_device(pg: &ProcessGroup) -> Result<Device> {
+    let cache = ddp::kernel_cache::configure_kernel_cache(None);
+    if pg.local_rank() == 0 {
+        eprintln!("rank {}: wgpu's default adapter; {cache}", pg.rank());
+    }
+    Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice))
 }

@@ -9,7 +9,7 @@ pub mod alloc;
 pub mod bench;
 pub mod elastic;
 pub mod fit;
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
 pub mod gpu;
 pub mod metrics;
 pub mod options;

@@ -41,6 +41,10 @@ pub enum BackendKind {
     Cpu,
     /// burn-cuda on the GPU of `LOCAL_RANK` (needs a build with the `cuda` feature).
     Cuda,
+    /// burn's wgpu backend (Vulkan, Metal or DX12; on a machine without a GPU, Mesa's lavapipe
+    /// gives a Vulkan device on the CPU): wgpu's default adapter, shared by the ranks of a
+    /// host (needs a build with the `wgpu` feature). Gradients go through the host path.
+    Wgpu,
 }
 
 /// Where the trainer reads its data from.

@@ -457,6 +457,14 @@ where
             model = stepped;
             let t_end = Instant::now();
             step += 1;
+            if epoch == start_epoch && batches == skip {
+                // On a GPU the first step compiles and tunes burn's kernels (or finds them in
+                // the kernel cache): the figure a restart or a second job cares about.
+                say.line(format!(
+                    "first step done {:.1} s after the trainer started",
+                    (t_end - started).as_secs_f64()
+                ));
+            }
             batches += 1;
             epoch_samples += n as u64;
             loss_sum += loss_value;
@@ -923,6 +931,10 @@ pub fn start(
     if cfg.backend == crate::options::BackendKind::Cuda {
         bail!("--backend cuda: this build has no CUDA support (build with --features cuda)");
     }
+    #[cfg(not(feature = "wgpu"))]
+    if cfg.backend == crate::options::BackendKind::Wgpu {
+        bail!("--backend wgpu: this build has no wgpu support (build with --features wgpu)");
+    }
     // An elastic run forms its groups itself, once its model is built (`elastic.rs`).
     let elastic = cfg.elastic_range().is_some();
     let pg = Arc::new(match elastic {
@@ -938,6 +950,8 @@ pub fn start(
     let device = match cfg.backend {
         #[cfg(feature = "cuda")]
         crate::options::BackendKind::Cuda => crate::gpu::cuda_device(&pg)?,
+        #[cfg(feature = "wgpu")]
+        crate::options::BackendKind::Wgpu => crate::gpu::wgpu_device(&pg)?,
         _ => Device::flex(),
     }
     .autodiff();

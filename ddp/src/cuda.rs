@@ -155,20 +155,21 @@ impl DevicePath {
         if reader.parts.is_empty() {
             return Ok(module);
         }
-        let (flat, exposed) = expose(Tensor::cat(reader.parts, 0), "the broadcast parameters")?;
+        let (resolved, exposed) = expose(Tensor::cat(reader.parts, 0), "the broadcast parameters")?;
         sync_client(&exposed.client)?;
         // SAFETY: `ptr` addresses `count` f32 in the device's primary context, produced (sync
-        // above); `flat` and `keep` hold the memory until `wait` returns.
-        let (flat, _keep) = unsafe {
+        // above); `resolved` and `keep` hold the memory until `wait` returns.
+        let (resolved, _keep) = unsafe {
             self.nccl.submit_broadcast_ptr(
                 exposed.ptr,
                 exposed.count,
                 exposed.dtype,
                 0,
-                (flat, exposed.keep),
+                (resolved, exposed.keep),
             )
         }
         .wait()?;
+        let flat = resolved.into_tensor();
 
         struct Writer<'a> {
             keep: &'a dyn Fn(usize) -> bool,

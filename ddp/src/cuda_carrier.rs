@@ -40,6 +40,12 @@ use std::sync::Arc;
 use burn::backend::Cube;
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, FloatDType, Tensor};
+use burn_cubecl::fusion::FusionCubeRuntime;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeBackend;
+use burn_fusion::stream::StreamId;
+use burn_fusion::{Client as FusionClient, NoOp};
+use burn_ir::{BackendIr, InitOperationIr, OperationIr, OperationOutput};
 use cubecl::cuda::CudaRuntime;
 use cubecl_runtime::runtime::Runtime;
 use ddp_comm::nccl::{DeviceBytes, NcclGroup, NcclWork};
@@ -68,20 +74,55 @@ pub(crate) struct Exposed {
     pub client: cubecl::client::Client,
 }
 
-/// Exposes `flat`'s memory (see [`Exposed`]) and returns the tensor that owns it: `flat`
-/// itself when no other tensor shares its memory, a copy otherwise (NCCL writes in place).
-/// `what` names it in errors.
-pub(crate) fn expose(flat: Tensor<1>, what: &str) -> Result<(Tensor<1>, Exposed), DdpError> {
+/// A flat tensor taken out of burn's fusion for NCCL: the cubecl tensor that owns the memory
+/// NCCL reads and writes, and the fusion client to give it back to (burn's `fusion` feature
+/// wraps the cubecl backend: `burn::backend::Cube` is `Fusion<CubeBackend>`).
+pub(crate) struct Resolved {
+    cube: CubeTensor,
+    fusion: FusionClient<FusionCubeRuntime>,
+}
+
+impl Resolved {
+    /// The tensor again as a burn tensor of the (fused) device, holding what NCCL wrote: the
+    /// cubecl memory is registered with the fusion client as a new tensor, the way burn's own
+    /// `float_from_data` registers a fresh buffer.
+    pub(crate) fn into_tensor(self) -> Tensor<1> {
+        let Resolved { cube, fusion } = self;
+        let shape = cube.meta.shape().clone();
+        let dtype = cube.dtype;
+        let handle = <CubeBackend as BackendIr>::float_tensor_handle(cube);
+        let desc = InitOperationIr::create(shape, dtype, || fusion.register_tensor_handle(handle));
+        let fused = fusion
+            .register(
+                StreamId::current(),
+                OperationIr::Init(desc),
+                NoOp::<CubeBackend>::new(),
+            )
+            .output();
+        Tensor::from_primitive::<Cube>(fused)
+    }
+}
+
+/// Exposes `flat`'s memory (see [`Exposed`]) and returns what owns it, to be turned back into
+/// a tensor with [`Resolved::into_tensor`] once NCCL is done. `what` names it in errors.
+///
+/// burn's fusion defers element-wise work: the fused tensor is first resolved (its pending
+/// operations run on cubecl's stream, asynchronously) into the cubecl tensor that holds its
+/// values. NCCL writes in place, so memory that another tensor shares (burn's autodiff may
+/// hand the same buffer to two parameters) or that is not contiguous is copied first. The
+/// caller synchronises cubecl's stream after exposing every part and before NCCL reads any.
+pub(crate) fn expose(flat: Tensor<1>, what: &str) -> Result<(Resolved, Exposed), DdpError> {
     let unsupported = |reason: String| DdpError::UnsupportedParam {
         name: what.to_string(),
         reason,
     };
     let not_cube = |e| unsupported(format!("the packed values are not a cubecl tensor: {e:?}"));
-    let mut cube = flat.try_into_primitive::<Cube>().map_err(not_cube)?;
+    let fused = flat.try_into_primitive::<Cube>().map_err(not_cube)?;
+    let fusion = fused.client.clone();
+    let mut cube = fusion.resolve_tensor_float::<CubeBackend>(fused);
     if !cube.can_mut() || !cube.is_contiguous() {
-        // A fresh output: cubecl writes in place only into memory nothing else holds.
-        let copy = Tensor::<1>::from_primitive::<Cube>(cube).mul_scalar(1.0);
-        cube = copy.try_into_primitive::<Cube>().map_err(not_cube)?;
+        // A fresh, contiguous output that nothing else holds.
+        cube = burn_cubecl::kernel::into_contiguous(cube.copy());
     }
     let dtype = match cube.dtype {
         burn::tensor::DType::F32 => DType::F32,
@@ -104,7 +145,7 @@ pub(crate) fn expose(flat: Tensor<1>, what: &str) -> Result<(Tensor<1>, Exposed)
         keep: Box::new(resource),
         client: cube.client.clone(),
     };
-    Ok((Tensor::from_primitive::<Cube>(cube), exposed))
+    Ok((Resolved { cube, fusion }, exposed))
 }
 
 /// Waits until `client`'s stream has produced everything queued so far.
@@ -118,7 +159,7 @@ pub(crate) fn sync_client(client: &cubecl::client::Client) -> Result<(), DdpErro
 /// A part handed to NCCL: its all-reduce in place in the tensor's memory, or the stand-in of a
 /// part this rank could not expose (zeros of the same length and element type).
 enum Work {
-    Part(Box<NcclWork<(Tensor<1>, Box<dyn Any>)>>),
+    Part(Box<NcclWork<(Resolved, Box<dyn Any>)>>),
     StandIn(NcclWork<DeviceBytes>),
 }
 
@@ -156,29 +197,22 @@ impl CudaCarrier {
         }
     }
 
-    /// Hands `flat` (part `part`, in the wire type) to NCCL, or its stand-in if its memory
-    /// cannot be exposed, with the reason.
-    fn hand_over(&self, part: usize, flat: Tensor<1>) -> (Work, Option<DdpError>) {
-        let len = flat.dims()[0];
-        match expose(flat, &format!("gradient part {part}")) {
-            Ok((flat, exposed)) => {
-                // SAFETY: `ptr` addresses `count` elements of `dtype` in the device's primary
-                // context; burn's stream has produced them (the launch's one sync); `flat` and
-                // `keep` hold the memory until `wait` returns, and no other tensor shares it
-                // (`expose` copied it otherwise).
-                let work = unsafe {
-                    self.nccl.submit_all_reduce_ptr(
-                        exposed.ptr,
-                        exposed.count,
-                        exposed.dtype,
-                        ReduceOp::Sum,
-                        (flat, exposed.keep),
-                    )
-                };
-                (Work::Part(Box::new(work)), None)
-            }
-            Err(e) => (self.stand_in(len), Some(e)),
-        }
+    /// Hands an exposed part to NCCL: its in-place all-reduce, enqueued on NCCL's stream.
+    fn hand_over(&self, resolved: Resolved, exposed: Exposed) -> Work {
+        // SAFETY: `ptr` addresses `count` elements of `dtype` in the device's primary context;
+        // burn's stream has produced them (the launch's one sync, after every part was
+        // exposed); `resolved` and `keep` hold the memory until `wait` returns, and no other
+        // tensor shares it (`expose` copied it otherwise).
+        let work = unsafe {
+            self.nccl.submit_all_reduce_ptr(
+                exposed.ptr,
+                exposed.count,
+                exposed.dtype,
+                ReduceOp::Sum,
+                (resolved, exposed.keep),
+            )
+        };
+        Work::Part(Box::new(work))
     }
 
     /// A stand-in all-reduce of `len` zeros in the wire type.
@@ -244,30 +278,36 @@ impl Carrier for CudaCarrier {
 
     fn launch(&mut self) -> Result<Option<DdpError>, DdpError> {
         let held = std::mem::take(&mut self.held);
+        // First expose every part: resolving a fused tensor queues its pending kernels on
+        // burn's stream, so the one synchronisation must come after the last of them.
+        let mut error = None;
+        let parts: Vec<(usize, Option<(Resolved, Exposed)>)> = held
+            .into_iter()
+            .map(|(part, flat)| {
+                let len = flat.dims()[0];
+                match expose(flat, &format!("gradient part {part}")) {
+                    Ok(exposed) => (len, Some(exposed)),
+                    Err(e) => {
+                        error.get_or_insert(e);
+                        (len, None)
+                    }
+                }
+            })
+            .collect();
         // The one synchronisation: burn's stream has produced every part.
-        let synced = match held.first() {
-            Some((_, flat)) => match flat.clone().try_into_primitive::<Cube>() {
-                Ok(cube) => sync_client(&cube.client),
-                Err(e) => Err(DdpError::UnsupportedParam {
-                    name: "the packed gradients".into(),
-                    reason: format!("not a cubecl tensor: {e:?}"),
-                }),
-            },
+        let synced = match parts.iter().find_map(|(_, p)| p.as_ref()) {
+            Some((_, exposed)) => sync_client(&exposed.client),
             None => Ok(()),
         };
-        let mut error = synced.err();
-        let sync_failed = error.is_some();
+        let sync_failed = synced.is_err();
+        if let Err(e) = synced {
+            error.get_or_insert(e);
+        }
         self.launched.clear();
-        for (part, flat) in held {
-            let len = flat.dims()[0];
-            let work = if sync_failed {
-                self.stand_in(len)
-            } else {
-                let (work, failed) = self.hand_over(part, flat);
-                if let Some(e) = failed {
-                    error.get_or_insert(e);
-                }
-                work
+        for (len, part) in parts {
+            let work = match part {
+                Some((resolved, exposed)) if !sync_failed => self.hand_over(resolved, exposed),
+                _ => self.stand_in(len),
             };
             self.launched.push(Some((work, len)));
         }
@@ -282,7 +322,8 @@ impl Carrier for CudaCarrier {
         };
         match work {
             Work::Part(work) => {
-                let (flat, _keep) = work.wait()?;
+                let (resolved, _keep) = work.wait()?;
+                let flat = resolved.into_tensor();
                 Ok(if flat.dtype() == burn::tensor::DType::F32 {
                     flat
                 } else {

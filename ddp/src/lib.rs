@@ -27,6 +27,7 @@ mod fused_adam;
 mod heal_hooks;
 mod hook_carrier;
 mod host_buf;
+pub mod kernel_cache;
 mod overlap;
 mod overlap_ops;
 mod params;
