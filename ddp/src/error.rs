@@ -79,15 +79,17 @@ pub enum DdpError {
         rank: Option<usize>,
     },
     /// A piece of a parameter's gradient reached the wrapper after the parameter's bucket had
-    /// gone out during an overlapped backward ([`crate::DdpConfig::overlap`]): the loss reached
+    /// gone out during an overlapped backward ([`crate::DdpConfig::overlap`]), or after it was
+    /// added to the sum of earlier micro-steps (which would round differently): the loss reached
     /// the parameter by a path outside the copy from `prepare` (a term on the model's own
     /// parameter, a second prepared copy) that earlier passes never took. The step fails on
     /// every rank (the others return [`DdpError::PeerFailed`]); the wrapper holds that
     /// parameter's bucket until backward ends from now on, so running the step again includes
     /// every piece.
     #[error(
-        "parameter `{name}` received a piece of its gradient after its bucket went out during \
-         the overlapped backward: the loss reaches it by a path outside the copy from \
+        "parameter `{name}` received a piece of its gradient too late to be summed as without \
+         overlap (its bucket had gone out during the overlapped backward, or held the sum of \
+         earlier micro-steps already): the loss reaches it by a path outside the copy from \
          `prepare` (the model's own parameter, or a second prepared copy) that no earlier \
          pass took. Nothing was dropped: this step fails on every rank, and from now on this \
          parameter's bucket waits for the end of backward, so run the step again (or use \

@@ -32,10 +32,13 @@
 //!    of that, a parameter seen to get a second piece is marked *late* for good, and in an
 //!    overlapped micro-step ([`Pipeline::hold`]) every part with a late parameter waits for
 //!    `deliver_from` (the end of backward), as does every part on the first overlapped pass
-//!    (before any path is known). A piece that arrives after its part went out anyway (a path
-//!    the loss never took before) cannot be sent any more without splitting the parameter's
-//!    sum: it is a local failure naming the parameter ([`DdpError::LateGradient`]), which
-//!    fails the step on every rank through the control below; the next step holds the part.
+//!    (before any path is known). In a held part the pieces are summed apart and added to
+//!    the part (to earlier micro-steps' sum, when accumulating) in one addition, as without
+//!    overlap. A piece that arrives after its part went out anyway (a path the loss never
+//!    took before) cannot be sent any more without splitting the parameter's sum, nor added
+//!    with the same rounding to a slot that holds earlier micro-steps' sum: it is a local
+//!    failure naming the parameter ([`DdpError::LateGradient`]), which fails the step on every
+//!    rank through the control below; the next step holds the part.
 //! 3. [`Pipeline::finish`] submits what is left (a carrier that holds submissions back, the
 //!    GPU path's, sends them all now, after one synchronisation), then one small **control**
 //!    all-reduce over the process group: how
@@ -113,6 +116,13 @@ pub(crate) struct Pipeline<C: Carrier> {
     pending: Vec<usize>,
     /// Per part: held for the end of backward in this micro-step ([`hold`](Self::hold)).
     held: Vec<bool>,
+    /// Per parameter: its slot held a sum of earlier micro-steps when this one began.
+    prior: Vec<bool>,
+    /// Per parameter: it had a gradient in this micro-step (counted in `presence`).
+    present: Vec<bool>,
+    /// Per parameter of a held part: the pieces of its gradient in this micro-step, summed
+    /// apart (as burn sums them on the parameter) until the part is released.
+    stash: Vec<Option<C::Buf>>,
     /// Whether complete parts go out at once (the micro-step that ends the cycle).
     communicate: bool,
     /// The next part to submit.
@@ -148,6 +158,9 @@ impl<C: Carrier> Pipeline<C> {
             late: vec![false; n],
             pending: vec![0; parts],
             held: vec![false; parts],
+            prior: vec![false; n],
+            present: vec![false; n],
+            stash: (0..n).map(|_| None).collect(),
             communicate: false,
             next: 0,
             submitted: Vec::new(),
@@ -175,6 +188,9 @@ impl<C: Carrier> Pipeline<C> {
             *pending = part.params.len();
         }
         self.held.fill(false);
+        self.prior.copy_from_slice(&self.written);
+        self.present.fill(false);
+        self.stash.iter_mut().for_each(|s| *s = None);
         self.communicate = communicate;
         self.next = 0;
         self.submitted.clear();
@@ -239,53 +255,54 @@ impl<C: Carrier> Pipeline<C> {
     /// rank; `Err`: it could not be read, a local failure), and submits every bucket that is
     /// now complete, in order. The first delivery of a parameter in a micro-step completes its
     /// share of the part; a further one is another piece of the same gradient (see the module
-    /// documentation), added to the first. Frozen parameters and buffers are ignored.
+    /// documentation), which makes the parameter late. Frozen parameters and buffers are
+    /// ignored.
     pub(crate) fn deliver(&mut self, p: usize, grad: Result<Option<C::Buf>, DdpError>) {
         let Some(place) = self.layout.place.get(p).copied().flatten() else {
             return;
         };
-        if std::mem::replace(&mut self.delivered[p], true) {
-            self.deliver_piece(p, place, grad);
-            return;
+        let first = !std::mem::replace(&mut self.delivered[p], true);
+        if !first {
+            self.late[p] = true;
         }
         let start = Instant::now();
         match grad {
-            Ok(Some(g)) => {
-                self.presence[p] += 1.0;
-                self.pack(p, place, g);
-            }
+            Ok(Some(g)) => self.take_piece(p, place, g, first),
             Ok(None) => {}
             Err(e) => self.fail(e),
         }
         self.pack_time[place.part] += start.elapsed();
-        self.pending[place.part] -= 1;
-        self.submit_ready();
+        if first {
+            self.pending[place.part] -= 1;
+            self.submit_ready();
+        }
     }
 
-    /// A further piece of parameter `p`'s gradient in this micro-step: added to its slot while
-    /// its part is still here; after the part went out, a local failure naming the parameter
-    /// (the part's sum cannot be completed any more, and a second collective for the piece
-    /// alone would round differently from the sum without overlap). Either way `p` is late
-    /// from now on, so that its part waits for the end of the next overlapped backward.
-    fn deliver_piece(&mut self, p: usize, place: Place, grad: Result<Option<C::Buf>, DdpError>) {
-        self.late[p] = true;
-        let grad = match grad {
-            Ok(Some(g)) => g,
-            Ok(None) => return,
-            Err(e) => return self.fail(e),
-        };
-        if place.part < self.next {
+    /// One piece of parameter `p`'s gradient in this micro-step (`first`: the first delivery).
+    /// In a held part the pieces are summed apart and packed when the part is released, so
+    /// that the sum of earlier micro-steps gets this micro-step's whole gradient in one
+    /// addition, as without overlap. Otherwise the first piece is packed at once, and a
+    /// further one is added to it while that gives the same bits: not once the part went out
+    /// (the sum cannot be completed, and a collective for the piece alone would round
+    /// differently), nor where the slot held earlier micro-steps' sum (added piece by piece,
+    /// it would round differently); there it is a local failure naming the parameter.
+    fn take_piece(&mut self, p: usize, place: Place, g: C::Buf, first: bool) {
+        if !std::mem::replace(&mut self.present[p], true) {
+            self.presence[p] += 1.0;
+        }
+        if self.held[place.part] {
+            match self.stash[p].as_mut() {
+                Some(sum) => self.carrier.write(sum, 0, g, true),
+                None => self.stash[p] = Some(g),
+            }
+            return;
+        }
+        if !first && (place.part < self.next || self.prior[p]) {
             return self.fail(DdpError::LateGradient {
                 name: self.params[p].name.clone(),
             });
         }
-        let start = Instant::now();
-        if !self.written[p] {
-            // Its first delivery had no gradient (it could not be read): count it now.
-            self.presence[p] += 1.0;
-        }
-        self.pack(p, place, grad);
-        self.pack_time[place.part] += start.elapsed();
+        self.pack(p, place, g);
     }
 
     /// Writes `g` into parameter `p`'s slot of its part (added to what the slot holds from
@@ -337,6 +354,14 @@ impl<C: Carrier> Pipeline<C> {
                 }
             }
             if std::mem::take(&mut self.held[j]) {
+                // Released: each parameter's summed pieces go into the part.
+                let start = Instant::now();
+                for &p in &part.params {
+                    if let (Some(sum), Some(place)) = (self.stash[p].take(), layout.place[p]) {
+                        self.pack(p, place, sum);
+                    }
+                }
+                self.pack_time[j] += start.elapsed();
                 self.pending[j] -= 1;
                 self.submit_ready();
             }
