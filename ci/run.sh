@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CI: one release build of the whole workspace with one feature set (`ddp-apps/nccl`: the NCCL
-# layer of ddp-comm, loaded at run time, so no CUDA toolkit is needed), shared by the tests, the
+# layer of ddp-comm, loaded at run time, so no CUDA toolkit is needed; `ddp-apps/wgpu`: burn's
+# wgpu backend with fusion and the kernel cache, run on Mesa's lavapipe), shared by the tests, the
 # end-to-end runs and clippy. The GPU training code (`ddp-apps/cuda`: burn 0.22's CUDA backend)
 # cannot be built here: its cubecl-llvm build script downloads an LLVM bundle. CI type-checks and
 # lints it offline instead (`DOCS_RS=1` makes that build script skip the download, as on
@@ -15,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # The one feature set of every step below (keep in sync with README.md).
-FEATURES=ddp-apps/nccl
+FEATURES=ddp-apps/nccl,ddp-apps/wgpu
 export DDP_CARGO_FEATURES=$FEATURES
 
 step() { printf '\n== %s (%s)\n' "$1" "$(date +%H:%M:%S)"; }
@@ -49,14 +50,15 @@ step "tests: the README's test command, on the fresh clone, before any system pa
 # Keep in sync with README.md ("Set-up"). Tests that need root, network namespaces or a GPU are
 # reported as ignored here, with their reason; the root ones run in the next steps.
 command -v nft >/dev/null 2>&1 && echo "(nft is installed on this machine)" || echo "(no nft here)"
-cargo test --release --workspace --features ddp-apps/nccl
+cargo test --release --workspace --features ddp-apps/nccl,ddp-apps/wgpu
 
 step "system packages"
 # The network-namespace tests (comm/tests/processes.rs: a cut link between two "hosts", a lossy
 # link and a one-way partition made with nftables rules) need iproute2's `ip` and nftables' `nft`;
 # the Slurm step needs slurm-wlm and munge, and slurm-wlm-torque (Slurm's qsub, for the PBS
 # script); the mpirun step Open MPI's openmpi-bin; the Python
-# steps need venv (Debian ships it apart from python3). Installed only when missing.
+# steps need venv (Debian ships it apart from python3); the wgpu tests Mesa's lavapipe (a Vulkan
+# device on the CPU). Installed only when missing.
 missing=()
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 command -v nft >/dev/null 2>&1 || missing+=(nftables)
@@ -65,6 +67,8 @@ command -v munged >/dev/null 2>&1 || missing+=(munge)
 command -v qsub >/dev/null 2>&1 || missing+=(slurm-wlm-torque)
 command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing+=(python3-venv)
+# --backend wgpu's tests (apps/tests/wgpu.rs) need a Vulkan device: Mesa's lavapipe, on the CPU.
+ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1 || missing+=(mesa-vulkan-drivers libvulkan1)
 if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"

@@ -19,7 +19,6 @@ use std::time::Duration;
 
 mod common;
 mod mnist;
-mod trainer;
 
 use common::text;
 use serde_json::Value;
@@ -93,7 +92,7 @@ fn files(dir: &Path) -> Vec<(PathBuf, u64)> {
 
 #[test]
 #[ignore = "needs a Vulkan device (Mesa's lavapipe: apt-get install mesa-vulkan-drivers; CI installs it and runs this)"]
-fn two_ranks_on_wgpu_are_bit_identical_and_train_like_the_cpu() {
+fn two_ranks_on_vulkan_are_bit_identical_and_train_like_the_cpu() {
     let cache = tempfile::tempdir().unwrap();
     let steps = ["--max-steps", "30"];
     let wgpu = ddprun_mnist(
@@ -113,18 +112,20 @@ fn two_ranks_on_wgpu_are_bit_identical_and_train_like_the_cpu() {
     assert_eq!(w[0]["params_hash"], w[1]["params_hash"], "{}", text(&wgpu));
     // The gradients went through DDP (buckets all-reduced), not around it.
     assert!(w[0]["buckets"].as_u64().unwrap() > 0, "{}", text(&wgpu));
-    // Other kernels, other rounding: the same training, within a few percent of the loss.
+    // The same training, not the same bits: other kernels and rounding, and dropout masks drawn
+    // by each backend's own generator from the same seed. Within 10 % of the mean loss (seen:
+    // 1.087 on wgpu, 1.040 on the CPU; an untrained CNN is at 2.30).
     let (lw, lc) = (
         w[0]["train_loss"].as_f64().unwrap(),
         c[0]["train_loss"].as_f64().unwrap(),
     );
     eprintln!("mean training loss over 30 steps: wgpu {lw:.5}, cpu {lc:.5}");
     assert!(
-        (lw - lc).abs() <= 0.05 * lc.abs().max(1e-3),
+        (lw - lc).abs() <= 0.10 * lc.abs().max(1e-3),
         "wgpu's loss {lw} is not close to the CPU's {lc}:\n{}",
         text(&wgpu)
     );
-    assert!(lw.is_finite() && lw < 2.3, "wgpu did not train: {lw}");
+    assert!(lw.is_finite() && lw < 1.8, "wgpu did not train: {lw}");
 }
 
 #[test]

@@ -63,10 +63,11 @@ pub fn target_dir() -> Result<PathBuf> {
 pub const FEATURES_VAR: &str = "DDP_CARGO_FEATURES";
 
 /// The cargo features the tasks build with unless `$DDP_CARGO_FEATURES` says otherwise: the
-/// README's test command's (`cargo test --release --workspace --features ddp-apps/nccl`), so
+/// README's test command's (`cargo test --release --workspace --features
+/// ddp-apps/nccl,ddp-apps/wgpu`), so
 /// that after the tests `cargo xtask ...` reuses their compiled burn instead of compiling it a
 /// second time under another feature set.
-pub const DEFAULT_FEATURES: &str = "ddp-apps/nccl";
+pub const DEFAULT_FEATURES: &str = "ddp-apps/nccl,ddp-apps/wgpu";
 
 /// The features of every build the tasks run: `$DDP_CARGO_FEATURES` if set, else
 /// [`DEFAULT_FEATURES`].
@@ -82,7 +83,7 @@ fn default_features() -> Vec<String> {
 /// (`target/release`). The build covers the whole workspace (`--workspace`) with the default
 /// features ([`DEFAULT_FEATURES`], or `$DDP_CARGO_FEATURES`) plus `features`, so that it shares
 /// every compiled dependency with `cargo build/test --release --workspace --features
-/// ddp-apps/nccl` instead of recompiling burn under a different feature set.
+/// ddp-apps/nccl,ddp-apps/wgpu` instead of recompiling burn under a different feature set.
 pub fn build_release_bins(bins: &[&str], features: &[&str]) -> Result<PathBuf> {
     build_release("--bin", bins, features)
 }
