@@ -104,15 +104,15 @@ fn a_kept_step_rolls_back_exactly_and_keeping_changes_no_bit() {
     }
 }
 
-/// One slot of a two-slot elastic run of `Net` (DDP, SGD) in this process, its store at
-/// `port`; collectives time out after `timeout`.
-fn elastic_run(slot: usize, port: u16, timeout: Duration) -> ElasticDdp<Net> {
+/// Joins an elastic job of `max` slots (minimum 1) as slot `slot`, over TCP with its store at
+/// `port`, and returns the founding group; collectives time out after `timeout`.
+fn join_founder(slot: usize, max: usize, port: u16, timeout: Duration, name: &str) -> ElasticGroup {
     let base = ddp_comm::GroupConfig {
         rank: slot,
-        world_size: 2,
+        world_size: max,
         master_port: port,
         torch_agent_store: Some(0),
-        job_id: Some(format!("skip-test-{port}")),
+        job_id: Some(format!("{name}-{port}")),
         transport: ddp_comm::Transport::Tcp,
         timeout,
         connect_timeout: Duration::from_secs(30),
@@ -120,15 +120,21 @@ fn elastic_run(slot: usize, port: u16, timeout: Duration) -> ElasticDdp<Net> {
     };
     let config = ddp_comm::ElasticConfig {
         min: 1,
-        max: 2,
+        max,
         slot,
-        compat: "skip-test".into(),
-        // Founded at once when both slots are in (MAX), never alone.
+        compat: name.into(),
         last_call: Duration::from_secs(30),
         poll: ddp_comm::DEFAULT_POLL,
         base,
     };
-    let group = ElasticGroup::join(config).unwrap().expect("a founder");
+    ElasticGroup::join(config).unwrap().expect("a founder")
+}
+
+/// One slot of a two-slot elastic run of `Net` (DDP, SGD) in this process, its store at
+/// `port`; collectives time out after `timeout`.
+fn elastic_run(slot: usize, port: u16, timeout: Duration) -> ElasticDdp<Net> {
+    // Founded at once when both slots are in (MAX), never alone.
+    let group = join_founder(slot, 2, port, timeout, "skip-test");
     let device = Device::flex().autodiff();
     let net = Net {
         a: linear(600, 16, &device),
@@ -148,28 +154,7 @@ fn powersgd_is_refused_with_the_reason() {
     let store =
         ddp_comm::TorchStoreHost::start(std::net::TcpListener::bind("127.0.0.1:0").unwrap())
             .unwrap();
-    let port = store.port();
-    let base = ddp_comm::GroupConfig {
-        rank: 0,
-        world_size: 1,
-        master_port: port,
-        torch_agent_store: Some(0),
-        job_id: Some(format!("powersgd-test-{port}")),
-        transport: ddp_comm::Transport::Tcp,
-        timeout: Duration::from_secs(30),
-        connect_timeout: Duration::from_secs(30),
-        ..Default::default()
-    };
-    let config = ddp_comm::ElasticConfig {
-        min: 1,
-        max: 1,
-        slot: 0,
-        compat: "powersgd-test".into(),
-        last_call: Duration::from_secs(30),
-        poll: ddp_comm::DEFAULT_POLL,
-        base,
-    };
-    let group = ElasticGroup::join(config).unwrap().expect("a founder");
+    let group = join_founder(0, 1, store.port(), Duration::from_secs(30), "powersgd-test");
     let device = Device::flex().autodiff();
     let net = Net {
         a: linear(6, 4, &device),
