@@ -1,35 +1,52 @@
-//! `cargo xtask gpu-check`: what can only be checked on a machine with NVIDIA GPUs.
+//! `cargo xtask gpu-check`: what only a machine with an NVIDIA GPU shows, in one command, every
+//! row under its own time limit (a row that fails or runs out of time is reported and the next
+//! one runs; the task fails at the end if any row failed).
 //!
-//! 1. The driver: `nvidia-smi -L` must list GPUs; otherwise it stops at once with
-//!    "no NVIDIA driver found" (before building anything).
-//! 2. Builds `ddprun`, `ddp-nccl-bench` and `train-mnist` with the `cuda` feature of `ddp-apps`
-//!    and asks `ddp-nccl-bench --probe` which driver and NCCL files it loaded (found under their
-//!    real names, `libnccl.so.2` from pip's nvidia-nccl-cu12 included, with no symlink), the GPU
-//!    count and the NCCL version.
-//! 3. NCCL at every world size the GPUs allow (1 to the GPU count, or `--max-gpus`):
-//!    `ddprun --nproc-per-node N -- ddp-nccl-bench`, which checks every collective's result
-//!    exactly and times all-reduce per size (algbw, busbw as nccl-tests defines them).
-//! 4. `train-mnist --backend cuda` on one GPU (and on all of them when there are several:
-//!    gradients then go through NCCL on the GPU): a warm-up epoch, in which burn's autotune
-//!    benchmarks its kernels and NVRTC compiles them, then the timed epoch; samples/s is the
-//!    timed epoch's (from the trainer's `metrics.csv`), the test accuracy the one after both.
-//! 5. The same in PyTorch on the same GPU (`xtask/scripts/torch_mnist_epoch.py --warmup-epochs
-//!    1`: its own warm-up epoch, untimed, then the timed one) when a python with torch and CUDA is
-//!    at hand (`$DDP_PYTHON`, else `~/.cache/torchenv/bin/python`, else `python3`), and the ratio
-//!    of our samples/s to PyTorch's.
+//! 1. **probe**: `nvidia-smi -L` must list GPUs (else it stops at once with "no NVIDIA driver
+//!    found", before building anything); `ddp-nccl-bench --probe` names the driver, NVRTC and
+//!    NCCL files it loaded, the GPU count and the NCCL version.
+//! 2. **nccl-N**: `ddprun --nproc-per-node N -- ddp-nccl-bench` at every world size the GPUs
+//!    allow (every collective's result checked exactly; all-reduce timed per size), and two
+//!    ranks on GPU 0 when the NCCL is 2.30 or newer (`NCCL_MULTI_RANK_GPU_ENABLE=1`, older ones
+//!    refuse two ranks on one GPU).
+//! 3. **cold**: `train-mnist --backend cuda`, one epoch, in a process whose kernel cache is empty
+//!    (burn compiles every kernel through NVRTC and autotunes): the time to its first step.
+//! 4. **warm**: a second process with the cache the first one filled, two epochs: the time to its
+//!    first step, and samples/s of the second epoch (from `metrics.csv`).
+//! 5. **torch**: PyTorch's epoch on the same GPU and batch (`xtask/scripts/torch_mnist_epoch.py`,
+//!    one untimed epoch first) when a python with torch and CUDA is at hand (`$DDP_PYTHON`, else
+//!    `~/.cache/torchenv/bin/python`, else `python3`), and the ratio of the warm epoch to it.
+//! 6. **two-ranks** / **one-rank**: two ranks sharing GPU 0 (their gradients through NCCL on the
+//!    GPU where NCCL allows two ranks per GPU, else through the host), against one rank, the
+//!    same steps: the time DDP adds per step. Where NCCL ran, the same two ranks through the
+//!    host path must end with bit-identical parameters (the reduced gradients of every step
+//!    agree, and so did the first broadcast).
+//! 7. **kill**: the same two ranks, rank 1 killed after step 40: ddprun must fail, naming rank 1
+//!    as the first rank to fail, and rank 0 must name its peer.
+//! 8. **device-f32** / **device-bf16**: the device gradient path (resolve, one sync, NCCL, back
+//!    into burn's fusion) at one rank (`DDP_NCCL=1`), f32 and bf16 buckets; f32 is compared bit
+//!    for bit with the host path's one-rank run (reported, not required: GPU kernels may reduce
+//!    in another order from run to run).
+//! 9. **mnist-N**: with several GPUs, one rank per GPU, gradients through NCCL.
 //!
-//! Results go to `target/gpu-check/` (or `--out`): `gpu-check.md` (printed at the end) and
-//! `gpu-check.json`. Any failed check fails the task.
+//! With `$DDP_BIN_DIR` set, nothing is built: the binaries are taken from there (how a lent GPU
+//! machine without cargo or network runs it: `DDP_BIN_DIR=<bins> <bins>/xtask gpu-check --out
+//! <dir>`, from the repository's root). A machine whose only NVRTC is CUDA 13's
+//! (`libnvrtc.so.13`) gets it offered as `libnvrtc.so`, the name the CUDA 12 bindings open
+//! (docs/gpu.md, first contact). Results go to `target/gpu-check/` (or `--out`): every row's
+//! log, `gpu-check.md` (printed at the end) and `gpu-check.json`.
 
 use std::fmt::Write as _;
+use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use ddp_comm::bytes::human_size;
 use serde::{Deserialize, Serialize};
 
-use crate::{train, util};
+use crate::util;
 
 /// Arguments of `cargo xtask gpu-check`.
 #[derive(Debug, clap::Args)]
@@ -47,9 +64,19 @@ pub struct Args {
     /// fetches the files when they are missing.
     #[arg(long)]
     data_dir: Option<PathBuf>,
-    /// Batch size per GPU for the MNIST epoch (ours and PyTorch's).
+    /// Batch size per rank (ours and PyTorch's).
     #[arg(long, default_value_t = 64)]
     batch_size: usize,
+    /// Steps of the two-rank, one-rank and device-path runs.
+    #[arg(long, default_value_t = 300)]
+    steps: u64,
+    /// Seconds the cold process may take (it compiles every kernel).
+    #[arg(long, default_value_t = 330)]
+    cold_limit: u64,
+    /// Kernel cache of the run, emptied first [default: ddp-gpu-check-cache in the temporary
+    /// folder].
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
     /// Do not run the PyTorch comparison even if torch is available.
     #[arg(long)]
     no_torch: bool,
@@ -77,18 +104,30 @@ struct BenchReport {
     results: Vec<SizeResult>,
 }
 
-/// One MNIST epoch, ours or PyTorch's.
-#[derive(Debug, Clone, Serialize)]
-struct Epoch {
-    implementation: String,
-    gpus: usize,
-    test_accuracy: f64,
-    samples_per_sec: f64,
+/// One row of the report: a check, whether it passed, how long it took, what it measured.
+#[derive(Debug, Serialize)]
+struct Row {
+    name: String,
+    ok: bool,
+    seconds: f64,
+    figures: String,
 }
 
-/// Untimed epochs before the timed one, ours and PyTorch's (burn's autotune and NVRTC's
-/// compilation happen in the first; cuDNN's and the caching allocator's warm-up in PyTorch's).
-const WARMUP_EPOCHS: usize = 1;
+/// The figures the issue's goals are about.
+#[derive(Debug, Default, Serialize)]
+struct Goals {
+    /// Seconds to the first step of a process with an empty kernel cache (`None`: it did not
+    /// get there within its limit).
+    cold_first_step_s: Option<f64>,
+    /// The same for a second process with the cache the first one filled.
+    warm_first_step_s: Option<f64>,
+    /// Our samples/s on one GPU divided by PyTorch's (timed epochs after warm-up).
+    ratio_to_torch: Option<f64>,
+    /// How the two ranks on one GPU reduced their gradients: "nccl" or "host".
+    two_rank_path: Option<String>,
+    /// Milliseconds of gradient synchronisation per step at two ranks (rank 0).
+    ddp_ms_per_step: Option<f64>,
+}
 
 /// What `gpu-check.json` holds.
 #[derive(Debug, Serialize)]
@@ -97,11 +136,181 @@ struct Report {
     /// The probe's line naming the driver and NCCL files loaded.
     libraries: String,
     nccl_version: String,
+    rows: Vec<Row>,
     allreduce: Vec<BenchReport>,
-    mnist: Vec<Epoch>,
-    torch_skipped: Option<String>,
-    /// Our samples/s on one GPU divided by PyTorch's.
-    ratio_to_torch: Option<f64>,
+    goals: Goals,
+}
+
+/// A process run under a time limit: its exit status (`None`: killed at the limit), its wall
+/// time and its output (stdout and stderr together, also kept in a log file).
+struct Limited {
+    status: Option<ExitStatus>,
+    seconds: f64,
+    output: String,
+}
+
+impl Limited {
+    /// Exited 0 within the limit.
+    fn ok(&self) -> bool {
+        self.status.is_some_and(|s| s.success())
+    }
+
+    /// How it ended, for a row.
+    fn ending(&self, limit: u64) -> String {
+        match self.status {
+            None => format!("killed at its {limit} s limit"),
+            Some(s) if s.success() => "exit 0".into(),
+            Some(s) => format!("failed ({s})"),
+        }
+    }
+}
+
+/// Runs `command` in its own process group with its output in `log`; kills the whole group
+/// when `limit` seconds have passed.
+fn run_limited(command: &mut Command, limit: u64, log: &Path) -> Result<Limited> {
+    use std::os::unix::process::CommandExt as _;
+    let file = File::create(log).with_context(|| format!("creating {}", log.display()))?;
+    command
+        .stdin(Stdio::null())
+        .stdout(file.try_clone()?)
+        .stderr(file)
+        .process_group(0);
+    eprintln!(
+        "$ {}  (limit {limit} s, log {})",
+        util::command_line(command),
+        log.display()
+    );
+    let started = Instant::now();
+    let mut child = command
+        .spawn()
+        .with_context(|| format!("starting `{}`", util::command_line(command)))?;
+    let deadline = started + Duration::from_secs(limit);
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break Some(status);
+        }
+        if Instant::now() >= deadline {
+            // The whole group: ddprun and the ranks it started.
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", child.id())])
+                .status();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let seconds = started.elapsed().as_secs_f64();
+    let output = String::from_utf8_lossy(&std::fs::read(log)?).into_owned();
+    Ok(Limited {
+        status,
+        seconds,
+        output,
+    })
+}
+
+/// A train-mnist run's result: how the process ended, and what it printed.
+struct TrainerRun {
+    run: Limited,
+    /// "first step done T s after the trainer started" (rank 0).
+    first_step_s: Option<f64>,
+    /// The closing `DDP_SUMMARY` of rank 0.
+    summary: Option<serde_json::Value>,
+}
+
+impl TrainerRun {
+    /// A number of the summary.
+    fn number(&self, key: &str) -> Option<f64> {
+        self.summary.as_ref()?.get(key)?.as_f64()
+    }
+
+    /// The final parameters' hash.
+    fn params_hash(&self) -> Option<&str> {
+        self.summary.as_ref()?.get("params_hash")?.as_str()
+    }
+
+    /// The usual figures of a row: steps, samples/s, loss, accuracy, synchronisation time.
+    fn figures(&self) -> String {
+        let mut text = String::new();
+        if let Some(first) = self.first_step_s {
+            let _ = write!(text, "first step {first:.1} s; ");
+        }
+        if let (Some(steps), Some(sps)) = (self.number("steps"), self.number("samples_per_sec")) {
+            let _ = write!(
+                text,
+                "{steps} steps, {sps:.0} samples/s, train loss {:.4}, test accuracy {:.2}%, \
+                 gradient sync {:.2} s",
+                self.number("train_loss").unwrap_or(f64::NAN),
+                100.0 * self.number("test_accuracy").unwrap_or(f64::NAN),
+                self.number("comm_seconds").unwrap_or(f64::NAN)
+            );
+        } else {
+            text.push_str("no summary");
+        }
+        text
+    }
+}
+
+/// What the trainer runs share.
+struct Trainer<'a> {
+    bin_dir: &'a Path,
+    out: &'a Path,
+    data_dir: &'a Path,
+    batch_size: usize,
+    cache: &'a Path,
+}
+
+impl Trainer<'_> {
+    /// `ddprun --nproc-per-node nproc -- train-mnist --backend cuda ...` with `env` and `args`,
+    /// under `limit` seconds; its log is `<out>/<name>.log`.
+    fn run(
+        &self,
+        name: &str,
+        nproc: usize,
+        env: &[(&str, &str)],
+        args: &[String],
+        limit: u64,
+    ) -> Result<TrainerRun> {
+        let mut command = Command::new(self.bin_dir.join("ddprun"));
+        command
+            .args(["--nproc-per-node", &nproc.to_string(), "--"])
+            .arg(self.bin_dir.join("train-mnist"))
+            .args(["--backend", "cuda", "--json", "--log-interval", "100"])
+            .args(["--batch-size", &self.batch_size.to_string()])
+            .arg("--data-dir")
+            .arg(self.data_dir)
+            .args(args)
+            .env("DDP_CACHE_DIR", self.cache);
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let run = run_limited(&mut command, limit, &self.out.join(format!("{name}.log")))?;
+        let first_step_s = run.output.lines().find_map(first_step);
+        let summary = run
+            .output
+            .lines()
+            .filter_map(|l| l.split_once("DDP_SUMMARY ").map(|(_, json)| json))
+            .filter_map(|json| serde_json::from_str(json).ok())
+            .next_back();
+        Ok(TrainerRun {
+            run,
+            first_step_s,
+            summary,
+        })
+    }
+}
+
+/// The seconds of a "first step done T s after the trainer started" line.
+fn first_step(line: &str) -> Option<f64> {
+    let (_, rest) = line.split_once("first step done ")?;
+    rest.split_whitespace().next()?.parse().ok()
+}
+
+/// Whether NCCL `version` ("2.30.1") lets two ranks share one GPU
+/// (`NCCL_MULTI_RANK_GPU_ENABLE`, new in 2.30).
+fn allows_two_ranks_per_gpu(version: &str) -> bool {
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    (major, minor) >= (2, 30)
 }
 
 /// `cargo xtask gpu-check`.
@@ -113,20 +322,51 @@ pub fn run(args: Args) -> Result<()> {
         None => util::target_dir()?.join("gpu-check"),
     };
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-
     let bin_dir = util::build_release_bins(
         &["ddprun", "ddp-nccl-bench", "train-mnist"],
         &["ddp-apps/cuda"],
     )?;
+    offer_nvrtc13()?;
+    if std::env::var_os("VIRTUAL_ENV").is_none() {
+        // The loader looks for NCCL in the active venv's NVIDIA wheels: the torch python's.
+        if let Ok(prefix) = util::run_stdout(
+            Command::new(util::torch_python()).args(["-c", "import sys; print(sys.prefix)"]),
+        ) {
+            std::env::set_var("VIRTUAL_ENV", prefix.trim());
+        }
+    }
 
+    let started = Instant::now();
+    let mut rows = Vec::new();
+    let mut goals = Goals::default();
     let (gpus, nccl_version, libraries) = probe(&bin_dir)?;
     eprintln!("{libraries}");
     let max = args.max_gpus.unwrap_or(gpus).min(gpus).max(1);
-    eprintln!("{gpus} GPU(s) visible, NCCL {nccl_version}; using up to {max}");
+    let shared_nccl = allows_two_ranks_per_gpu(&nccl_version);
+    push(
+        &mut rows,
+        Row {
+            name: "probe".into(),
+            ok: true,
+            seconds: started.elapsed().as_secs_f64(),
+            figures: format!(
+                "{gpus} GPU(s), NCCL {nccl_version} ({}two ranks per GPU)",
+                if shared_nccl { "" } else { "before 2.30: no " }
+            ),
+        },
+    );
 
+    // NCCL's collectives, checked and timed, at every world size the GPUs allow, and two ranks
+    // on GPU 0 where NCCL allows it.
     let mut allreduce = Vec::new();
-    for world in 1..=max {
-        let json = out.join(format!("nccl-{world}.json"));
+    let mut worlds: Vec<(usize, bool)> = (1..=max).map(|w| (w, false)).collect();
+    if max == 1 && shared_nccl {
+        worlds.push((2, true));
+    }
+    for (world, shared) in worlds {
+        let name = format!("nccl-{world}{}", if shared { "-on-gpu0" } else { "" });
+        let json = out.join(format!("{name}.json"));
+        let _ = std::fs::remove_file(&json);
         let mut command = Command::new(bin_dir.join("ddprun"));
         command
             .args(["--nproc-per-node", &world.to_string(), "--"])
@@ -134,10 +374,32 @@ pub fn run(args: Args) -> Result<()> {
             .args(["--sizes", &args.sizes, "--iters", &args.iters.to_string()])
             .arg("--json")
             .arg(&json);
-        util::run(&mut command).with_context(|| format!("NCCL check at world size {world}"))?;
-        let text = std::fs::read_to_string(&json)
-            .with_context(|| format!("reading {}", json.display()))?;
-        allreduce.push(serde_json::from_str::<BenchReport>(&text)?);
+        if shared {
+            shared_gpu_env(&mut command);
+        }
+        let run = run_limited(&mut command, 120, &out.join(format!("{name}.log")))?;
+        let report = std::fs::read_to_string(&json)
+            .ok()
+            .and_then(|text| serde_json::from_str::<BenchReport>(&text).ok());
+        let figures = match (&report, report.as_ref().and_then(|r| r.results.last())) {
+            (Some(_), Some(r)) => format!(
+                "collectives exact; all-reduce {}: {:.1} us, busbw {:.2} GB/s",
+                human_size(r.bytes),
+                r.median_s * 1e6,
+                r.busbw_gbs
+            ),
+            _ => format!("{}: {}", run.ending(120), tail(&run.output)),
+        };
+        push(
+            &mut rows,
+            Row {
+                name,
+                ok: run.ok() && report.is_some(),
+                seconds: run.seconds,
+                figures,
+            },
+        );
+        allreduce.extend(report);
     }
 
     let data_dir = match &args.data_dir {
@@ -150,60 +412,262 @@ pub fn run(args: Args) -> Result<()> {
             PathBuf::from(out.trim())
         }
     };
-    let mut mnist = Vec::new();
-    let mut worlds = vec![1];
-    if max > 1 {
-        worlds.push(max);
-    }
-    for &world in &worlds {
-        let metrics = out.join(format!("mnist-metrics-{world}"));
-        let _ = std::fs::remove_dir_all(&metrics);
-        let trainer_args: Vec<String> = vec![
-            "--backend".into(),
-            "cuda".into(),
-            "--epochs".into(),
-            (WARMUP_EPOCHS + 1).to_string(),
-            "--batch-size".into(),
-            args.batch_size.to_string(),
-            "--data-dir".into(),
-            data_dir.display().to_string(),
-            "--metrics-dir".into(),
-            metrics.display().to_string(),
-        ];
-        let s = train::launch(&bin_dir, "train-mnist", world, &trainer_args)
-            .with_context(|| format!("train-mnist --backend cuda on {world} GPU(s)"))?;
-        let csv = metrics.join("metrics.csv");
-        let csv =
-            std::fs::read_to_string(&csv).with_context(|| format!("reading {}", csv.display()))?;
-        mnist.push(Epoch {
-            implementation: "ddp-rs (burn-cuda)".into(),
-            gpus: world,
-            test_accuracy: s.test_accuracy,
-            samples_per_sec: epoch_rate(&csv, WARMUP_EPOCHS + 1)?,
-        });
+    let cache = args
+        .cache_dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join("ddp-gpu-check-cache"));
+    let _ = std::fs::remove_dir_all(&cache);
+    std::fs::create_dir_all(&cache).with_context(|| format!("creating {}", cache.display()))?;
+    let trainer = Trainer {
+        bin_dir: &bin_dir,
+        out: &out,
+        data_dir: &data_dir,
+        batch_size: args.batch_size,
+        cache: &cache,
+    };
+    let strings = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+
+    // Start: a cold process (empty cache), then a warm one (the same cache), whose second epoch
+    // is the speed figure.
+    let cold = trainer.run(
+        "cold",
+        1,
+        &[],
+        &strings(&["--epochs", "1"]),
+        args.cold_limit,
+    )?;
+    goals.cold_first_step_s = cold.first_step_s;
+    let (files, bytes) = folder_size(&cache);
+    push(
+        &mut rows,
+        Row {
+            name: "cold".into(),
+            ok: cold.run.ok(),
+            seconds: cold.run.seconds,
+            figures: format!(
+                "{}; {}; kernel cache {files} files, {}",
+                cold.run.ending(args.cold_limit),
+                cold.figures(),
+                human_size(bytes as usize)
+            ),
+        },
+    );
+    let metrics = out.join("warm-metrics");
+    let _ = std::fs::remove_dir_all(&metrics);
+    let mut warm_args = strings(&["--epochs", "2", "--metrics-dir"]);
+    warm_args.push(metrics.display().to_string());
+    let warm = trainer.run("warm", 1, &[], &warm_args, 150)?;
+    goals.warm_first_step_s = warm.first_step_s;
+    let epoch2 = std::fs::read_to_string(metrics.join("metrics.csv"))
+        .context("no metrics.csv")
+        .and_then(|csv| epoch_rate(&csv, 2));
+    push(
+        &mut rows,
+        Row {
+            name: "warm".into(),
+            ok: warm.run.ok() && epoch2.is_ok(),
+            seconds: warm.run.seconds,
+            figures: format!(
+                "{}; {}; epoch 2: {}",
+                warm.run.ending(150),
+                warm.figures(),
+                match &epoch2 {
+                    Ok(rate) => format!("{rate:.0} samples/s"),
+                    Err(e) => format!("{e:#}"),
+                }
+            ),
+        },
+    );
+
+    if args.no_torch {
+        push(
+            &mut rows,
+            Row {
+                name: "torch".into(),
+                ok: true,
+                seconds: 0.0,
+                figures: "skipped: --no-torch".into(),
+            },
+        );
+    } else {
+        let row = torch_row(&out, &data_dir, args.batch_size)?;
+        if let (Some(theirs), Ok(ours)) = (row.1, &epoch2) {
+            goals.ratio_to_torch = Some(ours / theirs);
+        }
+        push(&mut rows, row.0);
     }
 
-    let (torch, torch_skipped) = if args.no_torch {
-        (None, Some("--no-torch".to_string()))
+    // Two ranks on GPU 0 against one rank: NCCL on the GPU where it allows two ranks per GPU,
+    // else the host path.
+    let steps = args.steps.to_string();
+    let short = strings(&["--max-steps", &steps, "--test-samples", "2000"]);
+    let path = if shared_nccl { "nccl" } else { "host" };
+    goals.two_rank_path = Some(path.into());
+    let two_env: Vec<(&str, &str)> = if shared_nccl {
+        vec![
+            ("CUDA_VISIBLE_DEVICES", "0"),
+            ("DDP_NCCL", "1"),
+            ("NCCL_MULTI_RANK_GPU_ENABLE", "1"),
+            ("NCCL_MAX_CTAS", "4"),
+        ]
     } else {
-        match torch_epoch(&data_dir, args.batch_size)? {
-            Ok(epoch) => (Some(epoch), None),
-            Err(reason) => (None, Some(reason)),
-        }
+        vec![("CUDA_VISIBLE_DEVICES", "0"), ("DDP_NCCL", "0")]
     };
-    let ratio_to_torch = torch
-        .as_ref()
-        .map(|t| mnist[0].samples_per_sec / t.samples_per_sec);
-    mnist.extend(torch);
+    let two = trainer.run("two-ranks", 2, &two_env, &short, 150)?;
+    let one = trainer.run("one-rank", 1, &[("DDP_NCCL", "0")], &short, 120)?;
+    let per_step = |run: &TrainerRun, world: f64| {
+        run.number("samples_per_sec")
+            .map(|sps| 1000.0 * world * args.batch_size as f64 / sps)
+    };
+    let sync_ms = two
+        .number("comm_seconds")
+        .zip(two.number("steps"))
+        .map(|(s, n)| 1000.0 * s / n.max(1.0));
+    goals.ddp_ms_per_step = sync_ms;
+    push(
+        &mut rows,
+        Row {
+            name: format!("two-ranks ({path})"),
+            ok: two.run.ok() && two.summary.is_some(),
+            seconds: two.run.seconds,
+            figures: format!(
+                "{}; {}; step {} ms; gradient sync {} ms/step",
+                two.run.ending(150),
+                two.figures(),
+                per_step(&two, 2.0).map_or("?".into(), |ms| format!("{ms:.2}")),
+                sync_ms.map_or("?".into(), |ms| format!("{ms:.2}"))
+            ),
+        },
+    );
+    push(
+        &mut rows,
+        Row {
+            name: "one-rank".into(),
+            ok: one.run.ok() && one.summary.is_some(),
+            seconds: one.run.seconds,
+            figures: format!(
+                "{}; {}; step {} ms",
+                one.run.ending(120),
+                one.figures(),
+                per_step(&one, 1.0).map_or("?".into(), |ms| format!("{ms:.2}"))
+            ),
+        },
+    );
+    if shared_nccl {
+        // The same job through the host: the same bits at the end.
+        let host = trainer.run(
+            "two-ranks-host",
+            2,
+            &[("CUDA_VISIBLE_DEVICES", "0"), ("DDP_NCCL", "0")],
+            &short,
+            150,
+        )?;
+        let same = host.params_hash().is_some() && host.params_hash() == two.params_hash();
+        push(
+            &mut rows,
+            Row {
+                name: "nccl-equals-host".into(),
+                ok: host.run.ok() && same,
+                seconds: host.run.seconds,
+                figures: format!(
+                    "final parameters: NCCL {} / host {} ({})",
+                    two.params_hash().unwrap_or("?"),
+                    host.params_hash().unwrap_or("?"),
+                    if same { "bit-identical" } else { "DIFFERENT" }
+                ),
+            },
+        );
+    }
+
+    // A rank killed mid-step: ddprun fails and names it; the survivor names its peer.
+    let mut kill_env = two_env.clone();
+    kill_env.extend([("DDP_TEST_KILL_AT_STEP", "40"), ("DDP_TEST_KILL_RANK", "1")]);
+    let kill = trainer.run("kill", 2, &kill_env, &short, 120)?;
+    let blamed = kill
+        .run
+        .output
+        .lines()
+        .find(|l| l.contains("rank 1") && l.contains("first rank to fail"));
+    let survivor = kill
+        .run
+        .output
+        .lines()
+        .find(|l| l.contains("rank 0") && l.contains("rank 1") && !l.contains("test hook"));
+    push(
+        &mut rows,
+        Row {
+            name: "kill".into(),
+            ok: kill.run.status.is_some_and(|s| !s.success())
+                && blamed.is_some()
+                && survivor.is_some(),
+            seconds: kill.run.seconds,
+            figures: format!(
+                "{}; ddprun: {}; rank 0: {}",
+                kill.run.ending(120),
+                blamed.map_or("(rank 1 not named)".into(), clip),
+                survivor.map_or("(no error naming rank 1)".into(), clip)
+            ),
+        },
+    );
+
+    // The device gradient path at one rank, f32 and bf16 buckets.
+    for (name, hook) in [("device-f32", None), ("device-bf16", Some("bf16"))] {
+        let mut device_args = short.clone();
+        if let Some(hook) = hook {
+            device_args.extend(["--comm-hook".to_string(), hook.to_string()]);
+        }
+        let device = trainer.run(name, 1, &[("DDP_NCCL", "1")], &device_args, 120)?;
+        let loss_ok = device.number("train_loss").is_some_and(f64::is_finite);
+        let same = device.params_hash().is_some() && device.params_hash() == one.params_hash();
+        push(
+            &mut rows,
+            Row {
+                name: name.into(),
+                ok: device.run.ok() && loss_ok,
+                seconds: device.run.seconds,
+                figures: format!(
+                    "{}; {}{}",
+                    device.run.ending(120),
+                    device.figures(),
+                    if hook.is_none() {
+                        format!(
+                            "; parameters {} the host path's",
+                            if same {
+                                "bit-identical to"
+                            } else {
+                                "differ from"
+                            }
+                        )
+                    } else {
+                        String::new()
+                    }
+                ),
+            },
+        );
+    }
+
+    // Several GPUs: one rank each, gradients through NCCL.
+    if max > 1 {
+        let name = format!("mnist-{max}");
+        let run = trainer.run(&name, max, &[], &strings(&["--epochs", "1"]), 300)?;
+        push(
+            &mut rows,
+            Row {
+                name,
+                ok: run.run.ok() && run.summary.is_some(),
+                seconds: run.run.seconds,
+                figures: format!("{}; {}", run.run.ending(300), run.figures()),
+            },
+        );
+    }
 
     let report = Report {
         gpus: listed,
         libraries,
         nccl_version,
+        rows,
         allreduce,
-        mnist,
-        torch_skipped,
-        ratio_to_torch,
+        goals,
     };
     let markdown = markdown(&report);
     std::fs::write(out.join("gpu-check.md"), &markdown)?;
@@ -212,7 +676,130 @@ pub fn run(args: Args) -> Result<()> {
         serde_json::to_string_pretty(&report)?,
     )?;
     println!("{markdown}");
-    println!("results in {}", out.display());
+    println!(
+        "results and logs in {} ({:.0} s in all)",
+        out.display(),
+        started.elapsed().as_secs_f64()
+    );
+    let failed: Vec<&str> = report
+        .rows
+        .iter()
+        .filter(|r| !r.ok)
+        .map(|r| r.name.as_str())
+        .collect();
+    if !failed.is_empty() {
+        bail!("gpu-check: failed rows: {}", failed.join(", "));
+    }
+    Ok(())
+}
+
+/// Adds `row` to `rows` and prints it at once (a run cut short still shows its rows).
+fn push(rows: &mut Vec<Row>, row: Row) {
+    eprintln!(
+        "ROW {} {} {:.1} s: {}",
+        row.name,
+        if row.ok { "ok" } else { "FAILED" },
+        row.seconds,
+        row.figures
+    );
+    rows.push(row);
+}
+
+/// NCCL's settings for two ranks on one GPU: both on GPU 0, NCCL told to allow it, and its
+/// blocks per collective limited (NCCL's note: two ranks with unlimited CTAs can deadlock).
+fn shared_gpu_env(command: &mut Command) {
+    command
+        .env("CUDA_VISIBLE_DEVICES", "0")
+        .env("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+        .env("NCCL_MAX_CTAS", "4");
+}
+
+/// The last lines of a log, for a row that failed.
+fn tail(output: &str) -> String {
+    let lines: Vec<&str> = output.lines().rev().take(3).collect();
+    lines
+        .into_iter()
+        .rev()
+        .map(clip)
+        .collect::<Vec<_>>()
+        .join(" / ")
+}
+
+/// `line` cut to 240 characters.
+fn clip(line: &str) -> String {
+    let line = line.trim();
+    match line.char_indices().nth(240) {
+        Some((at, _)) => format!("{}...", &line[..at]),
+        None => line.to_string(),
+    }
+}
+
+/// Files and bytes under `dir`.
+fn folder_size(dir: &Path) -> (u64, u64) {
+    let mut total = (0, 0);
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return total;
+    };
+    for entry in entries.flatten() {
+        match entry.file_type() {
+            Ok(t) if t.is_dir() => {
+                let (files, bytes) = folder_size(&entry.path());
+                total = (total.0 + files, total.1 + bytes);
+            }
+            Ok(_) => {
+                total.0 += 1;
+                total.1 += entry.metadata().map_or(0, |m| m.len());
+            }
+            Err(_) => {}
+        }
+    }
+    total
+}
+
+/// When the only NVRTC on the machine is CUDA 13's (`libnvrtc.so.13`: PyTorch's cu13 wheels, a
+/// CUDA 13 toolkit), offers it to this build's CUDA 12 bindings under the name they open
+/// (`libnvrtc.so`, in a folder put first on `LD_LIBRARY_PATH` for the processes started
+/// here). NVRTC 13 compiled and ran every kernel of the CNN that way (docs/gpu.md).
+fn offer_nvrtc13() -> Result<()> {
+    let known = Command::new("ldconfig")
+        .arg("-p")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).contains("libnvrtc.so.12"))
+        .unwrap_or(false);
+    let on_path = std::env::var("LD_LIBRARY_PATH").is_ok_and(|p| {
+        p.split(':')
+            .any(|d| !d.is_empty() && Path::new(d).join("libnvrtc.so.12").exists())
+    });
+    if known || on_path {
+        return Ok(());
+    }
+    let script = "import glob, os, sys\n\
+                  roots = [p for p in sys.path if p.endswith('site-packages')]\n\
+                  roots += ['/usr/local/cuda/lib64', '/usr/lib/x86_64-linux-gnu']\n\
+                  found = [f for r in roots for f in glob.glob(os.path.join(r, '**', \
+                  'libnvrtc.so.1[23]*'), recursive=True) if 'builtins' not in f]\n\
+                  print(sorted(found)[0] if found else '')";
+    let found = util::run_stdout(Command::new(util::torch_python()).args(["-c", script]))
+        .unwrap_or_default();
+    let found = PathBuf::from(found.trim());
+    if !found.is_file() {
+        eprintln!("no libnvrtc.so.12 or .13 found; the trainer will say what to install");
+        return Ok(());
+    }
+    let dir = std::env::temp_dir().join("ddp-gpu-check-nvrtc");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    std::os::unix::fs::symlink(&found, dir.join("libnvrtc.so"))?;
+    let lib = found.parent().context("NVRTC's folder")?;
+    for entry in std::fs::read_dir(lib)?.flatten() {
+        let name = entry.file_name();
+        if name.to_string_lossy().starts_with("libnvrtc-builtins.so") {
+            std::os::unix::fs::symlink(entry.path(), dir.join(&name))?;
+        }
+    }
+    let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    std::env::set_var("LD_LIBRARY_PATH", format!("{}:{old}", dir.display()));
+    eprintln!("NVRTC offered as libnvrtc.so: {}", found.display());
     Ok(())
 }
 
@@ -316,9 +903,16 @@ fn epoch_rate(csv: &str, epoch: usize) -> Result<f64> {
     bail!("metrics.csv has no row for epoch {epoch} (the timed epoch after the warm-up)")
 }
 
-/// PyTorch's epoch on GPU 0, or why it was skipped.
-fn torch_epoch(data_dir: &Path, batch_size: usize) -> Result<std::result::Result<Epoch, String>> {
-    let python = util::torch_python().display().to_string();
+/// PyTorch's epoch on GPU 0 as a row, and its samples/s; a skipped row (passing, saying why)
+/// where no python with torch and CUDA is at hand.
+fn torch_row(out: &Path, data_dir: &Path, batch_size: usize) -> Result<(Row, Option<f64>)> {
+    let python = util::torch_python();
+    let skipped = |why: String| Row {
+        name: "torch".into(),
+        ok: true,
+        seconds: 0.0,
+        figures: format!("skipped: {why}"),
+    };
     let probe = Command::new(&python)
         .args([
             "-c",
@@ -328,9 +922,13 @@ fn torch_epoch(data_dir: &Path, batch_size: usize) -> Result<std::result::Result
     match probe {
         Ok(o) if o.status.success() && String::from_utf8_lossy(&o.stdout).contains("True") => {}
         Ok(o) if o.status.success() => {
-            return Ok(Err(format!("{python}: torch sees no CUDA GPU")));
+            let why = format!("{}: torch sees no CUDA GPU", python.display());
+            return Ok((skipped(why), None));
         }
-        _ => return Ok(Err(format!("{python} cannot import torch"))),
+        _ => {
+            let why = format!("{} cannot import torch", python.display());
+            return Ok((skipped(why), None));
+        }
     }
     let script = util::workspace_root().join("xtask/scripts/torch_mnist_epoch.py");
     let mut command = Command::new(&python);
@@ -338,39 +936,38 @@ fn torch_epoch(data_dir: &Path, batch_size: usize) -> Result<std::result::Result
         .arg(&script)
         .arg("--data-dir")
         .arg(data_dir)
-        .args(["--device", "cuda:0", "--epochs", "1"])
-        .args(["--warmup-epochs", &WARMUP_EPOCHS.to_string()])
-        .args(["--batch-size", &batch_size.to_string()]);
-    eprintln!("$ {}", util::command_line(&command));
-    let output = command.output().context("running the PyTorch epoch")?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    if !output.status.success() {
-        bail!(
-            "the PyTorch epoch failed ({}): {}{}",
-            output.status,
-            stdout,
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    let json = stdout
+        .args([
+            "--device",
+            "cuda:0",
+            "--epochs",
+            "1",
+            "--warmup-epochs",
+            "1",
+        ])
+        .args(["--batch-size", &batch_size.to_string()])
+        .env("PYTHONUNBUFFERED", "1");
+    let run = run_limited(&mut command, 150, &out.join("torch.log"))?;
+    let summary = run
+        .output
         .lines()
         .find_map(|l| l.strip_prefix("TORCH_SUMMARY "))
-        .context("the PyTorch script printed no TORCH_SUMMARY line")?;
-    let value: serde_json::Value = serde_json::from_str(json)?;
-    let number = |key: &str| {
-        value[key]
-            .as_f64()
-            .with_context(|| format!("{key} in the PyTorch summary"))
-    };
-    Ok(Ok(Epoch {
-        implementation: format!(
-            "PyTorch {}",
-            value["torch"].as_str().unwrap_or("(unknown version)")
+        .and_then(|json| serde_json::from_str::<serde_json::Value>(json).ok());
+    let rate = summary.as_ref().and_then(|s| s["samples_per_sec"].as_f64());
+    let figures = match (&summary, rate) {
+        (Some(s), Some(rate)) => format!(
+            "PyTorch {}: epoch 2: {rate:.0} samples/s, test accuracy {:.2}%",
+            s["torch"].as_str().unwrap_or("?"),
+            100.0 * s["test_accuracy"].as_f64().unwrap_or(f64::NAN)
         ),
-        gpus: 1,
-        test_accuracy: number("test_accuracy")?,
-        samples_per_sec: number("samples_per_sec")?,
-    }))
+        _ => format!("{}: {}", run.ending(150), tail(&run.output)),
+    };
+    let row = Row {
+        name: "torch".into(),
+        ok: run.ok() && rate.is_some(),
+        seconds: run.seconds,
+        figures,
+    };
+    Ok((row, rate))
 }
 
 /// The report as Markdown.
@@ -382,53 +979,73 @@ fn markdown(report: &Report) -> String {
     }
     let _ = writeln!(md, "- {}", report.libraries);
     let _ = writeln!(md, "- NCCL {}\n", report.nccl_version);
-    let _ = writeln!(md, "## NCCL all-reduce (f32, sum; every result checked)\n");
-    let _ = writeln!(
-        md,
-        "| GPUs | size | median (us) | algbw (GB/s) | busbw (GB/s) |\n| ---: | ---: | ---: | ---: | ---: |"
-    );
-    for bench in &report.allreduce {
-        for r in &bench.results {
-            let _ = writeln!(
-                md,
-                "| {} | {} | {:.1} | {:.2} | {:.2} |",
-                bench.world_size,
-                human_size(r.bytes),
-                r.median_s * 1e6,
-                r.algbw_gbs,
-                r.busbw_gbs
-            );
-        }
-    }
-    let _ = writeln!(
-        md,
-        "\n## MNIST CNN, one epoch timed after {WARMUP_EPOCHS} warm-up epoch(s)\n"
-    );
-    let _ = writeln!(
-        md,
-        "| implementation | GPUs | test accuracy | samples/s |\n| --- | ---: | ---: | ---: |"
-    );
-    for e in &report.mnist {
+    let _ = writeln!(md, "| row | ok | s | figures |\n| --- | --- | ---: | --- |");
+    for row in &report.rows {
         let _ = writeln!(
             md,
-            "| {} | {} | {:.2}% | {:.0} |",
-            e.implementation,
-            e.gpus,
-            100.0 * e.test_accuracy,
-            e.samples_per_sec
+            "| {} | {} | {:.1} | {} |",
+            row.name,
+            if row.ok { "yes" } else { "**NO**" },
+            row.seconds,
+            row.figures.replace('|', "/")
         );
     }
-    match (report.ratio_to_torch, &report.torch_skipped) {
-        (Some(ratio), _) => {
+    let g = &report.goals;
+    let seconds = |s: Option<f64>| s.map_or("not reached".to_string(), |s| format!("{s:.1} s"));
+    let met = |ok: bool| if ok { "met" } else { "not met" };
+    let _ = writeln!(md, "\n## Goals\n");
+    let _ = writeln!(
+        md,
+        "- first step, cold process (empty kernel cache): {} (goal <= 60 s: {})",
+        seconds(g.cold_first_step_s),
+        met(g.cold_first_step_s.is_some_and(|s| s <= 60.0))
+    );
+    let _ = writeln!(
+        md,
+        "- first step, warm process (the same cache): {} (goal <= 10 s: {})",
+        seconds(g.warm_first_step_s),
+        met(g.warm_first_step_s.is_some_and(|s| s <= 10.0))
+    );
+    match g.ratio_to_torch {
+        Some(r) => {
             let _ = writeln!(
                 md,
-                "\nours / PyTorch on one GPU: {ratio:.2}x the samples per second"
+                "- ours / PyTorch on one GPU: {r:.2}x the samples per second (goal >= 1.0x: {})",
+                met(r >= 1.0)
             );
         }
-        (None, Some(why)) => {
-            let _ = writeln!(md, "\nPyTorch comparison skipped: {why}");
+        None => {
+            let _ = writeln!(md, "- ours / PyTorch: not measured");
         }
-        (None, None) => {}
+    }
+    if let (Some(path), Some(ms)) = (&g.two_rank_path, g.ddp_ms_per_step) {
+        let _ = writeln!(
+            md,
+            "- two ranks on one GPU through the {path} path: gradient sync {ms:.2} ms per step"
+        );
+    }
+    if !report.allreduce.is_empty() {
+        let _ = writeln!(
+            md,
+            "\n## NCCL all-reduce (f32, sum; every result checked)\n"
+        );
+        let _ = writeln!(
+            md,
+            "| ranks | size | median (us) | algbw (GB/s) | busbw (GB/s) |\n| ---: | ---: | ---: | ---: | ---: |"
+        );
+        for bench in &report.allreduce {
+            for r in &bench.results {
+                let _ = writeln!(
+                    md,
+                    "| {} | {} | {:.1} | {:.2} | {:.2} |",
+                    bench.world_size,
+                    human_size(r.bytes),
+                    r.median_s * 1e6,
+                    r.algbw_gbs,
+                    r.busbw_gbs
+                );
+            }
+        }
     }
     md
 }
@@ -458,5 +1075,40 @@ mod tests {
         assert!(libraries.ends_with("[VIRTUAL_ENV=/v]"), "{libraries}");
         assert!(parse_probe("gpus 4 nccl 2.21.5\n", "").is_err());
         assert!(parse_probe("gpus four\n", stderr).is_err());
+    }
+
+    #[test]
+    fn two_ranks_share_a_gpu_from_nccl_2_30() {
+        assert!(!allows_two_ranks_per_gpu("2.28.9"));
+        assert!(!allows_two_ranks_per_gpu("2.3.0"));
+        assert!(allows_two_ranks_per_gpu("2.30.0"));
+        assert!(allows_two_ranks_per_gpu("2.31.2"));
+        assert!(allows_two_ranks_per_gpu("3.0.0"));
+        assert!(!allows_two_ranks_per_gpu("garbage"));
+    }
+
+    #[test]
+    fn the_first_step_line_gives_its_seconds() {
+        let line = "rank 0: first step done 243.7 s after the trainer started";
+        assert_eq!(first_step(line), Some(243.7));
+        assert_eq!(first_step("epoch 1 step 100 loss 0.2"), None);
+    }
+
+    #[test]
+    fn a_process_past_its_limit_is_killed_with_its_children() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("sleep.log");
+        // The child's child would keep the log open if only the shell were killed.
+        let mut command = Command::new("sh");
+        command.args(["-c", "echo started; sleep 30 & wait"]);
+        let run = run_limited(&mut command, 1, &log).unwrap();
+        assert!(run.status.is_none(), "it was not killed");
+        assert!(run.seconds < 10.0, "took {} s", run.seconds);
+        assert!(run.output.contains("started"), "{}", run.output);
+        let mut command = Command::new("sh");
+        command.args(["-c", "echo done; exit 3"]);
+        let run = run_limited(&mut command, 10, &log).unwrap();
+        assert_eq!(run.status.and_then(|s| s.code()), Some(3));
+        assert!(!run.ok());
     }
 }

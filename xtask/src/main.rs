@@ -62,8 +62,9 @@ enum Task {
     /// Run train-mnist under PyTorch's torchrun (its agent hosts the store) and check that
     /// every rank trained (needs a python with torch).
     CheckTorchrun(check_torchrun::Args),
-    /// On a machine with NVIDIA GPUs: NCCL collectives checked and timed at every world size,
-    /// one MNIST epoch with --backend cuda, and PyTorch's epoch beside it when torch is there.
+    /// On a machine with NVIDIA GPUs: NCCL checked and timed, the first step of a cold and a
+    /// warm process, samples/s against PyTorch, two ranks on one GPU, a rank killed, the device
+    /// gradient path; every row under its own time limit.
     GpuCheck(gpu_check::Args),
     /// Write MNIST (the IDX files) as safetensors shards with an index, for
     /// `train-mnist --data-format shards`.

@@ -5,12 +5,18 @@ use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 
-/// The workspace root (the folder above `xtask/`).
+/// The workspace root (the folder above `xtask/`): where this xtask was built, or, for a copy of
+/// the binary run from another machine's checkout (a lent GPU machine without cargo), the
+/// current folder when the build's folder is not there.
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    let built = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("xtask lies in the workspace")
-        .to_path_buf()
+        .to_path_buf();
+    match std::env::current_dir() {
+        Ok(here) if !built.join("xtask").is_dir() && here.join("xtask").is_dir() => here,
+        _ => built,
+    }
 }
 
 /// The cargo that runs this task (`$CARGO`), or `cargo` from the path, without the variables
