@@ -61,6 +61,12 @@ use crate::torch_store::agent_key_prefix;
 /// runs with (ddprun sets it from `--nnodes MIN:MAX`, in ranks).
 pub const ELASTIC_ENV: &str = "DDP_ELASTIC";
 
+/// The variable with which ddprun tells an elastic rank its job's round (0, then 1, 2, ... after
+/// each restart of the whole job below its minimum): the round's keys in the store are its
+/// own. Without it, the round is `TORCHELASTIC_RESTART_COUNT` (torchrun's count), which under
+/// ddprun also counts the ranks restarted alone, and so differs from rank to rank.
+pub const ELASTIC_ROUND_ENV: &str = "DDP_ELASTIC_ROUND";
+
 /// How long the founding waits for more processes once `MIN` have registered, unless `MAX`
 /// have (torchrun's "last call").
 pub const DEFAULT_LAST_CALL: Duration = Duration::from_secs(2);
@@ -96,7 +102,8 @@ pub struct ElasticConfig {
 
 impl ElasticConfig {
     /// The configuration the environment gives, `None` without [`ELASTIC_ENV`]: the slot is
-    /// `RANK`, the store the launcher's at `MASTER_ADDR:MASTER_PORT`
+    /// `RANK`, the round [`ELASTIC_ROUND_ENV`] (else `TORCHELASTIC_RESTART_COUNT`), the store
+    /// the launcher's at `MASTER_ADDR:MASTER_PORT`
     /// (`TORCHELASTIC_USE_AGENT_STORE=True`: required, since the store must outlive every
     /// rank). `compat` is the program's (see [`ElasticConfig::compat`]).
     pub fn from_env(compat: &str) -> Result<Option<ElasticConfig>, CommError> {
@@ -114,7 +121,16 @@ impl ElasticConfig {
                 format!("{ELASTIC_ENV}={range:?}: expected MIN:MAX with 1 <= MIN <= MAX"),
             )
         })?;
-        let base = resolve(&Explicit::default(), lookup)?;
+        let mut base = resolve(&Explicit::default(), lookup)?;
+        if let Some(round) = lookup(ELASTIC_ROUND_ENV).filter(|v| !v.trim().is_empty()) {
+            let round = round.trim().parse::<u32>().map_err(|_| {
+                CommError::config(
+                    ELASTIC_ROUND_ENV,
+                    format!("{ELASTIC_ROUND_ENV}={round:?}: expected a round number (0, 1, ...)"),
+                )
+            })?;
+            base.torch_agent_store = base.torch_agent_store.map(|_| round);
+        }
         if base.torch_agent_store.is_none() {
             return Err(CommError::config(
                 ELASTIC_ENV,
@@ -718,16 +734,16 @@ impl ElasticGroup {
         self.publish(&next)
     }
 
-    /// Says the job finished: processes still waiting to join exit. Call it on every rank
-    /// once training is over (rank 0's call writes it).
+    /// Says the job finished: processes still waiting to join, and any that arrives later (a
+    /// rank restarted after the last step), get `Ok(None)` from [`join`](Self::join) and exit.
+    /// Call it on every rank once training is over. Every member's call writes it: a member
+    /// that finished has committed the last step, so the job is over, even when rank 0 died
+    /// before its own call.
     pub fn finish(&mut self) -> Result<(), CommError> {
         if let Some(p) = self.poller.take() {
             p.stop();
         }
-        if self.pg.as_ref().is_some_and(|pg| pg.rank() == 0) {
-            self.store.set("done", b"1")?;
-        }
-        Ok(())
+        self.store.set("done", b"1")
     }
 
     /// The error of a job below its minimum, noted for the error file and the exit code the
@@ -905,5 +921,42 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!((c.min, c.max, c.slot), (2, 3, 2));
+    }
+
+    /// The store keys' round is ddprun's `DDP_ELASTIC_ROUND` where given, not torchrun's
+    /// restart count (which counts this rank's own restarts too).
+    #[test]
+    fn the_round_comes_from_ddprun_else_from_the_restart_count() {
+        let with = |round: Option<&'static str>| {
+            move |k: &str| {
+                let pairs = [
+                    ("DDP_ELASTIC", "2:3"),
+                    ("RANK", "2"),
+                    ("WORLD_SIZE", "3"),
+                    ("MASTER_ADDR", "127.0.0.1"),
+                    ("MASTER_PORT", "29500"),
+                    ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+                    ("TORCHELASTIC_RESTART_COUNT", "3"),
+                ];
+                match k {
+                    "DDP_ELASTIC_ROUND" => round.map(str::to_string),
+                    _ => pairs
+                        .iter()
+                        .find(|(n, _)| *n == k)
+                        .map(|(_, v)| v.to_string()),
+                }
+            }
+        };
+        let round = |r| {
+            ElasticConfig::from_vars("m", &with(r))
+                .unwrap()
+                .unwrap()
+                .base
+                .torch_agent_store
+        };
+        assert_eq!(round(None), Some(3));
+        assert_eq!(round(Some("1")), Some(1));
+        let e = ElasticConfig::from_vars("m", &with(Some("x"))).unwrap_err();
+        assert!(e.to_string().contains("DDP_ELASTIC_ROUND=\"x\""), "{e}");
     }
 }

@@ -47,7 +47,9 @@
 //!   launcher may hand rank 0;
 //! - elastic membership: `elastic_group.rs` ([`ElasticGroup`]: a group whose ranks leave and
 //!   join while the job runs, through the launcher's store), `membership.rs` (its records and
-//!   decisions: who is in each generation, from which step it continues);
+//!   decisions: who is in each generation, from which step it continues), `elastic_agents.rs`
+//!   (the launchers of an elastic job in its store: [`AgentPresence`], [`AgentWatch`], so that
+//!   node 0's launcher keeps the store until every other launcher has seen the job's end);
 //! - `clock.rs`: deadlines and wall-clock stamps; `hash.rs`: FNV-1a; `size.rs`: byte sizes as
 //!   people write them;
 //! - `nccl/` (feature `nccl`): `nccl::NcclGroup`, collectives on CUDA buffers through NCCL.
@@ -61,6 +63,7 @@ mod collectives;
 mod config;
 mod connect;
 pub mod elastic;
+mod elastic_agents;
 mod elastic_group;
 mod element;
 mod env;
@@ -102,9 +105,10 @@ pub use config::{
     DEFAULT_MASTER_PORT, DEFAULT_PEER_TIMEOUT, DEFAULT_SEGMENT_BYTES,
     DEFAULT_SMALL_ALLREDUCE_BYTES, DEFAULT_TIMEOUT, MAX_SEGMENT_BYTES,
 };
+pub use elastic_agents::{AgentPresence, AgentWatch, AGENTS_PREFIX, AGENT_BEAT, AGENT_SILENCE};
 pub use elastic_group::{
     elastic_job_state, parse_range, Change, Continue, ElasticConfig, ElasticGroup, StepStatus,
-    Vote, DEFAULT_LAST_CALL, DEFAULT_POLL, ELASTIC_ENV,
+    Vote, DEFAULT_LAST_CALL, DEFAULT_POLL, ELASTIC_ENV, ELASTIC_ROUND_ENV,
 };
 pub use element::{DType, Element, ReduceOp};
 pub use error::CommError;

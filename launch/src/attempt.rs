@@ -293,13 +293,21 @@ impl<'a> Watch<'a> {
             return true;
         }
         elastic.restarted += 1;
+        let count = self.attempt.restarts_used + elastic.restarted;
         notice(&format!(
-            "rank {rank} {exit}; restarting it alone to rejoin the elastic job (restart {} of \
-             {} of this launcher)",
-            elastic.restarted, self.config.max_restarts
+            "rank {rank} {exit}; restarting it alone to rejoin the elastic job (restart {count} \
+             of {} of this launcher; {}={count})",
+            self.config.max_restarts,
+            ddp_comm::elastic::RESTART_COUNT_ENV
         ));
         let local_rank = self.ranks[i].local_rank;
-        match start_rank(self.config, self.attempt, local_rank, &elastic.done_tx) {
+        match start_rank(
+            self.config,
+            self.attempt,
+            local_rank,
+            count,
+            &elastic.done_tx,
+        ) {
             Ok(started) => self.ranks[i] = started,
             Err(error) => {
                 notice(&format!("rank {rank} could not be restarted: {error}"));

@@ -5,7 +5,7 @@ use std::ffi::OsString;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ddp_comm::elastic::{MAX_RESTARTS_ENV, RESTART_COUNT_ENV, USE_AGENT_STORE_ENV};
-use ddp_comm::ELASTIC_ENV;
+use ddp_comm::{ELASTIC_ENV, ELASTIC_ROUND_ENV};
 
 /// The grace period between `SIGTERM` and `SIGKILL` when no other is configured.
 pub const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(5);
@@ -97,8 +97,11 @@ impl LaunchConfig {
 /// `GROUP_RANK` (the node rank, as torchrun names it), `MASTER_ADDR`, `MASTER_PORT`,
 /// [`RESTART_COUNT_ENV`], [`MAX_RESTARTS_ENV`] and [`USE_AGENT_STORE_ENV`]` = True` (node 0's
 /// launcher hosts the store on `MASTER_PORT`: no rank binds it), `DDP_JOB_ID` when `job_id`
-/// is given, and [`ELASTIC_ENV`]` = MIN:MAX` (in ranks) for an elastic job (`WORLD_SIZE` is
-/// then the most ranks, and `RANK` the rank's slot among them).
+/// is given, and [`ELASTIC_ENV`]` = MIN:MAX` (in ranks) and [`ELASTIC_ROUND_ENV`]` = restart`
+/// for an elastic job (`WORLD_SIZE` is then the most ranks, and `RANK` the rank's slot among
+/// them). [`RESTART_COUNT_ENV`] is `restart` too; ddprun raises it for a rank of an elastic
+/// job restarted alone, and for the ranks of a later round, to the restarts of its budget used
+/// (torchrun's count), while the round stays the store keys' (see [`crate::launch`]).
 pub fn rank_env(
     config: &LaunchConfig,
     local_rank: usize,
@@ -124,6 +127,7 @@ pub fn rank_env(
     }
     if let Some((min, max)) = config.elastic_ranks() {
         env.push((ELASTIC_ENV, format!("{min}:{max}")));
+        env.push((ELASTIC_ROUND_ENV, restart.to_string()));
     }
     env
 }

@@ -98,8 +98,8 @@ pub struct RankFailure {
     pub hang_report: Option<String>,
     /// The directory with the flight records and error files (kept after a failure).
     pub trace_dir: Option<PathBuf>,
-    /// How many times the launcher had restarted the ranks before this failure (see
-    /// [`crate::LaunchConfig::max_restarts`]).
+    /// How many restarts of the budget the launcher had used before this failure (see
+    /// [`crate::LaunchConfig::max_restarts`]; in an elastic job, ranks restarted alone count).
     pub restarts: usize,
 }
 
@@ -195,7 +195,8 @@ pub struct LaunchReport {
     pub master_port: u16,
     /// How each local rank ended (in the last attempt).
     pub exits: Vec<RankExit>,
-    /// How many times the ranks were restarted before the attempt that succeeded.
+    /// How many restarts of the budget were used: the restarts of every local rank before the
+    /// attempt that succeeded and, in an elastic job, the ranks restarted alone.
     pub restarts: usize,
 }
 

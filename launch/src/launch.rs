@@ -23,10 +23,22 @@
 //! (every surviving rank exits with `ELASTIC_STOP_EXIT`, and every launcher that sees it
 //! starts its ranks again in the next round, whose store keys are new). Node 0's launcher
 //! hosts that store: when its own ranks are gone for good it keeps the store up until the job
-//! is over on the other nodes.
+//! is over on the other nodes, and then until every other node's launcher has seen the end
+//! (`ddp_comm::AgentWatch`: each registers in the store, beats, and says when it leaves), so
+//! that a rank another launcher restarts after the last step still finds the store, reads that
+//! the job is over and exits 0. It waits at most [`ELASTIC_LINGER`] after the end, and not for
+//! a launcher whose beat stopped ([`ddp_comm::AGENT_SILENCE`]: its node died hard).
+//!
+//! Restarts are counted as torchrun counts them: `TORCHELASTIC_RESTART_COUNT` is the restarts
+//! of the budget used before the process started, a rank restarted alone in an elastic job
+//! included (so a rank restarted alone once sees 1); the store keys of an elastic round follow
+//! the round instead (`DDP_ELASTIC_ROUND`, [`ddp_comm::ELASTIC_ROUND_ENV`]).
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use ddp_comm::{AgentPresence, AgentWatch, AGENT_BEAT, AGENT_SILENCE};
 
 use crate::agents::Agents;
 use crate::attempt::{run_attempt, Ending, Outcome};
@@ -38,6 +50,14 @@ use crate::rendezvous::{AttemptStore, Rendezvous};
 use crate::report::failure_line;
 use crate::signals::SignalForwarding;
 
+/// The longest node 0's launcher keeps an elastic job's store up after the job is over, for
+/// the other nodes' launchers to see the end (see the module documentation).
+pub(crate) const ELASTIC_LINGER: Duration = Duration::from_secs(60);
+
+/// How long another node's launcher of an elastic job tries to reach node 0's store to
+/// register there.
+const REGISTER_BY: Duration = Duration::from_secs(300);
+
 /// Runs the job described by `config` on this node and waits for it; see the crate
 /// documentation for what happens on the way. Returns when every local rank has ended and its
 /// output has been forwarded, after restarting the ranks up to `config.max_restarts` times.
@@ -45,8 +65,16 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
     let mut job = Job::start(config)?;
     loop {
         let outcome = job.run_attempt();
-        if let Some(report) = job.next_round(outcome)? {
-            return Ok(report);
+        match job.next_round(outcome) {
+            Ok(None) => continue,
+            Ok(Some(report)) => {
+                job.end();
+                return Ok(report);
+            }
+            Err(error) => {
+                job.end();
+                return Err(error);
+            }
         }
     }
 }
@@ -66,10 +94,13 @@ struct Job<'a> {
     /// The ranks' flight records and error files, and whether it is the launcher's own (removed
     /// after a successful job) rather than the user's `DDP_TRACE_DIR`.
     trace_dir: (PathBuf, bool),
-    /// Restarts so far (rounds: `TORCHELASTIC_RESTART_COUNT`).
+    /// Restarts of every local rank so far (rounds).
     restarts: usize,
     /// Ranks restarted alone so far (an elastic job), from the same budget.
     rank_restarts: usize,
+    /// An elastic job on several nodes, on a node other than 0: this launcher in node 0's
+    /// store, until it is dropped (see the module documentation).
+    presence: Option<AgentPresence>,
 }
 
 impl<'a> Job<'a> {
@@ -88,6 +119,21 @@ impl<'a> Job<'a> {
         };
         let agents = join_agents(config, &rendezvous.addr, master_port, job_id.as_deref())?;
         let trace_dir = trace_dir(job_id.as_deref());
+        let presence = match config.min_nnodes.is_some() && store._host.is_none() {
+            true => Some(
+                AgentPresence::start(
+                    config.node_rank,
+                    &rendezvous.addr,
+                    master_port,
+                    AGENT_BEAT,
+                    Instant::now() + REGISTER_BY,
+                )
+                .map_err(|e| LaunchError::Agents {
+                    message: e.to_string(),
+                })?,
+            ),
+            false => None,
+        };
         Ok(Job {
             config,
             program,
@@ -100,6 +146,7 @@ impl<'a> Job<'a> {
             trace_dir,
             restarts: 0,
             rank_restarts: 0,
+            presence,
         })
     }
 
@@ -113,6 +160,7 @@ impl<'a> Job<'a> {
             master_port: self.store.port,
             job_id: self.job_id.as_deref(),
             restart: self.restarts,
+            restarts_used: self.restarts_used(),
             trace_dir: &self.trace_dir.0,
         };
         let round = self.restarts as u64;
@@ -139,43 +187,142 @@ impl<'a> Job<'a> {
         outcome
     }
 
+    /// Restarts of the budget used so far (rounds and single ranks together): torchrun's
+    /// `TORCHELASTIC_RESTART_COUNT` for the ranks started next.
+    fn restarts_used(&self) -> usize {
+        self.restarts + self.rank_restarts
+    }
+
     /// Restarts left of the budget (rounds and single ranks together).
     fn restarts_left(&self) -> usize {
         self.config
             .max_restarts
-            .saturating_sub(self.restarts + self.rank_restarts)
+            .saturating_sub(self.restarts_used())
+    }
+
+    /// What the restarts used were, for the last line: `"1 of 2 restarts used"`, with `(N
+    /// ranks restarted alone ...)` in an elastic job that restarted some.
+    fn restarts_said(&self) -> String {
+        let mut said = format!(
+            "{} of {} restarts used",
+            self.restarts_used(),
+            self.config.max_restarts
+        );
+        if self.rank_restarts > 0 {
+            let ranks = match self.rank_restarts {
+                1 => "1 rank".to_string(),
+                n => format!("{n} ranks"),
+            };
+            said.push_str(&format!(
+                " ({ranks} restarted alone to rejoin the elastic job, {} restarts of the whole \
+                 job)",
+                self.restarts
+            ));
+        }
+        said
+    }
+
+    /// The job is over for this launcher (its ranks are gone for good): another node's
+    /// launcher of an elastic job says so in node 0's store; node 0's keeps its store until
+    /// every other node's launcher has seen the end.
+    fn end(&mut self) {
+        drop(self.presence.take());
+        self.host_until_every_node_saw_the_end();
     }
 
     /// An elastic job on several nodes whose store this launcher hosts: its ranks are gone, but
-    /// the other nodes' may still run; keep the store up until the job finished or stopped (or
-    /// this launcher is told to stop).
+    /// the other nodes' may still run; keep the store up until the job finished or stopped,
+    /// or no other node's launcher is left to end it (or this launcher is told to stop).
     fn host_until_the_job_is_over(&mut self) {
-        let (Some(_), true, Some(host)) = (
-            self.config.min_nnodes,
-            self.config.nnodes > 1,
-            self.store._host.as_ref(),
-        ) else {
+        let Some(mut watch) = self.agent_watch() else {
             return;
         };
         let round = self.restarts as u32;
-        if ddp_comm::elastic_job_state(host, round).is_some() {
-            return;
-        }
-        notice("this node's ranks are gone; hosting the store until the elastic job is over");
+        let mut said = false;
         loop {
+            let Some(host) = self.store._host.as_ref() else {
+                return;
+            };
             if ddp_comm::elastic_job_state(host, round).is_some() {
                 return;
             }
-            if let Some(signals) = self.signals.as_mut() {
-                if let Some(signal) = signals.take() {
-                    notice(&format!(
-                        "received {}; no longer hosting the store",
-                        signal_name(signal)
-                    ));
-                    return;
+            if watch.present(host).is_empty() {
+                if said {
+                    notice("no other node's launcher is left; no longer hosting the store");
                 }
+                return;
             }
-            std::thread::sleep(std::time::Duration::from_millis(100));
+            if !said {
+                said = true;
+                notice(
+                    "this node's ranks are gone; hosting the store until the elastic job is over",
+                );
+            }
+            if self.signalled("no longer hosting the store") {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// At the end of an elastic job on several nodes whose store this launcher hosts: keeps
+    /// the store up until the job is over ([`host_until_the_job_is_over`]
+    /// (Self::host_until_the_job_is_over)) and then until every other node's launcher that
+    /// registered has left (it has seen the end, and none of its ranks will use the store
+    /// again) or gone silent, for at most [`ELASTIC_LINGER`] after the end.
+    fn host_until_every_node_saw_the_end(&mut self) {
+        self.host_until_the_job_is_over();
+        let Some(mut watch) = self.agent_watch() else {
+            return;
+        };
+        let until = Instant::now() + ELASTIC_LINGER;
+        let mut said = false;
+        loop {
+            let Some(host) = self.store._host.as_ref() else {
+                return;
+            };
+            let present = watch.present(host);
+            if present.is_empty() {
+                return;
+            }
+            if Instant::now() >= until {
+                notice(&format!(
+                    "the launchers of nodes {present:?} have not seen the end of the elastic job \
+                     within {ELASTIC_LINGER:?}; no longer hosting the store"
+                ));
+                return;
+            }
+            if !said {
+                said = true;
+                notice(&format!(
+                    "the elastic job is over; hosting the store until the launchers of nodes \
+                     {present:?} have seen it (at most {ELASTIC_LINGER:?})"
+                ));
+            }
+            if self.signalled("no longer hosting the store") {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// A watch over the other nodes' launchers, when this launcher hosts the store of an
+    /// elastic job on several nodes and was not told to stop.
+    fn agent_watch(&self) -> Option<AgentWatch> {
+        let hosts = self.store._host.is_some();
+        (self.config.min_nnodes.is_some() && self.config.nnodes > 1 && hosts)
+            .then(|| AgentWatch::new(self.config.nnodes, AGENT_SILENCE))
+    }
+
+    /// Whether a `SIGINT`/`SIGTERM` reached the launcher (it says so, and that it stops
+    /// `what`).
+    fn signalled(&mut self, what: &str) -> bool {
+        match self.signals.as_mut().and_then(SignalForwarding::take) {
+            Some(signal) => {
+                notice(&format!("received {}; {what}", signal_name(signal)));
+                true
+            }
+            None => false,
         }
     }
 
@@ -204,7 +351,7 @@ impl<'a> Job<'a> {
                         self.config.max_restarts
                     ));
                 }
-                failure.restarts = self.restarts;
+                failure.restarts = self.restarts_used();
                 Err(LaunchError::RankFailed(failure))
             }
             Ending::Succeeded(mut report) => {
@@ -213,12 +360,9 @@ impl<'a> Job<'a> {
                     let _ = std::fs::remove_dir_all(dir);
                 }
                 if self.config.max_restarts > 0 {
-                    notice(&format!(
-                        "all ranks finished; {} of {} restarts used",
-                        self.restarts, self.config.max_restarts
-                    ));
+                    notice(&format!("all ranks finished; {}", self.restarts_said()));
                 }
-                report.restarts = self.restarts;
+                report.restarts = self.restarts_used();
                 Ok(Some(report))
             }
             Ending::RestartRequested => Err(LaunchError::Agents {
@@ -263,7 +407,9 @@ impl<'a> Job<'a> {
         self.restarts += 1;
         notice(&format!(
             "{first}; restarting this node's {} ranks (restart {} of {})",
-            self.config.nproc_per_node, self.restarts, self.config.max_restarts
+            self.config.nproc_per_node,
+            self.restarts_used(),
+            self.config.max_restarts
         ));
         self.refuse_if_signalled()?;
         self.job_id = attempt_job_id(self.config, self.restarts, self.store.port);
@@ -295,7 +441,9 @@ impl<'a> Job<'a> {
         };
         notice(&format!(
             "{why}; restarting {whose} {} ranks (restart {} of {})",
-            self.config.nproc_per_node, self.restarts, self.config.max_restarts
+            self.config.nproc_per_node,
+            self.restarts_used(),
+            self.config.max_restarts
         ));
         if let Some(message) = &failure.message {
             notice(&format!("rank {}'s error:", failure.rank));

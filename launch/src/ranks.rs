@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 
-use ddp_comm::elastic::{ERROR_FILE_ENV, STORE_FD_ENV};
+use ddp_comm::elastic::{ERROR_FILE_ENV, RESTART_COUNT_ENV, STORE_FD_ENV};
 use ddp_comm::flight::TRACE_DIR_ENV;
 
 use crate::config::{rank_env, LaunchConfig};
@@ -44,8 +44,11 @@ pub(crate) struct Attempt<'a> {
     pub master_addr: &'a str,
     pub master_port: u16,
     pub job_id: Option<&'a str>,
-    /// Restarts before this attempt (0 on the first).
+    /// Restarts of every local rank before this attempt (0 on the first): the round.
     pub restart: usize,
+    /// Restarts of the budget used before this attempt, an elastic job's ranks restarted alone
+    /// included: the ranks' `TORCHELASTIC_RESTART_COUNT` (torchrun's count).
+    pub restarts_used: usize,
     pub trace_dir: &'a Path,
 }
 
@@ -64,7 +67,7 @@ pub(crate) fn start_ranks(
 ) -> Result<Vec<Rank>, LaunchError> {
     let mut ranks: Vec<Rank> = Vec::with_capacity(config.nproc_per_node);
     for local_rank in 0..config.nproc_per_node {
-        match start_rank(config, attempt, local_rank, done) {
+        match start_rank(config, attempt, local_rank, attempt.restarts_used, done) {
             Ok(rank) => ranks.push(rank),
             Err(error) => {
                 for started in &mut ranks {
@@ -78,13 +81,14 @@ pub(crate) fn start_ranks(
     Ok(ranks)
 }
 
-/// Starts local rank `local_rank` (also alone: an elastic job's restart of one rank). A
-/// [`STORE_FD_ENV`] this launcher inherited is not passed on: the descriptor is not the ranks'
-/// (and is closed on exec anyway).
+/// Starts local rank `local_rank` (also alone: an elastic job's restart of one rank) with
+/// `TORCHELASTIC_RESTART_COUNT=restart_count`. A [`STORE_FD_ENV`] this launcher inherited is
+/// not passed on: the descriptor is not the ranks' (and is closed on exec anyway).
 pub(crate) fn start_rank(
     config: &LaunchConfig,
     attempt: &Attempt<'_>,
     local_rank: usize,
+    restart_count: usize,
     done: &mpsc::Sender<()>,
 ) -> Result<Rank, LaunchError> {
     let rank = config.global_rank(local_rank);
@@ -99,6 +103,7 @@ pub(crate) fn start_rank(
             attempt.job_id,
             attempt.restart,
         ))
+        .env(RESTART_COUNT_ENV, restart_count.to_string())
         .env(TRACE_DIR_ENV, attempt.trace_dir)
         .env(ERROR_FILE_ENV, error_file(attempt.trace_dir, rank))
         .env_remove(STORE_FD_ENV)

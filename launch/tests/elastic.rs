@@ -1,7 +1,10 @@
 //! `ddprun --nnodes MIN:MAX`, with comm's `ddp-elastic-peer` as the ranks (all-reduces and the
 //! commit vote of an elastic group, one line per step): a failed rank is restarted alone and
 //! rejoins while the other ranks go on; a frozen rank that takes the job below its minimum
-//! makes the launcher restart the whole job as a new round. Every run has a deadline.
+//! makes the launcher restart the whole job as a new round. A rank killed after the job's last
+//! step is restarted, finds the job over and exits 0, and every agent says the job succeeded
+//! (node 0's, which hosts the store, waits for the other agents to see the end, but not for an
+//! agent that died hard). Every run has a deadline.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -165,6 +168,25 @@ fn a_failed_rank_is_restarted_alone_and_rejoins() {
         done[1].1
     );
     assert!(done[1].1.contains("healed true"), "{}", done[1].1);
+    // torchrun's count: the restarted rank is restart 1 of the budget, and sees it; the
+    // store keys stay the round's (it rejoined, healed).
+    let node1 = &done[1].1;
+    for said in [
+        "(restart 1 of 1 of this launcher; TORCHELASTIC_RESTART_COUNT=1)",
+        "elastic slot 1 starts: restart count 0, round 0",
+        "elastic slot 1 starts: restart count 1, round 0",
+        "all ranks finished; 1 of 1 restarts used (1 rank restarted alone to rejoin the elastic \
+         job, 0 restarts of the whole job)",
+    ] {
+        assert!(node1.contains(said), "no {said:?} in:\n{node1}");
+    }
+    assert!(
+        done[0]
+            .1
+            .contains("all ranks finished; 0 of 1 restarts used"),
+        "{}",
+        done[0].1
+    );
     for n in [0, 2] {
         let text = &done[n].1;
         assert!(
@@ -204,4 +226,87 @@ fn below_its_minimum_the_job_restarts_as_a_new_round() {
     assert!(text.contains("minimum of 2"), "{text}");
     assert!(text.contains("(restart 1 of 1)"), "{text}");
     assert!(text.contains("step 60 "), "{text}");
+}
+
+/// Three agents of a `2:3` job, one rank each; a rank kills itself (SIGKILL) right after it
+/// committed the job's last step, before it says the job finished, some milliseconds after
+/// the others finished: its agent restarts it, it finds the job over (`ElasticGroup::join`
+/// gives `Ok(None)`) and exits 0, and every agent exits 0, node 0's too, which hosts the store
+/// and keeps it until the other agents have seen the end. Repeated with the victim on every
+/// node (node 0's rank is the founding rank 0: the survivors say the job finished without it)
+/// and delays from 0 to 500 ms (24 runs), across the window in which node 0's agent used to
+/// drop the store while the restarted rank was still to come.
+#[test]
+fn a_rank_killed_after_the_last_step_finds_the_job_over_and_every_agent_succeeds() {
+    // 24 runs: each victim with each delay (0.6 s a run here).
+    let delays = [0, 10, 30, 60, 100, 200, 300, 500];
+    let runs: Vec<(usize, u64)> = (0..24).map(|i| ([2, 0, 1][i % 3], delays[i % 8])).collect();
+    let started = Instant::now();
+    for (run, &(victim, delay)) in runs.iter().enumerate() {
+        let port = free_port();
+        let die = [
+            "PEER_STEPS=15".to_string(),
+            format!("PEER_DIE_AFTER_LAST={victim}"),
+            format!("PEER_DIE_DELAY_MS={delay}"),
+            // A failure shows in seconds, not after the default connect timeout.
+            "DDP_CONNECT_TIMEOUT=8".to_string(),
+        ];
+        let env: Vec<&str> = die.iter().map(String::as_str).collect();
+        let mut agents: Vec<Agent> = (0..3)
+            .map(|n| Agent::start(elastic_node(n, "2:3", 1, port, 1, &env)))
+            .collect();
+        let done: Vec<(std::process::ExitStatus, String)> =
+            agents.iter_mut().map(Agent::finish).collect();
+        let all = || {
+            done.iter()
+                .enumerate()
+                .map(|(n, (s, t))| format!("--- node {n} ({s}):\n{t}"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        let what = format!("run {run} (slot {victim} dies {delay} ms after the last step)");
+        for (n, (status, _)) in done.iter().enumerate() {
+            assert!(status.success(), "{what}: node {n} failed\n{}", all());
+        }
+        let text = &done[victim].1;
+        for said in [
+            format!("elastic slot {victim} kills itself after the last step"),
+            "restarting it alone to rejoin the elastic job".to_string(),
+            format!("elastic slot {victim} arrived after the end"),
+            "all ranks finished; 1 of 1 restarts used".to_string(),
+        ] {
+            assert!(text.contains(&said), "{what}: no {said:?}\n{}", all());
+        }
+    }
+    eprintln!(
+        "{} runs, every agent exited 0, in {:.1} s",
+        runs.len(),
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// Node 2's agent dies hard (SIGKILL; its rank goes with it) while the job runs: the other two
+/// finish the job at world 2, and node 0's agent, which hosts the store, does not wait for the
+/// dead agent to see the end beyond its silence (`ddp_comm::AGENT_SILENCE`, 10 s).
+#[test]
+fn node_0_does_not_wait_for_an_agent_that_died_hard() {
+    let port = free_port();
+    let env = ["PEER_STEPS=150"];
+    let mut agents: Vec<Agent> = (0..3)
+        .map(|n| Agent::start(elastic_node(n, "2:3", 1, port, 1, &env)))
+        .collect();
+    agents[0].wait_for("step 20 ");
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe { libc::kill(agents[2].child.id() as i32, libc::SIGKILL) };
+    agents[0].wait_for("step 150 ");
+    let finished = Instant::now();
+    let (status, text) = agents[0].finish();
+    let took = finished.elapsed();
+    assert!(status.success(), "{status}\n{text}");
+    assert!(
+        took < Duration::from_secs(20),
+        "node 0 took {took:?} after its last step\n{text}"
+    );
+    let (status, text) = agents[1].finish();
+    assert!(status.success(), "{status}\n{text}");
 }

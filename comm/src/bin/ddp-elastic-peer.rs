@@ -5,13 +5,22 @@
 //! - `elastic slot S gen G rank R world W step N at T`: step N committed;
 //! - `elastic slot S reformed gen G rank R world W from N action A healed H grace_ms M at T`: a
 //!   new generation (M: its group's `ProcessGroup::loss_grace`);
-//! - `elastic slot S done at T` (every step done), `elastic slot S error: <message>`.
+//! - `elastic slot S done at T` (every step done), `elastic slot S error: <message>`;
+//! - `elastic slot S starts: restart count C, round R` (first: `TORCHELASTIC_RESTART_COUNT`
+//!   and `DDP_ELASTIC_ROUND` as the launcher gave them, `-` where unset);
+//! - `elastic slot S arrived after the end at T`: it joined a job that had already finished
+//!   ([`ElasticGroup::join`] gave `Ok(None)`), and exits 0.
 //!
 //! T is the wall clock in milliseconds since the Unix epoch. Each step all-reduces
 //! `PEER_ELEMS` (default 1000) ones and checks that every element is the world size. Variables
 //! of its own: `PEER_STEPS` (steps to commit, default 50), `PEER_SLEEP_MS` (pause per step,
 //! default 20), `PEER_COMPAT` (the terms' `compat`, default `peer`). Exits 0 when done, 1 on
 //! an error, [`ddp_comm::elastic::ELASTIC_STOP_EXIT`] when the job fell below its minimum.
+//!
+//! Test hook: with `PEER_DIE_AFTER_LAST=S`, slot S kills itself (`SIGKILL`) once it has
+//! committed the last step, before it says the job finished, `PEER_DIE_DELAY_MS` (default 0)
+//! later; only when it founded the job (not restarted: `TORCHELASTIC_RESTART_COUNT` unset or
+//! 0, and not healed into a running job).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -48,10 +57,22 @@ fn run() -> Result<(), ddp_comm::CommError> {
         message: "ddp-elastic-peer needs DDP_ELASTIC".into(),
     })?;
     let slot = config.slot;
+    let given = |name: &str| std::env::var(name).unwrap_or_else(|_| "-".into());
+    println!(
+        "elastic slot {slot} starts: restart count {}, round {}",
+        given(ddp_comm::elastic::RESTART_COUNT_ENV),
+        given(ddp_comm::ELASTIC_ROUND_ENV)
+    );
     let Some(mut group) = ElasticGroup::join(config)? else {
-        println!("elastic slot {slot} done at {}", now_ms());
+        println!("elastic slot {slot} arrived after the end at {}", now_ms());
         return Ok(());
     };
+    let first_start = var(ddp_comm::elastic::RESTART_COUNT_ENV, 0) == 0 && !group.joined_running();
+    let die_after_last = std::env::var("PEER_DIE_AFTER_LAST")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        == Some(slot)
+        && first_start;
     let mut committed = group.generation().step;
     if group.joined_running() {
         println!(
@@ -120,6 +141,15 @@ fn run() -> Result<(), ddp_comm::CommError> {
             now_ms()
         );
         assert_eq!(committed, change.generation.step, "slot {slot}");
+    }
+    if die_after_last {
+        std::thread::sleep(Duration::from_millis(var("PEER_DIE_DELAY_MS", 0)));
+        println!(
+            "elastic slot {slot} kills itself after the last step at {}",
+            now_ms()
+        );
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe { libc::kill(std::process::id() as libc::pid_t, libc::SIGKILL) };
     }
     group.finish()?;
     println!("elastic slot {slot} done at {}", now_ms());

@@ -1,0 +1,246 @@
+//! The launchers ("agents", as torchrun calls them) of an elastic job on several nodes, as the
+//! ranks' rendezvous store sees them, so that the job ends at a point every agent agrees on.
+//!
+//! The store of an elastic job lives in node 0's launcher (ddprun hosts a PyTorch `TCPStore`).
+//! A rank that another node's launcher restarts after the job's last step (it was killed
+//! after it committed that step, before it said so) must still find that store: there it
+//! reads that the job is over ([`crate::ElasticGroup::join`] returns `Ok(None)`) and exits 0.
+//! So node 0's launcher keeps the store until every other launcher has seen the end: each
+//! other launcher registers in the store when it starts, beats while it runs
+//! ([`AgentPresence`]) and says when it leaves (its ranks are gone for good, so none of them
+//! will use the store again); node 0's launcher reads that from its own store
+//! ([`AgentWatch`]), and takes a launcher whose beat stopped for [`AGENT_SILENCE`] for gone
+//! (its node died hard), so that it never waits forever.
+//!
+//! Keys, under [`AGENTS_PREFIX`] (the job's, across its rounds): `node/<n>` (node n's launcher
+//! registered), `beat/<n>` (a counter it adds 1 to every [`AGENT_BEAT`]) and `left/<n>` (it
+//! left).
+
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::error::CommError;
+use crate::store::Store;
+use crate::torch_store_server::TorchStoreHost;
+
+/// The key prefix of the launchers' keys in the ranks' store (as the keys travel).
+pub const AGENTS_PREFIX: &str = "/ddprun/agents/";
+
+/// How often a launcher beats.
+pub const AGENT_BEAT: Duration = Duration::from_millis(500);
+
+/// A launcher whose beat has not moved for this long is gone (its node died hard).
+pub const AGENT_SILENCE: Duration = Duration::from_secs(10);
+
+/// Deadline of one store call of a launcher's beat thread.
+const CALL: Duration = Duration::from_secs(10);
+
+/// How long [`AgentPresence`]'s drop waits for its thread to say in the store that it left.
+const LEAVE: Duration = Duration::from_secs(5);
+
+/// A launcher that does not host the store, in the store of its elastic job: registered, and
+/// beating from a thread of its own, until it is dropped, which says that it left (see the
+/// module documentation).
+pub struct AgentPresence {
+    /// Closing it (drop) tells the thread to say that this launcher left.
+    stop: Option<mpsc::Sender<()>>,
+    /// The thread says through this that it wrote `left/<n>` (or gave up).
+    left: mpsc::Receiver<()>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for AgentPresence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentPresence").finish_non_exhaustive()
+    }
+}
+
+impl AgentPresence {
+    /// Registers node `node`'s launcher in the store at `addr:port` and beats every `beat`,
+    /// from a thread of its own: the thread connects (retrying until `connect_by`: node 0's
+    /// launcher may start later) and registers. Never blocks; an unreachable store only means
+    /// that node 0's launcher will not wait for this one.
+    pub fn start(
+        node: usize,
+        addr: &str,
+        port: u16,
+        beat: Duration,
+        connect_by: Instant,
+    ) -> Result<AgentPresence, CommError> {
+        let (stop_tx, stop_rx) = mpsc::channel::<()>();
+        let (left_tx, left) = mpsc::channel::<()>();
+        let addr = addr.to_string();
+        let thread = std::thread::Builder::new()
+            .name("ddprun-elastic-presence".into())
+            .spawn(move || {
+                let store = Store::connect_torch(
+                    node,
+                    &addr,
+                    port,
+                    AGENTS_PREFIX.to_string(),
+                    connect_by,
+                    CALL,
+                );
+                if let Ok(store) = store {
+                    if store.add(&format!("node/{node}"), 1).is_ok() {
+                        present(&store, node, beat, &stop_rx);
+                    }
+                }
+                let _ = left_tx.send(());
+            })
+            .map_err(|e| CommError::Internal {
+                rank: node,
+                message: format!("cannot start the launcher's presence thread: {e}"),
+            })?;
+        Ok(AgentPresence {
+            stop: Some(stop_tx),
+            left,
+            thread: Some(thread),
+        })
+    }
+}
+
+/// Beats until `stop` closes, then says that this launcher left.
+fn present(store: &Store, node: usize, beat: Duration, stop: &mpsc::Receiver<()>) {
+    let key = format!("beat/{node}");
+    loop {
+        if store.add(&key, 1).is_err() {
+            return;
+        }
+        match stop.recv_timeout(beat) {
+            Err(mpsc::RecvTimeoutError::Timeout) => continue,
+            _ => break,
+        }
+    }
+    // An add, not a set: its answer says the store holds it (a set is not answered).
+    let _ = store.add(&format!("left/{node}"), 1);
+}
+
+impl Drop for AgentPresence {
+    /// Says that this launcher left: waits (at most 5 s) for the thread to write it, so that
+    /// node 0's launcher need not wait for this one's silence.
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if self.left.recv_timeout(LEAVE).is_ok() {
+            if let Some(t) = self.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// What node 0's launcher sees of the other launchers in the store it hosts.
+#[derive(Debug)]
+pub struct AgentWatch {
+    /// Per node: the last beat count seen and when it last moved.
+    beats: Vec<Option<(i64, Instant)>>,
+    silence: Duration,
+}
+
+impl AgentWatch {
+    /// A watch over the launchers of nodes `1..nnodes`; one silent for `silence` is gone.
+    pub fn new(nnodes: usize, silence: Duration) -> AgentWatch {
+        AgentWatch {
+            beats: vec![None; nnodes],
+            silence,
+        }
+    }
+
+    /// The nodes whose launchers node 0's launcher must still keep the store for: registered
+    /// in `host`, not left, and beating within the silence (counted from this watch's first
+    /// look at them). Call it repeatedly: silence is measured between calls.
+    pub fn present(&mut self, host: &TorchStoreHost) -> Vec<usize> {
+        let value = |key: String| host.value(&format!("{AGENTS_PREFIX}{key}"));
+        let now = Instant::now();
+        let mut present = Vec::new();
+        for (node, seen) in self.beats.iter_mut().enumerate().skip(1) {
+            if value(format!("node/{node}")).is_none() || value(format!("left/{node}")).is_some() {
+                continue;
+            }
+            let count = value(format!("beat/{node}"))
+                .and_then(|v| String::from_utf8(v).ok())
+                .and_then(|v| v.trim().parse::<i64>().ok())
+                .unwrap_or(0);
+            match seen {
+                Some((last, since)) if *last == count => {
+                    if now.duration_since(*since) >= self.silence {
+                        continue;
+                    }
+                }
+                _ => *seen = Some((count, now)),
+            }
+            present.push(node);
+        }
+        present
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    fn host() -> TorchStoreHost {
+        TorchStoreHost::start(TcpListener::bind("127.0.0.1:0").unwrap()).unwrap()
+    }
+
+    fn until(what: &str, mut f: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !f() {
+            assert!(Instant::now() < deadline, "{what}: not within 10 s");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// A launcher is present from its registration until it leaves (its drop says so).
+    #[test]
+    fn a_launcher_is_present_until_it_leaves() {
+        let host = host();
+        let mut watch = AgentWatch::new(3, Duration::from_secs(10));
+        assert!(watch.present(&host).is_empty());
+        let by = Instant::now() + Duration::from_secs(10);
+        let two = AgentPresence::start(2, "127.0.0.1", host.port(), AGENT_BEAT, by).unwrap();
+        until("node 2 registered", || watch.present(&host) == vec![2]);
+        let one = AgentPresence::start(1, "127.0.0.1", host.port(), AGENT_BEAT, by).unwrap();
+        until("node 1 registered", || watch.present(&host) == vec![1, 2]);
+        drop(two);
+        assert_eq!(watch.present(&host), vec![1], "left at once on drop");
+        drop(one);
+        assert!(watch.present(&host).is_empty());
+    }
+
+    /// A launcher that beats is present past the silence; one that stops beating without
+    /// leaving (its node died hard) is gone after the silence, counted from the watch's first
+    /// look.
+    #[test]
+    fn a_silent_launcher_is_gone_after_the_silence() {
+        let host = host();
+        let by = Instant::now() + Duration::from_secs(10);
+        let silence = Duration::from_millis(300);
+        let mut watch = AgentWatch::new(3, silence);
+        let beating =
+            AgentPresence::start(1, "127.0.0.1", host.port(), Duration::from_millis(50), by)
+                .unwrap();
+        until("node 1 registered", || watch.present(&host) == vec![1]);
+        // What a launcher killed by SIGKILL leaves: a registration and a beat, then nothing.
+        let store =
+            Store::connect_torch(2, "127.0.0.1", host.port(), AGENTS_PREFIX.into(), by, CALL)
+                .unwrap();
+        store.add("node/2", 1).unwrap();
+        store.add("beat/2", 1).unwrap();
+        let started = Instant::now();
+        assert_eq!(watch.present(&host), vec![1, 2]);
+        until("node 2 gone", || watch.present(&host) == vec![1]);
+        assert!(started.elapsed() >= silence, "{:?}", started.elapsed());
+        std::thread::sleep(silence * 2);
+        assert_eq!(watch.present(&host), vec![1], "node 1 still beats");
+        drop(beating);
+        assert_eq!(
+            watch.present(&host),
+            Vec::<usize>::new(),
+            "{:?}",
+            host.keys()
+        );
+    }
+}
