@@ -75,6 +75,14 @@ pub struct DdpConfig {
     /// all-reduces after backward. A loop that never calls `prepare` does not overlap.
     #[config(default = true)]
     pub overlap: bool,
+    /// Clip the averaged gradient to this global 2-norm, as PyTorch's
+    /// `clip_grad_norm_(model.parameters(), max_norm)` after DDP's average: when the norm of
+    /// all the gradients taken together exceeds it, each is multiplied by
+    /// `max_norm / (norm + 1e-6)`. [`DistributedDataParallel::grad_norm`](crate::DistributedDataParallel::grad_norm)
+    /// gives the norm before clipping; ZeRO's [`ZeroConfig`](crate::ZeroConfig) has the same
+    /// setting, with the same bits. `None` (the default): no clipping.
+    #[config(default = "None")]
+    pub max_grad_norm: Option<f32>,
 }
 
 // burn's `Config` derive re-emits an enum without the `#[default]` helper attribute, so the

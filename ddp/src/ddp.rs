@@ -50,7 +50,7 @@
 //! runs, and every replica receives bit-identical gradients.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
@@ -62,6 +62,7 @@ use ddp_comm::bytes::fnv1a;
 use crate::agree::{broadcast_values, diverged_ranks, verify_same_params, Start};
 use crate::buckets::{plan_buckets, Bucket, Layout, Part};
 use crate::carrier::Carrier;
+use crate::clip::clip_replicated;
 use crate::comm_hook::{bucket_descs, CommHook, DynHook};
 use crate::config::{CommHookKind, Compression, DdpConfig};
 use crate::hook_carrier::Hooked;
@@ -73,6 +74,7 @@ use crate::params::{
 use crate::pipeline::{Done, Pipeline};
 use crate::powersgd::PowerSgd;
 use crate::reduction::{HostCarrier, Reduction};
+use crate::sync_stats::{SyncPhase, SyncSpan, SyncStats};
 use crate::DdpError;
 
 /// The gradient path on the GPU through NCCL (feature `cuda`), a child module so that it can
@@ -80,68 +82,6 @@ use crate::DdpError;
 #[cfg(feature = "cuda")]
 #[path = "cuda.rs"]
 mod cuda;
-
-/// Time and volume spent in gradient synchronisation since the last
-/// [`DistributedDataParallel::take_stats`].
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct SyncStats {
-    /// Number of synchronised steps.
-    pub steps: u64,
-    /// Time spent copying gradients into buckets (and submitting them).
-    pub pack: Duration,
-    /// Time spent blocked waiting for all-reduces to finish.
-    pub wait: Duration,
-    /// Time spent turning reduced buckets back into gradient tensors.
-    pub unpack: Duration,
-    /// Bytes all-reduced (as sent on the wire, after compression).
-    pub bytes: u64,
-    /// Bucket all-reduces across ranks (none at world size 1).
-    pub buckets: u64,
-    /// Of which: started during backward, by the hooks of [`DdpConfig::overlap`] (0 where
-    /// overlap is off: see [`DistributedDataParallel::why_no_overlap`]).
-    pub buckets_during_backward: u64,
-}
-
-impl SyncStats {
-    /// Total time the synchronisation added to the caller's step.
-    pub fn total(&self) -> Duration {
-        self.pack + self.wait + self.unpack
-    }
-}
-
-/// A phase of [`DistributedDataParallel::sync`], for timelines (see
-/// [`DistributedDataParallel::record_spans`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SyncPhase {
-    /// Packing one part of a bucket (copying gradients into its buffer, or taking burn's) and
-    /// submitting its all-reduce.
-    Pack,
-    /// One part's all-reduce as the caller sees it: from its submission (or the end of the
-    /// previous one's, the communication thread running them one after another) until `wait`
-    /// returned it. The process group's flight recorder has the communication thread's own
-    /// start and end.
-    AllReduce,
-    /// The caller blocked waiting for one part's all-reduce.
-    Wait,
-    /// Turning one reduced part back into gradient tensors.
-    Unpack,
-}
-
-/// One timed phase of one bucket in a [`DistributedDataParallel::sync`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SyncSpan {
-    /// What was done.
-    pub phase: SyncPhase,
-    /// The bucket (communication order) of the part.
-    pub bucket: usize,
-    /// Elements of the part's all-reduce (on the GPU path: the bucket's, with its presence
-    /// and failure slots).
-    pub elements: usize,
-    /// When it started.
-    pub start: Instant,
-    /// When it ended.
-    pub end: Instant,
-}
 
 /// Data parallelism for any burn [`Module`]: construction makes every replica equal to
 /// rank 0's, and [`sync`](Self::sync) averages gradients across ranks before the optimizer step.
@@ -178,6 +118,9 @@ pub struct DistributedDataParallel {
     /// Set with [`DdpConfig::overlap`] on more than one rank: the hooks of `prepare`.
     overlap: Option<OverlapState>,
     /// The last overlapped backward pass's start and end.
+    /// The total norm of the last step's averaged gradient, before clipping (with
+    /// `max_grad_norm` only).
+    grad_norm: Option<f32>,
     backward_span: Option<(Instant, Instant)>,
 }
 
@@ -307,6 +250,7 @@ impl DistributedDataParallel {
             device_path,
             overlap,
             backward_span: None,
+            grad_norm: None,
         };
         if let Some(hook) = hook {
             ddp.install_hook(hook)?;
@@ -504,7 +448,8 @@ impl DistributedDataParallel {
             return self.sync(model, grads);
         }
         let (grads, local_error) = self.overlapped_backward(model, loss)?;
-        self.sync_rest(grads, local_error, true)
+        let grads = self.sync_rest(grads, local_error, true)?;
+        self.clipped(grads)
     }
 
     /// The start of an overlapped sync: every collective of the sync but the gradients' (the
@@ -701,7 +646,34 @@ impl DistributedDataParallel {
         grads: GradientsParams,
     ) -> Result<GradientsParams, DdpError> {
         let local_error = self.begin_sync(model)?;
-        self.sync_rest(grads, local_error, false)
+        let grads = self.sync_rest(grads, local_error, false)?;
+        self.clipped(grads)
+    }
+
+    /// With [`DdpConfig::max_grad_norm`], clips the averaged `grads` to it (`clip.rs`) and
+    /// keeps the norm for [`grad_norm`](Self::grad_norm).
+    fn clipped(&mut self, mut grads: GradientsParams) -> Result<GradientsParams, DdpError> {
+        if let Some(max_norm) = self.config.max_grad_norm {
+            let layout = Arc::clone(lock(&self.pipeline).layout());
+            let world = self.pg.world_size();
+            let norm = clip_replicated(
+                &mut grads,
+                &self.params,
+                &layout,
+                world,
+                &self.device,
+                max_norm,
+            )?;
+            self.grad_norm = Some(norm);
+        }
+        Ok(grads)
+    }
+
+    /// The global 2-norm of the last step's averaged gradient before clipping (PyTorch's
+    /// `clip_grad_norm_` returns it, for logging), the same on every rank; `None` unless
+    /// [`DdpConfig::max_grad_norm`] is set.
+    pub fn grad_norm(&self) -> Option<f32> {
+        self.grad_norm
     }
 
     /// The gradient part of a sync, after [`begin_sync`](Self::begin_sync): hands `grads` to

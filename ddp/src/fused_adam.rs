@@ -1,5 +1,5 @@
-//! [`FusedAdam`]: burn's Adam, computed in one pass over each parameter's memory on burn's CPU
-//! backend.
+//! [`FusedAdam`] and [`FusedAdamW`]: burn's Adam and AdamW, computed in one pass over each
+//! parameter's memory on burn's CPU backend.
 //!
 //! burn's `Adam` steps a parameter with about a dozen tensor operations (scale the moments,
 //! add, square, root, divide, subtract), each of which reads and writes the whole tensor and
@@ -19,12 +19,13 @@
 use burn::backend::DispatchDevice;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::{
-    Adam, AdamConfig, AdamState, AdaptiveMomentumState, LearningRate, ModuleOptimizer, Optimizer,
+    Adam, AdamConfig, AdamState, AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState,
+    LearningRate, ModuleOptimizer, Optimizer,
 };
 use burn::tensor::{DType, Device, Tensor, TensorData};
 
 use crate::host_buf::HostBuf;
-use crate::shard_optim::{ShardOptimizer, ShardedAdamConfig};
+use crate::shard_optim::{ShardOptimizer, ShardedAdamConfig, ShardedAdamWConfig};
 
 /// burn's Adam in one pass over memory on the CPU (see the module documentation): a drop-in
 /// for `AdamConfig::init()` with the same steps, bit for bit, and the same record.
@@ -83,6 +84,58 @@ fn values(data: TensorData, n: usize) -> HostBuf {
     HostBuf::from_data(data, "Adam", "values", n).expect("an f32 tensor of n elements")
 }
 
+/// What [`fused_step`] hands back when it cannot take a step: the inputs, untouched, for
+/// burn's own optimizer.
+type NotFused<const D: usize> = (Tensor<D>, Tensor<D>, Option<AdaptiveMomentumState<D>>);
+
+/// One step of `math` (Adam or AdamW) over `tensor`'s memory, with `momentum` as burn keeps
+/// it: the new parameter and moments, or the inputs back where the tensors are not `f32` on
+/// burn's CPU backend (or AMSGrad's third moment is there), for burn's optimizer to step.
+fn fused_step<const D: usize>(
+    math: &ShardOptimizer,
+    lr: LearningRate,
+    tensor: Tensor<D>,
+    grad: Tensor<D>,
+    momentum: Option<AdaptiveMomentumState<D>>,
+) -> Result<(Tensor<D>, AdaptiveMomentumState<D>), NotFused<D>> {
+    let dims = tensor.dims();
+    let fused = on_host(&tensor)
+        && on_host(&grad)
+        && grad.dims() == dims
+        && momentum.as_ref().is_none_or(|m| {
+            m.max_moment_2.is_none()
+                && on_host(&m.moment_1)
+                && on_host(&m.moment_2)
+                && m.moment_1.dims() == dims
+                && m.moment_2.dims() == dims
+        });
+    if !fused {
+        return Err((tensor, grad, momentum));
+    }
+    let n = dims.iter().product();
+    let device: Device = tensor.device();
+    let mut param = values(tensor.into_data(), n);
+    let grad = values(grad.into_data(), n);
+    let (time, mut m, mut v) = match momentum {
+        Some(s) => (
+            s.time,
+            values(s.moment_1.into_data(), n),
+            values(s.moment_2.into_data(), n),
+        ),
+        None => (0, HostBuf::zeros(n), HostBuf::zeros(n)),
+    };
+    math.update(
+        lr,
+        time as u64,
+        param.as_mut(),
+        grad.as_ref(),
+        &mut [m.as_mut(), v.as_mut()],
+    );
+    let tensor = |b: HostBuf| Tensor::<D>::from_data(b.into_data(dims.to_vec()), &device);
+    let momentum = AdaptiveMomentumState::new(time + 1, tensor(m), tensor(v));
+    Ok((tensor(param), momentum))
+}
+
 impl Optimizer for FusedAdam {
     type State<const D: usize> = AdamState<D>;
 
@@ -93,46 +146,83 @@ impl Optimizer for FusedAdam {
         grad: Tensor<D>,
         state: Option<AdamState<D>>,
     ) -> (Tensor<D>, Option<AdamState<D>>) {
-        let dims = tensor.dims();
-        let fused = on_host(&tensor)
-            && on_host(&grad)
-            && grad.dims() == dims
-            && state.as_ref().is_none_or(|s| {
-                let m = &s.momentum;
-                m.max_moment_2.is_none()
-                    && on_host(&m.moment_1)
-                    && on_host(&m.moment_2)
-                    && m.moment_1.dims() == dims
-                    && m.moment_2.dims() == dims
-            });
-        if !fused {
-            return self.burn.step(lr, tensor, grad, state);
+        match fused_step(&self.math, lr, tensor, grad, state.map(|s| s.momentum)) {
+            Ok((tensor, momentum)) => (tensor, Some(AdamState::new(momentum))),
+            Err((tensor, grad, momentum)) => {
+                self.burn
+                    .step(lr, tensor, grad, momentum.map(AdamState::new))
+            }
         }
-        let n = dims.iter().product();
-        let device: Device = tensor.device();
-        let mut param = values(tensor.into_data(), n);
-        let grad = values(grad.into_data(), n);
-        let (time, mut m, mut v) = match state {
-            Some(s) => (
-                s.momentum.time,
-                values(s.momentum.moment_1.into_data(), n),
-                values(s.momentum.moment_2.into_data(), n),
-            ),
-            None => (0, HostBuf::zeros(n), HostBuf::zeros(n)),
-        };
-        self.math.update(
-            lr,
-            time as u64,
-            param.as_mut(),
-            grad.as_ref(),
-            &mut [m.as_mut(), v.as_mut()],
-        );
-        let tensor = |b: HostBuf| Tensor::<D>::from_data(b.into_data(dims.to_vec()), &device);
-        let momentum = AdaptiveMomentumState::new(time + 1, tensor(m), tensor(v));
-        (tensor(param), Some(AdamState::new(momentum)))
     }
 
     fn to_device<const D: usize>(mut state: AdamState<D>, device: &Device) -> AdamState<D> {
+        state.momentum = state.momentum.to_device(device);
+        state
+    }
+}
+
+/// burn's AdamW (decoupled weight decay) in one pass over memory on the CPU, as [`FusedAdam`]
+/// is burn's Adam: a drop-in for `AdamWConfig::init()` with the same settings, the same steps
+/// bit for bit and burn's own `AdamWState` as its record.
+///
+/// ```
+/// use burn::optim::ModuleOptimizer;
+/// use ddp::{FusedAdamW, ShardedAdamWConfig};
+///
+/// // PyTorch's AdamW defaults: β 0.9/0.999, ε 1e-8, weight decay 0.01.
+/// let optim: ModuleOptimizer = FusedAdamW::init(&ShardedAdamWConfig::new());
+/// # let _ = optim;
+/// ```
+#[derive(Clone)]
+pub struct FusedAdamW {
+    /// The element loop.
+    math: ShardOptimizer,
+    /// burn's AdamW with the same settings, for tensors off the CPU backend.
+    burn: AdamW,
+}
+
+impl FusedAdamW {
+    /// AdamW with `config`'s settings.
+    pub fn new(config: &ShardedAdamWConfig) -> FusedAdamW {
+        let burn = AdamWConfig::new()
+            .with_beta_1(config.beta_1)
+            .with_beta_2(config.beta_2)
+            .with_epsilon(config.epsilon)
+            .with_weight_decay(config.weight_decay)
+            .build();
+        FusedAdamW {
+            math: ShardOptimizer::AdamW(config.clone()),
+            burn,
+        }
+    }
+
+    /// The optimizer for a whole module (burn's `ModuleOptimizer`, as `AdamWConfig::init`
+    /// returns it).
+    pub fn init(config: &ShardedAdamWConfig) -> ModuleOptimizer {
+        ModuleOptimizer::from(FusedAdamW::new(config))
+    }
+}
+
+impl Optimizer for FusedAdamW {
+    type State<const D: usize> = AdamWState<D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<AdamWState<D>>,
+    ) -> (Tensor<D>, Option<AdamWState<D>>) {
+        match fused_step(&self.math, lr, tensor, grad, state.map(|s| s.momentum)) {
+            Ok((tensor, momentum)) => (tensor, Some(AdamWState::new(momentum))),
+            Err((tensor, grad, momentum)) => {
+                self.burn
+                    .step(lr, tensor, grad, momentum.map(AdamWState::new))
+            }
+        }
+    }
+
+    fn to_device<const D: usize>(mut state: AdamWState<D>, device: &Device) -> AdamWState<D> {
         state.momentum = state.momentum.to_device(device);
         state
     }
@@ -214,6 +304,42 @@ mod tests {
                 }
                 assert_eq!(bits(&model), bits(&a), "resumed, decay {decay:?}");
             }
+        }
+    }
+
+    /// Six steps of `FusedAdamW` and of burn's `AdamWConfig::init()` with the same settings
+    /// give the same bits (with decay, and without: rate 0 skips burn's multiplication), and
+    /// burn's AdamW record resumes in `FusedAdamW` to the same bits.
+    #[test]
+    fn fused_adamw_steps_and_records_are_burns_bit_for_bit() {
+        use burn::optim::AdamWConfig;
+        let device = Device::flex().autodiff();
+        for decay in [0.0f32, 0.01, 0.3] {
+            let config = ShardedAdamWConfig::new().with_weight_decay(decay);
+            let burn_optim = || {
+                AdamWConfig::new()
+                    .with_epsilon(1e-8)
+                    .with_weight_decay(decay)
+                    .init()
+            };
+            let start = LinearConfig::new(40, 30).init(&device);
+            let (mut a, mut b) = (start.clone(), start.clone());
+            let (mut oa, mut ob) = (burn_optim(), FusedAdamW::init(&config));
+            for s in 0..6 {
+                a = step(a, &mut oa, s);
+                b = step(b, &mut ob, s);
+                assert_eq!(bits(&a), bits(&b), "step {s}, decay {decay}");
+            }
+            assert_ne!(bits(&a), bits(&start), "the steps moved the weights");
+            let (mut model, mut optim) = (start.clone(), burn_optim());
+            for s in 0..3 {
+                model = step(model, &mut optim, s);
+            }
+            let mut optim = FusedAdamW::init(&config).load_record(optim.to_record());
+            for s in 3..6 {
+                model = step(model, &mut optim, s);
+            }
+            assert_eq!(bits(&model), bits(&a), "resumed, decay {decay}");
         }
     }
 }

@@ -14,6 +14,7 @@ mod agree;
 mod buckets;
 mod carrier;
 pub mod checkpoint;
+mod clip;
 mod comm_hook;
 mod config;
 mod ddp;
@@ -40,6 +41,7 @@ mod reduction;
 mod resume;
 mod shard_layout;
 mod shard_optim;
+mod sync_stats;
 #[cfg(test)]
 mod test_ranks;
 mod zero;
@@ -48,10 +50,11 @@ mod zero_state;
 
 pub use crate::comm_hook::{BucketDesc, CommHook, GradBuffer, GradSlot};
 pub use crate::config::{CommHookKind, Compression, DdpConfig};
-pub use crate::ddp::{DistributedDataParallel, SyncPhase, SyncSpan, SyncStats};
+pub use crate::ddp::DistributedDataParallel;
+pub use crate::sync_stats::{SyncPhase, SyncSpan, SyncStats};
 pub use elastic::{ElasticDdp, ElasticOptimizer, Membership, Outcome, Progress};
 pub use error::DdpError;
-pub use fused_adam::FusedAdam;
+pub use fused_adam::{FusedAdam, FusedAdamW};
 pub use heal_hooks::{set_heal_hooks, HealHooks};
 pub use params::{flatten_params, load_flat_params, param_infos, ParamInfo, ParamKind};
 pub use powersgd::{PowerSgd, PowerSgdFlight};
@@ -60,7 +63,7 @@ pub use resume::{
     fetch, resume, resume_sharded, save_checkpoint, save_ddp_checkpoint, save_sharded_checkpoint,
     Position, Resumed, ResumedSharded, RunId,
 };
-pub use shard_optim::{ShardOptimizer, ShardedAdamConfig, ShardedSgdConfig};
+pub use shard_optim::{ShardOptimizer, ShardedAdamConfig, ShardedAdamWConfig, ShardedSgdConfig};
 pub use zero::{ShardMemory, ShardedDataParallel, ZeroConfig, ZeroStage, ZeroStats};
 
 // What a user's program needs from the communication layer, so that `ddp` is its one

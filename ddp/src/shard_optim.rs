@@ -1,6 +1,7 @@
-//! The optimizer math of sharded training ([`crate::ShardedDataParallel`]): Adam and SGD (with
-//! momentum, Nesterov and weight decay) on flat `f32` slices, element for element the arithmetic
-//! of burn 0.22's `Adam` and `Sgd` (burn-optim `adam.rs`, `sgd.rs`, `momentum.rs`, `decay.rs`),
+//! The optimizer math of sharded training ([`crate::ShardedDataParallel`]): Adam, AdamW and SGD
+//! (with momentum, Nesterov and weight decay) on flat `f32` slices, element for element the
+//! arithmetic of burn 0.22's `Adam`, `AdamW` and `Sgd` (burn-optim `adam.rs`, `adamw.rs`,
+//! `sgd.rs`, `momentum.rs`, `decay.rs`),
 //! in the same order of operations and with the same `f32` roundings, so that a sharded run
 //! takes the same steps as a DDP run with burn's optimizer.
 //!
@@ -31,6 +32,28 @@ pub struct ShardedAdamConfig {
     pub weight_decay: Option<f32>,
 }
 
+/// AdamW's settings (decoupled weight decay, Loshchilov & Hutter), with PyTorch's
+/// `torch.optim.AdamW` defaults: β 0.9 and 0.999, ε 1e-8, weight decay 0.01 (burn's
+/// `AdamWConfig` defaults differ: ε 1e-5, weight decay 1e-4). The step is burn's `AdamW`
+/// with the same settings, bit for bit: the parameter is first multiplied by
+/// `1 - lr * weight_decay`, then moved by Adam's bias-corrected step. burn's `amsgrad` and
+/// `cautious_weight_decay` variants are not offered.
+#[derive(Config, Debug, PartialEq)]
+pub struct ShardedAdamWConfig {
+    /// Decay of the first moment.
+    #[config(default = 0.9)]
+    pub beta_1: f32,
+    /// Decay of the second moment.
+    #[config(default = 0.999)]
+    pub beta_2: f32,
+    /// Added to the square root of the bias-corrected second moment.
+    #[config(default = 1e-8)]
+    pub epsilon: f32,
+    /// Decoupled decay: each step multiplies the parameter by `1 - lr * weight_decay`.
+    #[config(default = 0.01)]
+    pub weight_decay: f32,
+}
+
 /// SGD's settings, with burn's `SgdConfig` and `MomentumConfig` defaults (burn's default
 /// dampening is 0.1, PyTorch's 0).
 #[derive(Config, Debug, PartialEq)]
@@ -54,6 +77,8 @@ pub struct ShardedSgdConfig {
 pub enum ShardOptimizer {
     /// burn's `Adam` (two moments per element: 8 bytes of state per parameter element).
     Adam(ShardedAdamConfig),
+    /// burn's `AdamW` (decoupled weight decay; two moments per element, as Adam).
+    AdamW(ShardedAdamWConfig),
     /// burn's `Sgd` (a velocity per element with momentum, no state without).
     Sgd(ShardedSgdConfig),
 }
@@ -63,6 +88,7 @@ impl ShardOptimizer {
     pub fn name(&self) -> &'static str {
         match self {
             ShardOptimizer::Adam(_) => "adam",
+            ShardOptimizer::AdamW(_) => "adamw",
             ShardOptimizer::Sgd(_) => "sgd",
         }
     }
@@ -71,7 +97,7 @@ impl ShardOptimizer {
     /// moments, SGD's velocity with momentum, none for plain SGD.
     pub fn state_vectors(&self) -> usize {
         match self {
-            ShardOptimizer::Adam(_) => 2,
+            ShardOptimizer::Adam(_) | ShardOptimizer::AdamW(_) => 2,
             ShardOptimizer::Sgd(c) if c.momentum.is_some() => 1,
             ShardOptimizer::Sgd(_) => 0,
         }
@@ -93,6 +119,7 @@ impl ShardOptimizer {
         state: &mut [&mut [f32]],
     ) {
         // burn's `mul_scalar(lr)` on an f32 tensor multiplies by the scalar cast to f32.
+        let lr_f64 = lr;
         let lr = lr as f32;
         match self {
             ShardOptimizer::Adam(c) => {
@@ -117,6 +144,32 @@ impl ShardOptimizer {
                     (false, false) => adam::<false, false>(&k, param, grad, m, v),
                     (true, true) => adam::<true, true>(&k, param, grad, m, v),
                     (true, false) => adam::<true, false>(&k, param, grad, m, v),
+                }
+            }
+            ShardOptimizer::AdamW(c) => {
+                let [m, v] = state else {
+                    unreachable!("AdamW keeps two state vectors")
+                };
+                let t = (time + 1) as i32;
+                // burn: `mul_scalar(1.0 - lr * weight_decay)` with the factor computed in f64,
+                // skipped when the decay rate is 0.
+                let decay_rate = lr_f64 * c.weight_decay as f64;
+                let k = AdamWConstants {
+                    beta_1: c.beta_1,
+                    beta_2: c.beta_2,
+                    factor_1: 1.0 - c.beta_1,
+                    factor_2: 1.0 - c.beta_2,
+                    correction_1: 1.0 - c.beta_1.powi(t),
+                    correction_2: 1.0 - c.beta_2.powi(t),
+                    eps: c.epsilon,
+                    lr,
+                    keep: (1.0 - decay_rate) as f32,
+                };
+                match (decay_rate != 0.0, time == 0) {
+                    (false, true) => adamw::<false, true>(&k, param, grad, m, v),
+                    (false, false) => adamw::<false, false>(&k, param, grad, m, v),
+                    (true, true) => adamw::<true, true>(&k, param, grad, m, v),
+                    (true, false) => adamw::<true, false>(&k, param, grad, m, v),
                 }
             }
             ShardOptimizer::Sgd(c) => {
@@ -190,6 +243,52 @@ fn adam<const DECAY: bool, const FIRST: bool>(
     }
 }
 
+/// AdamW's per-step constants, computed as burn's `AdamW` computes them.
+struct AdamWConstants {
+    beta_1: f32,
+    beta_2: f32,
+    factor_1: f32,
+    factor_2: f32,
+    /// `1 - beta_1^t`, the first moment's bias correction (divided by).
+    correction_1: f32,
+    /// `1 - beta_2^t`.
+    correction_2: f32,
+    eps: f32,
+    lr: f32,
+    /// `1 - lr * weight_decay`, what the parameter is multiplied by before the step.
+    keep: f32,
+}
+
+/// burn's AdamW over one piece: the moments as Adam's, each corrected by its own division,
+/// the step `m̂ / (√v̂ + ε)`; the parameter decayed (`DECAY`) by the multiplication burn does,
+/// then moved by `lr` times the step. `FIRST` is the parameter's first step.
+fn adamw<const DECAY: bool, const FIRST: bool>(
+    k: &AdamWConstants,
+    param: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+) {
+    let n = param.len();
+    let (grad, m, v) = (&grad[..n], &mut m[..n], &mut v[..n]);
+    for i in 0..n {
+        let g = grad[i];
+        let (m1, m2) = if FIRST {
+            (g * k.factor_1, (g * g) * k.factor_2)
+        } else {
+            (
+                m[i] * k.beta_1 + g * k.factor_1,
+                v[i] * k.beta_2 + (g * g) * k.factor_2,
+            )
+        };
+        m[i] = m1;
+        v[i] = m2;
+        let step = (m1 / k.correction_1) / ((m2 / k.correction_2).sqrt() + k.eps);
+        let decayed = if DECAY { param[i] * k.keep } else { param[i] };
+        param[i] = decayed - step * k.lr;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,6 +316,43 @@ mod tests {
                 p[0]
             );
         }
+    }
+
+    /// AdamW's first three steps on two elements, against PyTorch's documented update rule
+    /// written out in f64 (decay first, then the bias-corrected Adam step).
+    #[test]
+    fn adamw_matches_the_update_rule() {
+        let opt = ShardOptimizer::AdamW(ShardedAdamWConfig::new().with_weight_decay(0.1));
+        let (b1, b2, eps, wd, lr) = (0.9f64, 0.999f64, 1e-8f64, 0.1f64, 0.01f64);
+        let mut p = [1.0f32, -2.0];
+        let (mut m, mut v) = ([0.0f32; 2], [0.0f32; 2]);
+        let mut pe = [1.0f64, -2.0];
+        let (mut me, mut ve) = ([0.0f64; 2], [0.0f64; 2]);
+        for (t, g) in [[0.5f64, 0.0], [-0.25, 3.0], [1.0, -1.0]]
+            .iter()
+            .enumerate()
+        {
+            let g32 = [g[0] as f32, g[1] as f32];
+            opt.update(lr, t as u64, &mut p, &g32, &mut [&mut m, &mut v]);
+            let n = (t + 1) as i32;
+            for i in 0..2 {
+                pe[i] *= 1.0 - lr * wd;
+                me[i] = b1 * me[i] + (1.0 - b1) * g[i];
+                ve[i] = b2 * ve[i] + (1.0 - b2) * g[i] * g[i];
+                let (mh, vh) = (me[i] / (1.0 - b1.powi(n)), ve[i] / (1.0 - b2.powi(n)));
+                pe[i] -= lr * mh / (vh.sqrt() + eps);
+                assert!(
+                    (p[i] as f64 - pe[i]).abs() < 1e-6,
+                    "step {t}, element {i}: {} vs {}",
+                    p[i],
+                    pe[i]
+                );
+            }
+        }
+        // The decay is decoupled: a zero gradient still shrinks the weight (element 1, step
+        // 0 moved only by the decay: -2 * (1 - 0.001)).
+        assert_eq!(opt.state_vectors(), 2);
+        assert_eq!(opt.name(), "adamw");
     }
 
     /// SGD with Nesterov momentum, dampening and weight decay, against PyTorch's documented

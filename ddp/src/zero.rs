@@ -65,6 +65,7 @@ use ddp_comm::ProcessGroup;
 
 use crate::agree::Start;
 use crate::buckets::{Layout, ADOPT_BYTES};
+use crate::clip::{norm_and_factor, sum_of_squares};
 use crate::config::DdpConfig;
 use crate::ddp::DistributedDataParallel;
 use crate::host_buf::HostBuf;
@@ -114,6 +115,11 @@ pub struct ZeroConfig {
     /// released as its bucket leaves.
     #[config(default = "DdpConfig::new().overlap")]
     pub overlap: bool,
+    /// Clip the averaged gradient to this global 2-norm before the update
+    /// ([`DdpConfig::max_grad_norm`]: the norm from the shards' squared sums and one small
+    /// all-gather, the same bits as DDP with clipping); `None`: no clipping.
+    #[config(default = "None")]
+    pub max_grad_norm: Option<f32>,
 }
 
 /// Bytes held by the sharded state of one rank, for reports.
@@ -208,6 +214,10 @@ pub struct ShardedDataParallel {
     previous: Option<StartingPoint>,
     /// A committed step's starting point: the buffers the next step writes into.
     spare: Option<StartingPoint>,
+    /// [`ZeroConfig::max_grad_norm`].
+    max_grad_norm: Option<f32>,
+    /// The last step's gradient norm before clipping (with `max_grad_norm` only).
+    grad_norm: Option<f32>,
 }
 
 impl ShardedDataParallel {
@@ -291,6 +301,8 @@ impl ShardedDataParallel {
             keep: false,
             previous: None,
             spare: None,
+            max_grad_norm: config.max_grad_norm,
+            grad_norm: None,
             ddp,
         };
         Ok((model, zero))
@@ -597,12 +609,48 @@ impl ShardedDataParallel {
         }
     }
 
+    /// Clips this rank's averaged chunks `grads` to the global norm `max_norm` (`clip.rs`:
+    /// each chunk's squared sum, all-gathered, added part by part and rank by rank) and returns
+    /// the norm before clipping, the same on every rank.
+    fn clip_shard(&self, grads: &mut [Option<Held>], max_norm: f32) -> Result<f32, DdpError> {
+        let (rank, world) = (self.rank(), self.process_group().world_size());
+        let chunks = &self.shards.chunks[rank];
+        let mine: Vec<f64> = chunks
+            .iter()
+            .zip(grads.iter())
+            .map(|(chunk, held)| {
+                held.as_ref().map_or(0.0, |h| {
+                    sum_of_squares(&h.buf.as_ref()[h.at..h.at + chunk.range.len()])
+                })
+            })
+            .collect();
+        let all = self.process_group().all_gather(mine)?;
+        let parts = chunks.len();
+        let (norm, factor) = norm_and_factor(parts, world, |j, r| all[r * parts + j], max_norm);
+        if let Some(factor) = factor {
+            for (held, chunk) in grads.iter_mut().zip(chunks) {
+                if let Some(h) = held {
+                    let g = &mut h.buf.as_mut()[h.at..h.at + chunk.range.len()];
+                    g.iter_mut().for_each(|x| *x *= factor);
+                }
+            }
+        }
+        Ok(norm as f32)
+    }
+
+    /// The global 2-norm of the last step's averaged gradient before clipping (the same on
+    /// every rank, and as DDP's); `None` unless [`ZeroConfig::max_grad_norm`] is set.
+    pub fn grad_norm(&self) -> Option<f32> {
+        self.grad_norm
+    }
+
     /// The end of a step, once this rank's chunks of the gradient are summed over ranks:
     /// takes the trainable parameters' memory out of `model`, steps this rank's chunks in it
     /// part by part and all-gathers each part in place (updating part k+1 overlaps the
     /// all-gather of part k), then puts the memory back into the module. While starting points
     /// are kept, the step writes into the spare buffers instead (`start_from`), and a failed
-    /// all-gather gives the module back as it was.
+    /// all-gather gives the module back as it was. With [`ZeroConfig::max_grad_norm`] the chunks
+    /// are clipped first (`clip_shard`).
     fn update_and_gather<M: Module>(
         &mut self,
         lr: f64,
@@ -615,22 +663,34 @@ impl ShardedDataParallel {
         let mut grads = std::mem::take(&mut self.grad);
         self.grad = (0..self.layout.parts.len()).map(|_| None).collect();
         self.micro_steps = 0;
+        let denom = world as f32;
+        // Every chunk averaged first: clipping needs the whole gradient's norm before any part
+        // is updated.
+        for (held, chunk) in grads.iter_mut().zip(&self.shards.chunks[rank]) {
+            if let Some(held) = held {
+                let g = &mut held.buf.as_mut()[held.at..held.at + chunk.range.len()];
+                g.iter_mut().for_each(|x| *x /= denom);
+            }
+        }
+        if let Some(max_norm) = self.max_grad_norm {
+            match self.clip_shard(&mut grads, max_norm) {
+                Ok(norm) => self.grad_norm = Some(norm),
+                Err(e) => return Err((e, Some(model))),
+            }
+        }
         let flat = &self.flat;
         let (model, mut values) =
             take_values(model, &|i| flat[i].is_some()).map_err(|e| (e, None))?;
         let kept = self.keep.then(|| self.start_from(&mut values));
         let pg = Arc::clone(self.process_group());
-        let denom = world as f32;
         let mut update = Duration::ZERO;
         let mut flights = Vec::with_capacity(self.layout.parts.len());
         for (j, part) in self.layout.parts.iter().enumerate() {
             let updating = Instant::now();
             let chunk = &self.shards.chunks[rank][j];
-            let g = grads[j].as_mut().map(|held| {
-                let g = &mut held.buf.as_mut()[held.at..held.at + chunk.range.len()];
-                g.iter_mut().for_each(|x| *x /= denom);
-                &*g
-            });
+            let g = grads[j]
+                .as_ref()
+                .map(|held| &held.buf.as_ref()[held.at..held.at + chunk.range.len()]);
             for piece in &self.shards.pieces[rank][chunk.pieces.clone()] {
                 let p = piece.param;
                 let (s, n) = (piece.shard, piece.range.len());

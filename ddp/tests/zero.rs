@@ -2,8 +2,8 @@
 //! burn's own optimizers, the independent reference: one thread per rank, each with its own
 //! process group.
 //!
-//! - stages 1 and 2 end bit-identical to DDP + burn's `Adam` and `Sgd` (Nesterov momentum,
-//!   weight decay) at world sizes 1 to 4, over shared memory and TCP, with a parameter count
+//! - stages 1 and 2 end bit-identical to DDP + burn's `Adam`, `AdamW` and `Sgd` (Nesterov
+//!   momentum, weight decay) at world sizes 1 to 4, over shared memory and TCP, with a parameter count
 //!   (226) that no world size of 3 or 4 divides, buckets small enough that parameters straddle
 //!   them, and a layer that gets no gradient in some steps; replicas stay bit-identical;
 //! - accumulation (`no_sync`): stage 1 bit-identical to DDP's, stage 2 within 1e-5 with SGD (it
@@ -21,7 +21,10 @@
 //! - with overlap (`prepare` and `backward_step`: the reduce-scatters start during backward
 //!   from DDP's hooks, each gradient taken from burn and released as its bucket leaves) stages
 //!   1 and 2 still end bit-identical to DDP, also when a parameter has a gradient on some ranks
-//!   only (every rank issues the same collectives).
+//!   only (every rank issues the same collectives);
+//! - global-norm clipping: stages 1 and 2 with `max_grad_norm` end bit-identical to DDP with it
+//!   (the same norm every step), and a clipped step matches the formula computed by hand from
+//!   burn's own gradients.
 
 use std::time::Duration;
 
@@ -29,14 +32,15 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{
-    decay::WeightDecayConfig, AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig,
+    decay::WeightDecayConfig, AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer, Optimizer,
+    SgdConfig,
 };
 use burn::tensor::activation::relu;
 use burn::tensor::{Tensor, TensorData};
 use ddp::{
     flatten_params, load_flat_params, resume_sharded, save_sharded_checkpoint, DdpConfig, DdpError,
     DistributedDataParallel, Position, RunId, ShardOptimizer, ShardedAdamConfig,
-    ShardedDataParallel, ShardedSgdConfig, ZeroConfig, ZeroStage,
+    ShardedAdamWConfig, ShardedDataParallel, ShardedSgdConfig, ZeroConfig, ZeroStage,
 };
 use ddp_comm::Transport;
 
@@ -101,6 +105,8 @@ fn data(step: usize, micro: usize, rank: usize) -> (Tensor<2>, Tensor<2>) {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Opt {
     Adam,
+    /// Decoupled weight decay 0.01, PyTorch's defaults.
+    AdamW,
     /// Nesterov momentum, dampening 0 is not burn's default: use burn's default (0.1), and
     /// weight decay.
     Sgd,
@@ -110,6 +116,10 @@ impl Opt {
     fn burn(self) -> ModuleOptimizer {
         match self {
             Opt::Adam => AdamConfig::new().init(),
+            Opt::AdamW => AdamWConfig::new()
+                .with_epsilon(1e-8)
+                .with_weight_decay(0.01)
+                .init(),
             Opt::Sgd => SgdConfig::new()
                 .with_momentum(Some(MomentumConfig {
                     momentum: 0.9,
@@ -124,6 +134,7 @@ impl Opt {
     fn sharded(self) -> ShardOptimizer {
         match self {
             Opt::Adam => ShardOptimizer::Adam(ShardedAdamConfig::new()),
+            Opt::AdamW => ShardOptimizer::AdamW(ShardedAdamWConfig::new()),
             Opt::Sgd => ShardOptimizer::Sgd(
                 ShardedSgdConfig::new()
                     .with_momentum(Some(0.9))
@@ -221,7 +232,7 @@ fn assert_replicas_equal(ranks: &[Vec<f32>], what: &str) {
 #[test]
 fn stages_1_and_2_equal_ddp_bit_for_bit_at_world_sizes_1_to_4() {
     for world in 1..=4 {
-        for opt in [Opt::Adam, Opt::Sgd] {
+        for opt in [Opt::Adam, Opt::AdamW, Opt::Sgd] {
             let ddp = train(world, None, opt, 1, 6, Transport::Auto);
             assert_replicas_equal(&ddp, "ddp");
             // The runs move: the reference is not the initial model.
@@ -806,6 +817,171 @@ fn with_overlap_a_gradient_on_some_ranks_only_still_equals_ddp() {
             let zero: Vec<Vec<f32>> = out.into_iter().map(|(p, _)| p).collect();
             assert_replicas_equal(&zero, &what);
             assert_bit_identical(&zero[0], &ddp[0], &what);
+        }
+    }
+}
+
+/// Trains 6 steps on `world` ranks with Adam and global-norm clipping at `max_norm`: DDP with
+/// burn's Adam when `stage` is `None`, else ZeRO. Returns every rank's final parameters and
+/// the norm reported at each step.
+fn train_clipped(
+    world: usize,
+    stage: Option<ZeroStage>,
+    max_norm: Option<f32>,
+) -> Vec<(Vec<f32>, Vec<Option<f32>>)> {
+    run_ranks(world, |pg| {
+        let rank = pg.rank();
+        let model = Net::new(rank as f32);
+        let grads_of = |model: &Net, step: usize| {
+            let (x, y) = data(step, 0, rank);
+            let loss = model.loss(x, y, uses_extra(step));
+            GradientsParams::from_grads(loss.backward(), model)
+        };
+        let mut norms = Vec::new();
+        match stage {
+            None => {
+                let config = DdpConfig::new()
+                    .with_bucket_cap_mb(SMALL_BUCKETS_MB)
+                    .with_first_bucket_mb(SMALL_BUCKETS_MB)
+                    .with_max_grad_norm(max_norm);
+                let (mut model, mut ddp) = DistributedDataParallel::new(model, pg, config).unwrap();
+                let mut optim = Opt::Adam.burn();
+                for step in 0..6 {
+                    let grads = ddp.sync(&model, grads_of(&model, step)).unwrap();
+                    norms.push(ddp.grad_norm());
+                    model = optim.step(LR, model, grads);
+                }
+                (flatten_params(&model).unwrap(), norms)
+            }
+            Some(stage) => {
+                let config = ZeroConfig::new(stage)
+                    .with_bucket_cap_mb(SMALL_BUCKETS_MB)
+                    .with_first_bucket_mb(SMALL_BUCKETS_MB)
+                    .with_max_grad_norm(max_norm);
+                let (mut model, mut zero) =
+                    ShardedDataParallel::new(model, pg, config, Opt::Adam.sharded()).unwrap();
+                for step in 0..6 {
+                    let grads = grads_of(&model, step);
+                    model = zero.step(LR, model, grads).unwrap();
+                    norms.push(zero.grad_norm());
+                }
+                (flatten_params(&model).unwrap(), norms)
+            }
+        }
+    })
+}
+
+#[test]
+fn with_clipping_stages_1_and_2_equal_ddp_bit_for_bit() {
+    const MAX: f32 = 0.3;
+    for world in 1..=3 {
+        let ddp = train_clipped(world, None, Some(MAX));
+        let params: Vec<Vec<f32>> = ddp.iter().map(|(p, _)| p.clone()).collect();
+        assert_replicas_equal(&params, "ddp, clipped");
+        let norms = &ddp[0].1;
+        assert!(norms.iter().all(Option::is_some), "a norm every step");
+        assert!(
+            norms.iter().any(|n| n.unwrap() > MAX),
+            "some steps are clipped: {norms:?}"
+        );
+        for (r, (_, n)) in ddp.iter().enumerate() {
+            assert_eq!(n, norms, "rank {r}'s norms");
+        }
+        let plain = train_clipped(world, None, None);
+        assert!(plain[0].1.iter().all(Option::is_none));
+        assert_ne!(plain[0].0, ddp[0].0, "clipping changed the run");
+        for stage in [ZeroStage::One, ZeroStage::Two] {
+            let what = format!("world {world}, {stage:?}, clipped");
+            let zero = train_clipped(world, Some(stage), Some(MAX));
+            let zero_params: Vec<Vec<f32>> = zero.iter().map(|(p, _)| p.clone()).collect();
+            assert_replicas_equal(&zero_params, &what);
+            assert_bit_identical(&zero[0].0, &ddp[0].0, &what);
+            let bits =
+                |n: &[Option<f32>]| n.iter().map(|x| x.unwrap().to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&zero[0].1), bits(norms), "{what}: the norms");
+        }
+    }
+}
+
+/// The gradient of `net` in `grads`, flat in visiting order (zeros for a missing one).
+fn grad_values(net: &Net, grads: &GradientsParams) -> Vec<f32> {
+    let mut out = Vec::new();
+    for layer in [&net.a, &net.b, &net.extra] {
+        let w = grads
+            .get::<2>(layer.weight.id)
+            .map(|g| g.into_data().try_to_vec::<f32>().unwrap());
+        out.extend(w.unwrap_or_else(|| vec![0.0; layer.weight.val().dims().iter().product()]));
+        let bias = layer.bias.as_ref().unwrap();
+        let b = grads
+            .get::<1>(bias.id)
+            .map(|g| g.into_data().try_to_vec::<f32>().unwrap());
+        out.extend(b.unwrap_or_else(|| vec![0.0; bias.val().dims()[0]]));
+    }
+    out
+}
+
+/// One clipped SGD step at two ranks, in DDP and ZeRO 2, against the formula computed by hand
+/// in f64 from burn's own gradients of each rank's batch: the average, its 2-norm, the factor
+/// `max / (norm + 1e-6)`, `p - lr * factor * g`.
+#[test]
+fn a_clipped_step_matches_the_formula() {
+    const MAX: f32 = 0.05;
+    let start = flatten_params(&Net::new(0.0)).unwrap();
+    let per_rank: Vec<Vec<f64>> = (0..2)
+        .map(|rank| {
+            let net = Net::new(0.0);
+            let (x, y) = data(0, 0, rank);
+            let grads = GradientsParams::from_grads(net.loss(x, y, true).backward(), &net);
+            grad_values(&net, &grads)
+                .into_iter()
+                .map(f64::from)
+                .collect()
+        })
+        .collect();
+    let avg: Vec<f64> = (0..PARAMS)
+        .map(|i| (per_rank[0][i] + per_rank[1][i]) / 2.0)
+        .collect();
+    let norm = avg.iter().map(|g| g * g).sum::<f64>().sqrt();
+    let factor = MAX as f64 / (norm + 1e-6);
+    assert!(factor < 0.5, "the step is clipped (norm {norm})");
+    let expected: Vec<f64> = (0..PARAMS)
+        .map(|i| start[i] as f64 - LR * factor * avg[i])
+        .collect();
+    for stage in [None, Some(ZeroStage::Two)] {
+        let got = run_ranks(2, |pg| {
+            let rank = pg.rank();
+            let net = Net::new(0.0);
+            let (x, y) = data(0, 0, rank);
+            let sgd = || SgdConfig::new().init();
+            match stage {
+                None => {
+                    let config = DdpConfig::new().with_max_grad_norm(Some(MAX));
+                    let (net, mut ddp) = DistributedDataParallel::new(net, pg, config).unwrap();
+                    let grads = GradientsParams::from_grads(net.loss(x, y, true).backward(), &net);
+                    let grads = ddp.sync(&net, grads).unwrap();
+                    let net = sgd().step(LR, net, grads);
+                    (flatten_params(&net).unwrap(), ddp.grad_norm().unwrap())
+                }
+                Some(stage) => {
+                    let config = ZeroConfig::new(stage).with_max_grad_norm(Some(MAX));
+                    let sgd = ShardOptimizer::Sgd(ShardedSgdConfig::new());
+                    let (net, mut zero) = ShardedDataParallel::new(net, pg, config, sgd).unwrap();
+                    let grads = GradientsParams::from_grads(net.loss(x, y, true).backward(), &net);
+                    let net = zero.step(LR, net, grads).unwrap();
+                    (flatten_params(&net).unwrap(), zero.grad_norm().unwrap())
+                }
+            }
+        });
+        let (params, reported) = &got[0];
+        assert!(
+            (*reported as f64 - norm).abs() <= 1e-6 * norm,
+            "{stage:?}: norm {reported} vs {norm}"
+        );
+        for (i, (&p, &e)) in params.iter().zip(&expected).enumerate() {
+            assert!(
+                (p as f64 - e).abs() < 1e-6,
+                "{stage:?}: element {i}: {p} vs {e}"
+            );
         }
     }
 }
