@@ -110,9 +110,12 @@ mod tests {
     fn below_the_limit_nothing_is_scaled_and_above_it_the_norm_becomes_the_limit() {
         // 3-4-5: one part, two ranks' chunks holding 9 and 16.
         let sums = |_, rank| if rank == 0 { 9.0 } else { 16.0 };
-        let (norm, factor) = norm_and_factor(1, 2, sums, 5.0);
+        let (norm, factor) = norm_and_factor(1, 2, sums, 6.0);
         assert_eq!(norm, 5.0);
-        assert_eq!(factor, None, "5 <= 5: clamped at 1");
+        assert_eq!(factor, None, "6 / (5 + 1e-6) > 1: clamped at 1");
+        // At the limit itself PyTorch still multiplies, by 5 / (5 + 1e-6).
+        let (_, factor) = norm_and_factor(1, 2, sums, 5.0);
+        assert_eq!(factor, Some((5.0 / (5.0 + 1e-6)) as f32));
         let (norm, factor) = norm_and_factor(1, 2, sums, 1.0);
         assert_eq!(norm, 5.0);
         let factor = factor.unwrap();
