@@ -15,7 +15,7 @@
 //! then the bytes; a list of keys is a `u64` count then the strings. The query types are
 //! `VALIDATE 0, SET 1, COMPARE_SET 2, GET 3, ADD 4, CHECK 5, WAIT 6, GETNUMKEYS 7, DELETE_KEY 8,
 //! APPEND 9, MULTI_GET 10, MULTI_SET 11, CANCEL_WAIT 12, PING 13, QUEUE_PUSH 14, QUEUE_POP 15,
-//! QUEUE_LEN 16`. The server side is `torch_store_server.rs` (ddprun hosts it).
+//! QUEUE_LEN 16, LIST_KEYS 17, BARRIER 18`. The server side is `torch_store_server.rs` (ddprun hosts it).
 //!
 //! - On connect the client sends `VALIDATE` with the `u32` magic `0x3C85F7CE` (no answer; a
 //!   server closes a connection whose first query is anything else), then `PING` with a `u32`
@@ -32,6 +32,11 @@
 //! - `COMPARE_SET key expected desired`: answers the value after the operation (the desired one
 //!   when it applied; an empty `expected` matches a missing key).
 //! - `MULTI_SET count key value key value ...`: no answer.
+//! - `LIST_KEYS`: answers an `i64` count, then every key of the store as a string (the client's
+//!   prefix included, in no fixed order: torch iterates a hash map).
+//! - `BARRIER key world_size(i64)`: adds one to the counter `key` (decimal text, as `ADD`) and
+//!   answers `0` (STOP_WAITING) once it reaches `world_size`, waking every earlier caller; a
+//!   client that gives up sends `CANCEL_WAIT`, as after a `WAIT`.
 //!
 //! Keys: torch's `TCPStore` puts `/` in front of every key (its `keyPrefix_`), and torch's own
 //! workers under torchrun wrap the agent's store in `PrefixStore("/worker/attempt_{restart}")`
@@ -79,12 +84,14 @@ pub(crate) enum Query {
     QueuePush = 14,
     QueuePop = 15,
     QueueLen = 16,
+    ListKeys = 17,
+    Barrier = 18,
 }
 
 impl Query {
     /// The query of a code, `None` for a code torch does not know.
     pub(crate) fn from_code(code: u8) -> Option<Query> {
-        const ALL: [Query; 17] = [
+        const ALL: [Query; 19] = [
             Query::Validate,
             Query::Set,
             Query::CompareSet,
@@ -102,6 +109,8 @@ impl Query {
             Query::QueuePush,
             Query::QueuePop,
             Query::QueueLen,
+            Query::ListKeys,
+            Query::Barrier,
         ];
         ALL.get(code as usize).copied()
     }

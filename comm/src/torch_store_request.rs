@@ -41,6 +41,8 @@ pub(crate) enum Request<'a> {
     QueuePush(&'a [u8], &'a [u8]),
     QueuePop(&'a [u8]),
     QueueLen(&'a [u8]),
+    ListKeys,
+    Barrier(&'a [u8], i64),
 }
 
 /// What the front of an input buffer holds.
@@ -176,6 +178,8 @@ fn request<'a>(c: &mut Cursor<'a>) -> Result<Request<'a>, Short> {
         Query::QueuePush => Request::QueuePush(c.key()?, c.value()?),
         Query::QueuePop => Request::QueuePop(c.key()?),
         Query::QueueLen => Request::QueueLen(c.key()?),
+        Query::ListKeys => Request::ListKeys,
+        Query::Barrier => Request::Barrier(c.key()?, c.u64()? as i64),
     })
 }
 

@@ -26,7 +26,13 @@
 //!   `CANCEL_WAIT` ends a wait and answers `1` (WAIT_CANCELED), waiting or not.
 //! - `GETNUMKEYS`: the number of keys, `i64`. `DELETE_KEY k`: how many were deleted (0 or 1),
 //!   `i64`. `QUEUE_POP k`: the queue's length as an `i64`, then its first value if any (popped);
-//!   `QUEUE_LEN k`: the length.
+//!   `QUEUE_LEN k`: the length. A queue emptied by its last pop is gone (torch keeps an empty
+//!   one: no answer tells them apart).
+//! - `LIST_KEYS`: the number of keys as an `i64`, then each key as a string (the map's keys,
+//!   not the queues', in no fixed order, as torch's hash map gives them).
+//! - `BARRIER k n`: adds one to the counter `k` (as `ADD`, without waking anyone); when it
+//!   reaches `n`, answers `0` (STOP_WAITING) and wakes every connection waiting on `k` (the
+//!   earlier callers); else the connection waits on `k` as after a `WAIT`.
 //!
 //! # How
 //!
@@ -34,111 +40,134 @@
 //! libuv loop does, so that a `WAIT` costs no thread: a waiting connection is a set of missing
 //! keys, and every change of a key looks at the waiting connections. Each connection has an
 //! input buffer (a request is executed once it is whole; `torch_store_request.rs` says how many
-//! bytes it still needs, so a large value arriving in pieces is not re-read every time) and an
-//! output buffer, written as the socket takes it. A second socket (a socket pair) wakes the
+//! bytes it still needs, so a large value arriving in pieces is not re-read every time; the
+//! whole requests of a burst are executed from a cursor and removed together, see
+//! [`Conn::compact`]) and an output buffer, written as the socket takes it. A second socket (a socket pair) wakes the
 //! thread when the host is dropped.
 //!
 //! # Limits
 //!
 //! Nothing a client sends can make the server allocate without bound, panic or hold a resource
-//! forever: requests are bounded as `torch_store_request.rs` says; the store holds at most
-//! [`MAX_STORE_BYTES`] of keys and values (a request that would pass it closes its
-//! connection); one answer is at most [`MAX_ANSWER_BYTES`] (a `MULTI_GET` of a larger total
-//! closes its connection); a connection whose unread answers pass [`OUTPUT_HIGH_WATER`] is not
-//! read from until they drain; at most [`MAX_CONNECTIONS`] are open. Deadlines: the first query
-//! within [`FIRST_QUERY_DEADLINE`] of connecting, a request begun must be whole within
-//! [`REQUEST_DEADLINE`], answers must be taken within [`WRITE_DEADLINE`]; a connection past one
-//! is closed. A connection that sends what the protocol does not allow is closed and the reason
-//! logged (`tracing`); the others go on.
+//! forever. Requests are bounded as `torch_store_request.rs` says. One byte budget
+//! ([`BUDGET`]) bounds everything the server holds for its clients: keys, values and queued
+//! values with their per-entry overhead, every connection's input and output buffers, the keys
+//! its WAIT waits for (`torch_store_server/execute.rs` says how it is counted, and how a
+//! quarter is kept for answers and small requests). A request that would pass it closes its
+//! connection; an answer that would pass it waits until others have drained theirs. One
+//! answer is at most `MAX_ANSWER_BYTES` (64 MiB); a connection whose unread answers pass
+//! [`OUTPUT_HIGH_WATER`] is not read from until they drain; at most [`MAX_CONNECTIONS`] are
+//! open (fewer when the process may open fewer descriptors). Deadlines: the first query within
+//! [`FIRST_QUERY_DEADLINE`] of connecting, a request begun must be whole (and answered) within
+//! [`REQUEST_DEADLINE`], answers must be taken within [`WRITE_DEADLINE`], and a validated
+//! connection that waits on no key may stay silent for [`IDLE_DEADLINE`]; a connection past
+//! one is closed. A connection that sends what the protocol does not allow is closed and the
+//! reason logged (`tracing`), naming its peer; the others go on.
+//!
+//! Descriptors: the server raises the process's soft `RLIMIT_NOFILE` to its hard limit when it
+//! starts (ddprun's store must outlive clients that come and go, and 1024 is a common soft
+//! limit), and an `accept` that fails never stops the listener: a failure of the connection
+//! being accepted (`ECONNABORTED`) is skipped, and a shortage (`EMFILE`, `ENFILE`, `ENOBUFS`)
+//! is logged (once, then every [`ACCEPT_LOG_INTERVAL`]) and the listener left alone for
+//! [`ACCEPT_BACKOFF`] while the other connections are served, then accepting goes on.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashSet;
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::torch_store::{
-    CHECK_NOT_READY, CHECK_READY, STOP_WAITING, VALIDATION_MAGIC, WAIT_CANCELED,
-};
-use crate::torch_store_request::{parse, Parsed, Request};
+use crate::torch_store::STOP_WAITING;
+use crate::torch_store_request::{parse, Parsed};
 
-/// The most bytes of keys and values the store holds.
-pub(crate) const MAX_STORE_BYTES: usize = 512 << 20;
-/// The longest answer to one request.
-pub(crate) const MAX_ANSWER_BYTES: usize = 64 << 20;
+mod execute;
+
+use execute::{answer_bytes, execute, Data, Wake, CONNECTION_OVERHEAD, WAIT_KEY_OVERHEAD};
+
+/// The most bytes the server holds for its clients: data, buffers and waits together.
+pub(crate) const BUDGET: usize = 256 << 20;
 /// Unread answers above which a connection's requests wait.
 const OUTPUT_HIGH_WATER: usize = 4 << 20;
 /// The most connections open at once.
 pub(crate) const MAX_CONNECTIONS: usize = 16384;
+/// Descriptors kept for the rest of the process when the connections are capped by the
+/// descriptor limit.
+const SPARE_DESCRIPTORS: usize = 64;
 /// How long a new connection may take to send its first query.
 pub(crate) const FIRST_QUERY_DEADLINE: Duration = Duration::from_secs(30);
-/// How long a request may take to arrive whole once it has begun.
+/// How long a request may take to arrive whole (and be answered) once it has begun.
 pub(crate) const REQUEST_DEADLINE: Duration = Duration::from_secs(60);
 /// How long answers may wait for a client that does not read them.
 pub(crate) const WRITE_DEADLINE: Duration = Duration::from_secs(60);
-/// Bytes read from a socket at once.
+/// How long a validated connection that waits on no key may send nothing.
+pub(crate) const IDLE_DEADLINE: Duration = Duration::from_secs(30 * 60);
+/// How long the listener is left alone after `accept` found no descriptor (or no memory).
+pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// How often a persisting `accept` failure is logged again.
+const ACCEPT_LOG_INTERVAL: Duration = Duration::from_secs(10);
+/// Bytes read from a socket at once; input and output buffers are shrunk back to this size
+/// once a larger request or answer is done with.
 const READ_CHUNK: usize = 64 << 10;
 /// How often the loop wakes without events, to look at the deadlines.
 const TICK: Duration = Duration::from_millis(500);
 
-/// The bounds of a server: the constants above, shorter in tests.
+/// The bounds of a server: the constants above, others in tests.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Limits {
-    pub store_bytes: usize,
+    pub budget: usize,
     pub first_query: Duration,
     pub request: Duration,
     pub write: Duration,
+    pub idle: Duration,
 }
 
 impl Default for Limits {
     fn default() -> Limits {
         Limits {
-            store_bytes: MAX_STORE_BYTES,
+            budget: BUDGET,
             first_query: FIRST_QUERY_DEADLINE,
             request: REQUEST_DEADLINE,
             write: WRITE_DEADLINE,
+            idle: IDLE_DEADLINE,
         }
     }
 }
 
-/// The keys, values and queues of the store.
-struct Data {
-    map: HashMap<Vec<u8>, Vec<u8>>,
-    queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
-    /// Bytes of keys and values held (map and queues), and the most allowed.
-    bytes: usize,
-    max_bytes: usize,
-}
-
-impl Data {
-    /// Whether `key` is set, or has a non-empty queue (what CHECK and WAIT look for).
-    fn present(&self, key: &[u8]) -> bool {
-        self.map.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.is_empty())
+/// Raises this process's soft limit of open descriptors (`RLIMIT_NOFILE`) to its hard limit
+/// (to `/proc/sys/fs/nr_open` when the hard one is unlimited), and returns the soft limit in
+/// force afterwards: a store that many clients reach must not run out of descriptors at the
+/// usual soft limit of 1024 while the system allows more.
+pub(crate) fn raise_descriptor_limit() -> io::Result<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit structure, which `limit` is.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(io::Error::last_os_error());
     }
-
-    /// Makes room for `add` more bytes after `remove` are freed, or says why not.
-    fn account(&mut self, remove: usize, add: usize) -> Result<(), String> {
-        let after = self.bytes.saturating_sub(remove).saturating_add(add);
-        if after > self.max_bytes {
-            return Err(format!(
-                "the store would hold {after} bytes of keys and values (at most {})",
-                self.max_bytes
-            ));
-        }
-        self.bytes = after;
-        Ok(())
+    let mut want = limit.rlim_max;
+    if want == libc::RLIM_INFINITY {
+        want = std::fs::read_to_string("/proc/sys/fs/nr_open")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(1 << 20);
     }
-
-    fn set(&mut self, key: &[u8], value: Vec<u8>) -> Result<(), String> {
-        let old = self.map.get(key).map_or(0, |v| key.len() + v.len());
-        self.account(old, key.len() + value.len())?;
-        self.map.insert(key.to_vec(), value);
-        Ok(())
+    if limit.rlim_cur >= want {
+        return Ok(limit.rlim_cur as u64);
     }
+    let raised = libc::rlimit {
+        rlim_cur: want,
+        rlim_max: limit.rlim_max,
+    };
+    // SAFETY: setrlimit reads one rlimit structure, which `raised` is.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(want as u64)
 }
 
 /// What the server thread and the host share.
@@ -148,6 +177,15 @@ struct Shared {
     /// Clears asked for and clears done ([`TorchStoreHost::clear`]).
     clears: Mutex<(u64, u64)>,
     cleared: Condvar,
+    /// Bytes of input moved to the front of their buffers, once executed requests are
+    /// removed: at most the bytes read (each byte moves at most once), which a test checks.
+    moved: AtomicU64,
+}
+
+impl Shared {
+    fn data(&self) -> MutexGuard<'_, Data> {
+        self.data.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// A PyTorch `TCPStore` server on a listening socket (see the module documentation), served by
@@ -169,7 +207,8 @@ impl std::fmt::Debug for TorchStoreHost {
 
 impl TorchStoreHost {
     /// Serves PyTorch's `TCPStore` protocol on `listener` (bound and listening; the caller
-    /// chose its address and port) until the host is dropped.
+    /// chose its address and port) until the host is dropped. Raises the process's soft limit
+    /// of open descriptors to its hard limit first (see the module documentation).
     pub fn start(listener: TcpListener) -> io::Result<TorchStoreHost> {
         TorchStoreHost::start_with(listener, Limits::default())
     }
@@ -177,19 +216,27 @@ impl TorchStoreHost {
     /// [`TorchStoreHost::start`] with other bounds.
     pub(crate) fn start_with(listener: TcpListener, limits: Limits) -> io::Result<TorchStoreHost> {
         let port = listener.local_addr()?.port();
+        let descriptors = match raise_descriptor_limit() {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(
+                    "PyTorch store on port {port}: could not raise the descriptor limit: {e}"
+                );
+                1024
+            }
+        };
+        let max_connections = MAX_CONNECTIONS
+            .min((descriptors as usize).saturating_sub(SPARE_DESCRIPTORS))
+            .max(16);
         listener.set_nonblocking(true)?;
         let (wake, woken) = UnixStream::pair()?;
         woken.set_nonblocking(true)?;
         let shared = Arc::new(Shared {
-            data: Mutex::new(Data {
-                map: HashMap::new(),
-                queues: HashMap::new(),
-                bytes: 0,
-                max_bytes: limits.store_bytes,
-            }),
+            data: Mutex::new(Data::new(limits.budget)),
             stop: AtomicBool::new(false),
             clears: Mutex::new((0, 0)),
             cleared: Condvar::new(),
+            moved: AtomicU64::new(0),
         });
         let server = Server {
             listener,
@@ -198,6 +245,10 @@ impl TorchStoreHost {
             conns: Vec::new(),
             port,
             limits,
+            max_connections,
+            accept_paused_until: None,
+            accept_failures: 0,
+            accept_logged: None,
         };
         let thread = std::thread::Builder::new()
             .name("ddp-torch-store".into())
@@ -246,13 +297,12 @@ impl TorchStoreHost {
 
     /// The value of `key` (as it travels on the wire: with its client's prefix), if set.
     pub fn value(&self, key: &str) -> Option<Vec<u8>> {
-        let data = self.shared.data.lock().unwrap_or_else(|p| p.into_inner());
-        data.map.get(key.as_bytes()).cloned()
+        self.shared.data().map.get(key.as_bytes()).cloned()
     }
 
     /// The keys it holds now, sorted (lossily decoded: keys are bytes on the wire).
     pub fn keys(&self) -> Vec<String> {
-        let data = self.shared.data.lock().unwrap_or_else(|p| p.into_inner());
+        let data = self.shared.data();
         let mut keys: Vec<String> = data
             .map
             .keys()
@@ -260,6 +310,13 @@ impl TorchStoreHost {
             .collect();
         keys.sort();
         keys
+    }
+
+    /// The bytes it holds for its clients now, as counted against its budget: keys, values and
+    /// queues with their overheads, and the connections' buffers and waits (see the module
+    /// documentation).
+    pub fn bytes_held(&self) -> usize {
+        self.shared.data().used()
     }
 }
 
@@ -277,22 +334,29 @@ impl Drop for TorchStoreHost {
 struct Conn {
     stream: TcpStream,
     peer: String,
+    /// Bytes read; those before `start` are requests already executed (removed once per turn
+    /// of the loop, not one request at a time: see `Conn::compact`).
     input: Vec<u8>,
-    /// Bytes the request at the front of `input` needs before it is worth parsing again.
+    start: usize,
+    /// Bytes the request at `start` needs (from `start`) before it is worth parsing again.
     need: usize,
     output: Vec<u8>,
     /// Bytes of `output` already written.
     written: usize,
     validated: bool,
     opened: Instant,
-    /// When the incomplete request at the front of `input` began to arrive.
+    /// Since when the request at `start` has been incomplete, or held back for the budget.
     partial_since: Option<Instant>,
     /// When `output` last became non-empty or was last written to the socket.
     write_progress: Instant,
-    /// The keys a WAIT still waits for.
+    /// When it last sent a byte, had a request executed or took an answer.
+    last_active: Instant,
+    /// The keys a WAIT (or BARRIER) still waits for.
     waiting: Option<HashSet<Vec<u8>>>,
     /// Why it is to be closed.
     closing: Option<String>,
+    /// The bytes it is counted for in the budget ([`Conn::charge`] when last counted).
+    charged: usize,
 }
 
 impl Conn {
@@ -304,6 +368,7 @@ impl Conn {
             stream,
             peer,
             input: Vec::new(),
+            start: 0,
             need: 1,
             output: Vec::new(),
             written: 0,
@@ -311,8 +376,10 @@ impl Conn {
             opened: now,
             partial_since: None,
             write_progress: now,
+            last_active: now,
             waiting: None,
             closing: None,
+            charged: 0,
         }
     }
 
@@ -320,15 +387,28 @@ impl Conn {
         self.output.len() - self.written
     }
 
+    /// Bytes read and not yet executed.
+    fn unparsed(&self) -> usize {
+        self.input.len() - self.start
+    }
+
     /// Whether to read from it: not while its answers pile up, or a request is whole.
     fn wants_input(&self) -> bool {
-        self.closing.is_none() && self.pending() < OUTPUT_HIGH_WATER && self.input.len() < self.need
+        self.closing.is_none() && self.pending() < OUTPUT_HIGH_WATER && self.unparsed() < self.need
     }
 
     fn close(&mut self, why: impl Into<String>) {
         if self.closing.is_none() {
             self.closing = Some(why.into());
         }
+    }
+
+    /// The bytes it holds now: its buffers (allocated), the keys it waits for, its state.
+    fn charge(&self) -> usize {
+        let waits = self.waiting.as_ref().map_or(0, |w| {
+            w.iter().map(|k| WAIT_KEY_OVERHEAD + k.len()).sum::<usize>()
+        });
+        CONNECTION_OVERHEAD + self.input.capacity() + self.output.capacity() + waits
     }
 
     /// Queues `bytes` as an answer.
@@ -339,21 +419,25 @@ impl Conn {
         self.output.extend_from_slice(bytes);
     }
 
-    /// Reads what the socket has (bounded per call); end of stream or an error closes it.
-    fn read_some(&mut self) {
-        let mut chunk = [0u8; READ_CHUNK];
-        for _ in 0..16 {
-            if !self.wants_input() {
-                return;
-            }
-            match self.stream.read(&mut chunk) {
-                Ok(0) => return self.close(""),
-                Ok(n) => self.input.extend_from_slice(&chunk[..n]),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return self.close(format!("reading failed: {e}")),
-            }
+    /// Removes the executed requests from the front of the input, moving what follows them
+    /// (an incomplete request, at most) once, and gives back a buffer that a large request
+    /// left much larger than what it holds. Returns the bytes moved.
+    ///
+    /// Why once per turn: removing each request as it is executed moves everything behind it
+    /// every time, so a burst of n pipelined requests costs n times the burst (quadratic);
+    /// executing from a cursor (`start`) and compacting after the burst moves each byte at
+    /// most once.
+    fn compact(&mut self) -> usize {
+        let mut moved = 0;
+        if self.start > 0 {
+            moved = self.unparsed();
+            self.input.drain(..self.start);
+            self.start = 0;
         }
+        if self.input.capacity() > READ_CHUNK && self.input.len() < self.input.capacity() / 4 {
+            self.input.shrink_to(self.input.len().max(READ_CHUNK));
+        }
+        moved
     }
 
     /// Writes what the socket takes of the pending answers.
@@ -364,6 +448,7 @@ impl Conn {
                 Ok(n) => {
                     self.written += n;
                     self.write_progress = Instant::now();
+                    self.last_active = self.write_progress;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -373,6 +458,9 @@ impl Conn {
         if self.pending() == 0 {
             self.output.clear();
             self.written = 0;
+            if self.output.capacity() > READ_CHUNK {
+                self.output = Vec::new();
+            }
         }
     }
 
@@ -385,8 +473,9 @@ impl Conn {
             ));
         } else if self.partial_since.is_some_and(|t| now - t > limits.request) {
             self.close(format!(
-                "a request of {} bytes so far was not whole within {:?}",
-                self.input.len(),
+                "a request of {} bytes so far was not whole (or not answered, for want of \
+                 budget) within {:?}",
+                self.unparsed(),
                 limits.request
             ));
         } else if self.pending() > 0 && now - self.write_progress > limits.write {
@@ -395,17 +484,17 @@ impl Conn {
                 self.pending(),
                 limits.write
             ));
+        } else if self.waiting.is_none()
+            && self.unparsed() == 0
+            && self.pending() == 0
+            && now - self.last_active > limits.idle
+        {
+            self.close(format!(
+                "idle for {:?} without waiting on a key",
+                limits.idle
+            ));
         }
     }
-}
-
-/// A change of the store that may end other connections' waits.
-enum Wake {
-    /// These keys were set.
-    Set(Vec<Vec<u8>>),
-    /// A value was pushed to this key's queue: one waiter of it wakes.
-    Pushed(Vec<u8>),
-    None,
 }
 
 /// The server thread's state.
@@ -416,6 +505,13 @@ struct Server {
     conns: Vec<Conn>,
     port: u16,
     limits: Limits,
+    /// [`MAX_CONNECTIONS`], or fewer when the descriptor limit allows fewer.
+    max_connections: usize,
+    /// Until when the listener is left alone after `accept` found no descriptor.
+    accept_paused_until: Option<Instant>,
+    /// `accept` failures since the last one logged, and when that was.
+    accept_failures: u64,
+    accept_logged: Option<Instant>,
 }
 
 impl Server {
@@ -425,13 +521,26 @@ impl Server {
         let mut fds: Vec<libc::pollfd> = Vec::new();
         while !self.shared.stop.load(Ordering::Acquire) {
             self.clear_if_asked();
+            let now = Instant::now();
+            let listening = self.accept_paused_until.is_none_or(|t| now >= t);
+            if listening {
+                self.accept_paused_until = None;
+            }
             fds.clear();
             let fd = |fd: i32, events: i16| libc::pollfd {
                 fd,
                 events,
                 revents: 0,
             };
-            fds.push(fd(self.listener.as_raw_fd(), libc::POLLIN));
+            // A listener left alone is not polled (fd -1 is skipped by poll).
+            fds.push(fd(
+                if listening {
+                    self.listener.as_raw_fd()
+                } else {
+                    -1
+                },
+                libc::POLLIN,
+            ));
             fds.push(fd(self.woken.as_raw_fd(), libc::POLLIN));
             for c in &self.conns {
                 let mut events = 0;
@@ -443,13 +552,14 @@ impl Server {
                 }
                 fds.push(fd(c.stream.as_raw_fd(), events));
             }
+            let timeout = if listening { TICK } else { ACCEPT_BACKOFF };
             // SAFETY: `fds` is a valid array of `fds.len()` pollfd structures, alive for the
             // call; poll writes only their `revents`.
             let n = unsafe {
                 libc::poll(
                     fds.as_mut_ptr(),
                     fds.len() as libc::nfds_t,
-                    TICK.as_millis() as i32,
+                    timeout.as_millis() as i32,
                 )
             };
             if n < 0 {
@@ -460,24 +570,28 @@ impl Server {
                 }
                 continue;
             }
-            for (i, c) in self.conns.iter_mut().enumerate() {
+            for i in 0..self.conns.len() {
                 let revents = fds[2 + i].revents;
                 if revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
-                    c.read_some();
+                    self.read(i);
                 }
             }
             for i in 0..self.conns.len() {
                 self.execute_requests(i);
             }
             let now = Instant::now();
-            for c in &mut self.conns {
-                c.flush();
-                c.check_deadlines(now, &self.limits);
+            let shared = self.shared.clone();
+            let mut data = shared.data();
+            for i in 0..self.conns.len() {
+                self.conns[i].flush();
+                self.conns[i].check_deadlines(now, &self.limits);
+                self.resync(i, &mut data);
             }
             let port = self.port;
             self.conns.retain(|c| match &c.closing {
                 None => true,
                 Some(why) => {
+                    data.buffers = data.buffers.saturating_sub(c.charged);
                     if !why.is_empty() {
                         tracing::warn!(
                             "PyTorch store on port {port}: closed the connection from {}: {why}",
@@ -492,9 +606,17 @@ impl Server {
                 while matches!((&self.woken).read(&mut sink), Ok(n) if n > 0) {}
             }
             if fds[0].revents & libc::POLLIN != 0 {
-                self.accept_all();
+                self.accept_all(&mut data);
             }
         }
+    }
+
+    /// Counts connection `i` anew in the budget.
+    fn resync(&mut self, i: usize, data: &mut Data) {
+        let c = &mut self.conns[i];
+        let now = c.charge();
+        data.buffers = data.buffers.saturating_sub(c.charged).saturating_add(now);
+        c.charged = now;
     }
 
     /// Does the clears asked for since the last look: closes every connection, empties the store.
@@ -504,24 +626,29 @@ impl Server {
             return;
         }
         self.conns.clear();
-        let mut data = self.shared.data.lock().unwrap_or_else(|p| p.into_inner());
-        data.map.clear();
-        data.queues.clear();
-        data.bytes = 0;
+        let mut data = self.shared.data();
+        data.clear();
+        data.buffers = 0;
         clears.1 = clears.0;
         self.shared.cleared.notify_all();
     }
 
-    /// Accepts every pending connection (closing those beyond [`MAX_CONNECTIONS`]).
-    fn accept_all(&mut self) {
+    /// Accepts every pending connection (closing those beyond the most allowed, or that the
+    /// budget cannot hold). A failure never stops the listener (see the module documentation).
+    fn accept_all(&mut self, data: &mut Data) {
         loop {
             match self.listener.accept() {
                 Ok((stream, from)) => {
-                    if self.conns.len() >= MAX_CONNECTIONS {
+                    let full = self.conns.len() >= self.max_connections;
+                    if full || data.used() + CONNECTION_OVERHEAD > data.budget {
                         tracing::warn!(
-                            "PyTorch store on port {}: refused {from}: {MAX_CONNECTIONS} \
-                             connections are open",
-                            self.port
+                            "PyTorch store on port {}: refused {from}: {}",
+                            self.port,
+                            if full {
+                                format!("{} connections are open", self.conns.len())
+                            } else {
+                                format!("its budget of {} bytes is spent", data.budget)
+                            }
                         );
                         continue;
                     }
@@ -530,69 +657,180 @@ impl Server {
                     }
                     let _ = stream.set_nodelay(true);
                     self.conns.push(Conn::new(stream, Instant::now()));
+                    self.resync(self.conns.len() - 1, data);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-                // Out of descriptors, say: try again at the next poll, after a pause, rather
-                // than spin on a listener that stays readable.
+                // The connection being accepted failed (reset before it was accepted, say):
+                // the next one may be fine.
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::ECONNABORTED | libc::EPROTO | libc::EPERM | libc::EINTR)
+                    ) =>
+                {
+                    tracing::debug!("PyTorch store on port {}: accept: {e}", self.port);
+                }
+                // Out of descriptors or memory, say: log, leave the listener alone for a
+                // moment (serving the other connections, some of which will close), go on.
                 Err(e) => {
-                    tracing::warn!("PyTorch store on port {}: accept failed: {e}", self.port);
-                    std::thread::sleep(Duration::from_millis(10));
+                    self.accept_failures += 1;
+                    let now = Instant::now();
+                    if self
+                        .accept_logged
+                        .is_none_or(|t| now - t >= ACCEPT_LOG_INTERVAL)
+                    {
+                        tracing::warn!(
+                            "PyTorch store on port {}: accept failed ({} times since the last \
+                             report): {e}; {} connections open; trying again in {:?}",
+                            self.port,
+                            self.accept_failures,
+                            self.conns.len(),
+                            ACCEPT_BACKOFF
+                        );
+                        self.accept_failures = 0;
+                        self.accept_logged = Some(now);
+                    }
+                    self.accept_paused_until = Some(now + ACCEPT_BACKOFF);
                     return;
                 }
             }
         }
     }
 
-    /// Executes the whole requests at the front of connection `i`'s input, in order, and wakes
-    /// the waits they end.
-    fn execute_requests(&mut self, i: usize) {
-        loop {
+    /// Reads what connection `i`'s socket has (bounded per call); end of stream or an error
+    /// closes it, and so does input that its budget cannot hold.
+    fn read(&mut self, i: usize) {
+        let mut chunk = vec![0u8; READ_CHUNK];
+        let shared = self.shared.clone();
+        for _ in 0..16 {
             let c = &mut self.conns[i];
-            if c.closing.is_some() || c.pending() >= OUTPUT_HIGH_WATER || c.input.len() < c.need {
+            if !c.wants_input() {
                 return;
             }
-            let mut data = self.shared.data.lock().unwrap_or_else(|p| p.into_inner());
+            match c.stream.read(&mut chunk) {
+                Ok(0) => return c.close(""),
+                Ok(n) => {
+                    let mut data = shared.data();
+                    if let Err(why) = self.take_input(i, &chunk[..n], &mut data) {
+                        return self.conns[i].close(why);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return c.close(format!("reading failed: {e}")),
+            }
+        }
+    }
+
+    /// Appends `bytes` to connection `i`'s input if the budget holds them. The buffer grows at
+    /// most to twice what it holds and never past the request's length once known, so that
+    /// its capacity (what is counted) follows the bytes that arrived, not a length prefix.
+    /// Input beyond [`READ_CHUNK`] (a large request) may use the part of the budget that data
+    /// may use; the rest is kept for answers and small requests.
+    fn take_input(&mut self, i: usize, bytes: &[u8], data: &mut Data) -> Result<(), String> {
+        let c = &mut self.conns[i];
+        let len = c.input.len();
+        let wanted = len + bytes.len();
+        let capacity = c.input.capacity();
+        if wanted > capacity {
+            let hint = (c.start + c.need).max(wanted);
+            let target = wanted.max((capacity * 2).min(hint));
+            let limit = if target > READ_CHUNK {
+                data.bulk_limit()
+            } else {
+                data.budget
+            };
+            let after = data.used() + (target - capacity);
+            if after > limit {
+                return Err(format!(
+                    "its request in progress would need {target} bytes of input, and the \
+                     store's budget is spent: {} bytes held of the {limit} allowed \
+                     ({} of data, {} of connections; budget {})",
+                    data.used(),
+                    data.bytes,
+                    data.buffers,
+                    data.budget
+                ));
+            }
+            c.input.reserve_exact(target - len);
+        }
+        c.input.extend_from_slice(bytes);
+        c.last_active = Instant::now();
+        self.resync(i, data);
+        Ok(())
+    }
+
+    /// Executes the whole requests of connection `i`'s input, in order, from its cursor, and
+    /// wakes the waits they end; then compacts its input once. An answer that the budget
+    /// cannot hold now waits (at most [`Limits::request`]) with its request.
+    fn execute_requests(&mut self, i: usize) {
+        let shared = self.shared.clone();
+        let mut data = shared.data();
+        loop {
+            let c = &mut self.conns[i];
+            if c.closing.is_some() || c.pending() >= OUTPUT_HIGH_WATER || c.unparsed() < c.need {
+                break;
+            }
             let Conn {
                 ref input,
+                start,
                 ref mut output,
                 ref mut waiting,
                 ref mut validated,
                 ..
             } = *c;
-            let (result, used) = match parse(input) {
+            let before = output.len();
+            let (result, used) = match parse(&input[start..]) {
                 Parsed::Need(n) => {
                     c.need = n;
                     c.partial_since.get_or_insert_with(Instant::now);
-                    return;
+                    break;
                 }
                 Parsed::Bad(why) => (Err(why), 0),
-                Parsed::Done(request, used) => {
-                    let before = output.len();
-                    let r = execute(&mut data, &request, validated, waiting, output);
-                    if output.len() > before && before == c.written {
-                        c.write_progress = Instant::now();
+                Parsed::Done(request, used) => match answer_bytes(&data, &request) {
+                    Err(why) => (Err(why), used),
+                    Ok(add) if data.used() + add > data.budget => {
+                        c.partial_since.get_or_insert_with(Instant::now);
+                        break;
                     }
-                    (r, used)
-                }
+                    Ok(add) => {
+                        output.reserve_exact(add);
+                        let r = execute(&mut data, &request, validated, waiting, output);
+                        (r, used)
+                    }
+                },
             };
-            drop(data);
-            c.input.drain(..used);
+            if output.len() > before && before == c.written {
+                c.write_progress = Instant::now();
+            }
+            c.start += used;
             c.need = 1;
             c.partial_since = None;
+            c.last_active = Instant::now();
             match result {
-                Err(why) => return c.close(why),
-                Ok(wake) => self.wake(wake),
+                Err(why) => {
+                    c.close(why);
+                    break;
+                }
+                Ok(wake) => {
+                    self.resync(i, &mut data);
+                    self.wake(wake, &mut data);
+                }
             }
         }
+        let moved = self.conns[i].compact();
+        self.shared.moved.fetch_add(moved as u64, Ordering::Relaxed);
+        self.resync(i, &mut data);
     }
 
     /// Ends the waits that `wake` completes.
-    fn wake(&mut self, wake: Wake) {
+    fn wake(&mut self, wake: Wake, data: &mut Data) {
+        let mut woken = Vec::new();
         match wake {
             Wake::None => {}
             Wake::Set(keys) => {
-                for c in &mut self.conns {
+                for (i, c) in self.conns.iter_mut().enumerate() {
                     let Some(missing) = &mut c.waiting else {
                         continue;
                     };
@@ -602,11 +840,12 @@ impl Server {
                     if missing.is_empty() {
                         c.waiting = None;
                         c.answer(&[STOP_WAITING]);
+                        woken.push(i);
                     }
                 }
             }
             Wake::Pushed(key) => {
-                for c in &mut self.conns {
+                for (i, c) in self.conns.iter_mut().enumerate() {
                     let Some(missing) = &mut c.waiting else {
                         continue;
                     };
@@ -617,188 +856,16 @@ impl Server {
                         c.waiting = None;
                         c.answer(&[STOP_WAITING]);
                     }
+                    woken.push(i);
                     // One waiter of the key takes the pushed value.
-                    return;
+                    break;
                 }
             }
         }
+        for i in woken {
+            self.resync(i, data);
+        }
     }
-}
-
-/// Appends a `u64` length and `bytes`.
-fn put_vec(out: &mut Vec<u8>, bytes: &[u8]) {
-    out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-    out.extend_from_slice(bytes);
-}
-
-/// Executes one request against the store, appending its answer to `out`; an `Err` closes the
-/// connection (see the module documentation for each query).
-fn execute(
-    data: &mut Data,
-    request: &Request<'_>,
-    validated: &mut bool,
-    waiting: &mut Option<HashSet<Vec<u8>>>,
-    out: &mut Vec<u8>,
-) -> Result<Wake, String> {
-    if !*validated {
-        return match request {
-            Request::Validate(VALIDATION_MAGIC) => {
-                *validated = true;
-                Ok(Wake::None)
-            }
-            Request::Validate(magic) => Err(format!(
-                "VALIDATE with {magic:#x}, not PyTorch's {VALIDATION_MAGIC:#x}"
-            )),
-            other => Err(format!(
-                "{other:?} before VALIDATE (not a PyTorch TCPStore client?)"
-            )),
-        };
-    }
-    Ok(match request {
-        Request::Validate(_) => return Err("a second VALIDATE".into()),
-        Request::Ping(nonce) => {
-            out.extend_from_slice(&nonce.to_le_bytes());
-            Wake::None
-        }
-        Request::Set(k, v) => {
-            data.set(k, v.to_vec())?;
-            Wake::Set(vec![k.to_vec()])
-        }
-        Request::MultiSet(pairs) => {
-            for (k, v) in pairs {
-                data.set(k, v.to_vec())?;
-            }
-            Wake::Set(pairs.iter().map(|(k, _)| k.to_vec()).collect())
-        }
-        Request::Append(k, v) => {
-            let mut value = data.map.get(*k).cloned().unwrap_or_default();
-            if value.len() + v.len() > crate::wire::MAX_STORE_VALUE_BYTES {
-                return Err(format!(
-                    "APPEND would make a value of {} bytes (at most {})",
-                    value.len() + v.len(),
-                    crate::wire::MAX_STORE_VALUE_BYTES
-                ));
-            }
-            value.extend_from_slice(v);
-            data.set(k, value)?;
-            Wake::Set(vec![k.to_vec()])
-        }
-        Request::Add(k, delta) => {
-            let current = match data.map.get(*k) {
-                None => 0,
-                Some(v) => std::str::from_utf8(v)
-                    .ok()
-                    .and_then(|s| s.trim().parse::<i64>().ok())
-                    .ok_or_else(|| {
-                        format!(
-                            "ADD to key {:?}, whose value is not a number",
-                            String::from_utf8_lossy(k)
-                        )
-                    })?,
-            };
-            let new = current.wrapping_add(*delta);
-            data.set(k, new.to_string().into_bytes())?;
-            out.extend_from_slice(&new.to_le_bytes());
-            Wake::Set(vec![k.to_vec()])
-        }
-        Request::CompareSet(k, expected, desired) => {
-            let (answer, changed) = match data.map.get(*k) {
-                None if expected.is_empty() => (desired.to_vec(), true),
-                None => (expected.to_vec(), false),
-                Some(current) if current.as_slice() == *expected => (desired.to_vec(), true),
-                Some(current) => (current.clone(), false),
-            };
-            put_vec(out, &answer);
-            if changed {
-                data.set(k, answer)?;
-                Wake::Set(vec![k.to_vec()])
-            } else {
-                Wake::None
-            }
-        }
-        Request::Get(k) => {
-            put_vec(out, data.map.get(*k).map_or(&[][..], Vec::as_slice));
-            Wake::None
-        }
-        Request::MultiGet(keys) => {
-            let total: usize = keys
-                .iter()
-                .map(|k| 8 + data.map.get(*k).map_or(0, Vec::len))
-                .sum();
-            if total > MAX_ANSWER_BYTES {
-                return Err(format!(
-                    "MULTI_GET of {} keys would answer {total} bytes (at most {MAX_ANSWER_BYTES})",
-                    keys.len()
-                ));
-            }
-            for k in keys {
-                put_vec(out, data.map.get(*k).map_or(&[][..], Vec::as_slice));
-            }
-            Wake::None
-        }
-        Request::Check(keys) => {
-            let ready = keys.iter().all(|k| data.present(k));
-            out.push(if ready { CHECK_READY } else { CHECK_NOT_READY });
-            Wake::None
-        }
-        Request::Wait(keys) => {
-            let missing: HashSet<Vec<u8>> = keys
-                .iter()
-                .filter(|k| !data.present(k))
-                .map(|k| k.to_vec())
-                .collect();
-            if missing.is_empty() {
-                *waiting = None;
-                out.push(STOP_WAITING);
-            } else {
-                *waiting = Some(missing);
-            }
-            Wake::None
-        }
-        Request::CancelWait => {
-            *waiting = None;
-            out.push(WAIT_CANCELED);
-            Wake::None
-        }
-        Request::GetNumKeys => {
-            out.extend_from_slice(&(data.map.len() as i64).to_le_bytes());
-            Wake::None
-        }
-        Request::DeleteKey(k) => {
-            let deleted = match data.map.remove(*k) {
-                Some(v) => {
-                    data.bytes = data.bytes.saturating_sub(k.len() + v.len());
-                    1i64
-                }
-                None => 0,
-            };
-            out.extend_from_slice(&deleted.to_le_bytes());
-            Wake::None
-        }
-        Request::QueuePush(k, v) => {
-            data.account(0, k.len() + v.len())?;
-            data.queues
-                .entry(k.to_vec())
-                .or_default()
-                .push_back(v.to_vec());
-            Wake::Pushed(k.to_vec())
-        }
-        Request::QueuePop(k) => {
-            let queue = data.queues.get_mut(*k);
-            let len = queue.as_ref().map_or(0, |q| q.len());
-            out.extend_from_slice(&(len as i64).to_le_bytes());
-            if let Some(v) = queue.and_then(VecDeque::pop_front) {
-                data.bytes = data.bytes.saturating_sub(k.len() + v.len());
-                put_vec(out, &v);
-            }
-            Wake::None
-        }
-        Request::QueueLen(k) => {
-            let len = data.queues.get(*k).map_or(0, VecDeque::len);
-            out.extend_from_slice(&(len as i64).to_le_bytes());
-            Wake::None
-        }
-    })
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! a real torch client and server is replayed against this server in `tests/torch_store.rs`.
 
 use super::*;
-use crate::torch_store::Query;
+use crate::torch_store::{Query, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC, WAIT_CANCELED};
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
 
@@ -266,10 +266,11 @@ fn bad_clients_are_closed_and_the_others_served() {
 #[test]
 fn deadlines_and_the_store_s_size_close_connections() {
     let limits = Limits {
-        store_bytes: 1000,
+        budget: 1 << 20,
         first_query: Duration::from_millis(300),
         request: Duration::from_millis(300),
         write: Duration::from_millis(300),
+        idle: Duration::from_secs(60),
     };
     let h = host(limits);
     let port = h.port();
@@ -286,17 +287,23 @@ fn deadlines_and_the_store_s_size_close_connections() {
     let mut slow = Client::valid(port);
     slow.send(&req(Query::Set).b(b"k").u64(10).0);
     assert!(slow.closed());
-    // Values beyond the store's size: the connection that sends them is closed, nothing kept.
+    // Values beyond the part of the budget data may use (3/4 of 1 MiB): the connection that
+    // sends them is closed, nothing kept.
     let mut big = Client::valid(port);
-    big.send(&req(Query::Set).b(b"k").b(&[7u8; 600]).0);
-    big.send(&req(Query::Set).b(b"j").b(&[7u8; 600]).0);
+    big.send(&req(Query::Set).b(b"k").b(&[7u8; 300 << 10]).0);
+    big.send(&req(Query::Ping).u32(1).0);
+    assert_eq!(big.read(4), 1u32.to_le_bytes());
+    big.send(&req(Query::Set).b(b"j").b(&[7u8; 300 << 10]).0);
     assert!(big.closed());
     assert_eq!(h.keys(), ["k"]);
+    let mut small = Client::valid(port);
+    small.send(&req(Query::Set).b(b"s").b(&[1u8; 1000]).0);
+    drop(small);
     // A client that asks and never reads: its answers pile up, it is closed, no more memory.
     let mut greedy = Client::valid(port);
     let mut burst = Vec::new();
     for _ in 0..2000 {
-        burst.extend(req(Query::MultiGet).keys(&[b"k", b"k", b"k", b"k"]).0);
+        burst.extend(req(Query::MultiGet).keys(&[b"s", b"s", b"s", b"s"]).0);
     }
     // Each burst asks for 50 times its size in answers; a server that read on would write
     // on until the client's buffers are full, then wait: it must instead close the client.
