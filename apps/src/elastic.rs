@@ -22,7 +22,8 @@ use burn::module::Module;
 use burn::tensor::Device;
 use ddp::{
     Compression, DdpConfig, DdpError, ElasticDdp, ElasticOptimizer, Outcome, Position, Progress,
-    RunId, ShardOptimizer, ShardedAdamConfig, ShardedSgdConfig, ZeroConfig, ZeroStage,
+    RunId, ShardOptimizer, ShardedAdamConfig, ShardedAdamWConfig, ShardedSgdConfig, ZeroConfig,
+    ZeroStage,
 };
 use ddp_comm::{ElasticConfig, ElasticGroup, ProcessGroup, ReduceOp, ELASTIC_ENV};
 use ddp_data::{
@@ -64,16 +65,20 @@ fn elastic_optimizer(cfg: &TrainConfig) -> ElasticOptimizer {
                     CompressionKind::F16 => Compression::F16,
                 },
                 overlap: cfg.overlap,
+                max_grad_norm: cfg.max_grad_norm,
                 ..DdpConfig::default()
             },
             optim: crate::stepper::burn_optimizer(cfg),
         },
         Some(stage) => ElasticOptimizer::Zero {
-            config: ZeroConfig::new(stage).with_bucket_cap_mb(cfg.bucket_cap_mb),
+            config: ZeroConfig::new(stage)
+                .with_bucket_cap_mb(cfg.bucket_cap_mb)
+                .with_max_grad_norm(cfg.max_grad_norm),
             optimizer: match cfg.optimizer {
                 OptimizerKind::Adam => {
                     ShardOptimizer::Adam(ShardedAdamConfig::new().with_epsilon(1e-8))
                 }
+                OptimizerKind::Adamw => ShardOptimizer::AdamW(ShardedAdamWConfig::new()),
                 OptimizerKind::Sgd => ShardOptimizer::Sgd(
                     ShardedSgdConfig::new()
                         .with_momentum((cfg.momentum > 0.0).then_some(cfg.momentum)),
@@ -99,7 +104,12 @@ fn compat<M: Module>(name: &str, model: &M, cfg: &TrainConfig) -> String {
         .collect();
     let optimizer = match cfg.optimizer {
         OptimizerKind::Adam => "adam".to_string(),
+        OptimizerKind::Adamw => "adamw (weight decay 0.01)".to_string(),
         OptimizerKind::Sgd => format!("sgd (momentum {})", cfg.momentum),
+    };
+    let optimizer = match cfg.max_grad_norm {
+        Some(max) => format!("{optimizer}, gradients clipped at norm {max}"),
+        None => optimizer,
     };
     let hook = match cfg.comm_hook {
         HookKind::Powersgd => format!(

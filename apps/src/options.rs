@@ -17,6 +17,8 @@ use serde::{Deserialize, Serialize};
 pub enum OptimizerKind {
     /// Adam (β = 0.9, 0.999; ε = 1e-8).
     Adam,
+    /// AdamW with PyTorch's defaults (β = 0.9, 0.999; ε = 1e-8; decoupled weight decay 0.01).
+    Adamw,
     /// SGD with momentum (`--momentum`).
     Sgd,
 }
@@ -109,6 +111,10 @@ pub struct TrainArgs {
     /// Momentum of SGD.
     #[arg(long)]
     pub momentum: Option<f64>,
+    /// Clip the averaged gradient to this global 2-norm (PyTorch's `clip_grad_norm_`; the
+    /// same bits at every ZeRO stage).
+    #[arg(long)]
+    pub max_grad_norm: Option<f32>,
     /// Learning-rate scaling with world size.
     #[arg(long, value_enum)]
     pub lr_scaling: Option<LrScaling>,
@@ -233,7 +239,7 @@ macro_rules! merge_fields {
 impl TrainArgs {
     /// `self`'s values where given, else `under`'s.
     pub fn or(&self, under: &TrainArgs) -> TrainArgs {
-        merge_fields!(self, under; epochs, batch_size, lr, optimizer, momentum, lr_scaling, seed,
+        merge_fields!(self, under; epochs, batch_size, lr, optimizer, momentum, max_grad_norm, lr_scaling, seed,
             backend, threads, workers, bucket_cap_mb, compression, comm_hook, powersgd_rank,
             powersgd_start, zero_stage, overlap, data_dir, data_format,
             prefetch_shards, checkpoint_dir, checkpoint_every,
@@ -269,6 +275,7 @@ impl TrainArgs {
             lr: a.lr.ok_or_else(|| need("lr"))?,
             optimizer: a.optimizer.unwrap_or(OptimizerKind::Adam),
             momentum: a.momentum.unwrap_or(0.9),
+            max_grad_norm: a.max_grad_norm,
             lr_scaling: a.lr_scaling.unwrap_or(LrScaling::None),
             seed: a.seed.unwrap_or(0),
             backend: a.backend.unwrap_or(BackendKind::Cpu),
@@ -373,6 +380,8 @@ pub struct TrainConfig {
     pub optimizer: OptimizerKind,
     /// SGD momentum.
     pub momentum: f64,
+    /// Global-norm gradient clipping, if any.
+    pub max_grad_norm: Option<f32>,
     /// Learning-rate scaling with world size.
     pub lr_scaling: LrScaling,
     /// Seed.
@@ -516,14 +525,20 @@ impl TrainConfig {
         }
     }
 
-    /// The optimizer as the first line names it: `adam`, or `sgd (momentum 0.9)`.
+    /// The optimizer as the first line names it: `adam`, or `sgd (momentum 0.9)`, and the
+    /// gradient clipping if any.
     pub fn describe_optimizer(&self) -> String {
-        match self.optimizer {
+        let name: String = match self.optimizer {
             OptimizerKind::Adam => "adam".into(),
+            OptimizerKind::Adamw => "adamw (weight decay 0.01)".into(),
             OptimizerKind::Sgd if self.momentum > 0.0 => {
                 format!("sgd (momentum {})", self.momentum)
             }
             OptimizerKind::Sgd => "sgd".into(),
+        };
+        match self.max_grad_norm {
+            Some(max) => format!("{name}, gradients clipped at global norm {max}"),
+            None => name,
         }
     }
 }

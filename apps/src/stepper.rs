@@ -13,9 +13,9 @@ use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::Tensor;
 use ddp::{
-    CommHookKind, Compression, DdpConfig, DdpError, DistributedDataParallel, FusedAdam, Position,
-    ProcessGroup, Resumed, RunId, ShardOptimizer, ShardedAdamConfig, ShardedDataParallel,
-    ShardedSgdConfig, SyncSpan, SyncStats, ZeroConfig, ZeroStage,
+    CommHookKind, Compression, DdpConfig, DdpError, DistributedDataParallel, FusedAdam, FusedAdamW,
+    Position, ProcessGroup, Resumed, RunId, ShardOptimizer, ShardedAdamConfig, ShardedAdamWConfig,
+    ShardedDataParallel, ShardedSgdConfig, SyncSpan, SyncStats, ZeroConfig, ZeroStage,
 };
 
 use crate::options::{CompressionKind, OptimizerKind, TrainConfig};
@@ -40,6 +40,7 @@ pub(crate) enum Stepper {
 pub(crate) fn burn_optimizer(cfg: &TrainConfig) -> ModuleOptimizer {
     match cfg.optimizer {
         OptimizerKind::Adam => FusedAdam::init(&ShardedAdamConfig::new().with_epsilon(1e-8)),
+        OptimizerKind::Adamw => FusedAdamW::init(&ShardedAdamWConfig::new()),
         OptimizerKind::Sgd => {
             let momentum = (cfg.momentum > 0.0)
                 .then(|| burn::optim::momentum::MomentumConfig::new().with_momentum(cfg.momentum));
@@ -52,6 +53,7 @@ pub(crate) fn burn_optimizer(cfg: &TrainConfig) -> ModuleOptimizer {
 fn shard_optimizer(cfg: &TrainConfig) -> ShardOptimizer {
     match cfg.optimizer {
         OptimizerKind::Adam => ShardOptimizer::Adam(ShardedAdamConfig::new().with_epsilon(1e-8)),
+        OptimizerKind::Adamw => ShardOptimizer::AdamW(ShardedAdamWConfig::new()),
         OptimizerKind::Sgd => ShardOptimizer::Sgd(
             ShardedSgdConfig::new().with_momentum((cfg.momentum > 0.0).then_some(cfg.momentum)),
         ),
@@ -112,6 +114,7 @@ impl Stepper {
                 },
                 comm_hook: cfg.ddp_comm_hook(),
                 overlap: cfg.overlap,
+                max_grad_norm: cfg.max_grad_norm,
                 ..DdpConfig::default()
             };
             let (model, mut ddp) = DistributedDataParallel::new(model, pg, config)?;
@@ -123,7 +126,8 @@ impl Stepper {
         };
         let config = ZeroConfig::new(stage)
             .with_bucket_cap_mb(cfg.bucket_cap_mb)
-            .with_overlap(cfg.overlap);
+            .with_overlap(cfg.overlap)
+            .with_max_grad_norm(cfg.max_grad_norm);
         let (model, mut zero) = ShardedDataParallel::new(model, pg, config, shard_optimizer(cfg))?;
         if let Some((bytes, source)) = saved_state {
             zero.load_consolidated(&bytes, &source)?;

@@ -8,6 +8,8 @@
 //! - stages 1 and 2 end with the very weights of plain DDP (stage 0): the same parameter hash
 //!   and byte-identical exported safetensors; so does stage 2 with `--overlap`, whose
 //!   reduce-scatters did start during backward;
+//! - `--optimizer adamw --max-grad-norm` (global-norm clipping) ends with the same weights at
+//!   stages 0, 1 and 2;
 //! - a sharded checkpoint written by 2 ranks resumes on 1 rank (another world size, allowed
 //!   with `--allow-mismatched-checkpoint`), and a plain DDP run refuses it with an error that
 //!   names the file and says why;
@@ -128,6 +130,45 @@ fn zero_stages_end_with_the_weights_of_plain_ddp() {
     assert_eq!(hashes[2], hashes[0], "stage 2 against DDP");
     assert_eq!(hashes[3], hashes[0], "stage 2 with overlap against DDP");
     assert!(weights[1..].iter().all(|w| *w == weights[0]));
+}
+
+/// `--optimizer adamw --max-grad-norm` (the clip active: the MLP's early gradients have norms
+/// above 0.5) ends with the very weights at stages 0, 1 and 2, with and without overlap; and
+/// clipping changed the run.
+#[test]
+fn adamw_with_clipping_ends_with_the_same_weights_at_every_stage() {
+    let mut hashes = Vec::new();
+    for (stage, overlap, clip) in [
+        ("0", "true", "0.5"),
+        ("1", "false", "0.5"),
+        ("2", "true", "0.5"),
+        ("0", "true", "1e9"),
+    ] {
+        let args = [
+            &SMALL[..],
+            &["--zero-stage", stage, "--overlap", overlap],
+            &["--optimizer", "adamw", "--max-grad-norm", clip],
+        ]
+        .concat();
+        let out = train(2, &args, &[]);
+        let s = summary(&out);
+        assert!(
+            text(&out).contains("adamw (weight decay 0.01)"),
+            "{}",
+            text(&out)
+        );
+        assert!(s["test_accuracy"].as_f64().unwrap() > 0.8, "{s}");
+        hashes.push(s["params_hash"].as_str().unwrap().to_string());
+    }
+    assert_eq!(hashes[1], hashes[0], "stage 1 against DDP, clipped");
+    assert_eq!(
+        hashes[2], hashes[0],
+        "stage 2 with overlap against DDP, clipped"
+    );
+    assert_ne!(
+        hashes[3], hashes[0],
+        "a clip that never acts changes nothing: 0.5 did act"
+    );
 }
 
 #[test]

@@ -32,8 +32,7 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{
-    decay::WeightDecayConfig, AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer, Optimizer,
-    SgdConfig,
+    decay::WeightDecayConfig, AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer, SgdConfig,
 };
 use burn::tensor::activation::relu;
 use burn::tensor::{Tensor, TensorData};
