@@ -55,7 +55,8 @@ pub struct Progress {
     /// The epoch in progress.
     pub epoch: u64,
     /// The position in the epoch (for an elastic sampler, such as ddp-data's
-    /// `ElasticSampler`: the samples of the epoch trained).
+    /// `ElasticSampler`: the samples of the epoch trained; after a step, its
+    /// `ElasticStep::next`, which is right also for the epoch's last, shorter step).
     pub position: u64,
     /// Bytes of the caller's own (its RNG state, its loss sums, ...).
     pub extra: Vec<u8>,
@@ -85,11 +86,16 @@ pub enum ElasticOptimizer {
 pub enum Outcome {
     /// The step was committed on every rank; nothing changed.
     Committed,
-    /// The membership changed: the step was committed or dropped as
-    /// [`Membership::dropped`] says, and the world may have another size; plan the next step
-    /// from [`ElasticDdp::progress`] and the new rank and world size.
+    /// The membership changed at this step: the step was committed when
+    /// [`Membership::dropped`] is `false` (and [`Membership::healed`] too: a healed rank took
+    /// rank 0's state instead), dropped on every rank alike otherwise; the world may have
+    /// another size. Plan the next step from [`ElasticDdp::progress`] and the new rank and
+    /// world size, either way.
     Changed(Membership),
-    /// The job finished while this rank was re-forming (others ended it): stop.
+    /// The job finished while this rank was re-forming (others ended it): stop. This is not
+    /// how a loop ends otherwise: every rank plans from the same committed progress, so every
+    /// rank sees the data end at the same step, leaves its loop there and calls
+    /// [`ElasticDdp::finish`].
     Finished,
 }
 
@@ -143,17 +149,77 @@ enum Finished<M> {
 /// An elastic data-parallel run: the membership, the model, the optimizer and the run's
 /// committed [`Progress`]. See the module documentation.
 ///
-/// ```text
-/// let group = ElasticGroup::join(ElasticConfig::from_env(&compat)?.unwrap())?.unwrap();
-/// let mut run = ElasticDdp::start(group, model, ElasticOptimizer::Ddp { config, optim })?;
-/// loop {
-///     let p = run.progress().clone();                 // plan the step from here
-///     let loss = run.model().loss(batch_of(&p, run.rank(), run.world_size()));
-///     match run.step(lr, loss, next_progress)? {
-///         Outcome::Committed => {}
-///         Outcome::Changed(m) => println!("world {} now", m.world_size),
-///         Outcome::Finished => break,
+/// A whole program under `ddprun --nnodes MIN:MAX` (the repository's `docs/guide.md`, section 9,
+/// says what each part means): it joins (`Ok(None)`: the job finished before it could), plans
+/// every step from the committed [`Progress`] with ddp-data's `ElasticSampler` (whose
+/// `ElasticStep::next` is the position after the step), rolls over to the next epoch on every
+/// rank alike, stops after the last one and says so ([`finish`](Self::finish)).
+///
+/// ```no_run
+/// use burn::module::Module;
+/// use burn::nn::{Linear, LinearConfig};
+/// use burn::optim::AdamConfig;
+/// use burn::tensor::{Device, Tensor, TensorData};
+/// use ddp::{DdpConfig, ElasticConfig, ElasticDdp, ElasticGroup, ElasticOptimizer, Outcome, Progress};
+/// use ddp_data::ElasticSampler;
+///
+/// #[derive(Module, Debug)]
+/// struct Model {
+///     fc: Linear,
+/// }
+///
+/// /// Your data: the samples `indices` as inputs and targets.
+/// fn batch(indices: &[usize], device: &Device) -> (Tensor<2>, Tensor<2>) {
+///     let x: Vec<f32> = indices.iter().flat_map(|&i| [i as f32 / 1000.0, 1.0]).collect();
+///     let y: Vec<f32> = indices.iter().map(|&i| i as f32 / 500.0).collect();
+///     let n = indices.len();
+///     let x = Tensor::from_data(TensorData::new(x, [n, 2]), device);
+///     (x, Tensor::from_data(TensorData::new(y, [n, 1]), device))
+/// }
+///
+/// fn main() -> Result<(), Box<dyn std::error::Error>> {
+///     let device = Device::flex().autodiff();
+///     let (epochs, lr, batch_size) = (2, 1e-3, 8);
+///     // What every rank must share, one `name = value` per line: a process with another value
+///     // is refused at join, naming the setting and both values, and the job goes on.
+///     let compat = format!("model = linear 2-1\nlr = {lr}\nbatch size = {batch_size}");
+///     let config = ElasticConfig::from_env(&compat)?.ok_or("not under ddprun --nnodes MIN:MAX")?;
+///     let Some(group) = ElasticGroup::join(config)? else {
+///         return Ok(()); // the job finished before this process could join: nothing to do
+///     };
+///     let model = Model { fc: LinearConfig::new(2, 1).init(&device) };
+///     let optim = AdamConfig::new().init();
+///     let optimizer = ElasticOptimizer::Ddp { config: DdpConfig::new(), optim };
+///     let mut run = ElasticDdp::start(group, model, optimizer, Progress::default())?;
+///     let mut sampler = ElasticSampler::new(1000, batch_size)?;
+///     let mut order = sampler.order();
+///     loop {
+///         let p = run.progress().clone(); // plan every step from the committed progress
+///         if sampler.epoch() != p.epoch {
+///             sampler.set_epoch(p.epoch);
+///             order = sampler.order();
+///         }
+///         let (rank, world) = (run.rank(), run.world_size());
+///         let Some(share) = sampler.step(&order, p.position as usize, world, rank) else {
+///             if p.epoch + 1 == epochs {
+///                 break; // the last epoch is over: on every rank at the same step
+///             }
+///             run.set_progress(Progress { epoch: p.epoch + 1, position: 0, ..p });
+///             continue;
+///         };
+///         let (x, y) = batch(&share.indices, &device);
+///         let loss = (run.prepare().fc.forward(x) - y).powi_scalar(2).mean();
+///         let loss = loss.mul_scalar(share.loss_scale); // the step's mean over its samples
+///         let after = Progress { step: p.step + 1, position: share.next as u64, ..p };
+///         match run.step(lr, loss, after)? {
+///             Outcome::Committed => {}
+///             // Committed unless `dropped`; plan the next step from `progress()` either way.
+///             Outcome::Changed(m) => println!("generation {}: world {}", m.generation, m.world_size),
+///             Outcome::Finished => break, // others ended the job while this rank re-formed
+///         }
 ///     }
+///     let _model = run.finish()?; // the job is over: a process that joins from now on exits
+///     Ok(())
 /// }
 /// ```
 pub struct ElasticDdp<M: Module> {
