@@ -7,6 +7,7 @@ use super::*;
 use crate::torch_store::{Query, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC, WAIT_CANCELED};
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
 
 /// A connection speaking the protocol by hand, every read with a deadline.
 struct Client(TcpStream);
@@ -433,4 +434,418 @@ fn a_clear_empties_the_store_and_closes_the_old_connections() {
     new.send(&req(Query::Set).b(b"addr/0").b(b"new").0);
     new.send(&req(Query::Get).b(b"addr/0").0);
     assert_eq!(new.vec(), b"new");
+}
+
+/// Whether the server closed `c` within `d` (end of stream or a reset).
+fn closed_within(c: &mut Client, d: Duration) -> bool {
+    c.0.set_read_timeout(Some(d)).unwrap();
+    let mut b = [0u8; 1];
+    let r = c.0.read(&mut b);
+    c.0.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    matches!(r, Ok(0)) || matches!(r, Err(e) if e.kind() == io::ErrorKind::ConnectionReset)
+}
+
+/// `bytes_held` once it has stayed the same for 300 ms (the server has read what was sent),
+/// and the most it showed meanwhile; at most 10 s.
+fn settled_bytes(h: &TorchStoreHost) -> (usize, usize) {
+    let t = Instant::now();
+    let (mut last, mut most, mut since) = (h.bytes_held(), 0, Instant::now());
+    while t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+        let now = h.bytes_held();
+        most = most.max(now);
+        if now != last {
+            (last, since) = (now, Instant::now());
+        } else if since.elapsed() > Duration::from_millis(300) {
+            break;
+        }
+    }
+    (last, most)
+}
+
+/// Item 2 of issue 57: a burst of many small pipelined requests, sent in one go, is answered
+/// in order; and the requests are removed from the input together, so that each byte of it is
+/// moved at most once (removing them one at a time moves the rest of the burst every time).
+#[test]
+fn a_pipelined_burst_is_answered_in_order_and_each_byte_moved_at_most_once() {
+    let h = host(Limits::default());
+    let mut c = Client::valid(h.port());
+    let n = 20_000u32;
+    let mut burst = Vec::new();
+    for i in 0..n {
+        let key = format!("k{}", (i / 4) % 100);
+        burst.extend(match i % 4 {
+            0 => req(Query::Set).b(key.as_bytes()).b(&i.to_le_bytes()).0,
+            1 => req(Query::Get).b(key.as_bytes()).0,
+            2 => req(Query::Ping).u32(i).0,
+            _ => req(Query::Add).b(b"count").u64(1).0,
+        });
+    }
+    let total = burst.len() as u64;
+    let mut writer = c.0.try_clone().unwrap();
+    writer
+        .set_write_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let sending = std::thread::spawn(move || writer.write_all(&burst));
+    for i in 0..n {
+        match i % 4 {
+            0 => {}
+            1 => assert_eq!(c.vec(), (i - 1).to_le_bytes(), "GET #{i}"),
+            2 => assert_eq!(c.read(4), i.to_le_bytes(), "PING #{i}"),
+            _ => assert_eq!(c.i64(), i64::from(i / 4 + 1), "ADD #{i}"),
+        }
+    }
+    sending.join().unwrap().unwrap();
+    assert!(c.silent_for(Duration::from_millis(100)), "one answer each");
+    let moved = h.shared.moved.load(Ordering::Relaxed);
+    assert!(
+        moved <= total,
+        "{moved} bytes moved in the input buffer for a burst of {total}"
+    );
+}
+
+/// Item 1 of issue 57: clients that each send most of a huge SET cannot grow the server past
+/// its budget (it grew with their number): those beyond it are closed, and a small client is
+/// still served.
+#[test]
+fn half_sent_sets_cannot_grow_the_server_past_its_budget() {
+    let budget = 8 << 20;
+    let h = host(Limits {
+        budget,
+        ..Limits::default()
+    });
+    let port = h.port();
+    let part = vec![7u8; 1 << 20];
+    let mut clients = Vec::new();
+    for i in 0..20 {
+        let mut c = Client::valid(port);
+        c.0.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut head = req(Query::Set).b(format!("big{i}").as_bytes()).0;
+        head.extend((2u64 << 20).to_le_bytes());
+        // The server may close it halfway: the writes then fail, which is what is tested.
+        let _ = c.0.write_all(&head).and_then(|_| c.0.write_all(&part));
+        clients.push(c);
+    }
+    let (held, most) = settled_bytes(&h);
+    assert!(
+        most <= budget && held <= budget,
+        "the server holds {held} bytes (at most {most}) for a budget of {budget}"
+    );
+    assert!(held > budget / 2, "{held}: the half-sent SETs are counted");
+    let closed = clients
+        .iter_mut()
+        .map(|c| closed_within(c, Duration::from_millis(100)))
+        .filter(|&closed| closed)
+        .count();
+    assert!((10..20).contains(&closed), "{closed} of 20 closed");
+    let mut small = Client::valid(port);
+    small.send(&req(Query::Set).b(b"small").b(b"v").0);
+    small.send(&req(Query::Get).b(b"small").0);
+    assert_eq!(small.vec(), b"v");
+    assert!(h.bytes_held() <= budget);
+}
+
+/// Item 1 of issue 57: answers a client does not read count against the budget (several
+/// slow readers could hold 4 MiB each before), and are produced as the budget allows: every
+/// answer still comes, in order, once the clients read.
+#[test]
+fn unread_answers_count_against_the_budget() {
+    let budget = 4 << 20;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    small_buffers(listener.as_raw_fd());
+    let h = TorchStoreHost::start_with(
+        listener,
+        Limits {
+            budget,
+            ..Limits::default()
+        },
+    )
+    .unwrap();
+    let value = vec![3u8; 200 << 10];
+    let mut setter = Client::valid(h.port());
+    setter.send(&req(Query::Set).b(b"v").b(&value).0);
+    setter.send(&req(Query::Ping).u32(0).0);
+    assert_eq!(setter.read(4), 0u32.to_le_bytes());
+    let data = h.shared.data().bytes;
+    let gets: Vec<u8> = (0..50).flat_map(|_| req(Query::Get).b(b"v").0).collect();
+    let mut readers: Vec<Client> = (0..4)
+        .map(|_| {
+            let mut c = Client::valid(h.port());
+            small_buffers(c.0.as_raw_fd());
+            c.send(&gets);
+            c
+        })
+        .collect();
+    let (held, most) = settled_bytes(&h);
+    assert!(most <= budget, "{most} bytes held for a budget of {budget}");
+    assert!(
+        held > data + (1 << 20),
+        "the unread answers are counted: {held} bytes held, {data} of data"
+    );
+    for (i, c) in readers.iter_mut().enumerate() {
+        for j in 0..50 {
+            assert!(c.vec() == value, "reader {i}, answer {j}");
+        }
+    }
+    let (held, _) = settled_bytes(&h);
+    assert!(
+        held < data + (1 << 20),
+        "{held} bytes held once all is read"
+    );
+}
+
+/// Item 1 of issue 57: a queue emptied by its pops leaves nothing behind (its key stayed, and
+/// was not counted, so that pushes and pops on ever new keys grew the server without bound).
+#[test]
+fn popped_queues_leave_nothing_behind() {
+    let h = host(Limits::default());
+    let mut c = Client::valid(h.port());
+    for i in 0..2000 {
+        c.send(
+            &req(Query::QueuePush)
+                .b(format!("q{i}").as_bytes())
+                .b(b"v")
+                .0,
+        );
+    }
+    c.send(&req(Query::Ping).u32(1).0);
+    assert_eq!(c.read(4), 1u32.to_le_bytes());
+    assert!(h.shared.data().bytes > 2000 * 100);
+    for i in 0..2000 {
+        c.send(&req(Query::QueuePop).b(format!("q{i}").as_bytes()).0);
+        assert_eq!((c.i64(), c.vec()), (1, b"v".to_vec()));
+    }
+    let data = h.shared.data();
+    assert_eq!((data.bytes, data.queues.len()), (0, 0));
+}
+
+/// Item 1 of issue 57: a validated connection that sends nothing is closed after the idle
+/// deadline (it was kept forever, so that idle clients could take every descriptor), while a
+/// connection waiting on a key (WAIT, BARRIER) is not idle, and one that keeps talking stays.
+#[test]
+fn an_idle_connection_is_closed_and_waiters_are_kept() {
+    let idle = Duration::from_millis(400);
+    let h = host(Limits {
+        idle,
+        ..Limits::default()
+    });
+    let port = h.port();
+    let t = Instant::now();
+    let mut silent = Client::valid(port);
+    let mut waiter = Client::valid(port);
+    waiter.send(&req(Query::Wait).keys(&[b"late"]).0);
+    let mut barrier = Client::valid(port);
+    barrier.send(&req(Query::Barrier).b(b"b").u64(2).0);
+    let mut talker = Client::valid(port);
+    while t.elapsed() < idle * 3 {
+        talker.send(&req(Query::Ping).u32(9).0);
+        assert_eq!(talker.read(4), 9u32.to_le_bytes());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(silent.closed(), "an idle connection was kept");
+    assert!(!closed_within(&mut waiter, Duration::from_millis(10)));
+    talker.send(&req(Query::Set).b(b"late").b(b"x").0);
+    assert_eq!(waiter.read(1), [STOP_WAITING]);
+    talker.send(&req(Query::Barrier).b(b"b").u64(2).0);
+    assert_eq!(talker.read(1), [STOP_WAITING]);
+    assert_eq!(barrier.read(1), [STOP_WAITING]);
+}
+
+/// The variable that tells a child process which test to run (see [`run_child`]).
+const CHILD: &str = "DDP_TORCH_STORE_TEST_CHILD";
+
+/// Runs the ignored test `name` of this binary in a process of its own (descriptor limits
+/// and memory are the process's), killed after 60 s; returns its output once it passed.
+fn run_child(name: &str) -> String {
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            &format!("torch_store_server::tests::{name}"),
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, name)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains("child done"),
+        "{name}: {:?}\n{text}",
+        out.status
+    );
+    text
+}
+
+/// The soft and hard `RLIMIT_NOFILE` of this process.
+fn descriptor_limits() -> (u64, u64) {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit structure, which `l` is.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) }, 0);
+    (l.rlim_cur as u64, l.rlim_max as u64)
+}
+
+/// Item 1 of issue 57, in a process of its own: the server raises the soft descriptor limit to
+/// the hard one; idle validated connections that take every descriptor leave a new client
+/// waiting in the listener's backlog only until the idle deadline closes them, and the
+/// listener then accepts it (before, the store refused every new client for the rest of the
+/// job).
+#[test]
+fn out_of_descriptors_the_listener_accepts_again_once_idle_connections_close() {
+    run_child("child_out_of_descriptors");
+}
+
+#[test]
+#[ignore = "run in a process of its own by out_of_descriptors_the_listener_accepts_again_..."]
+fn child_out_of_descriptors() {
+    if std::env::var(CHILD).as_deref() != Ok("child_out_of_descriptors") {
+        return;
+    }
+    let low = libc::rlimit {
+        rlim_cur: 200,
+        rlim_max: 256,
+    };
+    // SAFETY: setrlimit reads one rlimit structure, which `low` is.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &low) }, 0);
+    let idle = Duration::from_secs(2);
+    let h = host(Limits {
+        idle,
+        ..Limits::default()
+    });
+    assert_eq!(
+        descriptor_limits(),
+        (256, 256),
+        "the soft limit was not raised"
+    );
+    let hello = [
+        req(Query::Validate).u32(VALIDATION_MAGIC).0,
+        req(Query::Ping).u32(4).0,
+    ]
+    .concat();
+    // Connections until the server cannot accept one: each takes a descriptor here and one in
+    // the server. When the client's own socket finds none, one spare is given back, so that
+    // the last client gets a socket and the server none.
+    let mut spare = Some(std::fs::File::open("/dev/null").unwrap());
+    let mut idle_ones = Vec::new();
+    let mut stuck = loop {
+        assert!(idle_ones.len() < 256, "the descriptors never ran out");
+        let s = match TcpStream::connect(("127.0.0.1", h.port())) {
+            Ok(s) => s,
+            Err(e) if e.raw_os_error() == Some(libc::EMFILE) && spare.is_some() => {
+                spare = None;
+                continue;
+            }
+            Err(e) => panic!("connecting with {} open: {e}", idle_ones.len()),
+        };
+        let mut c = Client(s);
+        c.0.set_read_timeout(Some(Duration::from_millis(500)))
+            .unwrap();
+        c.send(&hello);
+        let mut echo = [0u8; 4];
+        match c.0.read_exact(&mut echo) {
+            Ok(()) => idle_ones.push(c),
+            Err(_) => break c,
+        }
+    };
+    let t = Instant::now();
+    println!(
+        "{} idle connections took every descriptor; a new client waits",
+        idle_ones.len()
+    );
+    stuck.0.set_read_timeout(Some(idle * 5)).unwrap();
+    let mut echo = [0u8; 4];
+    stuck.0.read_exact(&mut echo).unwrap_or_else(|e| {
+        panic!(
+            "the waiting client was never served ({:?}): {e}",
+            t.elapsed()
+        )
+    });
+    assert_eq!(echo, 4u32.to_le_bytes());
+    println!("served after {:?}; child done", t.elapsed());
+}
+
+/// Item 1 of issue 57, in a process of its own, with memory measured: 60 clients that each
+/// send 7 MiB of an 8 MiB SET (what grew ddprun by 421 MiB) grow the server's resident memory
+/// by about its budget at most (`DDP_TORCH_STORE_TEST_BUDGET` changes the budget, to measure
+/// without one).
+#[test]
+fn sixty_half_sent_sets_grow_the_server_by_its_budget_at_most() {
+    let out = run_child("child_sixty_half_sent_sets");
+    println!("{out}");
+}
+
+/// This process's resident memory in bytes.
+fn resident_bytes() -> usize {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb: usize = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kb << 10
+}
+
+#[test]
+#[ignore = "run in a process of its own by sixty_half_sent_sets_grow_the_server_by_..."]
+fn child_sixty_half_sent_sets() {
+    if std::env::var(CHILD).as_deref() != Ok("child_sixty_half_sent_sets") {
+        return;
+    }
+    let budget = std::env::var("DDP_TORCH_STORE_TEST_BUDGET")
+        .ok()
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(BUDGET);
+    let part = vec![7u8; 7 << 20];
+    let before = resident_bytes();
+    let h = host(Limits {
+        budget,
+        ..Limits::default()
+    });
+    let mut clients = Vec::new();
+    for i in 0..60 {
+        let mut c = Client::valid(h.port());
+        c.0.set_write_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut head = req(Query::Set).b(format!("big{i}").as_bytes()).0;
+        head.extend((8u64 << 20).to_le_bytes());
+        let _ = c.0.write_all(&head).and_then(|_| c.0.write_all(&part));
+        clients.push(c);
+    }
+    let (held, most) = settled_bytes(&h);
+    let grown = resident_bytes().saturating_sub(before);
+    println!(
+        "60 clients, 7 MiB of an 8 MiB SET each: the server holds {} MiB (at most {} MiB), \
+         resident memory grew by {} MiB; budget {} MiB",
+        held >> 20,
+        most >> 20,
+        grown >> 20,
+        budget >> 20
+    );
+    let mut small = Client::valid(h.port());
+    small.send(&req(Query::Ping).u32(3).0);
+    assert_eq!(small.read(4), 3u32.to_le_bytes());
+    assert!(most <= budget, "{most} bytes held for a budget of {budget}");
+    assert!(
+        grown <= budget + (64 << 20),
+        "resident memory grew by {grown} bytes for a budget of {budget}"
+    );
+    println!("child done");
 }
