@@ -68,11 +68,13 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
         match job.next_round(outcome) {
             Ok(None) => continue,
             Ok(Some(report)) => {
-                job.end();
+                job.end(false);
                 return Ok(report);
             }
             Err(error) => {
-                job.end();
+                // A user who stops the job means it: no waiting for the other nodes.
+                let interrupted = matches!(error, LaunchError::Interrupted { .. });
+                job.end(interrupted);
                 return Err(error);
             }
         }
@@ -101,6 +103,8 @@ struct Job<'a> {
     /// An elastic job on several nodes, on a node other than 0: this launcher in node 0's
     /// store, until it is dropped (see the module documentation).
     presence: Option<AgentPresence>,
+    /// A `SIGINT`/`SIGTERM` ended this launcher's hosting of the store for the other nodes.
+    stopped_hosting: bool,
 }
 
 impl<'a> Job<'a> {
@@ -147,6 +151,7 @@ impl<'a> Job<'a> {
             restarts: 0,
             rank_restarts: 0,
             presence,
+            stopped_hosting: false,
         })
     }
 
@@ -182,7 +187,7 @@ impl<'a> Job<'a> {
         );
         self.rank_restarts += outcome.rank_restarts;
         if !matches!(outcome.ending, Ending::Succeeded(_)) {
-            self.host_until_the_job_is_over();
+            let _ = self.host_until_the_job_is_over();
         }
         outcome
     }
@@ -224,33 +229,36 @@ impl<'a> Job<'a> {
 
     /// The job is over for this launcher (its ranks are gone for good): another node's
     /// launcher of an elastic job says so in node 0's store; node 0's keeps its store until
-    /// every other node's launcher has seen the end.
-    fn end(&mut self) {
+    /// every other node's launcher has seen the end (not when the launcher was `interrupted`).
+    fn end(&mut self, interrupted: bool) {
         drop(self.presence.take());
-        self.host_until_every_node_saw_the_end();
+        if !interrupted {
+            self.host_until_every_node_saw_the_end();
+        }
     }
 
     /// An elastic job on several nodes whose store this launcher hosts: its ranks are gone, but
     /// the other nodes' may still run; keep the store up until the job finished or stopped,
-    /// or no other node's launcher is left to end it (or this launcher is told to stop).
-    fn host_until_the_job_is_over(&mut self) {
+    /// or no other node's launcher is left to end it (or this launcher is told to stop:
+    /// returns `false` then).
+    fn host_until_the_job_is_over(&mut self) -> bool {
         let Some(mut watch) = self.agent_watch() else {
-            return;
+            return true;
         };
         let round = self.restarts as u32;
         let mut said = false;
         loop {
             let Some(host) = self.store._host.as_ref() else {
-                return;
+                return true;
             };
             if ddp_comm::elastic_job_state(host, round).is_some() {
-                return;
+                return true;
             }
             if watch.present(host).is_empty() {
                 if said {
                     notice("no other node's launcher is left; no longer hosting the store");
                 }
-                return;
+                return true;
             }
             if !said {
                 said = true;
@@ -259,19 +267,21 @@ impl<'a> Job<'a> {
                 );
             }
             if self.signalled("no longer hosting the store") {
-                return;
+                return false;
             }
             std::thread::sleep(Duration::from_millis(100));
         }
     }
 
     /// At the end of an elastic job on several nodes whose store this launcher hosts: keeps
-    /// the store up until the job is over ([`host_until_the_job_is_over`]
-    /// (Self::host_until_the_job_is_over)) and then until every other node's launcher that
-    /// registered has left (it has seen the end, and none of its ranks will use the store
-    /// again) or gone silent, for at most [`ELASTIC_LINGER`] after the end.
+    /// the store up until the job is over (`host_until_the_job_is_over`) and then until every
+    /// other node's launcher that registered has left (it has seen the end, and none of its
+    /// ranks will use the store again) or gone silent, for at most [`ELASTIC_LINGER`] after
+    /// the end.
     fn host_until_every_node_saw_the_end(&mut self) {
-        self.host_until_the_job_is_over();
+        if !self.host_until_the_job_is_over() {
+            return;
+        }
         let Some(mut watch) = self.agent_watch() else {
             return;
         };
@@ -309,7 +319,7 @@ impl<'a> Job<'a> {
     /// A watch over the other nodes' launchers, when this launcher hosts the store of an
     /// elastic job on several nodes and was not told to stop.
     fn agent_watch(&self) -> Option<AgentWatch> {
-        let hosts = self.store._host.is_some();
+        let hosts = self.store._host.is_some() && !self.stopped_hosting;
         (self.config.min_nnodes.is_some() && self.config.nnodes > 1 && hosts)
             .then(|| AgentWatch::new(self.config.nnodes, AGENT_SILENCE))
     }
@@ -320,6 +330,7 @@ impl<'a> Job<'a> {
         match self.signals.as_mut().and_then(SignalForwarding::take) {
             Some(signal) => {
                 notice(&format!("received {}; {what}", signal_name(signal)));
+                self.stopped_hosting = true;
                 true
             }
             None => false,

@@ -78,6 +78,8 @@ struct Args {
     /// failure). Each restart is a new rendezvous round (new MASTER_PORT on a single node unless
     /// --master-port is given, new DDP_JOB_ID) with TORCHELASTIC_RESTART_COUNT set to the number
     /// of restarts so far; the trainers then resume from their --checkpoint-dir on their own.
+    /// With --nnodes MIN:MAX a failed rank is restarted alone, from the same budget, and sees
+    /// TORCHELASTIC_RESTART_COUNT count it.
     /// SIGINT/SIGTERM to ddprun never restarts. On several nodes the ddpruns restart together:
     /// node 0's hosts a store on --master-port + 1 through which the first node to see a
     /// failure moves every node to the next round.
