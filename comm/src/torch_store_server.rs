@@ -157,7 +157,7 @@ pub(crate) fn raise_descriptor_limit() -> io::Result<u64> {
             .unwrap_or(1 << 20);
     }
     if limit.rlim_cur >= want {
-        return Ok(limit.rlim_cur as u64);
+        return Ok(limit.rlim_cur);
     }
     let raised = libc::rlimit {
         rlim_cur: want,
@@ -167,7 +167,7 @@ pub(crate) fn raise_descriptor_limit() -> io::Result<u64> {
     if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(want as u64)
+    Ok(want)
 }
 
 /// What the server thread and the host share.

@@ -15,7 +15,7 @@ use ddp_comm::TorchStoreHost;
 const EVERY_CALL: &str = include_str!("fixtures/torch_store/every_call.txt");
 
 fn unhex(s: &str) -> Vec<u8> {
-    assert!(s.len() % 2 == 0, "odd hex {s:?}");
+    assert!(s.len().is_multiple_of(2), "odd hex {s:?}");
     (0..s.len())
         .step_by(2)
         .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))

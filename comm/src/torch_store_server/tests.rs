@@ -700,7 +700,7 @@ fn descriptor_limits() -> (u64, u64) {
     };
     // SAFETY: getrlimit writes one rlimit structure, which `l` is.
     assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) }, 0);
-    (l.rlim_cur as u64, l.rlim_max as u64)
+    (l.rlim_cur, l.rlim_max)
 }
 
 /// Item 1 of issue 57, in a process of its own: the server raises the soft descriptor limit to
