@@ -58,9 +58,12 @@
 //! [`OUTPUT_HIGH_WATER`] is not read from until they drain; at most [`MAX_CONNECTIONS`] are
 //! open (fewer when the process may open fewer descriptors). Deadlines: the first query within
 //! [`FIRST_QUERY_DEADLINE`] of connecting, a request begun must be whole (and answered) within
-//! [`REQUEST_DEADLINE`], answers must be taken within [`WRITE_DEADLINE`], and a validated
-//! connection that waits on no key may stay silent for [`IDLE_DEADLINE`]; a connection past
-//! one is closed. A connection that sends what the protocol does not allow is closed and the
+//! [`REQUEST_DEADLINE`], answers must be taken within [`WRITE_DEADLINE`], and, while more than
+//! half of the connections allowed are open, a validated connection that waits on no key may
+//! stay silent for [`IDLE_DEADLINE`]; a connection past one is closed. (Idle connections are
+//! closed only when the room is needed: torch's client does not reconnect, and a rank may
+//! rightly keep its connection unused for hours; idle clients in their thousands must not
+//! keep the others out.) A connection that sends what the protocol does not allow is closed and the
 //! reason logged (`tracing`), naming its peer; the others go on.
 //!
 //! Descriptors: the server raises the process's soft `RLIMIT_NOFILE` to its hard limit when it
@@ -102,8 +105,9 @@ pub(crate) const FIRST_QUERY_DEADLINE: Duration = Duration::from_secs(30);
 pub(crate) const REQUEST_DEADLINE: Duration = Duration::from_secs(60);
 /// How long answers may wait for a client that does not read them.
 pub(crate) const WRITE_DEADLINE: Duration = Duration::from_secs(60);
-/// How long a validated connection that waits on no key may send nothing.
-pub(crate) const IDLE_DEADLINE: Duration = Duration::from_secs(30 * 60);
+/// How long a validated connection that waits on no key may send nothing, while more than
+/// half of the connections allowed are open.
+pub(crate) const IDLE_DEADLINE: Duration = Duration::from_secs(60);
 /// How long the listener is left alone after `accept` found no descriptor (or no memory).
 pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// How often a persisting `accept` failure is logged again.
@@ -122,6 +126,8 @@ pub(crate) struct Limits {
     pub request: Duration,
     pub write: Duration,
     pub idle: Duration,
+    /// Open connections above which idle ones are closed (`None`: half of those allowed).
+    pub idle_above: Option<usize>,
 }
 
 impl Default for Limits {
@@ -132,6 +138,7 @@ impl Default for Limits {
             request: REQUEST_DEADLINE,
             write: WRITE_DEADLINE,
             idle: IDLE_DEADLINE,
+            idle_above: None,
         }
     }
 }
@@ -228,6 +235,10 @@ impl TorchStoreHost {
         let max_connections = MAX_CONNECTIONS
             .min((descriptors as usize).saturating_sub(SPARE_DESCRIPTORS))
             .max(16);
+        let limits = Limits {
+            idle_above: Some(limits.idle_above.unwrap_or(max_connections / 2)),
+            ..limits
+        };
         listener.set_nonblocking(true)?;
         let (wake, woken) = UnixStream::pair()?;
         woken.set_nonblocking(true)?;
@@ -464,8 +475,8 @@ impl Conn {
         }
     }
 
-    /// Closes it when one of its deadlines has passed.
-    fn check_deadlines(&mut self, now: Instant, limits: &Limits) {
+    /// Closes it when one of its deadlines has passed (the idle one only when `crowded`).
+    fn check_deadlines(&mut self, now: Instant, limits: &Limits, crowded: bool) {
         if !self.validated && now - self.opened > limits.first_query {
             self.close(format!(
                 "no VALIDATE within {:?} of connecting",
@@ -484,14 +495,17 @@ impl Conn {
                 self.pending(),
                 limits.write
             ));
-        } else if self.waiting.is_none()
+        } else if crowded
+            && self.validated
+            && self.waiting.is_none()
             && self.unparsed() == 0
             && self.pending() == 0
             && now - self.last_active > limits.idle
         {
             self.close(format!(
-                "idle for {:?} without waiting on a key",
-                limits.idle
+                "idle for {:?} without waiting on a key, with more than {} connections open",
+                limits.idle,
+                limits.idle_above.unwrap_or(0)
             ));
         }
     }
@@ -582,9 +596,10 @@ impl Server {
             let now = Instant::now();
             let shared = self.shared.clone();
             let mut data = shared.data();
+            let crowded = self.conns.len() > self.limits.idle_above.unwrap_or(usize::MAX);
             for i in 0..self.conns.len() {
                 self.conns[i].flush();
-                self.conns[i].check_deadlines(now, &self.limits);
+                self.conns[i].check_deadlines(now, &self.limits, crowded);
                 self.resync(i, &mut data);
             }
             let port = self.port;
