@@ -117,6 +117,8 @@ const ACCEPT_LOG_INTERVAL: Duration = Duration::from_secs(10);
 const READ_CHUNK: usize = 64 << 10;
 /// How often the loop wakes without events, to look at the deadlines.
 const TICK: Duration = Duration::from_millis(500);
+/// How often it wakes while an answer waits for the budget (which others' writes free).
+const HELD_BACK_TICK: Duration = Duration::from_millis(5);
 
 /// The bounds of a server: the constants above, others in tests.
 #[derive(Debug, Clone, Copy)]
@@ -260,6 +262,7 @@ impl TorchStoreHost {
             accept_paused_until: None,
             accept_failures: 0,
             accept_logged: None,
+            held_back: false,
         };
         let thread = std::thread::Builder::new()
             .name("ddp-torch-store".into())
@@ -526,6 +529,9 @@ struct Server {
     /// `accept` failures since the last one logged, and when that was.
     accept_failures: u64,
     accept_logged: Option<Instant>,
+    /// Whether an answer waits for the budget: the loop then looks again soon, not at the
+    /// next event or tick.
+    held_back: bool,
 }
 
 impl Server {
@@ -566,7 +572,14 @@ impl Server {
                 }
                 fds.push(fd(c.stream.as_raw_fd(), events));
             }
-            let timeout = if listening { TICK } else { ACCEPT_BACKOFF };
+            let timeout = if self.held_back {
+                HELD_BACK_TICK
+            } else if listening {
+                TICK
+            } else {
+                ACCEPT_BACKOFF
+            };
+            self.held_back = false;
             // SAFETY: `fds` is a valid array of `fds.len()` pollfd structures, alive for the
             // call; poll writes only their `revents`.
             let n = unsafe {
@@ -716,7 +729,7 @@ impl Server {
     /// Reads what connection `i`'s socket has (bounded per call); end of stream or an error
     /// closes it, and so does input that its budget cannot hold.
     fn read(&mut self, i: usize) {
-        let mut chunk = vec![0u8; READ_CHUNK];
+        let mut chunk = [0u8; READ_CHUNK];
         let shared = self.shared.clone();
         for _ in 0..16 {
             let c = &mut self.conns[i];
@@ -807,6 +820,7 @@ impl Server {
                     Err(why) => (Err(why), used),
                     Ok(add) if data.used() + add > data.budget => {
                         c.partial_since.get_or_insert_with(Instant::now);
+                        self.held_back = true;
                         break;
                     }
                     Ok(add) => {
