@@ -9,6 +9,9 @@
 //! against torch 2.15: `tests/fixtures/torch_store/transcript.txt` is what a real torch client
 //! sent to a real torch server (through a recording proxy, `capture.py` next to it) for a
 //! scripted sequence of calls, and the tests of this module replay it against this client.
+//! `tests/fixtures/torch_store/every_call.txt` (by `record_every_call.py`) holds every call of
+//! torch 2.15's client, `LIST_KEYS` and `BARRIER` included, over several connections; the
+//! server's tests replay it (`tests/torch_store_calls.rs`).
 //!
 //! Every integer is little-endian (torch sends its in-memory values on x86 and ARM). A request is
 //! one byte of query type followed by its arguments; a string or byte vector is a `u64` length

@@ -1,7 +1,10 @@
 //! Unit tests of `torch_store_server.rs` over real sockets: the queries torch's server answers,
 //! waits across connections, and bad clients (garbage, oversized requests, silence, a full
-//! store), which must be closed without a panic while the others are served. The transcript of
-//! a real torch client and server is replayed against this server in `tests/torch_store.rs`.
+//! store), which must be closed without a panic while the others are served; the bounds of
+//! issue 57 (the byte budget, idle connections, descriptors run out, in a child process where
+//! the process's limits or memory are measured) and pipelined bursts. The transcripts of a real
+//! torch client and server are replayed against this server in `tests/torch_store.rs` and
+//! `tests/torch_store_calls.rs` (every call of torch 2.15's client).
 
 use super::*;
 use crate::torch_store::{Query, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC, WAIT_CANCELED};
