@@ -10,7 +10,8 @@
 //!    ranks on GPU 0 when the NCCL is 2.30 or newer (`NCCL_MULTI_RANK_GPU_ENABLE=1`, older ones
 //!    refuse two ranks on one GPU).
 //! 3. **cold**: `train-mnist --backend cuda`, one epoch, in a process whose kernel cache is empty
-//!    (burn compiles every kernel through NVRTC and autotunes): the time to its first step.
+//!    (burn compiles every kernel through NVRTC and autotunes): the time to its first step (the
+//!    row passes once the first step is done, even where the limit stops the epoch).
 //! 4. **warm**: a second process with the cache the first one filled, two epochs: the time to its
 //!    first step, and samples/s of the second epoch (from `metrics.csv`).
 //! 5. **torch**: PyTorch's epoch on the same GPU and batch (`xtask/scripts/torch_mnist_epoch.py`,
@@ -442,7 +443,9 @@ pub fn run(args: Args) -> Result<()> {
         &mut rows,
         Row {
             name: "cold".into(),
-            ok: cold.run.ok(),
+            // The row is about the first step: a cold process still compiling the epoch's
+            // other shapes at its limit has done what the row measures.
+            ok: cold.first_step_s.is_some() && cold.run.status.is_none_or(|s| s.success()),
             seconds: cold.run.seconds,
             figures: format!(
                 "{}; {}; kernel cache {files} files, {}",
