@@ -221,11 +221,18 @@ where
         allow_mismatch: true,
     };
     let restart = crate::train::restart_count();
+    // Whether the job (not only this process) was restarted: ddprun's round, the same for
+    // every rank of the round (a rank restarted alone into a running job has a restart count
+    // of its own, and is healed rather than resumed).
+    let round = std::env::var(ddp_comm::ELASTIC_ROUND_ENV)
+        .ok()
+        .and_then(|r| r.trim().parse::<usize>().ok())
+        .unwrap_or(restart);
     let mut model = model;
     let mut optimizer = elastic_optimizer(cfg);
     let mut progress = Progress::default();
     let mut zero_state = None;
-    let resume = !healed && (cfg.resume || (restart > 0 && cfg.checkpoint_dir.is_some()));
+    let resume = !healed && (cfg.resume || (round > 0 && cfg.checkpoint_dir.is_some()));
     if resume {
         let dir = cfg
             .checkpoint_dir
