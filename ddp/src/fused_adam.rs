@@ -97,7 +97,7 @@ fn fused_step<const D: usize>(
     tensor: Tensor<D>,
     grad: Tensor<D>,
     momentum: Option<AdaptiveMomentumState<D>>,
-) -> Result<(Tensor<D>, AdaptiveMomentumState<D>), NotFused<D>> {
+) -> Result<(Tensor<D>, AdaptiveMomentumState<D>), Box<NotFused<D>>> {
     let dims = tensor.dims();
     let fused = on_host(&tensor)
         && on_host(&grad)
@@ -110,7 +110,7 @@ fn fused_step<const D: usize>(
                 && m.moment_2.dims() == dims
         });
     if !fused {
-        return Err((tensor, grad, momentum));
+        return Err(Box::new((tensor, grad, momentum)));
     }
     let n = dims.iter().product();
     let device: Device = tensor.device();
@@ -148,7 +148,8 @@ impl Optimizer for FusedAdam {
     ) -> (Tensor<D>, Option<AdamState<D>>) {
         match fused_step(&self.math, lr, tensor, grad, state.map(|s| s.momentum)) {
             Ok((tensor, momentum)) => (tensor, Some(AdamState::new(momentum))),
-            Err((tensor, grad, momentum)) => {
+            Err(inputs) => {
+                let (tensor, grad, momentum) = *inputs;
                 self.burn
                     .step(lr, tensor, grad, momentum.map(AdamState::new))
             }
@@ -215,7 +216,8 @@ impl Optimizer for FusedAdamW {
     ) -> (Tensor<D>, Option<AdamWState<D>>) {
         match fused_step(&self.math, lr, tensor, grad, state.map(|s| s.momentum)) {
             Ok((tensor, momentum)) => (tensor, Some(AdamWState::new(momentum))),
-            Err((tensor, grad, momentum)) => {
+            Err(inputs) => {
+                let (tensor, grad, momentum) = *inputs;
                 self.burn
                     .step(lr, tensor, grad, momentum.map(AdamWState::new))
             }
