@@ -30,9 +30,15 @@
 //!    in another order from run to run).
 //! 9. **mnist-N**: with several GPUs, one rank per GPU, gradients through NCCL.
 //!
-//! With `$DDP_BIN_DIR` set, nothing is built: the binaries are taken from there (how a lent GPU
-//! machine without cargo or network runs it: `DDP_BIN_DIR=<bins> <bins>/xtask gpu-check --out
-//! <dir>`, from the repository's root). A machine whose only NVRTC is CUDA 13's
+//! With `$DDP_BIN_DIR` set, nothing is built: the binaries are taken from there. This is how a
+//! lent GPU machine without cargo or network runs it, from the repository's root, with `xtask`
+//! copied beside the GPU build's binaries:
+//!
+//! ```text
+//! DDP_BIN_DIR=BINS BINS/xtask gpu-check --out OUT --data-dir MNIST
+//! ```
+//!
+//! A machine whose only NVRTC is CUDA 13's
 //! (`libnvrtc.so.13`) gets it offered as `libnvrtc.so`, the name the CUDA 12 bindings open
 //! (docs/gpu.md, first contact). Results go to `target/gpu-check/` (or `--out`): every row's
 //! log, `gpu-check.md` (printed at the end) and `gpu-check.json`.
