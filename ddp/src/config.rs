@@ -4,7 +4,7 @@
 use burn::config::Config;
 use serde::{Deserialize, Serialize};
 
-use crate::powersgd_config::PowerSgdConfig;
+use crate::hooks::powersgd_config::PowerSgdConfig;
 
 /// Element type of the gradient all-reduce.
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
@@ -97,5 +97,36 @@ impl Default for Compression {
 impl Default for DdpConfig {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// The settings the `Reducer` (`gradients/reducer.rs`) needs, shared by [`DdpConfig`] and [`crate::ZeroConfig`]
+/// (which have the same fields for them, with the same defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct ReducerSettings {
+    /// Largest bucket in MiB (PyTorch's `bucket_cap_mb`).
+    pub(crate) bucket_cap_mb: f64,
+    /// Size of the first bucket in MiB.
+    pub(crate) first_bucket_mb: f64,
+    /// Element type of the all-reduce (`None` under ZeRO).
+    pub(crate) compression: Compression,
+    /// Every k-th sync checks that the replicas are identical.
+    pub(crate) check_replicas_every: Option<u64>,
+    /// Whether every sync broadcasts rank 0's buffers.
+    pub(crate) broadcast_buffers: bool,
+    /// Whether buckets start during backward.
+    pub(crate) overlap: bool,
+}
+
+impl From<&DdpConfig> for ReducerSettings {
+    fn from(config: &DdpConfig) -> Self {
+        Self {
+            bucket_cap_mb: config.bucket_cap_mb,
+            first_bucket_mb: config.first_bucket_mb,
+            compression: config.compression,
+            check_replicas_every: config.check_replicas_every,
+            broadcast_buffers: config.broadcast_buffers,
+            overlap: config.overlap,
+        }
     }
 }

@@ -28,7 +28,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
 
-use crate::host_buf::HostBuf;
+use crate::gradients::host_buf::HostBuf;
 use crate::DdpError;
 
 /// What a float tensor of a module is to the wrapper.

@@ -1,4 +1,4 @@
-//! ZeRO's shard layout (`zero.rs`): which elements of the trainable parameters each rank
+//! ZeRO's shard layout (`sharded.rs`): which elements of the trainable parameters each rank
 //! steps, derived from the bucket layout every mode shares (`buckets.rs`).
 //!
 //! Rank r owns chunk `chunk_range(len, N, r)` of every part (a part is one collective: one
@@ -13,7 +13,7 @@ use std::ops::Range;
 
 use ddp_comm::chunk_range;
 
-use crate::buckets::Layout;
+use crate::gradients::buckets::Layout;
 use crate::params::ParamInfo;
 
 /// One rank's chunk of one part.
@@ -128,8 +128,8 @@ pub(crate) fn release_outside(buf: &mut [f32], keep: Range<usize>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::buckets::plan_buckets;
     use crate::config::DdpConfig;
+    use crate::gradients::buckets::plan_buckets;
     use crate::params::ParamKind;
 
     fn info(name: &str, numel: usize) -> ParamInfo {
@@ -144,7 +144,7 @@ mod tests {
 
     #[test]
     fn shards_cover_every_element_once_and_are_balanced() {
-        let big = crate::buckets::ADOPT_BYTES / 4 + 1;
+        let big = crate::gradients::buckets::ADOPT_BYTES / 4 + 1;
         let params = vec![
             info("a", 10),
             info("b", big),
@@ -158,7 +158,7 @@ mod tests {
                 first_bucket_mb: cap_mb,
                 ..DdpConfig::default()
             };
-            let layout = plan_buckets(&params, &config);
+            let layout = plan_buckets(&params, &(&config).into());
             let shards = plan_shards(&layout, &params, world);
             let mut owner: Vec<Vec<usize>> =
                 params.iter().map(|p| vec![usize::MAX; p.numel()]).collect();

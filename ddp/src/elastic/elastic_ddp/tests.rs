@@ -1,8 +1,8 @@
 //! `ElasticDdp`'s unit tests (real ranks over loopback TCP).
 
 use super::*;
+use crate::optim::shard_optim::ShardedAdamConfig;
 use crate::params::flatten_params;
-use crate::shard_optim::ShardedAdamConfig;
 use crate::test_ranks::two_ranks;
 use crate::zero::ZeroStage;
 use burn::module::Param;

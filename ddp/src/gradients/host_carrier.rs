@@ -3,7 +3,7 @@
 //! place where a buffer is submitted and where its result is taken back. The built-in modes
 //! are [`Reduction`]'s variants (all-reduce in a wire type, ZeRO's reduce-scatter), run part by
 //! part; a communication hook (PowerSGD, a user's own: `comm_hook.rs`) takes whole buckets
-//! instead, through `hook_carrier.rs`, when one is installed.
+//! instead, through `gradients/hook_buckets.rs`, when one is installed.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -13,10 +13,10 @@ use burn::tensor::Device;
 use ddp_comm::{ProcessGroup, ReduceOp, Work};
 use half::{bf16, f16};
 
-use crate::carrier::Carrier;
 use crate::config::Compression;
-use crate::hook_carrier::{HookFlight, Hooked};
-use crate::host_buf::HostBuf;
+use crate::gradients::carrier::Carrier;
+use crate::gradients::hook_buckets::{HookFlight, Hooked};
+use crate::gradients::host_buf::HostBuf;
 use crate::params::{put_grad, take_grad, ParamInfo};
 use crate::DdpError;
 

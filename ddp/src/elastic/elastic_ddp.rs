@@ -15,7 +15,7 @@
 //! When processes wait to join, every member stops at the same step boundary (the vote says
 //! so), and the new group heals the joiners from rank 0, a survivor: the weights as raw `f32`
 //! (the wrapper's broadcast of rank 0's values, in place), rank 0's burn parameter ids with
-//! burn's optimizer record (DDP) or the resharded optimizer state (ZeRO, `elastic_zero.rs`),
+//! burn's optimizer record (DDP) or the resharded optimizer state (ZeRO, `elastic/reshard.rs`),
 //! and the run's [`Progress`] (step, epoch, position in the epoch, and bytes of the caller's
 //! own: its RNG state, its loss sums), all over the group's own transport.
 //!
@@ -24,7 +24,7 @@
 //! in the middle of a sharded step leaves each rank's shard updated or not, so dropping the
 //! step needs it. The shard of a rank that died is lost with it: every parameter with a lost
 //! element starts its optimizer again (moments zero and step count 0 together, on every rank:
-//! `elastic_zero.rs`).
+//! `elastic/reshard.rs`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -35,13 +35,13 @@ use burn::tensor::{Bytes, Tensor};
 use ddp_comm::membership::Left;
 use ddp_comm::{CommError, Continue, ElasticGroup, ProcessGroup, StepStatus, Vote};
 
-use crate::agree::Start;
 use crate::config::{CommHookKind, DdpConfig};
 use crate::ddp::DistributedDataParallel;
-use crate::elastic_zero::reshard;
-use crate::heal_hooks::HealScope;
+use crate::elastic::heal_hooks::HealScope;
+use crate::elastic::reshard::reshard;
+use crate::gradients::agree::Start;
+use crate::optim::shard_optim::ShardOptimizer;
 use crate::params::param_ids;
-use crate::shard_optim::ShardOptimizer;
 use crate::zero::{ShardedDataParallel, ZeroConfig};
 use crate::DdpError;
 

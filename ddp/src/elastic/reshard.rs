@@ -24,8 +24,8 @@ use std::ops::Range;
 
 use ddp_comm::ProcessGroup;
 
+use crate::zero::state::{check, StateHeader};
 use crate::zero::ShardedDataParallel;
-use crate::zero_state::{check, StateHeader};
 use crate::DdpError;
 
 /// Reads the header of an encoded (shard) state, without checking it against anything.

@@ -3,7 +3,7 @@
 //! group, driven by every mode: DDP's `sync` and `accumulate`, its overlapped `backward`, ZeRO
 //! stages 1 and 2, and the GPU path. The layout is `buckets.rs`'s; where the buffers live and
 //! how a part's collective runs is a [`Carrier`]'s (`carrier.rs`): host buffers through the
-//! process group (`reduction.rs`, where the per-part collective is chosen: all-reduce in a wire
+//! process group (`host_carrier.rs`, where the per-part collective is chosen: all-reduce in a wire
 //! type, or reduce-scatter), or device tensors through NCCL (`cuda_carrier.rs`).
 //!
 //! # The loop
@@ -66,8 +66,8 @@ use std::time::{Duration, Instant};
 use burn::optim::GradientsParams;
 use ddp_comm::{ProcessGroup, ReduceOp};
 
-use crate::buckets::{Layout, Place};
-use crate::carrier::Carrier;
+use crate::gradients::buckets::{Layout, Place};
+use crate::gradients::carrier::Carrier;
 use crate::params::ParamInfo;
 use crate::DdpError;
 
@@ -515,11 +515,11 @@ pub(crate) fn peer_failed(sync: u64, failed: f32, ranks: f32, world: usize) -> D
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::buckets::plan_buckets;
     use crate::config::{Compression, DdpConfig};
-    use crate::host_buf::HostBuf;
+    use crate::gradients::buckets::plan_buckets;
+    use crate::gradients::host_buf::HostBuf;
+    use crate::gradients::host_carrier::{HostCarrier, Reduction};
     use crate::params::ParamKind;
-    use crate::reduction::{HostCarrier, Reduction};
     use crate::test_ranks::two_ranks;
     use burn::tensor::Device;
 
@@ -555,9 +555,9 @@ mod tests {
     /// A pipeline of one rank over two parameters: a large one (a part of its own) and a
     /// small one.
     fn one_rank(reduction: Reduction) -> (Pipeline<HostCarrier>, usize) {
-        let big = crate::buckets::ADOPT_BYTES / 4 + 3;
+        let big = crate::gradients::buckets::ADOPT_BYTES / 4 + 3;
         let params: Arc<[ParamInfo]> = vec![info("big", big), info("small", 5)].into();
-        let layout = plan_buckets(&params, &DdpConfig::default());
+        let layout = plan_buckets(&params, &(&DdpConfig::default()).into());
         let pg = ProcessGroup::builder()
             .no_env()
             .rank(0)
@@ -662,7 +662,7 @@ mod tests {
     struct HeldCarrier {
         host: HostCarrier,
         held: Vec<(usize, HostBuf)>,
-        launched: Vec<Option<crate::reduction::Flight>>,
+        launched: Vec<Option<crate::gradients::host_carrier::Flight>>,
         /// Parts submitted to the process group so far, in order.
         sent: Vec<usize>,
         fail_launch: bool,
@@ -738,9 +738,9 @@ mod tests {
     /// r's gradients all r + 1, its launch failing on `failing`: the parts' results in part order,
     /// the parts sent before `finish` and in it, and the step's outcome.
     fn held_step(pg: Arc<ProcessGroup>, failing: Option<usize>) -> HeldOutcome {
-        let big = crate::buckets::ADOPT_BYTES / 4 + 3;
+        let big = crate::gradients::buckets::ADOPT_BYTES / 4 + 3;
         let params: Arc<[ParamInfo]> = vec![info("big", big), info("small", 5)].into();
-        let layout = Arc::new(plan_buckets(&params, &DdpConfig::default()));
+        let layout = Arc::new(plan_buckets(&params, &(&DdpConfig::default()).into()));
         let rank = pg.rank();
         let carrier = HeldCarrier {
             host: HostCarrier {

@@ -24,8 +24,8 @@ use burn::optim::{
 };
 use burn::tensor::{DType, Device, Tensor, TensorData};
 
-use crate::host_buf::HostBuf;
-use crate::shard_optim::{ShardOptimizer, ShardedAdamConfig, ShardedAdamWConfig};
+use crate::gradients::host_buf::HostBuf;
+use crate::optim::shard_optim::{ShardOptimizer, ShardedAdamConfig, ShardedAdamWConfig};
 
 /// burn's Adam in one pass over memory on the CPU (see the module documentation): a drop-in
 /// for `AdamConfig::init()` with the same steps, bit for bit, and the same record.

@@ -51,8 +51,8 @@ use cubecl_runtime::runtime::Runtime;
 use ddp_comm::nccl::{DeviceBytes, NcclGroup, NcclWork};
 use ddp_comm::{DType, ReduceOp};
 
-use crate::carrier::Carrier;
 use crate::config::Compression;
+use crate::gradients::carrier::Carrier;
 use crate::params::{put_grad_tensor, take_grad_tensor, ParamInfo};
 use crate::DdpError;
 

@@ -6,7 +6,7 @@
 //!
 //! The gradients travel in DDP's buckets, through DDP's gradient pipeline (`pipeline.rs`),
 //! with a reduce-scatter in place of the all-reduce: rank r owns chunk `chunk_range(len, N,
-//! r)` of every part of every bucket (`shard_layout.rs`), the balanced split of the
+//! r)` of every part of every bucket (`zero/layout.rs`), the balanced split of the
 //! reduce-scatter. The layout depends only on the parameter list, the bucket sizes and the
 //! world size, so it is the same on every rank and in every run. Saved states do not depend on
 //! it: the consolidated state is laid out as the trainable parameters in visiting order.
@@ -63,20 +63,20 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
 use ddp_comm::ProcessGroup;
 
-use crate::agree::Start;
-use crate::buckets::{Layout, ADOPT_BYTES};
-use crate::clip::{norm_and_factor, sum_of_squares};
-use crate::config::DdpConfig;
-use crate::ddp::DistributedDataParallel;
-use crate::host_buf::HostBuf;
-use crate::overlap::lock;
+use crate::config::{Compression, DdpConfig, ReducerSettings};
+use crate::gradients::agree::Start;
+use crate::gradients::buckets::{Layout, ADOPT_BYTES};
+use crate::gradients::host_buf::HostBuf;
+use crate::gradients::host_carrier::Reduction;
+use crate::gradients::overlap::lock;
+use crate::gradients::pipeline::Done;
+use crate::gradients::reducer::Reducer;
+use crate::optim::clip::{norm_and_factor, sum_of_squares};
+use crate::optim::shard_optim::ShardOptimizer;
 use crate::params::{put_values, take_values, ParamInfo};
-use crate::pipeline::Done;
-use crate::reduction::Reduction;
-use crate::shard_layout::{plan_shards, release_outside, ShardLayout};
-use crate::shard_optim::ShardOptimizer;
-use crate::zero_keep::{step_from, StartingPoint};
-use crate::zero_state::{
+use crate::zero::keep::{step_from, StartingPoint};
+use crate::zero::layout::{plan_shards, release_outside, ShardLayout};
+use crate::zero::state::{
     check_shards_agree, decode, encode, shard_report, ShardHeader, StateHeader, SHARD_LAYOUT,
 };
 use crate::DdpError;
@@ -102,7 +102,7 @@ pub struct ZeroConfig {
     #[config(default = 1.0)]
     pub first_bucket_mb: f64,
     /// When `Some(k)`, every k-th step first checks that the replicas hold bit-identical
-    /// parameters (see [`DistributedDataParallel::check_replicas`]).
+    /// parameters (see [`DistributedDataParallel::check_replicas`](crate::DistributedDataParallel::check_replicas)).
     #[config(default = "None")]
     pub check_replicas_every: Option<u64>,
     /// Whether every step overwrites the module's buffers (BatchNorm's running statistics)
@@ -120,6 +120,19 @@ pub struct ZeroConfig {
     /// all-gather, the same bits as DDP with clipping); `None`: no clipping.
     #[config(default = "None")]
     pub max_grad_norm: Option<f32>,
+}
+
+impl From<&ZeroConfig> for ReducerSettings {
+    fn from(config: &ZeroConfig) -> Self {
+        Self {
+            bucket_cap_mb: config.bucket_cap_mb,
+            first_bucket_mb: config.first_bucket_mb,
+            compression: Compression::None,
+            check_replicas_every: config.check_replicas_every,
+            broadcast_buffers: config.broadcast_buffers,
+            overlap: config.overlap,
+        }
+    }
 }
 
 /// Bytes held by the sharded state of one rank, for reports.
@@ -167,7 +180,7 @@ struct Held {
 }
 
 /// Data parallelism with sharded optimizer state (and gradients): replaces both
-/// [`DistributedDataParallel`] and burn's optimizer in the loop.
+/// [`DistributedDataParallel`](crate::DistributedDataParallel) and burn's optimizer in the loop.
 ///
 /// ```text
 /// let adam = ShardOptimizer::Adam(ShardedAdamConfig::new());
@@ -179,8 +192,9 @@ struct Held {
 /// }
 /// ```
 pub struct ShardedDataParallel {
-    /// The parameter list, the checks, the buffer broadcast, the pipeline and the hooks.
-    ddp: DistributedDataParallel,
+    /// The parameter list, the checks, the buffer broadcast, the pipeline and the hooks
+    /// (reduce-scattering).
+    reducer: Reducer,
     stage: ZeroStage,
     optimizer: ShardOptimizer,
     layout: Arc<Layout>,
@@ -222,7 +236,7 @@ pub struct ShardedDataParallel {
 
 impl ShardedDataParallel {
     /// Checks that every rank has the same parameter list, broadcasts rank 0's values (as
-    /// [`DistributedDataParallel::new`]), lays out the shards and allocates this rank's
+    /// [`DistributedDataParallel::new`](crate::DistributedDataParallel::new)), lays out the shards and allocates this rank's
     /// optimizer state. Every rank calls it at the same point.
     pub fn new<M: Module>(
         model: M,
@@ -242,20 +256,10 @@ impl ShardedDataParallel {
         optimizer: ShardOptimizer,
         start: Start,
     ) -> Result<(M, Self), DdpError> {
-        let ddp_config = DdpConfig::new()
-            .with_bucket_cap_mb(config.bucket_cap_mb)
-            .with_first_bucket_mb(config.first_bucket_mb)
-            .with_check_replicas_every(config.check_replicas_every)
-            .with_broadcast_buffers(config.broadcast_buffers)
-            .with_overlap(config.overlap);
-        let (model, ddp) = DistributedDataParallel::with_reduction(
-            model,
-            pg,
-            ddp_config,
-            Reduction::ReduceScatter,
-            start,
-        )?;
-        let params = ddp.params();
+        let settings = ReducerSettings::from(&config);
+        let reduction = Reduction::ReduceScatter;
+        let (model, reducer) = Reducer::new(model, pg, settings, reduction, start)?;
+        let params = reducer.params();
         if let Some(p) = params
             .iter()
             .find(|p| p.trainable() && p.dtype != DType::F32)
@@ -276,11 +280,11 @@ impl ShardedDataParallel {
             total += p.numel();
             trainable += 1;
         }
-        let layout = Arc::clone(lock(ddp.pipeline()).layout());
-        let shards = plan_shards(&layout, params, ddp.process_group().world_size());
-        let shard_len = shards.lens[ddp.process_group().rank()];
+        let layout = reducer.layout();
+        let shards = plan_shards(&layout, params, reducer.process_group().world_size());
+        let shard_len = shards.lens[reducer.process_group().rank()];
         let state = vec![vec![0.0; shard_len]; optimizer.state_vectors()];
-        let run = ddp
+        let run = reducer
             .process_group()
             .broadcast(vec![new_run_id() as i64], 0)?[0] as u64;
         let zero = Self {
@@ -303,24 +307,24 @@ impl ShardedDataParallel {
             spare: None,
             max_grad_norm: config.max_grad_norm,
             grad_norm: None,
-            ddp,
+            reducer,
         };
         Ok((model, zero))
     }
 
     /// The process group.
     pub fn process_group(&self) -> &Arc<ProcessGroup> {
-        self.ddp.process_group()
+        self.reducer.process_group()
     }
 
     /// The parameter list every rank agreed on (frozen parameters and buffers included).
     pub fn params(&self) -> &[ParamInfo] {
-        self.ddp.params()
+        self.reducer.params()
     }
 
     /// The parameter names of each bucket, in communication order (DDP's layout).
     pub fn bucket_layout(&self) -> Vec<Vec<String>> {
-        self.ddp.bucket_layout()
+        self.reducer.bucket_layout()
     }
 
     /// The stage in force.
@@ -374,7 +378,7 @@ impl ShardedDataParallel {
 
     /// Statistics since the last call, then reset.
     pub fn take_stats(&mut self) -> ZeroStats {
-        let ddp = self.ddp.take_stats();
+        let ddp = self.reducer.take_stats();
         ZeroStats {
             buckets_during_backward: ddp.buckets_during_backward,
             ..std::mem::take(&mut self.stats)
@@ -382,31 +386,31 @@ impl ShardedDataParallel {
     }
 
     /// Checks that every replica holds bit-identical parameters
-    /// ([`DistributedDataParallel::check_replicas`]). A collective.
+    /// ([`DistributedDataParallel::check_replicas`](crate::DistributedDataParallel::check_replicas)). A collective.
     pub fn check_replicas<M: Module>(&self, model: &M) -> Result<(), DdpError> {
-        self.ddp.check_replicas(model)
+        self.reducer.check_replicas(model)
     }
 
     /// A copy of `model` for the forward pass of the next
     /// [`backward_step`](Self::backward_step) whose trainable parameters hand their gradients
     /// over as soon as they are complete (with [`ZeroConfig::overlap`], as
-    /// [`DistributedDataParallel::prepare`]); otherwise a plain clone. Drop the copy once the
+    /// [`DistributedDataParallel::prepare`](crate::DistributedDataParallel::prepare)); otherwise a plain clone. Drop the copy once the
     /// loss is computed: while it lives, the module's parameters cannot be updated in their
     /// own memory (they are then copied).
     pub fn prepare<M: Module>(&mut self, model: &M) -> M {
-        self.ddp.prepare(model)
+        self.reducer.prepare(model)
     }
 
     /// When the last [`backward_step`](Self::backward_step) ran its backward pass (start and
     /// end), for traces.
     pub fn last_backward(&self) -> Option<(Instant, Instant)> {
-        self.ddp.last_backward()
+        self.reducer.last_backward()
     }
 
     /// Why the reduce-scatters cannot start during backward, or `None` when they do
-    /// ([`DistributedDataParallel::why_no_overlap`]).
+    /// ([`DistributedDataParallel::why_no_overlap`](crate::DistributedDataParallel::why_no_overlap)).
     pub fn why_no_overlap<M: Module>(&self, model: &M) -> Option<&'static str> {
-        self.ddp.why_no_overlap(model)
+        self.reducer.why_no_overlap(model)
     }
 
     /// Gradient accumulation (PyTorch's `no_sync`): stage 1 adds this micro-step's gradients
@@ -421,12 +425,12 @@ impl ShardedDataParallel {
         let start = Instant::now();
         let result = match self.stage {
             ZeroStage::One => {
-                let error = lock(self.ddp.pipeline()).accumulate(&mut grads);
+                let error = lock(self.reducer.pipeline()).accumulate(&mut grads);
                 error.map_or(Ok(()), Err)
             }
             ZeroStage::Two => {
                 // A collective: local failures travel with it.
-                let local = self.ddp.check_same_params(model).err();
+                let local = self.reducer.check_same_params(model).err();
                 self.reduce(Some(grads), false, local)
             }
         };
@@ -439,7 +443,7 @@ impl ShardedDataParallel {
     /// this rank's shard with learning rate `lr`, all-gathers the parameters and returns the
     /// updated module, the same on every rank. Every rank calls it at the same point.
     ///
-    /// Before the gradients, as [`DistributedDataParallel::sync`] does, it checks that `model`
+    /// Before the gradients, as [`DistributedDataParallel::sync`](crate::DistributedDataParallel::sync) does, it checks that `model`
     /// holds the parameters it was created with and broadcasts rank 0's buffers. A failure on
     /// one rank fails the step on every rank ([`DdpError::PeerFailed`] names the rank) before
     /// any parameter or optimizer state changes.
@@ -474,11 +478,11 @@ impl ShardedDataParallel {
         model: M,
         loss: Tensor<1>,
     ) -> Result<M, (DdpError, Option<M>)> {
-        if !self.ddp.prepared() {
-            let grads = self.ddp.timed_backward(&model, loss);
+        if !self.reducer.prepared() {
+            let grads = self.reducer.timed_backward(&model, loss);
             return self.step_keeping(lr, model, grads);
         }
-        let (grads, local) = match self.ddp.overlapped_backward(&model, loss) {
+        let (grads, local) = match self.reducer.overlapped_backward(&model, loss) {
             Ok(done) => done,
             Err(e) => return Err((e, Some(model))),
         };
@@ -501,7 +505,7 @@ impl ShardedDataParallel {
     ) -> Result<M, (DdpError, Option<M>)> {
         let start = Instant::now();
         let reduced = self
-            .ddp
+            .reducer
             .begin_sync(&model)
             .and_then(|local| self.reduce(Some(grads), false, local));
         self.stats.reduce += start.elapsed();
@@ -551,7 +555,7 @@ impl ShardedDataParallel {
         begun: bool,
         local: Option<DdpError>,
     ) -> Result<(), DdpError> {
-        let pipeline = Arc::clone(self.ddp.pipeline());
+        let pipeline = Arc::clone(self.reducer.pipeline());
         let mut pipeline = lock(&pipeline);
         if !begun {
             pipeline.begin(true);
@@ -564,7 +568,7 @@ impl ShardedDataParallel {
         }
         let rank = self.rank();
         let (chunks, layout, held) = (&self.shards.chunks[rank], &self.layout, &mut self.grad);
-        let presence = pipeline.finish(self.ddp.syncs(), |_, done: Done<HostBuf>| {
+        let presence = pipeline.finish(self.reducer.syncs(), |_, done: Done<HostBuf>| {
             let range = chunks[done.part].range.clone();
             let large = layout.parts[done.part].len * 4 >= ADOPT_BYTES;
             let mut buf = done.buf;

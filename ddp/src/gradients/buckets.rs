@@ -20,11 +20,11 @@
 //! (`pipeline.rs`), so every rank's buffers have the same lengths whatever its gradients.
 //!
 //! ZeRO's shards follow the parts: rank r owns chunk `chunk_range(len, N, r)` of every part
-//! (`zero.rs`).
+//! (`zero/sharded.rs`).
 
 use std::ops::Range;
 
-use crate::config::DdpConfig;
+use crate::config::ReducerSettings;
 use crate::params::ParamInfo;
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -90,7 +90,7 @@ pub(crate) struct Layout {
 }
 
 /// The layout of `params` under `config`'s bucket sizes (see the module documentation).
-pub(crate) fn plan_buckets(params: &[ParamInfo], config: &DdpConfig) -> Layout {
+pub(crate) fn plan_buckets(params: &[ParamInfo], config: &ReducerSettings) -> Layout {
     let cap_of = |mb: f64| ((mb * MIB / 4.0) as usize).max(1);
     let mut groups: Vec<Vec<usize>> = Vec::new();
     let mut open: Vec<usize> = Vec::new();
@@ -158,6 +158,7 @@ pub(crate) fn plan_buckets(params: &[ParamInfo], config: &DdpConfig) -> Layout {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::DdpConfig;
     use crate::params::ParamKind;
 
     fn info(name: &str, numel: usize) -> ParamInfo {
@@ -183,7 +184,7 @@ mod tests {
         let mut buffer = info("running_mean", 4);
         buffer.kind = ParamKind::Buffer;
         let params = vec![info("w", 4), buffer, info("b", 2)];
-        let layout = plan_buckets(&params, &DdpConfig::default());
+        let layout = plan_buckets(&params, &(&DdpConfig::default()).into());
         assert_eq!(layout.buckets.len(), 1);
         assert_eq!(layout.buckets[0].params, vec![2, 0]);
         assert_eq!(layout.place[1], None);
@@ -207,7 +208,7 @@ mod tests {
             first_bucket_mb: 1.0,
             ..DdpConfig::default()
         };
-        let layout = plan_buckets(&params, &config);
+        let layout = plan_buckets(&params, &(&config).into());
         // f (10 elements) is under 1 MiB: e crosses the first cap and closes bucket 0; d + c
         // + b cross 3 MiB; a is left.
         assert_eq!(
@@ -238,7 +239,7 @@ mod tests {
             info("fc2.weight", 128 * 10),
             info("fc2.bias", 10),
         ];
-        let layout = plan_buckets(&params, &DdpConfig::default());
+        let layout = plan_buckets(&params, &(&DdpConfig::default()).into());
         assert_eq!(
             names(&params, &layout),
             vec![
@@ -261,7 +262,7 @@ mod tests {
             first_bucket_mb: 100.0,
             ..DdpConfig::default()
         };
-        let layout = plan_buckets(&params, &config);
+        let layout = plan_buckets(&params, &(&config).into());
         assert_eq!(layout.buckets.len(), 1);
         let parts: Vec<(Vec<usize>, usize, bool)> = layout
             .parts

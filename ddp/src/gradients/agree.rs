@@ -8,8 +8,8 @@ use burn::module::Module;
 use ddp_comm::bytes::fnv1a;
 use ddp_comm::ProcessGroup;
 
-use crate::buckets::ADOPT_BYTES;
-use crate::host_buf::HostBuf;
+use crate::gradients::buckets::ADOPT_BYTES;
+use crate::gradients::host_buf::HostBuf;
 use crate::params::{put_values, take_values, ParamInfo, ParamKind};
 use crate::DdpError;
 

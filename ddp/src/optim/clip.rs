@@ -9,7 +9,7 @@
 //! only its shard, and a sum of floats depends on its order. So both take it in one order
 //! that ZeRO can compute from shards: the squares, exact in `f64` (an `f32` has 24 significant
 //! bits, its square 48 of `f64`'s 53), are summed in `f64` one chunk at a time, a chunk being
-//! what ZeRO gives one rank of one communication part (`shard_layout.rs`: rank r's chunk
+//! what ZeRO gives one rank of one communication part (`zero/layout.rs`: rank r's chunk
 //! `chunk_range(part.len, world, r)` of part j); the chunk sums are then added part by part,
 //! and within a part rank by rank. A ZeRO rank sums its own chunks and one small all-gather of
 //! the chunk sums (one `f64` per part) gives every rank all of them; a DDP rank sums every
@@ -24,8 +24,8 @@ use burn::optim::GradientsParams;
 use burn::tensor::Device;
 use ddp_comm::chunk_range;
 
-use crate::buckets::Layout;
-use crate::host_buf::HostBuf;
+use crate::gradients::buckets::Layout;
+use crate::gradients::host_buf::HostBuf;
 use crate::params::{put_grad, take_grad, ParamInfo};
 use crate::DdpError;
 

@@ -13,7 +13,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::powersgd_config::PowerSgdConfig;
+use crate::hooks::powersgd_config::PowerSgdConfig;
 use crate::DdpError;
 
 const MAGIC: &[u8; 8] = b"DDPPSGD1";

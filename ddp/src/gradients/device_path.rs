@@ -2,7 +2,7 @@
 //! cubecl backend (`Device::cuda(i)`), gradients never leave the device.
 //!
 //! The step is the gradient pipeline's (`pipeline.rs`), as on the host: the same bucket layout
-//! and parts, the same submit/complete loop (`DistributedDataParallel::reduce`), the same
+//! and parts, the same submit/complete loop (`Reducer::reduce`, `reducer.rs`), the same
 //! control all-reduce over the process group that carries presence and failures. Only the
 //! carrier differs: [`CudaCarrier`] (`cuda_carrier.rs`) keeps each part as a flat tensor on
 //! the device and all-reduces it in place through NCCL, after one synchronisation of burn's
@@ -27,16 +27,15 @@ use burn::tensor::{Device, FloatDType, Tensor};
 use ddp_comm::nccl::{check_same_gpu, NcclGroup};
 use ddp_comm::{DType, ProcessGroup};
 
-use super::DistributedDataParallel;
-use crate::buckets::Layout;
 use crate::config::Compression;
-use crate::cuda_carrier::{expose, sync_client, CudaCarrier};
+use crate::gradients::buckets::Layout;
+use crate::gradients::cuda_carrier::{expose, sync_client, CudaCarrier};
+use crate::gradients::pipeline::Pipeline;
 use crate::params::{ParamInfo, ParamKind};
-use crate::pipeline::Pipeline;
 use crate::DdpError;
 
 /// The NCCL communicator and the gradient pipeline of the device path.
-pub(super) struct DevicePath {
+pub(crate) struct DevicePath {
     nccl: Arc<NcclGroup>,
     pipeline: Pipeline<CudaCarrier>,
 }
@@ -57,7 +56,7 @@ impl DevicePath {
     /// rank calls this at the same point) and checks that the model's GPU is NCCL's; the
     /// gradients of `params` then travel in `layout`'s parts, in the wire type of
     /// `compression`. `None` otherwise.
-    pub(super) fn detect(
+    pub(crate) fn detect(
         pg: &Arc<ProcessGroup>,
         device: &Device,
         params: &Arc<[ParamInfo]>,
@@ -105,12 +104,12 @@ impl DevicePath {
     }
 
     /// The gradient pipeline.
-    pub(super) fn pipeline(&mut self) -> &mut Pipeline<CudaCarrier> {
+    pub(crate) fn pipeline(&mut self) -> &mut Pipeline<CudaCarrier> {
         &mut self.pipeline
     }
 
     /// The NCCL communicator.
-    pub(super) fn nccl(&self) -> &Arc<NcclGroup> {
+    pub(crate) fn nccl(&self) -> &Arc<NcclGroup> {
         &self.nccl
     }
 
@@ -118,7 +117,7 @@ impl DevicePath {
     /// visiting index) to every rank, on the device, and returns the module with them (ids,
     /// element types and gradient requirements kept). A collective: every rank calls it with
     /// the same module layout.
-    pub(super) fn broadcast_module<M: Module>(
+    pub(crate) fn broadcast_module<M: Module>(
         &self,
         module: M,
         keep: &dyn Fn(usize) -> bool,
@@ -213,31 +212,26 @@ impl DevicePath {
             index: 0,
         }))
     }
-}
 
-impl DistributedDataParallel {
-    /// `broadcast_buffers` on the device path: rank 0's buffers reach every rank through NCCL,
-    /// without the host. With `readable == false` (this rank's module no longer matches the
-    /// parameter list) the rank still takes part, with zeros of the agreed length, and loads
-    /// nothing; its sync fails anyway.
-    pub(super) fn broadcast_buffers_on_device<M: Module>(
+    /// The module's buffers from rank 0 through NCCL, without the host (PyTorch's
+    /// `broadcast_buffers=True` on the device). With `readable == false` (this rank's module
+    /// no longer matches the parameter list `params`) the rank still takes part, with zeros of
+    /// the agreed length, and loads nothing; its sync fails anyway.
+    pub(crate) fn broadcast_buffers<M: Module>(
         &self,
+        params: &[ParamInfo],
         model: &M,
         readable: bool,
     ) -> Result<(), DdpError> {
-        let Some(dp) = self.device_path.as_ref() else {
-            return Ok(());
-        };
-        let is_buffer = |i: usize| self.params[i].kind == ParamKind::Buffer;
+        let is_buffer = |i: usize| params[i].kind == ParamKind::Buffer;
         if !readable {
-            let len: usize = self
-                .params
+            let len: usize = params
                 .iter()
                 .filter(|p| p.kind == ParamKind::Buffer)
                 .map(|p| p.numel())
                 .sum();
             let zeros = vec![0u8; len * DType::F32.size()];
-            dp.nccl()
+            self.nccl()
                 .submit_broadcast_bytes(&zeros, DType::F32, 0)
                 .wait()?;
             return Ok(());
@@ -245,7 +239,7 @@ impl DistributedDataParallel {
         // burn's RunningState keeps the forward pass's update pending until it is synchronised
         // (`valid`); mapping a clone then writes through to `model`'s RunningStates.
         drop(model.valid());
-        drop(dp.broadcast_module(model.clone(), &is_buffer)?);
+        drop(self.broadcast_module(model.clone(), &is_buffer)?);
         Ok(())
     }
 }

@@ -17,7 +17,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::agree::diverged_ranks;
+use crate::gradients::agree::diverged_ranks;
 use crate::DdpError;
 
 const MAGIC: &[u8; 8] = b"DDPZERO1";

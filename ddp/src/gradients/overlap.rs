@@ -43,11 +43,11 @@ use burn::backend::Dispatch;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Device, Tensor, TensorData};
 
-use crate::host_buf::HostBuf;
-use crate::overlap_ops::{DepthProbe, GradHook, OverlapOps};
+use crate::gradients::host_buf::HostBuf;
+use crate::gradients::host_carrier::HostCarrier;
+use crate::gradients::overlap_ops::{DepthProbe, GradHook, OverlapOps};
+use crate::gradients::pipeline::Pipeline;
 use crate::params::ParamInfo;
-use crate::pipeline::Pipeline;
-use crate::reduction::HostCarrier;
 use crate::DdpError;
 
 /// The overlap machinery of one wrapper.

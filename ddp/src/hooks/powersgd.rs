@@ -30,10 +30,12 @@
 
 use ddp_comm::{ProcessGroup, ReduceOp, Work};
 
-use crate::comm_hook::{BucketDesc, CommHook, GradBuffer};
-use crate::powersgd_config::PowerSgdConfig;
-use crate::powersgd_math::{back_project, expand, fill_normal, orthogonalize, project, splitmix64};
-use crate::powersgd_state::{decode, encode, Saved, State};
+use crate::hooks::comm_hook::{BucketDesc, CommHook, GradBuffer};
+use crate::hooks::powersgd_config::PowerSgdConfig;
+use crate::hooks::powersgd_math::{
+    back_project, expand, fill_normal, orthogonalize, project, splitmix64,
+};
+use crate::hooks::powersgd_state::{decode, encode, Saved, State};
 use crate::DdpError;
 
 /// A gradient PowerSGD compresses: a `rows × cols` matrix and the rank it gets.
@@ -578,7 +580,7 @@ impl CommHook for PowerSgd {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm_hook::GradSlot;
+    use crate::hooks::comm_hook::GradSlot;
 
     fn bucket(shapes: &[&[usize]]) -> BucketDesc {
         let mut grads = Vec::new();

@@ -1,6 +1,6 @@
 //! A communication hook on the host path ([`Hooked`]): the pipeline submits and waits part by
 //! part, a hook ([`CommHook`](crate::CommHook)) takes and returns whole buckets; this file is
-//! the adapter between the two, used by `reduction.rs`'s carrier when a hook is installed.
+//! the adapter between the two, used by `host_carrier.rs`'s carrier when a hook is installed.
 
 use std::any::Any;
 use std::collections::VecDeque;
@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use ddp_comm::ProcessGroup;
 
-use crate::buckets::Layout;
-use crate::comm_hook::DynHook;
-use crate::host_buf::HostBuf;
+use crate::gradients::buckets::Layout;
+use crate::gradients::host_buf::HostBuf;
+use crate::hooks::comm_hook::DynHook;
 use crate::DdpError;
 
 /// A part of a hooked bucket in flight: its index in the layout's parts.

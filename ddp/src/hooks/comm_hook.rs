@@ -10,14 +10,14 @@
 //! `bf16_compress_hook`/`fp16_compress_hook`), which runs part by part without a hook object,
 //! and [`PowerSgd`](crate::PowerSgd) (PyTorch's `powerSGD_hook`), a [`CommHook`].
 //! [`DistributedDataParallel::register_comm_hook`](crate::DistributedDataParallel::register_comm_hook)
-//! installs any other; `hook_carrier.rs` adapts the pipeline's parts to the hook's buckets.
+//! installs any other; `gradients/hook_buckets.rs` adapts the pipeline's parts to the hook's buckets.
 
 use std::any::Any;
 
 use ddp_comm::ProcessGroup;
 
-use crate::buckets::Layout;
-use crate::host_buf::HostBuf;
+use crate::gradients::buckets::Layout;
+use crate::gradients::host_buf::HostBuf;
 use crate::params::ParamInfo;
 use crate::DdpError;
 

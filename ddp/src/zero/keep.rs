@@ -2,8 +2,8 @@
 //! update must be dropped): the step's starting point, and the update that writes the step
 //! from it into a second set of buffers (`ShardedDataParallel::keep_starting_points`).
 
-use crate::host_buf::HostBuf;
-use crate::shard_optim::ShardOptimizer;
+use crate::gradients::host_buf::HostBuf;
+use crate::optim::shard_optim::ShardOptimizer;
 
 /// Where a step started (elastic runs keep it, to drop a step that failed after the update):
 /// the trainable parameters' memory and the optimizer state as they were, the step counts.

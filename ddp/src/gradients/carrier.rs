@@ -1,6 +1,6 @@
 //! [`Carrier`]: what the gradient pipeline (`pipeline.rs`) needs from the memory its buffers
 //! live in and the communicator that reduces them, so that one loop drives every path: host
-//! buffers through the process group (`reduction.rs`, every CPU mode and ZeRO), device
+//! buffers through the process group (`host_carrier.rs`, every CPU mode and ZeRO), device
 //! tensors through NCCL (`cuda_carrier.rs`, the GPU path).
 
 use std::ops::Range;

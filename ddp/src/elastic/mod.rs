@@ -1,0 +1,7 @@
+//! Elastic training: [`ElasticDdp`](elastic_ddp::ElasticDdp), which keeps a job going as ranks
+//! leave and join (`elastic_ddp.rs`), ZeRO's re-sharding of the optimizer state for a new
+//! world (`reshard.rs`), and the hooks a user's program runs around a heal (`heal_hooks.rs`).
+
+pub(crate) mod elastic_ddp;
+pub(crate) mod heal_hooks;
+pub(crate) mod reshard;
