@@ -5,10 +5,10 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use crate::config::{GroupConfig, Transport};
-use crate::elastic::inherited_store_listener;
-use crate::env::{process_env, resolve, Explicit};
 use crate::error::CommError;
 use crate::group::ProcessGroup;
+use crate::launcher::contract::inherited_store_listener;
+use crate::launcher::env::{process_env, resolve, Explicit};
 
 /// Builds a [`ProcessGroup`] from explicit values; anything not given comes from the environment
 /// (see [`GroupConfig::from_env`]).
@@ -153,7 +153,7 @@ impl GroupBuilder {
     /// Resolves the configuration and joins the group (blocks until every rank has connected,
     /// or the connect deadline passes). Rank 0 hosts the store on the listener given with
     /// [`GroupBuilder::master_listener`], else on the one its launcher handed it
-    /// ([`crate::elastic::STORE_FD_ENV`], unless [`GroupBuilder::no_env`]), else on a socket
+    /// ([`crate::launcher::contract::STORE_FD_ENV`], unless [`GroupBuilder::no_env`]), else on a socket
     /// it binds to `MASTER_PORT`.
     pub fn build(mut self) -> Result<ProcessGroup, CommError> {
         let mut config = self.config()?;

@@ -15,7 +15,7 @@ pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(7);
 
 /// How long a lost connection of a group waits for an ABORT frame that explains it before it
 /// is itself taken as the group's root cause (`health.rs`); an elastic job's groups wait none
-/// (`elastic_group.rs`).
+/// (`membership/group.rs`).
 pub(crate) const DEFAULT_LOSS_GRACE: Duration = Duration::from_millis(400);
 /// Default deadline for reaching the rendezvous store and the peers at start-up: 300 s.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -91,7 +91,7 @@ pub struct GroupConfig {
     /// A scope for this group's keys in an agent store ([`GroupConfig::torch_agent_store`]):
     /// every key goes under `/worker/attempt_{N}/{scope}` instead of `/worker/attempt_{N}/`, so
     /// that several groups can form one after another in one store without reading each
-    /// other's keys (the generations of an elastic job, `elastic_group.rs`). `None`: no scope.
+    /// other's keys (the generations of an elastic job, `membership/group.rs`). `None`: no scope.
     pub store_scope: Option<String>,
     /// What carries the collectives (`DDP_TRANSPORT`: `auto`, the default, uses shared memory
     /// between the ranks that share a host, confirmed by mapping each other's segments, and TCP

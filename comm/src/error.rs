@@ -247,7 +247,7 @@ pub enum CommError {
         /// This rank.
         rank: usize,
     },
-    /// An elastic job refused this process (`elastic_group.rs`): another job, another world
+    /// An elastic job refused this process (`membership/group.rs`): another job, another world
     /// range, another model, or the job at its maximum. The job itself goes on.
     #[error("slot {slot} on {host} was refused by the elastic job at {addr}: {reason}")]
     ElasticRefused {
@@ -262,7 +262,7 @@ pub enum CommError {
     },
     /// An elastic job stopped: fewer ranks remain than its minimum (the message names the
     /// ranks lost). The launcher restarts the job from its last checkpoint if its restarts
-    /// allow (see [`crate::elastic::finish`]).
+    /// allow (see [`crate::launcher::contract::finish`]).
     #[error("slot {slot}: the elastic job stops: {message}")]
     ElasticStopped {
         /// This process's slot.

@@ -1,7 +1,7 @@
 //! [`ProcessGroup`]: a group of ranks that run collectives together, its communication thread
 //! that runs them in submission order, and the submit and blocking forms of every collective.
 //! Joining is `join.rs`; the handles are `work.rs`; the choice of transport per collective is
-//! `collectives.rs`.
+//! `collectives/dispatch.rs`.
 
 use std::net::TcpListener;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -12,20 +12,20 @@ use std::time::Duration;
 
 use crossbeam_channel::Sender;
 
-use crate::algorithms::Ctx;
-use crate::collectives::{self, Transports};
+use crate::collectives::algorithms::Ctx;
+use crate::collectives::dispatch::{self, Transports};
+use crate::collectives::element::{DType, Element, ReduceOp};
 use crate::config::{GroupConfig, DEFAULT_LOSS_GRACE};
-use crate::elastic::inherited_store_listener;
-use crate::element::{DType, Element, ReduceOp};
-use crate::env::process_env;
 use crate::error::CommError;
 use crate::flight::{CollectiveRecord, FlightRecorder};
-use crate::health::GroupHealth;
 use crate::join::join;
-use crate::shm::ShmGroup;
-use crate::store::Store;
-use crate::store_server::StoreServer;
-use crate::transport::Mesh;
+use crate::launcher::contract::inherited_store_listener;
+use crate::launcher::env::process_env;
+use crate::rendezvous::store::Store;
+use crate::rendezvous::store_server::StoreServer;
+use crate::transport::health::GroupHealth;
+use crate::transport::mesh::Mesh;
+use crate::transport::shm::ShmGroup;
 use crate::wire::{OpDesc, OpKind};
 use crate::work::Work;
 
@@ -86,7 +86,7 @@ impl CollectiveRunner {
     /// The start-up barrier (not numbered; its frames carry [`OpKind::Join`]).
     fn join(&mut self) -> Result<(), CommError> {
         let seq = self.seq;
-        let result = self.run(OpKind::Join, DType::U8, 0, 0, collectives::barrier);
+        let result = self.run(OpKind::Join, DType::U8, 0, 0, dispatch::barrier);
         self.seq = seq;
         result
     }
@@ -184,7 +184,7 @@ impl ProcessGroup {
     /// Joins the group described by the environment (see [`GroupConfig::from_env`]). With no
     /// variables set this is a group of one process that needs no sockets. Rank 0 hosts the
     /// store on the listening socket its launcher handed it, if any
-    /// ([`crate::elastic::STORE_FD_ENV`]).
+    /// ([`crate::launcher::contract::STORE_FD_ENV`]).
     pub fn from_env() -> Result<ProcessGroup, CommError> {
         let config = GroupConfig::from_env()?;
         tracing::info!(
@@ -412,7 +412,7 @@ impl ProcessGroup {
         let rec = (OpKind::AllReduce, T::DTYPE, buf.len());
         self.submit(what, rec, move |e| {
             e.run(OpKind::AllReduce, T::DTYPE, buf.len(), op.to_wire(), |t| {
-                collectives::all_reduce(t, &mut buf, op)
+                dispatch::all_reduce(t, &mut buf, op)
             })?;
             Ok(buf)
         })
@@ -441,7 +441,7 @@ impl ProcessGroup {
         let rec = (OpKind::Broadcast, T::DTYPE, buf.len());
         self.submit(what, rec, move |e| {
             e.run(OpKind::Broadcast, T::DTYPE, buf.len(), root as u32, |t| {
-                collectives::broadcast(t, &mut buf, root)
+                dispatch::broadcast(t, &mut buf, root)
             })?;
             Ok(buf)
         })
@@ -457,7 +457,7 @@ impl ProcessGroup {
         let rec = (OpKind::AllGather, T::DTYPE, buf.len());
         self.submit(what, rec, move |e| {
             e.run(OpKind::AllGather, T::DTYPE, buf.len(), 0, |t| {
-                collectives::all_gather(t, &buf)
+                dispatch::all_gather(t, &buf)
             })
         })
     }
@@ -476,7 +476,7 @@ impl ProcessGroup {
                 T::DTYPE,
                 buf.len(),
                 op.to_wire(),
-                |t| collectives::reduce_scatter(t, &mut buf, op),
+                |t| dispatch::reduce_scatter(t, &mut buf, op),
             )
         })
     }
@@ -498,7 +498,7 @@ impl ProcessGroup {
         let rec = (OpKind::AllReduce, T::DTYPE, len);
         self.submit(what, rec, move |e| {
             e.run(OpKind::AllReduce, T::DTYPE, len, op.to_wire(), |t| {
-                collectives::all_reduce(t, buf.as_mut(), op)
+                dispatch::all_reduce(t, buf.as_mut(), op)
             })?;
             Ok(buf)
         })
@@ -529,7 +529,7 @@ impl ProcessGroup {
         let rec = (OpKind::Broadcast, T::DTYPE, len);
         self.submit(what, rec, move |e| {
             e.run(OpKind::Broadcast, T::DTYPE, len, root as u32, |t| {
-                collectives::broadcast(t, buf.as_mut(), root)
+                dispatch::broadcast(t, buf.as_mut(), root)
             })?;
             Ok(buf)
         })
@@ -554,7 +554,7 @@ impl ProcessGroup {
         let rec = (OpKind::ReduceScatter, T::DTYPE, len);
         self.submit(what, rec, move |e| {
             e.run(OpKind::ReduceScatter, T::DTYPE, len, op.to_wire(), |t| {
-                collectives::reduce_scatter_in_place(t, buf.as_mut(), op)
+                dispatch::reduce_scatter_in_place(t, buf.as_mut(), op)
             })?;
             Ok(buf)
         })
@@ -578,7 +578,7 @@ impl ProcessGroup {
         // `arg` 1 tells it from the all-gather of equal blocks (arg 0) in the fingerprint.
         self.submit(what, rec, move |e| {
             e.run(OpKind::AllGather, T::DTYPE, len, 1, |t| {
-                collectives::all_gather_chunks(t, buf.as_mut())
+                dispatch::all_gather_chunks(t, buf.as_mut())
             })?;
             Ok(buf)
         })
@@ -591,7 +591,7 @@ impl ProcessGroup {
         }
         let rec = (OpKind::Barrier, DType::U8, 0);
         self.submit("barrier".into(), rec, move |e| {
-            e.run(OpKind::Barrier, DType::U8, 0, 0, collectives::barrier)
+            e.run(OpKind::Barrier, DType::U8, 0, 0, dispatch::barrier)
         })
     }
 

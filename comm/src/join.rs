@@ -9,7 +9,7 @@
 //! 2. Rank 0 publishes the job id and its tuning; the others adopt them, so every rank runs the
 //!    same algorithms. Each rank then claims its rank in the store: a second process with the
 //!    same rank is refused.
-//! 3. The full mesh of peer connections (`connect.rs`), then its threads (`transport.rs`).
+//! 3. The full mesh of peer connections (`connect.rs`), then its threads (`transport/mesh.rs`).
 //! 4. Shared memory between the ranks that share a host (`shm.rs`): all of them (it carries
 //!    every collective), some (hierarchical, with TCP between hosts) or none (TCP alone). Every
 //!    rank reaches the same verdict through the store.
@@ -22,15 +22,15 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use crate::clock::remaining;
 use crate::config::{GroupConfig, MAX_SEGMENT_BYTES};
-use crate::connect::connect_mesh;
 use crate::error::CommError;
 use crate::flight::FlightRecorder;
-use crate::handshake::Identity;
-use crate::shm::{ShmGroup, ShmSetup};
-use crate::store::Store;
-use crate::store_server::StoreServer;
-use crate::torch_store::agent_key_prefix;
-use crate::transport::Mesh;
+use crate::rendezvous::connect::connect_mesh;
+use crate::rendezvous::handshake::Identity;
+use crate::rendezvous::store::Store;
+use crate::rendezvous::store_server::StoreServer;
+use crate::rendezvous::torch_store::agent_key_prefix;
+use crate::transport::mesh::Mesh;
+use crate::transport::shm::{ShmGroup, ShmSetup};
 use crate::wire;
 
 const JOB_ID_KEY: &str = "ddp/job_id";

@@ -85,7 +85,7 @@
 use std::fmt;
 use std::io::{self, Read, Write};
 
-use crate::element::{DType, ReduceOp};
+use crate::collectives::element::{DType, ReduceOp};
 
 /// Magic bytes that open every handshake.
 pub(crate) const MAGIC: [u8; 4] = *b"DDPC";

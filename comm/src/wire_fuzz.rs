@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::connect::connect_mesh;
-use crate::handshake::Identity;
+use crate::rendezvous::connect::connect_mesh;
+use crate::rendezvous::handshake::Identity;
 use crate::wire::{self, FrameKind, Header, OpDesc, OpKind, HEADER_BYTES};
 use crate::{CommError, DType, ProcessGroup, ReduceOp};
 
@@ -168,7 +168,13 @@ fn names_rank(text: &str, r: usize) -> bool {
 /// Rank 1 by hand: the store, the mesh handshake, the start-up barrier, against a real rank 0
 /// of job "fuzz" hosting its store on `port`. Returns the connection to rank 0, with the rest
 /// of the mesh and the store client, which must stay alive as long as it.
-fn join_as_rank_1(port: u16) -> (TcpStream, Vec<Option<TcpStream>>, crate::store::Store) {
+fn join_as_rank_1(
+    port: u16,
+) -> (
+    TcpStream,
+    Vec<Option<TcpStream>>,
+    crate::rendezvous::store::Store,
+) {
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut me = Identity {
         rank: 1,
@@ -176,9 +182,14 @@ fn join_as_rank_1(port: u16) -> (TcpStream, Vec<Option<TcpStream>>, crate::store
         job_id: wire::job_id_from_name("fuzz"),
         token: None,
     };
-    let store =
-        crate::store::Store::connect(&me, "127.0.0.1", port, deadline, Duration::from_secs(10))
-            .unwrap();
+    let store = crate::rendezvous::store::Store::connect(
+        &me,
+        "127.0.0.1",
+        port,
+        deadline,
+        Duration::from_secs(10),
+    )
+    .unwrap();
     let id = store
         .get_timeout("ddp/job_id", Duration::from_secs(10))
         .unwrap();

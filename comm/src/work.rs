@@ -8,7 +8,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use crate::error::CommError;
 use crate::flight::FlightRecorder;
-use crate::health::GroupHealth;
+use crate::transport::health::GroupHealth;
 
 /// How much longer than the group's deadline [`Work::wait`] lets a group sit without progress:
 /// enough for a collective's own deadline, the attribution and the ABORT flush to report first.

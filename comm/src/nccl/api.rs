@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 
 use super::dl::SharedLib;
 use super::search::{find_candidates, CudaLibrary, NotFound, SearchEnv};
-use crate::element::{DType, ReduceOp};
+use crate::collectives::element::{DType, ReduceOp};
 
 /// A NCCL communicator (`ncclComm_t`).
 pub(crate) type RawComm = *mut c_void;

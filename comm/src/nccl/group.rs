@@ -13,11 +13,11 @@ use super::device::{open_device, OpenedDevice};
 use super::init::{init_with_deadline, RealInit};
 use super::library::{guard, CUDA_VAR, NCCL_VAR};
 use super::work::{CommState, Communicator, NcclWork, Seen};
-use crate::algorithms::chunk_range;
-use crate::element::{DType, Element, ReduceOp};
+use crate::collectives::algorithms::chunk_range;
+use crate::collectives::element::{DType, Element, ReduceOp};
 use crate::error::CommError;
 use crate::group::ProcessGroup;
-use crate::store::Store;
+use crate::rendezvous::store::Store;
 
 /// How often a rank polls NCCL while its communicator is being created.
 const INIT_POLL: Duration = Duration::from_millis(2);

@@ -29,7 +29,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use super::api::{NcclLibrary, NcclResult, RawComm};
 use super::library::{guard, CUDA_VAR, NCCL_VAR};
 use crate::error::CommError;
-use crate::health::GroupHealth;
+use crate::transport::health::GroupHealth;
 
 /// The communicator and what changes with every collective.
 pub(super) struct CommState {

@@ -2,7 +2,7 @@
 //! ([`host_identity`], or `DDP_HOST_ID`). The ranks with the same identity form a *host*; hosts
 //! are ordered by their lowest rank, which is the host's *leader*. The shared-memory transport
 //! (`shm.rs`) maps the segments of the ranks of its host, and the hierarchical collectives
-//! (`collectives.rs`) run TCP among the leaders only.
+//! (`collectives/dispatch.rs`) run TCP among the leaders only.
 
 /// This host's identity: its name and the kernel's boot id (two containers may share a name).
 pub(crate) fn host_identity() -> String {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use crate::element::Element;
+use crate::collectives::element::Element;
 
 /// Buffers at least this many bytes long go back to their pool when dropped.
 const POOL_MIN_BYTES: usize = 32 << 10;

@@ -31,17 +31,19 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{select, unbounded, Receiver, Sender};
 
-use crate::buffers::{BufferPool, PooledBuf};
 use crate::clock::remaining;
-use crate::element::Element;
+use crate::collectives::element::Element;
 use crate::error::CommError;
 use crate::flight::FlightRecorder;
-use crate::health::GroupHealth;
-use crate::link::{Credits, Incoming, Loans, Outgoing, Payload, Post, PostSlot, LINK_CREDITS};
-use crate::liveness::{heartbeat_interval, start_liveness, LastHeard, WatchedPeer};
-use crate::reader::{reader_loop, ReaderLink};
+use crate::transport::buffers::{BufferPool, PooledBuf};
+use crate::transport::health::GroupHealth;
+use crate::transport::link::{
+    Credits, Incoming, Loans, Outgoing, Payload, Post, PostSlot, LINK_CREDITS,
+};
+use crate::transport::liveness::{heartbeat_interval, start_liveness, LastHeard, WatchedPeer};
+use crate::transport::reader::{reader_loop, ReaderLink};
+use crate::transport::writer::{writer_loop, WriterLink};
 use crate::wire::{Header, OpDesc};
-use crate::writer::{writer_loop, WriterLink};
 
 /// Longest the shutdown of a group waits for its peers to close their side.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
@@ -595,7 +597,7 @@ impl Drop for Mesh {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::element::DType;
+    use crate::collectives::element::DType;
     use crate::wire::OpKind;
     use std::net::TcpListener;
 

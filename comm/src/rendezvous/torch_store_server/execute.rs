@@ -18,10 +18,10 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use crate::torch_store::{
+use crate::rendezvous::torch_store::{
     CHECK_NOT_READY, CHECK_READY, STOP_WAITING, VALIDATION_MAGIC, WAIT_CANCELED,
 };
-use crate::torch_store_request::Request;
+use crate::rendezvous::torch_store_request::Request;
 
 /// Bytes counted for each key of the map besides its key and value: the entry (two `Vec`s,
 /// the hash table's control byte and slack) and the two allocations' headers.

@@ -1,7 +1,7 @@
 //! The full mesh of peer connections a group starts with: each rank listens, publishes its
 //! address in the store, connects to every lower rank and accepts every higher one, each with a
 //! handshake (`handshake.rs`); a stray or foreign connection is refused, never taken for a peer.
-//! `transport.rs` runs the mesh once it stands.
+//! `transport/mesh.rs` runs the mesh once it stands.
 
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 
 use crate::clock::remaining;
 use crate::error::CommError;
-use crate::handshake::{
+use crate::rendezvous::handshake::{
     connect_retry, handshake_accept, handshake_connect, Identity, HANDSHAKE_TIMEOUT,
 };
-use crate::store::Store;
+use crate::rendezvous::store::Store;
 use crate::wire::HelloKind;
 
 /// Store keys under which each rank publishes its listening address.

@@ -13,8 +13,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::config::GroupConfig;
-use crate::env::Lookup;
 use crate::error::CommError;
+use crate::launcher::env::Lookup;
 
 /// The variable torchrun sets to the file where a rank records its fatal error (torchelastic's
 /// `@record`); ddprun sets it too, and [`record_error`] writes it.

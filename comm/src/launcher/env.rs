@@ -49,7 +49,7 @@ use crate::config::{
     MAX_SEGMENT_BYTES,
 };
 use crate::error::CommError;
-use crate::slurm::{first_host, parse_tasks_per_node};
+use crate::launcher::slurm::{first_host, parse_tasks_per_node};
 
 /// How variables are read: the process environment ([`process_env`]) or a caller's map.
 pub(crate) type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
@@ -178,7 +178,7 @@ fn mpi_job_port(env: Lookup) -> Result<u16, CommError> {
 pub(crate) fn resolve(given: &Explicit, env: Lookup) -> Result<GroupConfig, CommError> {
     let launcher = Launcher::detect(env);
     if launcher == Launcher::None && given.rank.is_none() && given.world_size.is_none() {
-        crate::kubeflow::check_single_process(env)?;
+        crate::launcher::kubeflow::check_single_process(env)?;
     }
     let ranks = ranks(given, env, launcher)?;
     let master_addr = master_addr(given, env, launcher, &ranks)?;
@@ -374,7 +374,7 @@ fn ranks(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Ranks, Com
     // Started directly in a Kubeflow pod: RANK and WORLD_SIZE without LOCAL_WORLD_SIZE.
     let pod_local_world =
         if torch && given.local_world_size.is_none() && env("LOCAL_WORLD_SIZE").is_none() {
-            crate::kubeflow::direct_local_world(env, world.value)?
+            crate::launcher::kubeflow::direct_local_world(env, world.value)?
         } else {
             None
         };
@@ -696,7 +696,7 @@ fn parse_seconds(env: Lookup, var: &str) -> Result<Option<Duration>, CommError> 
 /// `True`; `true` and `1` in any case are accepted too, `False`, `0` or empty mean no) and then
 /// `TORCHELASTIC_RESTART_COUNT` (0 if unset). Any other value is an error naming the variable.
 fn agent_store_from_env(env: Lookup) -> Result<Option<u32>, CommError> {
-    // `crate::elastic::USE_AGENT_STORE_ENV` (spelled out: elastic.rs reads variables through
+    // `crate::launcher::contract::USE_AGENT_STORE_ENV` (spelled out: elastic.rs reads variables through
     // this file).
     const USE: &str = "TORCHELASTIC_USE_AGENT_STORE";
     let Some(raw) = env(USE) else {

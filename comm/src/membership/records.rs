@@ -1,7 +1,7 @@
 //! The records of an elastic job's membership and the decisions made from them: who is in
 //! each generation of the job, which step it continues from, who left and who joined
 //! ([`decide_founding`], [`decide_next`]). Pure functions over the records; the store calls
-//! around them are `elastic_group.rs`'s.
+//! around them are `membership/group.rs`'s.
 //!
 //! # Generations
 //!

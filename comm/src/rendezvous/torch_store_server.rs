@@ -83,8 +83,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::torch_store::STOP_WAITING;
-use crate::torch_store_request::{parse, Parsed};
+use crate::rendezvous::torch_store::STOP_WAITING;
+use crate::rendezvous::torch_store_request::{parse, Parsed};
 
 mod execute;
 

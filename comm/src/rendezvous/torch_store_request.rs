@@ -11,7 +11,7 @@
 //! these bounds, or an unknown query byte, is [`Parsed::Bad`] with the reason; the server then
 //! closes the connection, as torch's does.
 
-use crate::torch_store::Query;
+use crate::rendezvous::torch_store::Query;
 use crate::wire::MAX_STORE_VALUE_BYTES;
 
 /// The longest key (torch's `MAX_STRING_LEN`).

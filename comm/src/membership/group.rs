@@ -1,7 +1,7 @@
 //! [`ElasticGroup`]: a process group whose membership changes while the job runs. Ranks leave
 //! (they died, froze, or were cut off) and the survivors go on at the smaller world without
 //! exiting; processes join (a launcher restarted a dead rank, or a new node came) and the world
-//! grows at the next step boundary. The decisions are `membership.rs`'s; this file makes them
+//! grows at the next step boundary. The decisions are `membership/records.rs`'s; this file makes them
 //! through the rendezvous store and forms each generation's process group.
 //!
 //! # How
@@ -25,7 +25,7 @@
 //!
 //! Nothing in the store. Every step ends with [`ElasticGroup::should_commit`], one all-reduce
 //! of one integer on the group's own transport (tens of microseconds over shared memory),
-//! which is the commit vote of `membership.rs` and carries whether processes wait to join:
+//! which is the commit vote of `membership/records.rs` and carries whether processes wait to join:
 //! rank 0 alone looks at the store for them, every [`ElasticConfig::poll`], on a thread of its
 //! own. So every member learns of a join at the same step boundary.
 //!
@@ -46,16 +46,16 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::collectives::element::ReduceOp;
 use crate::config::GroupConfig;
-use crate::element::ReduceOp;
-use crate::env::{process_env, resolve, Explicit, Lookup};
 use crate::error::CommError;
 use crate::group::ProcessGroup;
-use crate::membership::{
+use crate::launcher::env::{process_env, resolve, Explicit, Lookup};
+use crate::membership::records::{
     decide_founding, decide_next, Generation, JobTerms, JoinRequest, Left, Member, Report,
 };
-use crate::store::Store;
-use crate::torch_store::agent_key_prefix;
+use crate::rendezvous::store::Store;
+use crate::rendezvous::torch_store::agent_key_prefix;
 
 /// The variable that makes a rank elastic: `MIN:MAX`, the least and the most ranks the job
 /// runs with (ddprun sets it from `--nnodes MIN:MAX`, in ranks).
@@ -138,7 +138,7 @@ impl ElasticConfig {
                     "{ELASTIC_ENV} needs a rendezvous store that outlives every rank: run under \
                      ddprun (or host a store outside the ranks and set \
                      {}=True)",
-                    crate::elastic::USE_AGENT_STORE_ENV
+                    crate::launcher::contract::USE_AGENT_STORE_ENV
                 ),
             ));
         }
@@ -254,7 +254,7 @@ impl ElasticGroup {
         let me = Member {
             slot: config.slot,
             incarnation: random_u64(),
-            host: crate::topology::host_identity()
+            host: crate::transport::topology::host_identity()
                 .split('/')
                 .next()
                 .unwrap_or_default()
@@ -747,9 +747,9 @@ impl ElasticGroup {
     }
 
     /// The error of a job below its minimum, noted for the error file and the exit code the
-    /// launcher reads (see [`crate::elastic::finish`]).
+    /// launcher reads (see [`crate::launcher::contract::finish`]).
     fn below_min(&self, why: &str) -> CommError {
-        crate::elastic::note_elastic_stop();
+        crate::launcher::contract::note_elastic_stop();
         CommError::ElasticStopped {
             slot: self.me.slot,
             message: why.to_string(),

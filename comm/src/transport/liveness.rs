@@ -41,8 +41,8 @@ use crossbeam_channel::Sender;
 
 use crate::error::CommError;
 use crate::flight::FlightRecorder;
-use crate::health::GroupHealth;
-use crate::link::Outgoing;
+use crate::transport::health::GroupHealth;
+use crate::transport::link::Outgoing;
 
 /// When the last frame from a peer arrived.
 pub(crate) struct LastHeard {

@@ -25,11 +25,11 @@
 //! other leaders over TCP, then inside every other host from its leader. A barrier: everyone of
 //! every host in (shared memory), the leaders' barrier over TCP, everyone out (shared memory).
 
-use crate::algorithms::{self, Ctx};
-use crate::element::{Element, ReduceOp};
+use crate::collectives::algorithms::{self, Ctx};
+use crate::collectives::element::{Element, ReduceOp};
+use crate::collectives::shm_algorithms as shm;
 use crate::error::CommError;
-use crate::shm::ShmGroup;
-use crate::shm_algorithms as shm;
+use crate::transport::shm::ShmGroup;
 
 /// The transports a collective may use: TCP among every rank of the group, and the shared memory
 /// of this host when some ranks share it.

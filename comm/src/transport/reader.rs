@@ -24,11 +24,11 @@ use std::sync::Arc;
 
 use crossbeam_channel::Sender;
 
-use crate::buffers::BufferPool;
 use crate::error::CommError;
-use crate::health::GroupHealth;
-use crate::link::{Credits, Incoming, PostSlot, LINK_CREDITS};
-use crate::liveness::LastHeard;
+use crate::transport::buffers::BufferPool;
+use crate::transport::health::GroupHealth;
+use crate::transport::link::{Credits, Incoming, PostSlot, LINK_CREDITS};
+use crate::transport::liveness::LastHeard;
 use crate::wire::{self, FrameKind, Header, HEADER_BYTES};
 
 /// What the reader thread of the link to `peer` works with.

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::clock::remaining;
 use crate::error::CommError;
-use crate::handshake::{handshake_accept, Identity, HANDSHAKE_TIMEOUT};
+use crate::rendezvous::handshake::{handshake_accept, Identity, HANDSHAKE_TIMEOUT};
 use crate::wire::{self, Hello, HelloKind, StoreCmd, StoreRequest, StoreResponse, StoreStatus};
 
 struct ServerState {

@@ -21,8 +21,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::CommError;
-use crate::store::Store;
-use crate::torch_store_server::TorchStoreHost;
+use crate::rendezvous::store::Store;
+use crate::rendezvous::torch_store_server::TorchStoreHost;
 
 /// The key prefix of the launchers' keys in the ranks' store (as the keys travel).
 pub const AGENTS_PREFIX: &str = "/ddprun/agents/";

@@ -15,7 +15,7 @@
 //! whether it mapped all of its host's ranks, and the group uses shared memory only if every
 //! rank did (every rank reads every verdict, so all reach the same answer). One host: shared
 //! memory carries every collective. Several hosts, some with two or more ranks: shared memory
-//! inside each host, TCP between the leaders (hierarchical, `collectives.rs`). One rank per host:
+//! inside each host, TCP between the leaders (hierarchical, `collectives/dispatch.rs`). One rank per host:
 //! TCP alone. `DDP_TRANSPORT=tcp` turns shared memory off, `shm` makes a failure to set it up an
 //! error, `auto` (the default) falls back to TCP.
 //!
@@ -57,9 +57,9 @@ use std::time::{Duration, Instant};
 use crate::clock::remaining;
 use crate::config::Transport;
 use crate::error::CommError;
-use crate::store::Store;
-use crate::topology::{host_identity, Topology};
-use crate::transport::Mesh;
+use crate::rendezvous::store::Store;
+use crate::transport::mesh::Mesh;
+use crate::transport::topology::{host_identity, Topology};
 use crate::wire::{Header, OpDesc, HEADER_BYTES};
 
 const MAGIC: [u8; 8] = *b"DDPSHM02";

@@ -409,7 +409,7 @@ mod tests {
     use super::*;
     use std::net::TcpListener;
 
-    const TRANSCRIPT: &str = include_str!("../tests/fixtures/torch_store/transcript.txt");
+    const TRANSCRIPT: &str = include_str!("../../tests/fixtures/torch_store/transcript.txt");
 
     /// One event of the transcript: bytes the client sent (`>`) or the server answered (`<`).
     #[derive(Debug, Clone)]

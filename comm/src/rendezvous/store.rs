@@ -13,8 +13,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::error::{CommError, StoreCallError};
-use crate::handshake::{connect_retry, handshake_connect, Identity};
-use crate::torch_store::TorchConn;
+use crate::rendezvous::handshake::{connect_retry, handshake_connect, Identity};
+use crate::rendezvous::torch_store::TorchConn;
 use crate::wire::{
     self, HelloKind, StoreCmd, StoreRequest, StoreResponse, StoreStatus, MAX_STORE_VALUE_BYTES,
 };
@@ -378,7 +378,7 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store_server::StoreServer;
+    use crate::rendezvous::store_server::StoreServer;
     use std::net::TcpListener;
 
     fn id(rank: usize, token: Option<&str>) -> Identity {

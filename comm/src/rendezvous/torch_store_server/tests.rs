@@ -7,7 +7,9 @@
 //! `tests/torch_store_calls.rs` (every call of torch 2.15's client).
 
 use super::*;
-use crate::torch_store::{Query, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC, WAIT_CANCELED};
+use crate::rendezvous::torch_store::{
+    Query, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC, WAIT_CANCELED,
+};
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
@@ -675,7 +677,8 @@ const CHILD: &str = "DDP_TORCH_STORE_TEST_CHILD";
 fn run_child(name: &str) -> String {
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
-            &format!("torch_store_server::tests::{name}"),
+            // This module's path without the crate's name, as the test harness names tests.
+            &format!("{}::{name}", module_path!().split_once("::").unwrap().1),
             "--exact",
             "--ignored",
             "--nocapture",

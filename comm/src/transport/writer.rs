@@ -23,8 +23,8 @@ use std::time::Duration;
 use crossbeam_channel::Receiver;
 
 use crate::error::CommError;
-use crate::health::GroupHealth;
-use crate::link::{Credits, Outgoing, LINK_CREDITS};
+use crate::transport::health::GroupHealth;
+use crate::transport::link::{Credits, Outgoing, LINK_CREDITS};
 use crate::wire::{self, FrameKind, Header};
 
 /// What the writer thread of the link to `peer` works with.

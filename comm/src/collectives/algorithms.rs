@@ -1,6 +1,6 @@
 //! The collective algorithms over TCP, each one function over the mesh's `send` and `recv`
-//! (`transport.rs`). Which transport carries a collective (these, shared memory, or both in the
-//! hierarchical form) is decided in `collectives.rs`.
+//! (`transport/mesh.rs`). Which transport carries a collective (these, shared memory, or both in the
+//! hierarchical form) is decided in `collectives/dispatch.rs`.
 //!
 //! # Ring all-reduce (large buffers)
 //!
@@ -64,10 +64,10 @@
 
 use std::ops::Range;
 
-use crate::buffers::PooledBuf;
-use crate::element::{Element, ReduceOp};
+use crate::collectives::element::{Element, ReduceOp};
 use crate::error::CommError;
-use crate::transport::Mesh;
+use crate::transport::buffers::PooledBuf;
+use crate::transport::mesh::Mesh;
 use crate::wire::OpDesc;
 
 /// The balanced split of `len` elements into `world` chunks: chunk `index` of

@@ -24,7 +24,7 @@
 //! carries the group's one root cause.
 //!
 //! The first failure of any group of the process is also noted for the error file a failing
-//! rank leaves its launcher (`elastic.rs`): the rank it blames travels there.
+//! rank leaves its launcher (`launcher/contract.rs`): the rank it blames travels there.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -198,7 +198,7 @@ impl GroupHealth {
             *slot = Some(err.clone());
             self.failed.store(true, Ordering::Release);
         }
-        crate::elastic::note_group_failure(err.peer());
+        crate::launcher::contract::note_group_failure(err.peer());
         self.failed_tx
             .lock()
             .unwrap_or_else(|p| p.into_inner())

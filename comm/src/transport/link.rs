@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Condvar, Mutex};
 
-use crate::buffers::PooledBuf;
+use crate::transport::buffers::PooledBuf;
 use crate::wire::{Header, OpDesc};
 
 /// DATA frames a rank may have on a link that the receiver has not consumed yet (see `wire.rs`,

@@ -19,15 +19,15 @@
 //!   longest chunk). Reduce-scatter: everyone writes, rank r reduces its chunk in place.
 //!   Barrier: one empty piece.
 //!
-//! The hierarchical collectives across hosts (`collectives.rs`) use these inside each host.
+//! The hierarchical collectives across hosts (`collectives/dispatch.rs`) use these inside each host.
 
 use std::ops::Range;
 
-use crate::algorithms::chunk_range;
-use crate::element::{Element, ReduceOp};
+use crate::collectives::algorithms::chunk_range;
+use crate::collectives::element::{Element, ReduceOp};
 use crate::error::CommError;
-use crate::shm::ShmGroup;
-use crate::transport::Mesh;
+use crate::transport::mesh::Mesh;
+use crate::transport::shm::ShmGroup;
 use crate::wire::OpDesc;
 
 /// Pieces up to this size are all-reduced in one shot.
