@@ -4,9 +4,9 @@
 # 1. `cargo package --workspace` packs every crate. Those that can be published have
 #    the metadata crates.io requires (description, licence, readme, documentation, keywords,
 #    categories, rust-version), the licence files inside each crate, a version on every path
-#    dependency, and only the files the crate owns. The example and xtask (`publish = false`)
-#    are packed too: the example to be built from its pack, xtask so that the packs' build
-#    unifies features as the workspace's does (xtask's plotters turns on num-traits' `default`;
+#    dependency, and only the files the crate owns. The example, ddp-bench and xtask
+#    (`publish = false`) are packed too: the example to be built from its pack, xtask so that
+#    the packs' build unifies features as the workspace's does (xtask's plotters turns on num-traits' `default`;
 #    without it every burn crate would compile again).
 # 2. The packs are unpacked side by side and built together, in release, as one workspace whose
 #    dependencies between them go through crates.io's names with `[patch.crates-io]` pointing at
@@ -46,6 +46,7 @@ import pathlib, re, sys, tomllib
 build = pathlib.Path(sys.argv[1])
 crates = sys.argv[2:]
 names = {}
+unpublished = set()
 for folder in crates:
     manifest = tomllib.loads((build / folder / "Cargo.toml").read_text())
     names[manifest["package"]["name"]] = folder
@@ -55,7 +56,8 @@ for folder in crates:
             if isinstance(spec, dict) and "path" in spec:
                 sys.exit(f"{folder}/Cargo.toml: [{table}] {dep} still has a path: {spec}")
     if manifest["package"].get("publish") is False:
-        continue  # the example and xtask: never published
+        unpublished.add(manifest["package"]["name"])
+        continue  # the example, the benchmarks and xtask: never published
     for key in ("description", "license", "readme", "documentation", "keywords", "categories",
                 "rust-version"):
         if not manifest["package"].get(key):
@@ -80,7 +82,7 @@ lines += [f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}" for k, v
 lines += ["", "# Not on crates.io yet: the registry's names resolve to the unpacked packs.",
           "[patch.crates-io]"]
 lines += [f'{name} = {{ path = "{folder}" }}' for name, folder in sorted(names.items())
-          if name not in ("ddp-user-example", "xtask")]
+          if name not in unpublished]
 (build / "Cargo.toml").write_text("\n".join(lines) + "\n")
 print((build / "Cargo.toml").read_text())
 PY

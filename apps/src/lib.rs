@@ -6,7 +6,6 @@
 #![warn(missing_docs)]
 
 pub mod alloc;
-pub mod bench;
 pub mod elastic;
 pub mod fit;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
@@ -18,4 +17,3 @@ mod stepper;
 pub mod trace;
 pub mod train;
 mod warm_up;
-pub mod zero_bench;

@@ -808,7 +808,7 @@ fn progress_bar(rank0: bool, len: u64, epoch: usize) -> Option<indicatif::Progre
 }
 
 /// This process's peak resident set size in MiB (Linux `ru_maxrss` is in KiB).
-pub(crate) fn peak_rss_mib() -> f64 {
+pub fn peak_rss_mib() -> f64 {
     // SAFETY: getrusage only writes the struct we pass.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {

@@ -29,11 +29,16 @@ mod mnist;
 const DEADLINE: Duration = Duration::from_secs(120);
 
 /// Runs `bin ARGS` as a standalone rank (none of the launcher's variables), under a deadline.
-fn standalone(bin: &str, args: &[&str]) -> Output {
+fn standalone(bin: impl AsRef<std::ffi::OsStr>, args: &[&str]) -> Output {
     let mut command = Command::new(bin);
     common::clear_launcher_env(&mut command);
     command.args(args);
     common::output_with_deadline(&mut command, DEADLINE)
+}
+
+/// `ddp-nccl-bench` of the unpublished ddp-bench crate, built by the workspace's test build.
+fn nccl_bench() -> std::path::PathBuf {
+    common::workspace_bin("ddp-nccl-bench")
 }
 
 /// The error of a machine without a driver: the library, the names tried.
@@ -100,7 +105,7 @@ fn train_pima_backend_cuda_without_a_driver_names_the_missing_library() {
     ignore = "this machine has an NVIDIA driver (libcuda.so.1 loads): the GPU tests run instead"
 )]
 fn nccl_bench_probe_without_a_driver_names_the_missing_library() {
-    let out = standalone(env!("CARGO_BIN_EXE_ddp-nccl-bench"), &["--probe"]);
+    let out = standalone(nccl_bench(), &["--probe"]);
     assert_clear_failure(&out, NO_DRIVER);
 }
 
@@ -129,7 +134,7 @@ fn build_fake(path: &Path, soname: &str, source: &str, defines: &[&str]) {
 /// `venv`, in a clean environment; returns its output.
 #[cfg(feature = "nccl")]
 fn probe_with(driver_dir: &Path, venv: &Path, home: &Path) -> Output {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_ddp-nccl-bench"));
+    let mut command = Command::new(nccl_bench());
     common::clear_launcher_env(&mut command);
     command
         .arg("--probe")
@@ -273,6 +278,6 @@ fn train_mnist_backend_cuda_trains_on_the_gpu() {
     ignore = "needs an NVIDIA GPU, its driver and NCCL (libcuda.so.1 and libnccl.so.2 did not both load when this test was built)"
 )]
 fn nccl_bench_probe_finds_the_gpus() {
-    let out = standalone(env!("CARGO_BIN_EXE_ddp-nccl-bench"), &["--probe"]);
+    let out = standalone(nccl_bench(), &["--probe"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
 }

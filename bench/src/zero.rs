@@ -35,7 +35,7 @@ use ddp::{
 use ddp_models::{Classifier, DeepMlpConfig, MnistCnnConfig, MnistMlpConfig};
 use serde::Serialize;
 
-use crate::options::HookKind;
+use ddp_apps::options::HookKind;
 
 /// Settings of one measurement.
 #[derive(Debug, Clone, clap::Args)]
@@ -356,7 +356,7 @@ fn run_model<M: Module + Classifier<4>>(
     }
     // The slowest rank's time of every step.
     let slowest = pg.all_reduce(times, ReduceOp::Max)?;
-    let rss = pg.all_gather(vec![crate::train::peak_rss_mib()])?;
+    let rss = pg.all_gather(vec![ddp_apps::train::peak_rss_mib()])?;
     if rank != 0 {
         return Ok(None);
     }

@@ -4,6 +4,7 @@
 use std::process::Command;
 use std::time::Duration;
 
+#[path = "../../apps/tests/common/mod.rs"]
 mod common;
 use common::output_with_deadline;
 

@@ -29,7 +29,7 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-use ddp_apps::bench::{self, pattern, summarize, SizeResult};
+use ddp_bench::sizes::{self, pattern, summarize, SizeResult};
 use ddp_comm::bytes::parse_size;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -112,13 +112,13 @@ fn main() -> Result<()> {
             "all_reduce(f32, sum) over {world} ranks, {} per iteration",
             args.batch
         );
-        println!("{}", bench::table_header());
+        println!("{}", sizes::table_header());
     }
     let mut results = Vec::new();
     for &bytes in &args.sizes {
         let result = bench_size(&pg, &nccl, bytes, &args)?;
         if rank == 0 {
-            println!("{}", bench::table_row(&result));
+            println!("{}", sizes::table_row(&result));
         }
         results.push(result);
     }

@@ -21,7 +21,7 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-use ddp_apps::bench::{self, pattern, summarize, SizeResult};
+use ddp_bench::sizes::{self, pattern, summarize, SizeResult};
 use ddp_comm::bytes::parse_size;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -85,14 +85,14 @@ fn main() -> Result<()> {
             args.label,
             knob.as_deref().unwrap_or("unset")
         );
-        println!("{}", bench::table_header());
+        println!("{}", sizes::table_header());
     }
 
     let mut results = Vec::new();
     for &bytes in &args.sizes {
         let result = bench_size(&pg, bytes, &args)?;
         if rank == 0 {
-            println!("{}", bench::table_row(&result));
+            println!("{}", sizes::table_row(&result));
         }
         results.push(result);
     }

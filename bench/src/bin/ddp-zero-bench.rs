@@ -1,5 +1,5 @@
 //! `ddp-zero-bench`: one rank of one ZeRO benchmark configuration (see
-//! `ddp_apps::zero_bench`); `cargo xtask bench-zero` runs it under `ddprun` for world sizes
+//! `ddp_bench::zero`); `cargo xtask bench-zero` runs it under `ddprun` for world sizes
 //! 1, 2 and 4 at stages 0, 1 and 2.
 //!
 //! ```text
@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use anyhow::Result;
 use clap::Parser;
-use ddp_apps::zero_bench::{self, ZeroBenchArgs};
+use ddp_bench::zero::{self as zero_bench, ZeroBenchArgs};
 
 #[global_allocator]
 static GLOBAL: BenchAlloc = BenchAlloc;
@@ -105,7 +105,7 @@ struct Cli {
     #[arg(long, default_value_t = 1)]
     threads: usize,
     /// Stage 0 only: time the steps with and without `--overlap` in the same run, alternating
-    /// (`ddp_apps::zero_bench::overlap_pairs`), and print `OVERLAP_PAIRS {json}`.
+    /// (`ddp_bench::zero::overlap_pairs`), and print `OVERLAP_PAIRS {json}`.
     #[arg(long)]
     overlap_pairs: bool,
 }
