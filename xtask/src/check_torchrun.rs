@@ -6,7 +6,7 @@
 //!
 //! torchrun's elastic agent hosts a PyTorch `TCPStore` on `MASTER_PORT` and tells the workers
 //! with `TORCHELASTIC_USE_AGENT_STORE=True`; ddp-comm then rendezvouses through it (speaking
-//! torch's store protocol, `comm/src/torch_store.rs`) instead of hosting its own store. Without
+//! torch's store protocol, `comm/src/rendezvous/torch_store.rs`) instead of hosting its own store. Without
 //! that, rank 0 would fail with "address already in use". A missing torch is an error here, not
 //! a skip: this task exists to run that check.
 //!
