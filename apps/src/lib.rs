@@ -13,6 +13,7 @@ pub mod fit;
 pub mod gpu;
 pub mod metrics;
 pub mod options;
+pub mod schedule;
 pub mod spawn;
 mod stepper;
 pub mod trace;

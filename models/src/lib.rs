@@ -36,6 +36,7 @@ mod classifier;
 mod cnn;
 mod cpu_ops;
 mod deep_mlp;
+mod gpt;
 mod mlp;
 pub mod ops;
 mod params;
@@ -44,6 +45,7 @@ mod pima;
 pub use classifier::{correct_argmax, cross_entropy, nll_loss, Classifier};
 pub use cnn::{MnistCnn, MnistCnnConfig};
 pub use deep_mlp::{DeepMlp, DeepMlpConfig};
+pub use gpt::{Block, CausalSelfAttention, Gpt, GptConfig, LayerNorm, Mlp};
 pub use mlp::{MnistMlp, MnistMlpConfig};
 pub use ops::FastOps;
 pub use params::{
