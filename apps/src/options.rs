@@ -255,8 +255,8 @@ macro_rules! merge_fields {
 impl TrainArgs {
     /// `self`'s values where given, else `under`'s.
     pub fn or(&self, under: &TrainArgs) -> TrainArgs {
-        merge_fields!(self, under; epochs, batch_size, lr, optimizer, momentum, max_grad_norm, lr_scaling,
-            lr_schedule, warmup_steps, decay_steps, min_lr, seed,
+        merge_fields!(self, under; epochs, batch_size, lr, optimizer, momentum, max_grad_norm,
+            lr_scaling, lr_schedule, warmup_steps, decay_steps, min_lr, seed,
             backend, threads, workers, bucket_cap_mb, compression, comm_hook, powersgd_rank,
             powersgd_start, zero_stage, overlap, data_dir, data_format,
             prefetch_shards, checkpoint_dir, checkpoint_every,

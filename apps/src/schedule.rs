@@ -50,8 +50,8 @@ impl LrSchedule {
     /// - warm-up, `step < warmup`: `peak · (step + 1) / (warmup + 1)`, a straight line that
     ///   starts above zero (the first step already moves) and stays below `peak`;
     /// - decay, `warmup <= step <= decay`: `min + c · (peak − min)` with
-    ///   `c = ½ (1 + cos(π r))` and `r = (step − warmup) / (decay − warmup)` going from 0 to 1,
-    ///   so the rate leaves `peak` with zero slope and lands on `min` with zero slope;
+    ///   `c = ½ (1 + cos(π r))` and `r = (step − warmup) / (decay − warmup)` going from 0 to
+    ///   1, so the rate leaves `peak` with zero slope and lands on `min` with zero slope;
     /// - after, `step > decay`: `min`.
     pub fn lr(&self, peak: f64, step: u64) -> f64 {
         if self.kind == ScheduleKind::Constant {

@@ -1,6 +1,6 @@
-//! The training loop shared by `train-mnist` and `train-pima`: a plain burn loop with the few
-//! lines DDP adds (wrap the model, set the sampler's epoch, sync the gradients), an exact
-//! evaluation over every test sample once, checkpoints and metrics on rank 0.
+//! The training loop shared by `train-mnist`, `train-pima` and `train-gpt`: a plain burn loop
+//! with the few lines DDP adds (wrap the model, set the sampler's epoch, sync the gradients), an
+//! exact evaluation over every test sample once, checkpoints and metrics on rank 0.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -43,7 +43,7 @@ pub struct RunSummary {
     pub test_total: u64,
     /// Mean training loss of the last epoch.
     pub train_loss: f64,
-    /// Training samples per second over this run, all ranks together.
+    /// Training samples per second over this run, all ranks together (`train-gpt`: tokens).
     pub samples_per_sec: f64,
     /// Seconds spent in gradient synchronisation on this rank (pack + wait + unpack).
     pub comm_seconds: f64,

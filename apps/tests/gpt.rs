@@ -11,7 +11,7 @@
 //!   file.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::Duration;
 
 mod common;
@@ -63,16 +63,7 @@ fn corpus(dir: &Path) -> PathBuf {
 /// `train-gpt --text TEXT ARGS --json --verbose` on `nproc` ranks through ddprun (`nproc` 1:
 /// one process, no launcher).
 fn train(nproc: usize, text: &Path, args: &[&str]) -> Output {
-    let mut command = if nproc == 1 {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_train-gpt"));
-        common::clear_launcher_env(&mut c);
-        c
-    } else {
-        let mut c = Command::new(common::workspace_bin("ddprun"));
-        c.args(["--nproc-per-node", &nproc.to_string(), "--"])
-            .arg(env!("CARGO_BIN_EXE_train-gpt"));
-        c
-    };
+    let mut command = common::ranks_command(env!("CARGO_BIN_EXE_train-gpt"), nproc);
     command
         .arg("--text")
         .arg(text)

@@ -1,5 +1,6 @@
 //! The models of ddp-rs as plain burn modules: the MNIST CNN of PyTorch's `examples/mnist`, a
-//! 784-256-10 MLP for MNIST, and a small MLP for the Pima Indians diabetes table.
+//! 784-256-10 MLP for MNIST, a small MLP for the Pima Indians diabetes table, and a small
+//! character-level GPT ([`Gpt`], nanoGPT's layout).
 //!
 //! Each model is a `#[derive(Module)]` struct built from a `#[derive(Config)]` struct with
 //! `.init(device)`, exactly like burn's own layers. Nothing here knows about distribution: a

@@ -267,17 +267,8 @@ pub fn run(args: Args) -> Result<()> {
 /// PyTorch DDP under torchrun: tokens/s of all ranks and rank 0's loss at every step.
 fn theirs(python: &Path, args: &Args, out: &Path, init: &Path) -> Result<(f64, Vec<f64>)> {
     let script = out.join("torch_ddp_gpt.py");
-    std::fs::write(&script, TORCH_GPT)?;
-    let mut command = Command::new(python);
+    let mut command = util::torchrun(python, args.nproc, args.threads, (&script, TORCH_GPT))?;
     command
-        .args([
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-        ])
-        .arg(args.nproc.to_string())
-        .arg(&script)
         .arg(&args.text)
         .arg(init)
         .args(
@@ -296,8 +287,7 @@ fn theirs(python: &Path, args: &Args, out: &Path, init: &Path) -> Result<(f64, V
             args.warmup_steps.to_string(),
             args.max_grad_norm.to_string(),
             args.threads.to_string(),
-        ])
-        .env("OMP_NUM_THREADS", args.threads.to_string());
+        ]);
     let text = util::run_stdout(&mut command).context("PyTorch DDP (is torch installed?)")?;
     let loss = text
         .lines()
