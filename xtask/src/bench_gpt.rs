@@ -68,6 +68,10 @@ pub struct Args {
     /// Global-norm clip.
     #[arg(long, default_value_t = 1.0)]
     max_grad_norm: f64,
+    /// Runs of each side, alternating; the median tokens/s is reported (the losses are the
+    /// first run's).
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
 }
 
 /// PyTorch DDP's side: the GPT of ddp-models' gpt.rs in PyTorch (the same parameter names),
@@ -185,7 +189,8 @@ for step in range(steps):
 elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
 if rank == 0:
-    print(f"TOKENS_PER_SEC {steps * batch * block * world / elapsed.item():.3f}")
+    print(f"TOKENS_PER_SEC {steps * batch * block * world / elapsed.item():.3f}", flush=True)
+dist.barrier()
 dist.destroy_process_group()
 "#;
 
@@ -253,15 +258,25 @@ pub fn run(args: Args) -> Result<()> {
 
     let mut ours_args = trainer_flags(&args);
     ours_args.extend(["--max-steps".into(), args.steps.to_string()]);
-    let ours = crate::train::launch(&bin_dir, "train-gpt", args.nproc, &ours_args)?;
-    let ours_loss = our_losses(&ours.output);
+    let (mut ours_tps, mut theirs_tps) = (Vec::new(), Vec::new());
+    let (mut ours_loss, mut theirs_loss) = (Vec::new(), Vec::new());
+    for _ in 0..args.repeats.max(1) {
+        let ours = crate::train::launch(&bin_dir, "train-gpt", args.nproc, &ours_args)?;
+        ours_tps.push(ours.samples_per_sec);
+        let (tps, loss) = theirs(&python, &args, &out, &init)?;
+        theirs_tps.push(tps);
+        if ours_loss.is_empty() {
+            (ours_loss, theirs_loss) = (our_losses(&ours.output), loss);
+        }
+    }
+    report(&args, (&ours_tps, &ours_loss), (&theirs_tps, &theirs_loss))
+}
 
-    let (theirs_tps, theirs_loss) = theirs(&python, &args, &out, &init)?;
-    report(
-        &args,
-        (ours.samples_per_sec, &ours_loss),
-        (theirs_tps, &theirs_loss),
-    )
+/// The median of `v` (not empty).
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// PyTorch DDP under torchrun: tokens/s of all ranks and rank 0's loss at every step.
@@ -288,7 +303,17 @@ fn theirs(python: &Path, args: &Args, out: &Path, init: &Path) -> Result<(f64, V
             args.max_grad_norm.to_string(),
             args.threads.to_string(),
         ]);
-    let text = util::run_stdout(&mut command).context("PyTorch DDP (is torch installed?)")?;
+    // torch 2.15's gloo now and then aborts a rank ("terminate called without an active
+    // exception"); such a run is started again, and said so.
+    let mut tries = 0;
+    let text = loop {
+        tries += 1;
+        match util::run_stdout(&mut command) {
+            Ok(text) => break text,
+            Err(e) if tries < 3 => eprintln!("PyTorch DDP failed ({e:#}); starting it again"),
+            Err(e) => return Err(e.context("PyTorch DDP (is torch installed?)")),
+        }
+    };
     let loss = text
         .lines()
         .filter_map(|l| l.strip_prefix("LOSS "))
@@ -306,9 +331,10 @@ fn theirs(python: &Path, args: &Args, out: &Path, init: &Path) -> Result<(f64, V
 
 /// Prints the table, the curves side by side and the checks against the tolerances of the
 /// module documentation; an error when a check fails.
-fn report(args: &Args, ours: (f64, &[f64]), theirs: (f64, &[f64])) -> Result<()> {
-    let (ours_tps, ours_loss) = ours;
-    let (theirs_tps, theirs_loss) = theirs;
+fn report(args: &Args, ours: (&[f64], &[f64]), theirs: (&[f64], &[f64])) -> Result<()> {
+    let (ours_runs, ours_loss) = ours;
+    let (theirs_runs, theirs_loss) = theirs;
+    let (ours_tps, theirs_tps) = (median(ours_runs), median(theirs_runs));
     if ours_loss.len() != args.steps || theirs_loss.len() != args.steps {
         bail!(
             "expected {} losses from each side, got {} (ours) and {} (PyTorch)",
@@ -340,17 +366,33 @@ fn report(args: &Args, ours: (f64, &[f64]), theirs: (f64, &[f64])) -> Result<()>
     println!(
         "{}",
         util::md_header(
-            &["", "tokens/s", "loss step 1", "loss step 2", "loss step 3"],
-            ["mean loss, last 10 steps".to_string()]
+            &[
+                "",
+                "tokens/s (median)",
+                "runs",
+                "loss step 1",
+                "loss step 2"
+            ],
+            [
+                "loss step 3".to_string(),
+                "mean loss, last 10 steps".to_string()
+            ]
         )
         .trim_end()
     );
-    for (name, tps, loss) in [
-        ("ours (ddprun, train-gpt)", ours_tps, ours_loss),
-        ("PyTorch DDP (torchrun, gloo)", theirs_tps, theirs_loss),
+    for (name, tps, runs, loss) in [
+        ("ours (ddprun, train-gpt)", ours_tps, ours_runs, ours_loss),
+        (
+            "PyTorch DDP (torchrun, gloo)",
+            theirs_tps,
+            theirs_runs,
+            theirs_loss,
+        ),
     ] {
+        let runs: Vec<String> = runs.iter().map(|r| format!("{r:.0}")).collect();
         println!(
-            "| {name} | {tps:.0} | {:.6} | {:.6} | {:.6} | {:.4} |",
+            "| {name} | {tps:.0} | {} | {:.6} | {:.6} | {:.6} | {:.4} |",
+            runs.join(", "),
             loss[0],
             loss[1],
             loss[2],
@@ -373,7 +415,16 @@ fn report(args: &Args, ours: (f64, &[f64]), theirs: (f64, &[f64])) -> Result<()>
     let first = (ours_loss[0] - theirs_loss[0]).abs();
     let end = (tail(ours_loss) - tail(theirs_loss)).abs() / tail(theirs_loss);
     println!();
+    let widest = ours_loss
+        .iter()
+        .zip(theirs_loss)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
     println!("step 1: |ours - PyTorch| = {first:.2e} (tolerance 1e-4)");
+    println!(
+        "largest |ours - PyTorch| over all {} steps: {widest:.2e}",
+        args.steps
+    );
     println!(
         "last 10 steps: relative difference {:.2} % (tolerance 2 %)",
         100.0 * end
