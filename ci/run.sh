@@ -182,6 +182,21 @@ m = re.search(r"done: 1 epochs, 100 steps, test accuracy ([0-9.]+)%", text)
 assert m and float(m.group(1)) >= 90.0, f"spawn: {text!r}"
 PY
 
+step "train-gpt: 2 ranks, ZeRO 2, AdamW, clipping, cosine schedule, on GPL-3 (base-files)"
+# /usr/share/common-licenses/GPL-3 ships with Debian's and Ubuntu's base-files (essential: on every
+# such system). A small GPT, 150 steps: the validation loss must fall well below ln(vocabulary).
+target/release/ddprun --nproc-per-node 2 -- target/release/train-gpt \
+  --text /usr/share/common-licenses/GPL-3 --n-layer 2 --n-head 4 --n-embd 64 --block-size 64 \
+  --batch-size 8 --max-steps 150 --lr 3e-3 --lr-schedule cosine --warmup-steps 15 \
+  --zero-stage 2 --log-interval 50 --threads 1 | tee target/ci-gpt.txt
+python3 - target/ci-gpt.txt <<'PY'
+import math, re, sys
+text = open(sys.argv[1]).read()
+vocab = int(re.search(r"vocabulary (\d+);", text).group(1))
+loss = float(re.search(r"test loss ([0-9.]+)", text).group(1))
+assert loss < math.log(vocab) - 1.0, f"train-gpt: validation loss {loss} (ln {vocab} = {math.log(vocab):.2f}): {text!r}"
+PY
+
 step "layout: no two files of a library crate import each other, no source file over 1000 lines"
 for crate in fsio comm launch data models ddp apps; do
   printf '%s: ' "$crate"

@@ -91,11 +91,12 @@ fn elastic_optimizer(cfg: &TrainConfig) -> ElasticOptimizer {
 /// What every process of the job must share, as settings (one `name = value` per line, so
 /// that a process with another value is refused naming the setting and both values, and the
 /// job goes on without it): the model (its name and a hash of its parameter list: names and
-/// shapes), the optimizer and its settings, the learning rate and its scaling, the batch size
-/// (the elastic sampler cuts the epoch by it), the buckets, the communication hook and wire
-/// type, the ZeRO stage and the seed. A joiner with another of these would step differently
-/// from the others forever, skip or repeat samples, or (buckets, hook) make the job re-form
-/// again and again. Overlap, threads and loader workers change no result and may differ.
+/// shapes), the optimizer and its settings, the learning rate, its scaling and its schedule,
+/// the batch size (the elastic sampler cuts the epoch by it), the buckets, the communication
+/// hook and wire type, the ZeRO stage and the seed. A joiner with another of these would step
+/// differently from the others forever, skip or repeat samples, or (buckets, hook) make the
+/// job re-form again and again. Overlap, threads and loader workers change no result and may
+/// differ.
 fn compat<M: Module>(name: &str, model: &M, cfg: &TrainConfig) -> String {
     let params = ddp::param_infos(model);
     let text: String = params
@@ -131,6 +132,7 @@ fn compat<M: Module>(name: &str, model: &M, cfg: &TrainConfig) -> String {
         ),
         format!("optimizer = {optimizer}"),
         format!("lr = {} ({scaling})", cfg.lr),
+        format!("lr schedule = {}", cfg.schedule.describe()),
         format!("batch size = {} per rank", cfg.batch_size),
         format!("buckets = {} MiB", cfg.bucket_cap_mb),
         format!("comm hook = {hook}"),
@@ -433,7 +435,7 @@ where
             position: share.next as u64,
             extra: Vec::new(),
         };
-        let lr = cfg.scaled_lr(world);
+        let lr = cfg.lr_at(world, p.step);
         let outcome = run.step(lr, loss, after)?;
         let step_committed = match &outcome {
             Outcome::Committed => true,
@@ -799,6 +801,10 @@ mod tests {
             (&["--seed", "7"], "seed"),
             (&["--optimizer", "sgd"], "optimizer"),
             (&["--lr-scaling", "linear"], "lr"),
+            (
+                &["--lr-schedule", "cosine", "--decay-steps", "9"],
+                "lr schedule",
+            ),
             (&["--comm-hook", "bf16"], "comm hook"),
             (&["--zero-stage", "1"], "zero stage"),
         ] {

@@ -1,4 +1,4 @@
-//! ddp-apps: the pieces behind the binaries (`train-mnist`, `train-pima`,
+//! ddp-apps: the pieces behind the binaries (`train-mnist`, `train-pima`, `train-gpt`,
 //! `ddp-allreduce-bench`): settings, the shared training loop (checkpoints through `ddp`'s), its
 //! elastic variant (`elastic.rs`), metrics. The
 //! binaries themselves only parse arguments and wire these and the library crates together.
@@ -12,6 +12,7 @@ pub mod fit;
 pub mod gpu;
 pub mod metrics;
 pub mod options;
+pub mod schedule;
 pub mod spawn;
 mod stepper;
 pub mod trace;

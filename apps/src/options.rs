@@ -11,6 +11,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
 
+use crate::schedule::{LrSchedule, ScheduleKind};
+
 /// The optimizer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -118,6 +120,20 @@ pub struct TrainArgs {
     /// Learning-rate scaling with world size.
     #[arg(long, value_enum)]
     pub lr_scaling: Option<LrScaling>,
+    /// Learning-rate schedule over the steps (`constant`, or `cosine`: linear warm-up, then
+    /// cosine decay to `--min-lr`).
+    #[arg(long, value_enum)]
+    pub lr_schedule: Option<ScheduleKind>,
+    /// Steps of linear warm-up of `--lr-schedule cosine` (default 0).
+    #[arg(long)]
+    pub warmup_steps: Option<u64>,
+    /// The step at which `--lr-schedule cosine` reaches `--min-lr`, counted from the start,
+    /// warm-up included (nanoGPT's `lr_decay_iters`; default `--max-steps`).
+    #[arg(long)]
+    pub decay_steps: Option<u64>,
+    /// The floor of `--lr-schedule cosine` (default `--lr` / 10), not scaled with the world.
+    #[arg(long)]
+    pub min_lr: Option<f64>,
     /// Seed of initialisation, shuffling and dropout.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -239,7 +255,8 @@ macro_rules! merge_fields {
 impl TrainArgs {
     /// `self`'s values where given, else `under`'s.
     pub fn or(&self, under: &TrainArgs) -> TrainArgs {
-        merge_fields!(self, under; epochs, batch_size, lr, optimizer, momentum, max_grad_norm, lr_scaling, seed,
+        merge_fields!(self, under; epochs, batch_size, lr, optimizer, momentum, max_grad_norm,
+            lr_scaling, lr_schedule, warmup_steps, decay_steps, min_lr, seed,
             backend, threads, workers, bucket_cap_mb, compression, comm_hook, powersgd_rank,
             powersgd_start, zero_stage, overlap, data_dir, data_format,
             prefetch_shards, checkpoint_dir, checkpoint_every,
@@ -277,6 +294,7 @@ impl TrainArgs {
             momentum: a.momentum.unwrap_or(0.9),
             max_grad_norm: a.max_grad_norm,
             lr_scaling: a.lr_scaling.unwrap_or(LrScaling::None),
+            schedule: resolve_schedule(&a)?,
             seed: a.seed.unwrap_or(0),
             backend: a.backend.unwrap_or(BackendKind::Cpu),
             threads: a.threads.unwrap_or(0),
@@ -367,6 +385,36 @@ impl TrainArgs {
     }
 }
 
+/// The schedule `a` asks for: `constant` unless `--lr-schedule cosine`, whose decay ends at
+/// `--decay-steps` (else `--max-steps`) and whose floor is `--min-lr` (else `--lr` / 10).
+fn resolve_schedule(a: &TrainArgs) -> Result<LrSchedule> {
+    let kind = a.lr_schedule.unwrap_or(ScheduleKind::Constant);
+    if kind == ScheduleKind::Constant {
+        if a.warmup_steps.is_some() || a.decay_steps.is_some() || a.min_lr.is_some() {
+            bail!("--warmup-steps, --decay-steps and --min-lr need --lr-schedule cosine");
+        }
+        return Ok(LrSchedule::constant());
+    }
+    let warmup_steps = a.warmup_steps.unwrap_or(0);
+    let decay_steps = a.decay_steps.or(a.max_steps).context(
+        "--lr-schedule cosine needs --decay-steps (or --max-steps): the step where the decay ends",
+    )?;
+    if decay_steps <= warmup_steps {
+        bail!("--decay-steps ({decay_steps}) must be larger than --warmup-steps ({warmup_steps})");
+    }
+    let lr = a.lr.unwrap_or(f64::NAN);
+    let min_lr = a.min_lr.unwrap_or(lr / 10.0);
+    if !(0.0..=lr).contains(&min_lr) {
+        bail!("--min-lr must be between 0 and --lr (got {min_lr}, lr {lr})");
+    }
+    Ok(LrSchedule {
+        kind,
+        warmup_steps,
+        decay_steps,
+        min_lr,
+    })
+}
+
 /// Resolved settings of a training run.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TrainConfig {
@@ -384,6 +432,8 @@ pub struct TrainConfig {
     pub max_grad_norm: Option<f32>,
     /// Learning-rate scaling with world size.
     pub lr_scaling: LrScaling,
+    /// Learning-rate schedule over the steps.
+    pub schedule: LrSchedule,
     /// Seed.
     pub seed: u64,
     /// Backend.
@@ -509,12 +559,18 @@ impl TrainConfig {
         }
     }
 
+    /// The learning rate of step `step` (from 0; the steps already done) at `world_size`
+    /// ranks: the scaled rate through the schedule.
+    pub fn lr_at(&self, world_size: usize, step: u64) -> f64 {
+        self.schedule.lr(self.scaled_lr(world_size), step)
+    }
+
     /// The learning rate for `world_size` ranks and how it came about, for the trainers' first
     /// line: `lr 1e-3 (not scaled)`, `lr 2e-3 (--lr 1e-3 × 2 ranks, linear scaling)`.
     pub fn describe_lr(&self, world_size: usize) -> String {
         let lr = self.scaled_lr(world_size);
         let base = self.lr;
-        match self.lr_scaling {
+        let text = match self.lr_scaling {
             LrScaling::None => format!("lr {lr:e} (not scaled)"),
             LrScaling::Linear => {
                 format!("lr {lr:e} (--lr {base:e} × {world_size} ranks, linear scaling)")
@@ -522,6 +578,10 @@ impl TrainConfig {
             LrScaling::Sqrt => {
                 format!("lr {lr:e} (--lr {base:e} × √{world_size} ranks, sqrt scaling)")
             }
+        };
+        match self.schedule.kind {
+            ScheduleKind::Constant => text,
+            ScheduleKind::Cosine => format!("{text}, schedule {}", self.schedule.describe()),
         }
     }
 

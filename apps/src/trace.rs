@@ -16,6 +16,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
+use ddp::{SyncPhase, SyncSpan};
+use ddp_comm::CollectiveRecord;
 use serde::Serialize;
 use serde_json::{json, Value};
 
@@ -199,6 +201,79 @@ pub fn parse_steps(text: &str) -> Result<Range<u64>> {
     };
     anyhow::ensure!(a >= 1 && a < b, "{}: steps count from 1 and A < B", bad());
     Ok(a..b)
+}
+
+/// Records one step's spans: the loop's phases from `marks` (data, forward, backward, sync,
+/// optimizer, end) and DDP's per-bucket spans, the all-reduces on the communication track. The
+/// all-reduces' times are the communication thread's own (start and end of the collective)
+/// from the process group's flight recorder `flight`; when it does not hold this sync's
+/// buckets, DDP's view (submission or previous end, to the wait's return) stands in.
+pub(crate) fn trace_step(
+    tracer: &mut Tracer,
+    step: u64,
+    marks: [Instant; 6],
+    spans: Vec<SyncSpan>,
+    flight: &[CollectiveRecord],
+) {
+    let [data, forward, backward, sync, optimizer, end] = marks;
+    let args = json!({ "step": step });
+    tracer.span(Track::Training, "step", data, end, args.clone());
+    for (name, start, stop) in [
+        ("data", data, forward),
+        ("forward", forward, backward),
+        ("backward", backward, sync),
+        ("sync", sync, optimizer),
+        ("optimizer", optimizer, end),
+    ] {
+        tracer.span(Track::Training, name, start, stop, args.clone());
+    }
+    // The sync's bucket all-reduces are among the last the group ran: the last ones, or, with
+    // overlap, the ones before the small all-reduce of its failure slots.
+    let reduces: Vec<&SyncSpan> = spans
+        .iter()
+        .filter(|s| s.phase == SyncPhase::AllReduce)
+        .collect();
+    let all: Vec<&CollectiveRecord> = flight.iter().filter(|r| r.op == "all_reduce").collect();
+    let matches = |window: &[&CollectiveRecord]| {
+        window.len() == reduces.len()
+            && window.iter().zip(&reduces).all(|(r, s)| {
+                r.count == s.elements as u64 && r.started_us.is_some() && r.finished_us.is_some()
+            })
+    };
+    let n = reduces.len();
+    let recorded: &[&CollectiveRecord] = (0..2)
+        .filter_map(|skip| {
+            let end = all.len().checked_sub(skip)?;
+            all.get(end.checked_sub(n)?..end)
+        })
+        .find(|w| matches(w))
+        .unwrap_or(&[]);
+    let from_flight = n > 0 && recorded.len() == n;
+    for s in &spans {
+        let (track, name) = match s.phase {
+            SyncPhase::Pack => (Track::Training, "pack"),
+            SyncPhase::Wait => (Track::Training, "wait"),
+            SyncPhase::Unpack => (Track::Training, "unpack"),
+            SyncPhase::AllReduce if from_flight => continue,
+            SyncPhase::AllReduce => (Track::Communication, "all_reduce"),
+        };
+        let args = json!({ "step": step, "bucket": s.bucket, "elements": s.elements });
+        tracer.span(track, name, s.start, s.end, args);
+    }
+    if from_flight {
+        for (bucket, r) in recorded.iter().enumerate() {
+            let args = json!({
+                "step": step,
+                "bucket": bucket,
+                "elements": r.count,
+                "dtype": r.dtype,
+                "seq": r.seq,
+                "queued_us": r.queued_us,
+            });
+            let (start, end) = (r.started_us.unwrap_or(0), r.finished_us.unwrap_or(0));
+            tracer.span_us(Track::Communication, "all_reduce", start, end, args);
+        }
+    }
 }
 
 #[cfg(test)]

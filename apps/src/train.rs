@@ -1,6 +1,6 @@
-//! The training loop shared by `train-mnist` and `train-pima`: a plain burn loop with the few
-//! lines DDP adds (wrap the model, set the sampler's epoch, sync the gradients), an exact
-//! evaluation over every test sample once, checkpoints and metrics on rank 0.
+//! The training loop shared by `train-mnist`, `train-pima` and `train-gpt`: a plain burn loop
+//! with the few lines DDP adds (wrap the model, set the sampler's epoch, sync the gradients), an
+//! exact evaluation over every test sample once, checkpoints and metrics on rank 0.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -10,20 +10,19 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use burn::module::Module;
 use burn::tensor::Device;
-use ddp::{DdpError, Position, RunId, SyncPhase, SyncSpan, SyncStats};
-use ddp_comm::{CollectiveRecord, ProcessGroup, ReduceOp};
+use ddp::{DdpError, Position, RunId, SyncStats};
+use ddp_comm::{ProcessGroup, ReduceOp};
 use ddp_data::{
     Batch, BatchSource, DataLoader, DistributedSampler, LoaderConfig, ShardLoader,
     ShardLoaderConfig, ShardSet,
 };
 use ddp_models::Classifier;
 use serde::Serialize;
-use serde_json::json;
 
 use crate::metrics::{EpochMetrics, MetricsWriter};
 use crate::options::TrainConfig;
 use crate::stepper::{self, Stepper};
-use crate::trace::{Tracer, Track};
+use crate::trace::{trace_step, Tracer};
 
 /// What a finished run reports (rank 0 prints it; every rank returns it).
 #[derive(Debug, Clone, Serialize)]
@@ -44,7 +43,7 @@ pub struct RunSummary {
     pub test_total: u64,
     /// Mean training loss of the last epoch.
     pub train_loss: f64,
-    /// Training samples per second over this run, all ranks together.
+    /// Training samples per second over this run, all ranks together (`train-gpt`: tokens).
     pub samples_per_sec: f64,
     /// Seconds spent in gradient synchronisation on this rank (pack + wait + unpack).
     pub comm_seconds: f64,
@@ -256,7 +255,8 @@ where
     let say = Say {
         on: rank == 0 || cfg.verbose,
     };
-    let lr = cfg.scaled_lr(world);
+    // The learning rate of the step last taken (the schedule's, a function of the step).
+    let mut lr = cfg.scaled_lr(world);
     let Task {
         name,
         mut model,
@@ -453,6 +453,7 @@ where
             let (loss, _) = stepper.prepare(&model).loss(batch.inputs, batch.targets);
             let loss_value = f64::from(loss.clone().into_scalar::<f32>());
             let t_backward = Instant::now();
+            lr = cfg.lr_at(world, step);
             let (stepped, t_sync, t_optim) = stepper.step(lr, model, loss, traced)?;
             model = stepped;
             let t_end = Instant::now();
@@ -502,7 +503,8 @@ where
                 bar.set_message(format!("loss {loss_value:.4}"));
             } else if at_interval {
                 say.line(format!(
-                    "epoch {} step {step} ({batches}/{steps_per_epoch}) loss {loss_value:.4}",
+                    "epoch {} step {step} ({batches}/{steps_per_epoch}) lr {lr:.4e} loss \
+                     {loss_value:.6}",
                     epoch + 1
                 ));
             }
@@ -690,79 +692,6 @@ fn add_stats(a: &mut SyncStats, b: &SyncStats) {
     a.bytes += b.bytes;
     a.buckets += b.buckets;
     a.buckets_during_backward += b.buckets_during_backward;
-}
-
-/// Records one step's spans: the loop's phases from `marks` (data, forward, backward, sync,
-/// optimizer, end) and DDP's per-bucket spans, the all-reduces on the communication track. The
-/// all-reduces' times are the communication thread's own (start and end of the collective)
-/// from the process group's flight recorder `flight`; when it does not hold this sync's
-/// buckets, DDP's view (submission or previous end, to the wait's return) stands in.
-fn trace_step(
-    tracer: &mut Tracer,
-    step: u64,
-    marks: [Instant; 6],
-    spans: Vec<SyncSpan>,
-    flight: &[CollectiveRecord],
-) {
-    let [data, forward, backward, sync, optimizer, end] = marks;
-    let args = json!({ "step": step });
-    tracer.span(Track::Training, "step", data, end, args.clone());
-    for (name, start, stop) in [
-        ("data", data, forward),
-        ("forward", forward, backward),
-        ("backward", backward, sync),
-        ("sync", sync, optimizer),
-        ("optimizer", optimizer, end),
-    ] {
-        tracer.span(Track::Training, name, start, stop, args.clone());
-    }
-    // The sync's bucket all-reduces are among the last the group ran: the last ones, or, with
-    // overlap, the ones before the small all-reduce of its failure slots.
-    let reduces: Vec<&SyncSpan> = spans
-        .iter()
-        .filter(|s| s.phase == SyncPhase::AllReduce)
-        .collect();
-    let all: Vec<&CollectiveRecord> = flight.iter().filter(|r| r.op == "all_reduce").collect();
-    let matches = |window: &[&CollectiveRecord]| {
-        window.len() == reduces.len()
-            && window.iter().zip(&reduces).all(|(r, s)| {
-                r.count == s.elements as u64 && r.started_us.is_some() && r.finished_us.is_some()
-            })
-    };
-    let n = reduces.len();
-    let recorded: &[&CollectiveRecord] = (0..2)
-        .filter_map(|skip| {
-            let end = all.len().checked_sub(skip)?;
-            all.get(end.checked_sub(n)?..end)
-        })
-        .find(|w| matches(w))
-        .unwrap_or(&[]);
-    let from_flight = n > 0 && recorded.len() == n;
-    for s in &spans {
-        let (track, name) = match s.phase {
-            SyncPhase::Pack => (Track::Training, "pack"),
-            SyncPhase::Wait => (Track::Training, "wait"),
-            SyncPhase::Unpack => (Track::Training, "unpack"),
-            SyncPhase::AllReduce if from_flight => continue,
-            SyncPhase::AllReduce => (Track::Communication, "all_reduce"),
-        };
-        let args = json!({ "step": step, "bucket": s.bucket, "elements": s.elements });
-        tracer.span(track, name, s.start, s.end, args);
-    }
-    if from_flight {
-        for (bucket, r) in recorded.iter().enumerate() {
-            let args = json!({
-                "step": step,
-                "bucket": bucket,
-                "elements": r.count,
-                "dtype": r.dtype,
-                "seq": r.seq,
-                "queued_us": r.queued_us,
-            });
-            let (start, end) = (r.started_us.unwrap_or(0), r.finished_us.unwrap_or(0));
-            tracer.span_us(Track::Communication, "all_reduce", start, end, args);
-        }
-    }
 }
 
 /// Correct predictions, samples and mean loss over the whole test set: each rank evaluates its

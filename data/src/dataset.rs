@@ -33,4 +33,21 @@ pub trait BatchSource<const D: usize>: Dataset + Send + Sync {
     /// # Panics
     /// When `index >= len()` or `out` has the wrong length; the loader checks indices first.
     fn write_sample(&self, index: usize, out: &mut [f32]) -> i64;
+
+    /// Labels per sample: 1 for a classifier (the default); a sequence model's sample has one
+    /// at every position (a window of text: the next character after each prefix).
+    fn targets_per_sample(&self) -> usize {
+        1
+    }
+
+    /// Writes the features of sample `index` into `out` and its `targets_per_sample()` labels
+    /// into `targets`; the loader calls this one. The default writes [`write_sample`]'s label.
+    ///
+    /// [`write_sample`]: BatchSource::write_sample
+    ///
+    /// # Panics
+    /// As [`write_sample`](BatchSource::write_sample), or when `targets` has the wrong length.
+    fn write_sample_targets(&self, index: usize, out: &mut [f32], targets: &mut [i64]) {
+        targets[0] = self.write_sample(index, out);
+    }
 }

@@ -180,6 +180,16 @@ pub enum DataError {
         detail: String,
     },
 
+    /// A text file that cannot train a character-level model (not UTF-8, empty, too short for
+    /// its split or the block size).
+    #[error("{}: {detail}", .path.display())]
+    BadText {
+        /// The text file.
+        path: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
+
     /// An argument out of its range (a rank not below the number of replicas, a batch size of
     /// zero, an index beyond a dataset, ...).
     #[error("invalid argument: {0}")]

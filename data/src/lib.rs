@@ -9,6 +9,8 @@
 //!   evaluation; [`ElasticSampler`], the same epoch for a world whose size changes.
 //! - [`loader`]: [`DataLoader`], which turns a sampler's indices into burn tensors, with
 //!   prefetch worker threads and batches always in sampler order.
+//! - [`text`]: any UTF-8 text as character tokens ([`CharText`]), served as windows of a block
+//!   of tokens with the next character after each as targets ([`TextWindows`]).
 //! - [`shards`]: data sets as safetensors shards plus a JSON index on disk, and
 //!   [`ShardLoader`], which streams one rank's shards (DistributedSampler's contract at shard
 //!   level) with memory bounded by a few shards, whatever the data set's size.
@@ -47,6 +49,7 @@ pub mod mnist;
 pub mod pima;
 pub mod sampler;
 pub mod shards;
+pub mod text;
 
 pub use dataset::{BatchSource, Dataset};
 pub use error::{DataError, FetchAttempt};
@@ -59,6 +62,7 @@ pub use shards::{
     write_shards, Shard, ShardBatches, ShardIndex, ShardLoader, ShardLoaderConfig, ShardSet,
     ShardWriter,
 };
+pub use text::{CharText, TextWindows};
 
 /// The examples of `README.md`, compiled and run as doctests.
 #[cfg(doctest)]

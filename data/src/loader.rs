@@ -42,15 +42,16 @@ impl Default for LoaderConfig {
     }
 }
 
-/// A batch as plain CPU data: `inputs` row-major with shape `shape` (batch first), one label a
-/// sample in `targets`. What workers build and send.
+/// A batch as plain CPU data: `inputs` row-major with shape `shape` (batch first), the labels
+/// in `targets` (one a sample, or [`BatchSource::targets_per_sample`] each, sample after
+/// sample). What workers build and send.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CpuBatch<const D: usize> {
     /// The features, normalised, row-major.
     pub inputs: Vec<f32>,
     /// The shape of `inputs`, batch dimension first.
     pub shape: [usize; D],
-    /// The labels, one a sample.
+    /// The labels, sample after sample.
     pub targets: Vec<i64>,
 }
 
@@ -59,12 +60,16 @@ impl<const D: usize> CpuBatch<D> {
     pub fn build<S: BatchSource<D> + ?Sized>(dataset: &S, indices: &[usize]) -> CpuBatch<D> {
         let shape = dataset.batch_shape(indices.len());
         let item: usize = dataset.batch_shape(1)[1..].iter().product();
+        let per_sample = dataset.targets_per_sample();
         let mut inputs = vec![0f32; item * indices.len()];
-        let targets = indices
+        let mut targets = vec![0i64; per_sample * indices.len()];
+        for ((&i, out), labels) in indices
             .iter()
             .zip(inputs.chunks_exact_mut(item.max(1)))
-            .map(|(&i, out)| dataset.write_sample(i, out))
-            .collect();
+            .zip(targets.chunks_exact_mut(per_sample.max(1)))
+        {
+            dataset.write_sample_targets(i, out, labels);
+        }
         CpuBatch {
             inputs,
             shape,
@@ -87,7 +92,7 @@ impl<const D: usize> CpuBatch<D> {
 pub struct Batch<const D: usize> {
     /// The features (MNIST `[B, 1, 28, 28]`, Pima `[B, 8]`), `f32`, normalised.
     pub inputs: Tensor<D>,
-    /// The class labels, `[B]`.
+    /// The class labels, `[B]` (`[B · k]` for a source with `k` targets a sample).
     pub targets: Tensor<1, Int>,
 }
 

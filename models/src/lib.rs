@@ -1,5 +1,6 @@
 //! The models of ddp-rs as plain burn modules: the MNIST CNN of PyTorch's `examples/mnist`, a
-//! 784-256-10 MLP for MNIST, and a small MLP for the Pima Indians diabetes table.
+//! 784-256-10 MLP for MNIST, a small MLP for the Pima Indians diabetes table, and a small
+//! character-level GPT ([`Gpt`], nanoGPT's layout).
 //!
 //! Each model is a `#[derive(Module)]` struct built from a `#[derive(Config)]` struct with
 //! `.init(device)`, exactly like burn's own layers. Nothing here knows about distribution: a
@@ -36,6 +37,7 @@ mod classifier;
 mod cnn;
 mod cpu_ops;
 mod deep_mlp;
+mod gpt;
 mod mlp;
 pub mod ops;
 mod params;
@@ -44,6 +46,7 @@ mod pima;
 pub use classifier::{correct_argmax, cross_entropy, nll_loss, Classifier};
 pub use cnn::{MnistCnn, MnistCnnConfig};
 pub use deep_mlp::{DeepMlp, DeepMlpConfig};
+pub use gpt::{Block, CausalSelfAttention, Gpt, GptConfig, LayerNorm, Mlp};
 pub use mlp::{MnistMlp, MnistMlpConfig};
 pub use ops::FastOps;
 pub use params::{

@@ -237,25 +237,12 @@ fn ours_e2e(bin_dir: &Path, args: &Args, data_dir: Option<&Path>) -> Result<f64>
 /// One end-to-end run of PyTorch DDP under torchrun; samples/s of all ranks.
 fn theirs_e2e(python: &Path, args: &Args, data_dir: &Path) -> Result<f64> {
     let script = util::target_dir()?.join("bench/torch_ddp_mnist.py");
-    std::fs::create_dir_all(script.parent().context("script folder")?)?;
-    std::fs::write(&script, TORCH_DDP)?;
-    let mut command = Command::new(python);
-    command
-        .args([
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-        ])
-        .arg(args.nproc.to_string())
-        .arg(&script)
-        .arg(data_dir)
-        .args([
-            args.e2e_steps.to_string(),
-            "64".into(),
-            args.threads.to_string(),
-        ])
-        .env("OMP_NUM_THREADS", args.threads.to_string());
+    let mut command = util::torchrun(python, args.nproc, args.threads, (&script, TORCH_DDP))?;
+    command.arg(data_dir).args([
+        args.e2e_steps.to_string(),
+        "64".into(),
+        args.threads.to_string(),
+    ]);
     eprintln!("$ {}", util::command_line(&command));
     let output = command.output().context("running torchrun")?;
     if !output.status.success() {

@@ -7,6 +7,7 @@
 
 mod bench_allreduce;
 mod bench_elastic;
+mod bench_gpt;
 mod bench_overlap;
 mod bench_powersgd;
 mod bench_scaling;
@@ -55,6 +56,10 @@ enum Task {
     /// Time one training step (forward, backward, Adam) of the CNN and the MLP at 1 thread and
     /// at every core, ours and PyTorch's when torch is at hand, with the ratio.
     BenchStep(bench_step::Args),
+    /// train-gpt against PyTorch DDP (torchrun, gloo) from the same initial weights on the
+    /// same windows of a text, AdamW, clipping and the cosine schedule: tokens/s of both and
+    /// the loss curves side by side (needs torch).
+    BenchGpt(bench_gpt::Args),
     /// ZeRO: optimizer state, gradient buffers, peak RSS, step time and bytes sent per rank
     /// at stages 0, 1, 2 and 1, 2, 4 ranks on a 50.9 M-parameter MLP, with PyTorch's
     /// ZeroRedundancyOptimizer beside it when torch is at hand; writes a table, JSON and a plot.
@@ -92,6 +97,7 @@ fn main() -> Result<()> {
         Task::BenchScaling(args) => bench_scaling::run(args),
         Task::BenchElastic(args) => bench_elastic::run(args),
         Task::BenchStep(args) => bench_step::run(args),
+        Task::BenchGpt(args) => bench_gpt::run(args),
         Task::BenchZero(args) => bench_zero::run(args),
         Task::CheckTorchrun(args) => check_torchrun::run(args),
         Task::GpuCheck(args) => gpu_check::run(args),

@@ -178,6 +178,33 @@ pub fn torch_python() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("python3"))
 }
 
+/// PyTorch's launcher on this host: `python -m torch.distributed.run --standalone
+/// --nproc-per-node nproc SCRIPT` (torchrun) with `OMP_NUM_THREADS=threads`, after writing the
+/// Python `source` to `script`; the caller adds the script's arguments.
+pub fn torchrun(
+    python: &Path,
+    nproc: usize,
+    threads: usize,
+    (script, source): (&Path, &str),
+) -> Result<Command> {
+    if let Some(dir) = script.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(script, source).with_context(|| format!("writing {}", script.display()))?;
+    let mut command = Command::new(python);
+    command
+        .args([
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+        ])
+        .arg(nproc.to_string())
+        .arg(script)
+        .env("OMP_NUM_THREADS", threads.to_string());
+    Ok(command)
+}
+
 /// A Markdown table's first two lines: `first_columns` then `columns`.
 pub fn md_header(first_columns: &[&str], columns: impl IntoIterator<Item = String>) -> String {
     let names: Vec<String> = first_columns

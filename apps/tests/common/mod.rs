@@ -195,6 +195,20 @@ pub fn clear_launcher_env(command: &mut Command) -> &mut Command {
     command
 }
 
+/// A command that runs the trainer `bin` as `nproc` ranks: through `ddprun` for 2 or more, as
+/// one process with the launcher variables cleared for 1; the caller adds the trainer's flags.
+pub fn ranks_command(bin: &str, nproc: usize) -> Command {
+    if nproc == 1 {
+        let mut c = Command::new(bin);
+        clear_launcher_env(&mut c);
+        return c;
+    }
+    let mut c = Command::new(workspace_bin("ddprun"));
+    c.args(["--nproc-per-node", &nproc.to_string(), "--"])
+        .arg(bin);
+    c
+}
+
 /// A finished process's stdout and stderr, in that order, as text.
 pub fn text(out: &Output) -> String {
     format!(
