@@ -38,6 +38,9 @@ for pack in target/package/*.crate; do
   tar -xzf "$pack" -C "$build"
   crates+=("$(basename "$pack" .crate)")
 done
+# cargo stamps every file of a pack with one fixed time (2006): without a fresh stamp, a pack
+# built before in target/release (an older revision's) would count as up to date and be linked.
+find "$build" -type f -exec touch {} +
 echo "packed: ${crates[*]}"
 
 python3 - "$build" "${crates[@]}" <<'PY'
