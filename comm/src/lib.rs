@@ -67,6 +67,7 @@ mod elastic_agents;
 mod elastic_group;
 mod element;
 mod env;
+pub use env::LAUNCHER_ENV;
 mod error;
 pub mod flight;
 mod group;

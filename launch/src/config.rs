@@ -5,7 +5,7 @@ use std::ffi::OsString;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ddp_comm::elastic::{MAX_RESTARTS_ENV, RESTART_COUNT_ENV, USE_AGENT_STORE_ENV};
-use ddp_comm::{ELASTIC_ENV, ELASTIC_ROUND_ENV};
+use ddp_comm::{ELASTIC_ENV, ELASTIC_ROUND_ENV, LAUNCHER_ENV};
 
 /// The grace period between `SIGTERM` and `SIGKILL` when no other is configured.
 pub const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(5);
@@ -52,6 +52,10 @@ pub struct LaunchConfig {
     /// default, stops the job at the first failure. A `SIGINT`/`SIGTERM` to the launcher never
     /// leads to a restart. See [`crate::launch`] for what a restart does.
     pub max_restarts: usize,
+    /// The launcher's name, given to every rank as `DDP_LAUNCHER`
+    /// ([`ddp_comm::LAUNCHER_ENV`]), which a rank's `GroupConfig::launcher` reports:
+    /// `ddprun` ([`LaunchConfig::new`]'s), `spawn` for [`crate::spawn`].
+    pub launcher: String,
 }
 
 impl LaunchConfig {
@@ -70,6 +74,7 @@ impl LaunchConfig {
             grace_period: DEFAULT_GRACE_PERIOD,
             forward_signals: true,
             max_restarts: 0,
+            launcher: "ddprun".to_string(),
         }
     }
 
@@ -96,7 +101,8 @@ impl LaunchConfig {
 /// (0 for the first start): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
 /// `GROUP_RANK` (the node rank, as torchrun names it), `MASTER_ADDR`, `MASTER_PORT`,
 /// [`RESTART_COUNT_ENV`], [`MAX_RESTARTS_ENV`] and [`USE_AGENT_STORE_ENV`]` = True` (node 0's
-/// launcher hosts the store on `MASTER_PORT`: no rank binds it), `DDP_JOB_ID` when `job_id`
+/// launcher hosts the store on `MASTER_PORT`: no rank binds it), [`LAUNCHER_ENV`] (the
+/// launcher's name, [`LaunchConfig::launcher`]), `DDP_JOB_ID` when `job_id`
 /// is given, and [`ELASTIC_ENV`]` = MIN:MAX` (in ranks) and [`ELASTIC_ROUND_ENV`]` = restart`
 /// for an elastic job (`WORLD_SIZE` is then the most ranks, and `RANK` the rank's slot among
 /// them). [`RESTART_COUNT_ENV`] is `restart` too; ddprun raises it for a rank of an elastic
@@ -121,6 +127,7 @@ pub fn rank_env(
         (RESTART_COUNT_ENV, restart.to_string()),
         (MAX_RESTARTS_ENV, config.max_restarts.to_string()),
         (USE_AGENT_STORE_ENV, "True".to_string()),
+        (LAUNCHER_ENV, config.launcher.clone()),
     ];
     if let Some(id) = job_id {
         env.push(("DDP_JOB_ID", id.to_string()));

@@ -73,6 +73,7 @@ mod attempt;
 mod config;
 mod devices;
 mod error;
+mod frozen;
 mod hang;
 mod launch;
 mod output;

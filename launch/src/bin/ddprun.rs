@@ -140,6 +140,7 @@ fn main() -> ExitCode {
         grace_period,
         forward_signals: true,
         max_restarts: args.max_restarts.or(pet.max_restarts).unwrap_or(0),
+        launcher: "ddprun".to_string(),
     };
     match launch::launch(&config) {
         Ok(_) => ExitCode::SUCCESS,
