@@ -136,6 +136,11 @@ pub struct AgentWatch {
     /// Per node: the last beat count seen and when it last moved.
     beats: Vec<Option<(i64, Instant)>>,
     silence: Duration,
+    /// The nodes whose launchers were silent for the silence at the last look, without having
+    /// left: they died hard.
+    lost: Vec<usize>,
+    /// When a launcher's beat last moved between two looks (not counting the first look).
+    moved: Option<Instant>,
 }
 
 impl AgentWatch {
@@ -144,7 +149,27 @@ impl AgentWatch {
         AgentWatch {
             beats: vec![None; nnodes],
             silence,
+            lost: Vec::new(),
+            moved: None,
         }
+    }
+
+    /// The nodes whose launchers had gone silent for the silence at the last
+    /// [`present`](Self::present), registered and never having left: killed, or their hosts
+    /// down or cut off.
+    pub fn lost(&self) -> &[usize] {
+        &self.lost
+    }
+
+    /// When another launcher's beat was last seen to move (between two looks), if ever: a
+    /// launcher alive now has moved within its beat interval.
+    pub fn last_moved(&self) -> Option<Instant> {
+        self.moved
+    }
+
+    /// The silence after which a launcher is gone.
+    pub fn silence(&self) -> Duration {
+        self.silence
     }
 
     /// The nodes whose launchers node 0's launcher must still keep the store for: registered
@@ -154,6 +179,7 @@ impl AgentWatch {
         let value = |key: String| host.value(&format!("{AGENTS_PREFIX}{key}"));
         let now = Instant::now();
         let mut present = Vec::new();
+        self.lost.clear();
         for (node, seen) in self.beats.iter_mut().enumerate().skip(1) {
             if value(format!("node/{node}")).is_none() || value(format!("left/{node}")).is_some() {
                 continue;
@@ -165,10 +191,15 @@ impl AgentWatch {
             match seen {
                 Some((last, since)) if *last == count => {
                     if now.duration_since(*since) >= self.silence {
+                        self.lost.push(node);
                         continue;
                     }
                 }
-                _ => *seen = Some((count, now)),
+                Some(_) => {
+                    self.moved = Some(now);
+                    *seen = Some((count, now));
+                }
+                None => *seen = Some((count, now)),
             }
             present.push(node);
         }
@@ -233,8 +264,10 @@ mod tests {
         assert_eq!(watch.present(&host), vec![1, 2]);
         until("node 2 gone", || watch.present(&host) == vec![1]);
         assert!(started.elapsed() >= silence, "{:?}", started.elapsed());
+        assert_eq!(watch.lost(), [2], "node 2 died hard");
         std::thread::sleep(silence * 2);
         assert_eq!(watch.present(&host), vec![1], "node 1 still beats");
+        assert!(watch.last_moved().is_some_and(|t| t.elapsed() < silence));
         drop(beating);
         assert_eq!(
             watch.present(&host),
@@ -242,5 +275,6 @@ mod tests {
             "{:?}",
             host.keys()
         );
+        assert_eq!(watch.lost(), [2], "node 1 left, node 2 is still lost");
     }
 }

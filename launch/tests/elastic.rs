@@ -310,3 +310,39 @@ fn node_0_does_not_wait_for_an_agent_that_died_hard() {
     let (status, text) = agents[1].finish();
     assert!(status.success(), "{status}\n{text}");
 }
+
+/// The agents of nodes 1 and 2 die hard (SIGKILL, their ranks too) while the job runs: node
+/// 0's rank falls below the minimum of 2 and exits saying so, and node 0's agent, which hosts
+/// the store, does not start a new round whose rank could only wait for nodes that are gone:
+/// once their silence passes (`ddp_comm::AGENT_SILENCE`, 10 s) it exits non-zero naming them.
+/// (Before, it restarted the rank, which waited for the others until its connect deadline,
+/// on every restart of the budget.)
+#[test]
+fn node_0_exits_when_every_other_agent_died_hard() {
+    let port = free_port();
+    let env = ["PEER_STEPS=100000", "DDP_CONNECT_TIMEOUT=30"];
+    let mut agents: Vec<Agent> = (0..3)
+        .map(|n| Agent::start(elastic_node(n, "2:3", 1, port, 1, &env)))
+        .collect();
+    agents[0].wait_for("step 20 ");
+    for agent in &agents[1..] {
+        let ranks = children(agent.child.id(), "ddp-elastic-peer");
+        for pid in std::iter::once(agent.child.id()).chain(ranks) {
+            // SAFETY: kill has no memory-safety preconditions.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+    let killed = Instant::now();
+    let (status, text) = agents[0].finish();
+    let took = killed.elapsed();
+    assert!(!status.success(), "{status}\n{text}");
+    assert!(
+        text.contains("the launchers (ddprun) of nodes [1, 2] have been silent for 10s"),
+        "{text}"
+    );
+    assert!(!text.contains("restarting"), "a new round started:\n{text}");
+    assert!(
+        took < Duration::from_secs(20),
+        "node 0 took {took:?} after the other agents died\n{text}"
+    );
+}
