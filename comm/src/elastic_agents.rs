@@ -13,8 +13,9 @@
 //! (its node died hard), so that it never waits forever.
 //!
 //! Keys, under [`AGENTS_PREFIX`] (the job's, across its rounds): `node/<n>` (node n's launcher
-//! registered), `beat/<n>` (a counter it adds 1 to every [`AGENT_BEAT`]) and `left/<n>` (it
-//! left).
+//! registered), `beat/<n>` (a counter it adds 1 to every [`AGENT_BEAT`]), `left/<n>` (it
+//! left) and `next_node` (the node ranks handed out to launchers started without one,
+//! [`next_node_rank`]).
 
 use std::sync::mpsc;
 use std::thread::JoinHandle;
@@ -99,6 +100,26 @@ impl AgentPresence {
             thread: Some(thread),
         })
     }
+}
+
+/// The node rank of a launcher of an elastic job started without one (torchrun's c10d
+/// rendezvous: every agent runs the same command line), from the store at `addr:port` that
+/// the agent which could host it holds as node 0: the count of launchers that asked so far,
+/// `next_node` under [`AGENTS_PREFIX`] (1 for the first, 2 for the next, ...), so that no two
+/// agents of the job get the same node rank, whatever order they start in. Retries connecting
+/// until `connect_by` (the hosting agent may start later).
+pub fn next_node_rank(addr: &str, port: u16, connect_by: Instant) -> Result<usize, CommError> {
+    let prefix = AGENTS_PREFIX.to_string();
+    let store = Store::connect_torch(0, addr, port, prefix, connect_by, CALL)?;
+    let n = store.add("next_node", 1)?;
+    usize::try_from(n)
+        .ok()
+        .filter(|&n| n >= 1)
+        .ok_or_else(|| CommError::Store {
+            rank: 0,
+            addr: format!("{addr}:{port}"),
+            message: format!("the launchers' node counter ({AGENTS_PREFIX}next_node) gave {n}"),
+        })
 }
 
 /// Beats until `stop` closes, then says that this launcher left.

@@ -106,7 +106,9 @@ pub use config::{
     DEFAULT_MASTER_PORT, DEFAULT_PEER_TIMEOUT, DEFAULT_SEGMENT_BYTES,
     DEFAULT_SMALL_ALLREDUCE_BYTES, DEFAULT_TIMEOUT, MAX_SEGMENT_BYTES,
 };
-pub use elastic_agents::{AgentPresence, AgentWatch, AGENTS_PREFIX, AGENT_BEAT, AGENT_SILENCE};
+pub use elastic_agents::{
+    next_node_rank, AgentPresence, AgentWatch, AGENTS_PREFIX, AGENT_BEAT, AGENT_SILENCE,
+};
 pub use elastic_group::{
     elastic_job_state, parse_range, Change, Continue, ElasticConfig, ElasticGroup, StepStatus,
     Vote, DEFAULT_LAST_CALL, DEFAULT_POLL, ELASTIC_ENV, ELASTIC_ROUND_ENV,

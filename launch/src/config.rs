@@ -28,6 +28,13 @@ pub struct LaunchConfig {
     pub min_nnodes: Option<usize>,
     /// This node's index in `0..nnodes` (`--node-rank`).
     pub node_rank: usize,
+    /// The node rank comes from the rendezvous, as torchrun's c10d rendezvous gives it
+    /// (`--rdzv-backend c10d` without `--node-rank`): every agent of an elastic job runs the
+    /// same command line, the one that can host the store on `master_addr:master_port` is
+    /// node 0, and the others take the next node rank from a counter in that store;
+    /// `node_rank` is then ignored. Needs an elastic job ([`min_nnodes`](Self::min_nnodes))
+    /// with `master_addr` and `master_port`.
+    pub node_rank_at_rendezvous: bool,
     /// Address of the node that runs rank 0, where the rendezvous store listens. Required when
     /// `nnodes > 1`; on a single node it defaults to [`DEFAULT_MASTER_ADDR`].
     pub master_addr: Option<String>,
@@ -67,6 +74,7 @@ impl LaunchConfig {
             nnodes: 1,
             min_nnodes: None,
             node_rank: 0,
+            node_rank_at_rendezvous: false,
             master_addr: None,
             master_port: None,
             job_id: None,

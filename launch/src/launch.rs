@@ -69,7 +69,12 @@ const REGISTER_BY: Duration = Duration::from_secs(300);
 /// documentation for what happens on the way. Returns when every local rank has ended and its
 /// output has been forwarded, after restarting the ranks up to `config.max_restarts` times.
 pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
-    let mut job = Job::start(config)?;
+    check(config)?;
+    let rendezvous = Rendezvous::settle(config)?;
+    let store = rendezvous.first_store()?;
+    let hosts = store._host.is_some();
+    let config = &crate::node_rank::assign(config, &rendezvous.addr, store.port, hosts)?;
+    let mut job = Job::start(config, rendezvous, store)?;
     loop {
         let outcome = job.run_attempt();
         match job.next_round(outcome) {
@@ -119,13 +124,16 @@ struct Job<'a> {
 }
 
 impl<'a> Job<'a> {
-    /// Step 1: checks the configuration, settles the rendezvous (binding the first attempt's
-    /// port and hosting the store on it, on node 0), installs the signal handlers and joins the
-    /// other nodes' launchers.
-    fn start(config: &'a LaunchConfig) -> Result<Job<'a>, LaunchError> {
+    /// Step 1, after the configuration was checked and the rendezvous settled (the first
+    /// attempt's port bound and its store hosted, on node 0; the node rank taken there when
+    /// it was to come from it): installs the signal handlers and joins the other nodes'
+    /// launchers.
+    fn start(
+        config: &'a LaunchConfig,
+        rendezvous: Rendezvous,
+        store: AttemptStore,
+    ) -> Result<Job<'a>, LaunchError> {
         let (program, args) = check(config)?;
-        let rendezvous = Rendezvous::settle(config)?;
-        let store = rendezvous.first_store()?;
         let master_port = store.port;
         let job_id = attempt_job_id(config, 0, master_port);
         let signals = match config.forward_signals {
@@ -608,6 +616,16 @@ fn check(config: &LaunchConfig) -> Result<(&OsString, &[OsString]), LaunchError>
         return Err(LaunchError::Zero {
             what: "--nnodes MIN (1 <= MIN <= MAX)",
         });
+    }
+    if config.node_rank_at_rendezvous
+        && (config.min_nnodes.is_none() || config.master_addr.is_none())
+    {
+        return Err(LaunchError::Environment(
+            "--rdzv-backend c10d without --node-rank takes the node rank at the rendezvous: it \
+             needs an elastic job (--nnodes MIN:MAX with MIN < MAX) and --rdzv-endpoint \
+             HOST:PORT; else give --node-rank"
+                .into(),
+        ));
     }
     if config.node_rank >= config.nnodes {
         return Err(LaunchError::NodeRankOutOfRange {

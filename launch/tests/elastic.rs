@@ -346,3 +346,77 @@ fn node_0_exits_when_every_other_agent_died_hard() {
         "node 0 took {took:?} after the other agents died\n{text}"
     );
 }
+
+/// An agent of a `2:3` job started as torchrun's users start one: no node rank, the rendezvous
+/// endpoint, torchrun's c10d backend and the job's id, as flags or as Kubeflow's `PET_*`
+/// variables (`pet`).
+fn c10d_agent(port: u16, pet: bool, env: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    common::clear_launcher_env(&mut command);
+    command.args(["--grace-period", "0.5", "--nproc-per-node", "1"]);
+    let endpoint = format!("127.0.0.1:{port}");
+    if pet {
+        command.envs([
+            ("PET_NNODES", "2:3"),
+            ("PET_RDZV_BACKEND", "c10d"),
+            ("PET_RDZV_ENDPOINT", endpoint.as_str()),
+            ("PET_RDZV_ID", "c10d-test"),
+        ]);
+    } else {
+        command.args(["--nnodes", "2:3", "--rdzv-backend", "c10d"]);
+        command.args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "c10d-test"]);
+    }
+    command
+        .args(["--max-restarts", "1", "--", "env"])
+        .args(["PEER_SLEEP_MS=20", "DDP_PEER_TIMEOUT=2"])
+        .args(env)
+        .arg(common::workspace_bin("ddp-elastic-peer"));
+    command
+}
+
+/// Three agents started with the same command line (two with torchrun's flags, one with the
+/// `PET_*` variables), as torchrun's c10d rendezvous and Kubeflow's elastic policy start them:
+/// the first hosts the store (node 0), the other two find the port taken and take node ranks
+/// 1 and 2 from the store; the job forms at world 3. The agent of node 2 is then killed (with
+/// its rank): the other two finish the job, as with node ranks given.
+#[test]
+fn three_agents_with_one_command_line_train_and_finish() {
+    let port = free_port();
+    let env = ["PEER_STEPS=150"];
+    let mut agents = vec![Agent::start(c10d_agent(port, false, &env))];
+    let first = agents[0].wait_for("node rank ");
+    assert!(first.contains("whose store this agent hosts"), "{first}");
+    agents.push(Agent::start(c10d_agent(port, true, &env)));
+    agents.push(Agent::start(c10d_agent(port, false, &env)));
+    let node = |said: &str| {
+        let rank = said.split("node rank ").nth(1).unwrap();
+        rank.split(' ').next().unwrap().to_string()
+    };
+    let mut nodes = vec![node(&first)];
+    for agent in &mut agents[1..] {
+        nodes.push(node(&agent.wait_for("node rank ")));
+    }
+    let mut sorted = nodes.clone();
+    sorted.sort();
+    assert_eq!(sorted, ["0", "1", "2"], "{nodes:?}");
+    assert_eq!(nodes[0], "0", "the first agent hosts");
+    agents[0].wait_for(" world 3 step ");
+    let victim = nodes.iter().position(|n| n == "2").unwrap();
+    let ranks = children(agents[victim].child.id(), "ddp-elastic-peer");
+    for pid in std::iter::once(agents[victim].child.id()).chain(ranks) {
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    for (i, agent) in agents.iter_mut().enumerate() {
+        if i == victim {
+            continue;
+        }
+        let (status, text) = agent.finish();
+        assert!(
+            status.success(),
+            "agent {i} (node {}): {status}\n{text}",
+            nodes[i]
+        );
+        assert!(text.contains("step 150 "), "{text}");
+    }
+}
