@@ -76,7 +76,7 @@ struct Args {
     /// [default: PET_RDZV_BACKEND, else static].
     #[arg(long, alias = "rdzv_backend", value_name = "c10d|static", value_parser = launch::rdzv_backend)]
     rdzv_backend: Option<String>,
-    /// torchrun's rendezvous endpoint, HOST[:PORT] (port 29400 when not given): the
+    /// torchrun's rendezvous endpoint, HOST:PORT or HOST (port 29400): the
     /// rendezvous store's address, as --master-addr and --master-port [default:
     /// PET_RDZV_ENDPOINT].
     #[arg(long, alias = "rdzv_endpoint", value_name = "HOST:PORT", value_parser = launch::parse_endpoint,
