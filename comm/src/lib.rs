@@ -65,6 +65,8 @@ mod connect;
 pub mod elastic;
 mod elastic_agents;
 mod elastic_group;
+mod elastic_poller;
+mod elastic_seal;
 mod element;
 mod env;
 pub use env::LAUNCHER_ENV;

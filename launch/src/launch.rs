@@ -121,6 +121,9 @@ struct Job<'a> {
     /// launchers as the store shows them, looked at throughout the job (every look of the
     /// watch loop), so that a launcher's silence counts from its last beat.
     watch: RefCell<Option<AgentWatch>>,
+    /// The job's secret, the user's `DDP_TOKEN` (the ranks inherit it), with which an elastic
+    /// job's records are sealed (see [`job_secret`]).
+    token: Option<String>,
 }
 
 impl<'a> Job<'a> {
@@ -175,6 +178,7 @@ impl<'a> Job<'a> {
             presence,
             stopped_hosting: false,
             watch: RefCell::new(watch),
+            token: job_secret(config),
         })
     }
 
@@ -293,7 +297,7 @@ impl<'a> Job<'a> {
             let Some(host) = self.store._host.as_ref() else {
                 return Ok(true);
             };
-            if ddp_comm::elastic_job_state(host, round).is_some() {
+            if ddp_comm::elastic_job_state(host, round, self.token.as_deref()).is_some() {
                 return Ok(true);
             }
             let mut guard = self.watch.borrow_mut();
@@ -655,6 +659,22 @@ fn join_agents(
         str::to_string,
     );
     Agents::join(config.node_rank, config.nnodes, master_addr, port, &name).map(Some)
+}
+
+/// The secret that seals an elastic job's records in the store (ddp-comm's `elastic_seal.rs`):
+/// the user's `DDP_TOKEN`, the same on every node (the ranks inherit it). An elastic job
+/// without one is told that anyone who reaches its store can disturb it: no launcher can make
+/// a secret for it, since the agents that join later must know it too.
+fn job_secret(config: &LaunchConfig) -> Option<String> {
+    let token = std::env::var("DDP_TOKEN").ok().filter(|t| !t.is_empty());
+    if token.is_none() && config.min_nnodes.is_some() {
+        notice(
+            "DDP_TOKEN is not set: the elastic job's records in the store are not sealed, and \
+             anyone who reaches MASTER_PORT can end it or make it re-form; set DDP_TOKEN to a \
+             secret, the same on every node",
+        );
+    }
+    token
 }
 
 /// The ranks' trace directory: the user's `DDP_TRACE_DIR`, else one of the launcher's own under

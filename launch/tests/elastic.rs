@@ -420,3 +420,91 @@ fn three_agents_with_one_command_line_train_and_finish() {
         assert!(text.contains("step 150 "), "{text}");
     }
 }
+
+/// A bare PyTorch `TCPStore` client (its wire protocol: VALIDATE, then SET and ADD), as anyone
+/// who reaches `MASTER_PORT` may run one: a stranger to the job.
+struct Stranger(std::net::TcpStream);
+
+impl Stranger {
+    fn connect(port: u16) -> Stranger {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let stream = loop {
+            match std::net::TcpStream::connect(("127.0.0.1", port)) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() > deadline => panic!("no store at {port}: {e}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut s = Stranger(stream);
+        let mut hello = vec![0u8];
+        hello.extend(0x3C85_F7CEu32.to_le_bytes());
+        s.send(&hello);
+        s
+    }
+
+    fn send(&mut self, bytes: &[u8]) {
+        use std::io::Write;
+        self.0.write_all(bytes).unwrap();
+    }
+
+    fn with_key(query: u8, key: &str) -> Vec<u8> {
+        let mut m = vec![query];
+        m.extend((key.len() as u64).to_le_bytes());
+        m.extend(key.as_bytes());
+        m
+    }
+
+    fn set(&mut self, key: &str, value: &[u8]) {
+        let mut m = Stranger::with_key(1, key);
+        m.extend((value.len() as u64).to_le_bytes());
+        m.extend(value);
+        self.send(&m);
+    }
+
+    fn add(&mut self, key: &str, delta: i64) -> i64 {
+        use std::io::Read;
+        let mut m = Stranger::with_key(4, key);
+        m.extend(delta.to_le_bytes());
+        self.send(&m);
+        let mut answer = [0u8; 8];
+        self.0.read_exact(&mut answer).unwrap();
+        i64::from_le_bytes(answer)
+    }
+}
+
+/// A stranger reaches the store of a one-node elastic job (2 ranks, `1:2` nodes: up to 4)
+/// while it trains, and makes every attack the records allowed: it says the job is done,
+/// writes garbage where the next generations' records go, and sends a join request of a
+/// plausible fourth process every 100 ms (which, admitted, would be healed with rank 0's
+/// weights). The records carry the seal of the job's secret (`DDP_TOKEN`), so the ranks ignore
+/// all of it: the job trains to its last step at world 2 without re-forming, and ddprun exits
+/// 0. (Without `DDP_TOKEN`, as before: the stranger's request was admitted, the job re-formed
+/// for a process that never came, and both ranks failed.)
+#[test]
+fn a_stranger_at_the_store_leaves_the_job_training() {
+    let port = free_port();
+    let mut command = elastic_node(0, "1:2", 2, port, 0, &["PEER_STEPS=150"]);
+    command.env("DDP_TOKEN", "the job's secret");
+    let mut agent = Agent::start(command);
+    agent.wait_for("step 5 ");
+    let mut stranger = Stranger::connect(port);
+    let prefix = "//worker/attempt_0/elastic/";
+    for round in 0..20 {
+        stranger.set(&format!("{prefix}done"), b"1");
+        for g in 2..5 {
+            stranger.set(&format!("{prefix}gen/{g}"), b"{garbage");
+        }
+        let n = stranger.add(&format!("{prefix}joins"), 1);
+        let request =
+            format!("{{\"member\":{{\"slot\":3,\"incarnation\":{round},\"host\":\"stranger\"}}}}");
+        stranger.set(&format!("{prefix}join/{n}"), request.as_bytes());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (status, text) = agent.finish();
+    assert!(status.success(), "{status}\n{text}");
+    assert!(text.contains("world 2 step 150 "), "{text}");
+    assert!(!text.contains("reformed"), "the job re-formed:\n{text}");
+}
