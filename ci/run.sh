@@ -173,7 +173,7 @@ PY
 step "spawn: train-mnist --nproc-per-node 2 starts its own 2 ranks (no launcher, PyTorch's mp.spawn)"
 target/release/train-mnist --nproc-per-node 2 --epochs 1 --max-steps 100 --log-interval 50 \
   --threads 1 --data-dir "$MNIST" | tee target/ci-spawn.txt
-grep -q "\\[rank 0\\] training cnn: world 2 (launcher: torchrun; 1 compute threads per rank)" \
+grep -q "\\[rank 0\\] training cnn: world 2 (launcher: spawn; 1 compute threads per rank)" \
   target/ci-spawn.txt
 python3 - target/ci-spawn.txt <<'PY'
 import re, sys

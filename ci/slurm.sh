@@ -122,7 +122,7 @@ timeout 600 sbatch --wait --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 \
   --output="$out/spawn.out" "$out/spawn.sh" ||
   { cat "$out/spawn.out" >&2 || true; echo "slurm: spawn in a batch script failed" >&2; exit 1; }
 cat "$out/spawn.out"
-grep -q "\[rank 0\] training cnn: world 2 (launcher: torchrun" "$out/spawn.out" ||
+grep -q "\[rank 0\] training cnn: world 2 (launcher: spawn" "$out/spawn.out" ||
   { echo "slurm: spawn in a batch script did not train on world 2" >&2; exit 1; }
 echo "slurm spawn: OK"
 

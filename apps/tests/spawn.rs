@@ -36,7 +36,7 @@ fn nproc_per_node_starts_two_ranks_that_learn() {
     // Both ranks ran (rank 0 prints; the launcher's forwarding prefixes its lines), as one
     // group of 2 that torchrun's variables formed.
     assert!(
-        all.contains("[rank 0] training cnn: world 2 (launcher: torchrun; 1 compute threads"),
+        all.contains("[rank 0] training cnn: world 2 (launcher: spawn; 1 compute threads"),
         "{all}"
     );
     let line = all
@@ -97,7 +97,7 @@ fn nproc_per_node_works_in_an_sbatch_script_and_not_in_a_step() {
     let all = text(&out);
     assert!(out.status.success(), "run failed:\n{all}");
     assert!(
-        all.contains("[rank 0] training cnn: world 2 (launcher: torchrun;"),
+        all.contains("[rank 0] training cnn: world 2 (launcher: spawn;"),
         "{all}"
     );
     let mut command = Command::new(env!("CARGO_BIN_EXE_train-mnist"));

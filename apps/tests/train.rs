@@ -66,6 +66,10 @@ fn two_ranks_learn_mnist() {
     // Log lines came through the pipes, without colour escapes.
     let all = text(&out);
     assert!(
+        all.contains("training cnn: world 2 (launcher: ddprun;"),
+        "ddprun's ranks name it:\n{all}"
+    );
+    assert!(
         all.contains("joined the process group"),
         "no log line in:\n{all}"
     );

@@ -101,10 +101,12 @@ pub struct GroupConfig {
     /// identities try shared memory with each other. `None`: the host name plus the kernel's
     /// boot id. Set it where those do not tell hosts apart, or to simulate several hosts.
     pub host_id: Option<String>,
-    /// Whose variables said who the ranks are: `torchrun` (also ddprun and Kubeflow's
-    /// PyTorchJob, which set torchrun's), `open-mpi`, `mpich` (MPICH, Intel MPI and other
-    /// Hydra/PMI launchers), `slurm`, `explicit` (a builder's values), or `none` (a single
-    /// process). For the first log line of a run.
+    /// Whose variables said who the ranks are: `torchrun` (also Kubeflow's PyTorchJob and
+    /// anything else that sets torchrun's variables), or the name a launcher that sets them
+    /// gives in `DDP_LAUNCHER` ([`crate::LAUNCHER_ENV`]: `ddprun`, `spawn`),
+    /// `open-mpi`, `mpich` (MPICH, Intel MPI and other Hydra/PMI launchers), `slurm`,
+    /// `explicit` (a builder's values), or `none` (a single process). For the first log line of
+    /// a run.
     pub launcher: String,
 }
 

@@ -75,8 +75,11 @@ pub use config::{
 pub use error::CommError;
 pub use flight::{CollectiveRecord, RecordState, FLIGHT_RECORDS};
 pub use group::ProcessGroup;
+pub use launcher::env::LAUNCHER_ENV;
 pub use launcher::slurm::first_host;
-pub use membership::agents::{AgentPresence, AgentWatch, AGENTS_PREFIX, AGENT_BEAT, AGENT_SILENCE};
+pub use membership::agents::{
+    next_node_rank, AgentPresence, AgentWatch, AGENTS_PREFIX, AGENT_BEAT, AGENT_SILENCE,
+};
 pub use membership::group::{
     elastic_job_state, parse_range, Change, Continue, ElasticConfig, ElasticGroup, StepStatus,
     Vote, DEFAULT_LAST_CALL, DEFAULT_POLL, ELASTIC_ENV, ELASTIC_ROUND_ENV,

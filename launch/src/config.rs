@@ -5,7 +5,7 @@ use std::ffi::OsString;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ddp_comm::elastic::{MAX_RESTARTS_ENV, RESTART_COUNT_ENV, USE_AGENT_STORE_ENV};
-use ddp_comm::{ELASTIC_ENV, ELASTIC_ROUND_ENV};
+use ddp_comm::{ELASTIC_ENV, ELASTIC_ROUND_ENV, LAUNCHER_ENV};
 
 /// The grace period between `SIGTERM` and `SIGKILL` when no other is configured.
 pub const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(5);
@@ -28,6 +28,13 @@ pub struct LaunchConfig {
     pub min_nnodes: Option<usize>,
     /// This node's index in `0..nnodes` (`--node-rank`).
     pub node_rank: usize,
+    /// The node rank comes from the rendezvous, as torchrun's c10d rendezvous gives it
+    /// (`--rdzv-backend c10d` without `--node-rank`): every agent of an elastic job runs the
+    /// same command line, the one that can host the store on `master_addr:master_port` is
+    /// node 0, and the others take the next node rank from a counter in that store;
+    /// `node_rank` is then ignored. Needs an elastic job ([`min_nnodes`](Self::min_nnodes))
+    /// with `master_addr` and `master_port`.
+    pub node_rank_at_rendezvous: bool,
     /// Address of the node that runs rank 0, where the rendezvous store listens. Required when
     /// `nnodes > 1`; on a single node it defaults to [`DEFAULT_MASTER_ADDR`].
     pub master_addr: Option<String>,
@@ -52,6 +59,10 @@ pub struct LaunchConfig {
     /// default, stops the job at the first failure. A `SIGINT`/`SIGTERM` to the launcher never
     /// leads to a restart. See [`crate::launch`] for what a restart does.
     pub max_restarts: usize,
+    /// The launcher's name, given to every rank as `DDP_LAUNCHER`
+    /// ([`ddp_comm::LAUNCHER_ENV`]), which a rank's `GroupConfig::launcher` reports:
+    /// `ddprun` ([`LaunchConfig::new`]'s), `spawn` for [`crate::spawn`].
+    pub launcher: String,
 }
 
 impl LaunchConfig {
@@ -63,6 +74,7 @@ impl LaunchConfig {
             nnodes: 1,
             min_nnodes: None,
             node_rank: 0,
+            node_rank_at_rendezvous: false,
             master_addr: None,
             master_port: None,
             job_id: None,
@@ -70,6 +82,7 @@ impl LaunchConfig {
             grace_period: DEFAULT_GRACE_PERIOD,
             forward_signals: true,
             max_restarts: 0,
+            launcher: "ddprun".to_string(),
         }
     }
 
@@ -96,7 +109,8 @@ impl LaunchConfig {
 /// (0 for the first start): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
 /// `GROUP_RANK` (the node rank, as torchrun names it), `MASTER_ADDR`, `MASTER_PORT`,
 /// [`RESTART_COUNT_ENV`], [`MAX_RESTARTS_ENV`] and [`USE_AGENT_STORE_ENV`]` = True` (node 0's
-/// launcher hosts the store on `MASTER_PORT`: no rank binds it), `DDP_JOB_ID` when `job_id`
+/// launcher hosts the store on `MASTER_PORT`: no rank binds it), [`LAUNCHER_ENV`] (the
+/// launcher's name, [`LaunchConfig::launcher`]), `DDP_JOB_ID` when `job_id`
 /// is given, and [`ELASTIC_ENV`]` = MIN:MAX` (in ranks) and [`ELASTIC_ROUND_ENV`]` = restart`
 /// for an elastic job (`WORLD_SIZE` is then the most ranks, and `RANK` the rank's slot among
 /// them). [`RESTART_COUNT_ENV`] is `restart` too; ddprun raises it for a rank of an elastic
@@ -121,6 +135,7 @@ pub fn rank_env(
         (RESTART_COUNT_ENV, restart.to_string()),
         (MAX_RESTARTS_ENV, config.max_restarts.to_string()),
         (USE_AGENT_STORE_ENV, "True".to_string()),
+        (LAUNCHER_ENV, config.launcher.clone()),
     ];
     if let Some(id) = job_id {
         env.push(("DDP_JOB_ID", id.to_string()));

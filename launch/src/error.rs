@@ -328,6 +328,22 @@ pub enum LaunchError {
         /// What happened, naming the node.
         message: String,
     },
+    /// An elastic job on several nodes whose store this launcher hosts: every other node's
+    /// launcher has left or gone silent, `nodes` silent for `silence` (killed, or their hosts
+    /// down or cut off), and no rank of this node is alive, or its ranks alone are below the
+    /// job's minimum (they were stopped): nobody is left to run or end the job, so this
+    /// launcher stops hosting its store and exits.
+    #[error(
+        "the launchers (ddprun) of nodes {nodes:?} have been silent for {silence:?} (killed, or \
+         their hosts are down or cut off) and no other node's launcher is left: this node \
+         cannot run the elastic job alone; no longer hosting its store"
+    )]
+    ElasticAgentsLost {
+        /// The nodes whose launchers went silent.
+        nodes: Vec<usize>,
+        /// How long a launcher must be silent to be gone (`ddp_comm::AGENT_SILENCE`).
+        silence: std::time::Duration,
+    },
     /// Several nodes: a rank of another node failed and every restart was used; this node's
     /// ranks were stopped.
     #[error("the job failed on another node and all {max_restarts} restarts are used up: {first_failure}")]

@@ -17,14 +17,18 @@ use crate::ranks::Rank;
 const FLIGHT_WAIT: Duration = Duration::from_millis(2500);
 
 /// Sends SIGUSR1 to every running rank that handles it (it left the marker of a process group
-/// with a trace directory) and waits up to [`FLIGHT_WAIT`] until each has written a fresh flight
+/// with a trace directory) and is not stopped, and waits up to [`FLIGHT_WAIT`] until each has written a fresh flight
 /// record, written one on its failure, or exited. Returns the hang report (empty when no rank
 /// was asked).
 pub(crate) fn ask_for_flight_records(ranks: &mut [Rank], dir: &Path) -> String {
     let asked_at = ddp_comm::flight::now_us();
     let mut asked = Vec::new();
     for (i, r) in ranks.iter().enumerate() {
-        if r.exit.is_none() && dir.join(ddp_comm::flight::handler_marker(r.rank)).exists() {
+        // A stopped rank cannot answer before the wait is over (see `frozen.rs`).
+        if r.exit.is_none()
+            && dir.join(ddp_comm::flight::handler_marker(r.rank)).exists()
+            && !crate::frozen::is_stopped(r.child.id())
+        {
             // Only the rank itself: what it started may not handle SIGUSR1.
             // SAFETY: kill has no memory-safety preconditions.
             unsafe { libc::kill(r.child.id() as libc::pid_t, libc::SIGUSR1) };

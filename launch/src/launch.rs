@@ -27,13 +27,20 @@
 //! (`ddp_comm::AgentWatch`: each registers in the store, beats, and says when it leaves), so
 //! that a rank another launcher restarts after the last step still finds the store, reads that
 //! the job is over and exits 0. It waits at most [`ELASTIC_LINGER`] after the end, and not for
-//! a launcher whose beat stopped ([`ddp_comm::AGENT_SILENCE`]: its node died hard).
+//! a launcher whose beat stopped ([`ddp_comm::AGENT_SILENCE`]: its node died hard). When every
+//! other launcher that registered is gone and at least one died hard, while no rank of this
+//! node is alive or this node's ranks alone are below the job's minimum, nobody is left to run
+//! or end the job: node 0's launcher stops its ranks and exits with
+//! [`LaunchError::ElasticAgentsLost`] naming those nodes, instead of hosting, or starting new
+//! rounds, for nodes that are gone (so within the silence of their death). What happens when
+//! node 0's own launcher dies is another matter (the store goes with it; see the README).
 //!
 //! Restarts are counted as torchrun counts them: `TORCHELASTIC_RESTART_COUNT` is the restarts
 //! of the budget used before the process started, a rank restarted alone in an elastic job
 //! included (so a rank restarted alone once sees 1); the store keys of an elastic round follow
 //! the round instead (`DDP_ELASTIC_ROUND`, [`ddp_comm::ELASTIC_ROUND_ENV`]).
 
+use std::cell::RefCell;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -62,7 +69,12 @@ const REGISTER_BY: Duration = Duration::from_secs(300);
 /// documentation for what happens on the way. Returns when every local rank has ended and its
 /// output has been forwarded, after restarting the ranks up to `config.max_restarts` times.
 pub fn launch(config: &LaunchConfig) -> Result<LaunchReport, LaunchError> {
-    let mut job = Job::start(config)?;
+    check(config)?;
+    let rendezvous = Rendezvous::settle(config)?;
+    let store = rendezvous.first_store()?;
+    let hosts = store._host.is_some();
+    let config = &crate::node_rank::assign(config, &rendezvous.addr, store.port, hosts)?;
+    let mut job = Job::start(config, rendezvous, store)?;
     loop {
         let outcome = job.run_attempt();
         match job.next_round(outcome) {
@@ -105,16 +117,26 @@ struct Job<'a> {
     presence: Option<AgentPresence>,
     /// A `SIGINT`/`SIGTERM` ended this launcher's hosting of the store for the other nodes.
     stopped_hosting: bool,
+    /// An elastic job on several nodes whose store this launcher hosts: the other nodes'
+    /// launchers as the store shows them, looked at throughout the job (every look of the
+    /// watch loop), so that a launcher's silence counts from its last beat.
+    watch: RefCell<Option<AgentWatch>>,
+    /// The job's secret, the user's `DDP_TOKEN` (the ranks inherit it), with which an elastic
+    /// job's records are sealed (see [`job_secret`]).
+    token: Option<String>,
 }
 
 impl<'a> Job<'a> {
-    /// Step 1: checks the configuration, settles the rendezvous (binding the first attempt's
-    /// port and hosting the store on it, on node 0), installs the signal handlers and joins the
-    /// other nodes' launchers.
-    fn start(config: &'a LaunchConfig) -> Result<Job<'a>, LaunchError> {
+    /// Step 1, after the configuration was checked and the rendezvous settled (the first
+    /// attempt's port bound and its store hosted, on node 0; the node rank taken there when
+    /// it was to come from it): installs the signal handlers and joins the other nodes'
+    /// launchers.
+    fn start(
+        config: &'a LaunchConfig,
+        rendezvous: Rendezvous,
+        store: AttemptStore,
+    ) -> Result<Job<'a>, LaunchError> {
         let (program, args) = check(config)?;
-        let rendezvous = Rendezvous::settle(config)?;
-        let store = rendezvous.first_store()?;
         let master_port = store.port;
         let job_id = attempt_job_id(config, 0, master_port);
         let signals = match config.forward_signals {
@@ -138,6 +160,9 @@ impl<'a> Job<'a> {
             ),
             false => None,
         };
+        let hosts = store._host.is_some();
+        let watch = (config.min_nnodes.is_some() && config.nnodes > 1 && hosts)
+            .then(|| AgentWatch::new(config.nnodes, AGENT_SILENCE));
         Ok(Job {
             config,
             program,
@@ -152,6 +177,8 @@ impl<'a> Job<'a> {
             rank_restarts: 0,
             presence,
             stopped_hosting: false,
+            watch: RefCell::new(watch),
+            token: job_secret(config),
         })
     }
 
@@ -170,7 +197,20 @@ impl<'a> Job<'a> {
         };
         let round = self.restarts as u64;
         let agents = self.agents.as_ref();
+        let (watch, host) = (&self.watch, self.store._host.as_ref());
+        let alone_below_min = self.alone_below_min();
         let other_nodes = || -> Option<Result<(), String>> {
+            if let (Some(w), Some(host)) = (watch.borrow_mut().as_mut(), host) {
+                // Every other launcher gone, and this node's ranks cannot run the job alone:
+                // they could only wait for nodes that are gone.
+                if w.present(host).is_empty() && !w.lost().is_empty() && alone_below_min {
+                    let lost = LaunchError::ElasticAgentsLost {
+                        nodes: w.lost().to_vec(),
+                        silence: w.silence(),
+                    };
+                    return Some(Err(lost.to_string()));
+                }
+            }
             let a = agents?;
             if let Some(why) = a.lost() {
                 return Some(Err(why));
@@ -186,8 +226,11 @@ impl<'a> Job<'a> {
             budget,
         );
         self.rank_restarts += outcome.rank_restarts;
+        let mut outcome = outcome;
         if !matches!(outcome.ending, Ending::Succeeded(_)) {
-            let _ = self.host_until_the_job_is_over();
+            if let Err(error) = self.host_until_the_job_is_over() {
+                outcome.ending = Ending::Error(error);
+            }
         }
         outcome
     }
@@ -240,26 +283,40 @@ impl<'a> Job<'a> {
     /// An elastic job on several nodes whose store this launcher hosts: its ranks are gone, but
     /// the other nodes' may still run; keep the store up until the job finished or stopped,
     /// or no other node's launcher is left to end it (or this launcher is told to stop:
-    /// returns `false` then).
-    fn host_until_the_job_is_over(&mut self) -> bool {
-        let Some(mut watch) = self.agent_watch() else {
-            return true;
-        };
+    /// returns `Ok(false)` then). When every other launcher that registered has left or gone
+    /// silent ([`AGENT_SILENCE`]) and at least one went silent (its node died hard), nobody is
+    /// left to run or end the job: [`LaunchError::ElasticAgentsLost`], so that this launcher
+    /// exits instead of restarting ranks that could only wait for nodes that are gone.
+    fn host_until_the_job_is_over(&mut self) -> Result<bool, LaunchError> {
+        if !self.agent_watch() {
+            return Ok(true);
+        }
         let round = self.restarts as u32;
         let mut said = false;
         loop {
             let Some(host) = self.store._host.as_ref() else {
-                return true;
+                return Ok(true);
             };
-            if ddp_comm::elastic_job_state(host, round).is_some() {
-                return true;
+            if ddp_comm::elastic_job_state(host, round, self.token.as_deref()).is_some() {
+                return Ok(true);
             }
+            let mut guard = self.watch.borrow_mut();
+            let Some(watch) = guard.as_mut() else {
+                return Ok(true);
+            };
             if watch.present(host).is_empty() {
+                if !watch.lost().is_empty() {
+                    return Err(LaunchError::ElasticAgentsLost {
+                        nodes: watch.lost().to_vec(),
+                        silence: watch.silence(),
+                    });
+                }
                 if said {
                     notice("no other node's launcher is left; no longer hosting the store");
                 }
-                return true;
+                return Ok(true);
             }
+            drop(guard);
             if !said {
                 said = true;
                 notice(
@@ -267,7 +324,7 @@ impl<'a> Job<'a> {
                 );
             }
             if self.signalled("no longer hosting the store") {
-                return false;
+                return Ok(false);
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -279,19 +336,27 @@ impl<'a> Job<'a> {
     /// ranks will use the store again) or gone silent, for at most [`ELASTIC_LINGER`] after
     /// the end.
     fn host_until_every_node_saw_the_end(&mut self) {
-        if !self.host_until_the_job_is_over() {
+        match self.host_until_the_job_is_over() {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(error) => {
+                notice(&error.to_string());
+                return;
+            }
+        }
+        if !self.agent_watch() {
             return;
         }
-        let Some(mut watch) = self.agent_watch() else {
-            return;
-        };
         let until = Instant::now() + ELASTIC_LINGER;
         let mut said = false;
         loop {
             let Some(host) = self.store._host.as_ref() else {
                 return;
             };
-            let present = watch.present(host);
+            let present = match self.watch.borrow_mut().as_mut() {
+                Some(watch) => watch.present(host),
+                None => return,
+            };
             if present.is_empty() {
                 return;
             }
@@ -316,12 +381,55 @@ impl<'a> Job<'a> {
         }
     }
 
-    /// A watch over the other nodes' launchers, when this launcher hosts the store of an
+    /// Whether this launcher watches the other nodes' launchers: it hosts the store of an
     /// elastic job on several nodes and was not told to stop.
-    fn agent_watch(&self) -> Option<AgentWatch> {
-        let hosts = self.store._host.is_some() && !self.stopped_hosting;
-        (self.config.min_nnodes.is_some() && self.config.nnodes > 1 && hosts)
-            .then(|| AgentWatch::new(self.config.nnodes, AGENT_SILENCE))
+    fn agent_watch(&self) -> bool {
+        self.watch.borrow().is_some() && self.store._host.is_some() && !self.stopped_hosting
+    }
+
+    /// Whether this node's ranks alone are below the elastic job's minimum.
+    fn alone_below_min(&self) -> bool {
+        self.config
+            .elastic_ranks()
+            .is_some_and(|(min, _)| self.config.nproc_per_node < min)
+    }
+
+    /// Before a new round of an elastic job whose store this launcher hosts, when this node's
+    /// ranks alone are below the job's minimum: waits until another node's launcher shows
+    /// that it is alive (its beat moves: within [`AGENT_BEAT`]), or until every other launcher
+    /// that registered has left or gone silent (at most [`AGENT_SILENCE`]); then, with at
+    /// least one gone silent, the new round could only wait for nodes that are gone:
+    /// [`LaunchError::ElasticAgentsLost`].
+    fn other_nodes_alive(&mut self) -> Result<(), LaunchError> {
+        if !self.alone_below_min() || !self.agent_watch() {
+            return Ok(());
+        }
+        let since = Instant::now();
+        loop {
+            let Some(host) = self.store._host.as_ref() else {
+                return Ok(());
+            };
+            let mut guard = self.watch.borrow_mut();
+            let Some(watch) = guard.as_mut() else {
+                return Ok(());
+            };
+            let present = watch.present(host);
+            if watch.last_moved().is_some_and(|t| t > since) {
+                return Ok(());
+            }
+            if present.is_empty() {
+                return match watch.lost() {
+                    [] => Ok(()),
+                    lost => Err(LaunchError::ElasticAgentsLost {
+                        nodes: lost.to_vec(),
+                        silence: watch.silence(),
+                    }),
+                };
+            }
+            drop(guard);
+            self.refuse_if_signalled()?;
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// Whether a `SIGINT`/`SIGTERM` reached the launcher (it says so, and that it stops
@@ -351,6 +459,7 @@ impl<'a> Job<'a> {
         }
         match ending {
             Ending::RankFailed(failure) if !signalled && self.restarts_left() > 0 => {
+                self.other_nodes_alive()?;
                 self.restart_after(&failure)?;
                 Ok(None)
             }
@@ -512,6 +621,16 @@ fn check(config: &LaunchConfig) -> Result<(&OsString, &[OsString]), LaunchError>
             what: "--nnodes MIN (1 <= MIN <= MAX)",
         });
     }
+    if config.node_rank_at_rendezvous
+        && (config.min_nnodes.is_none() || config.master_addr.is_none())
+    {
+        return Err(LaunchError::Environment(
+            "--rdzv-backend c10d without --node-rank takes the node rank at the rendezvous: it \
+             needs an elastic job (--nnodes MIN:MAX with MIN < MAX) and --rdzv-endpoint \
+             HOST:PORT; else give --node-rank"
+                .into(),
+        ));
+    }
     if config.node_rank >= config.nnodes {
         return Err(LaunchError::NodeRankOutOfRange {
             node_rank: config.node_rank,
@@ -540,6 +659,22 @@ fn join_agents(
         str::to_string,
     );
     Agents::join(config.node_rank, config.nnodes, master_addr, port, &name).map(Some)
+}
+
+/// The secret that seals an elastic job's records in the store (ddp-comm's `elastic_seal.rs`):
+/// the user's `DDP_TOKEN`, the same on every node (the ranks inherit it). An elastic job
+/// without one is told that anyone who reaches its store can disturb it: no launcher can make
+/// a secret for it, since the agents that join later must know it too.
+fn job_secret(config: &LaunchConfig) -> Option<String> {
+    let token = std::env::var("DDP_TOKEN").ok().filter(|t| !t.is_empty());
+    if token.is_none() && config.min_nnodes.is_some() {
+        notice(
+            "DDP_TOKEN is not set: the elastic job's records in the store are not sealed, and \
+             anyone who reaches MASTER_PORT can end it or make it re-form; set DDP_TOKEN to a \
+             secret, the same on every node",
+        );
+    }
+    token
 }
 
 /// The ranks' trace directory: the user's `DDP_TRACE_DIR`, else one of the launcher's own under

@@ -61,7 +61,8 @@
 //! address and port), `report.rs` (the root cause and its box), `hang.rs` (where every rank
 //! is), `agents.rs` (several nodes), `config.rs` ([`LaunchConfig`], each rank's environment),
 //! `error.rs` ([`LaunchError`], [`RankFailure`], [`RankExit`]), `pet.rs` (ddprun's defaults from
-//! torchrun's `PET_*` variables), `devices.rs` (the CPUs and GPUs that `--nproc-per-node auto`,
+//! torchrun's `PET_*` variables), `node_rank.rs` (torchrun's c10d rendezvous: node ranks without `--node-rank`),
+//! `devices.rs` (the CPUs and GPUs that `--nproc-per-node auto`,
 //! `cpu` and `gpu` count), `spawn.rs` ([`spawn`]).
 //!
 //! Unix only: it relies on process groups and signals.
@@ -73,8 +74,10 @@ mod attempt;
 mod config;
 mod devices;
 mod error;
+mod frozen;
 mod hang;
 mod launch;
+mod node_rank;
 mod output;
 mod pet;
 mod ranks;
@@ -90,7 +93,8 @@ pub use ddp_comm::elastic::{
 pub use devices::nproc_per_node;
 pub use error::{signal_name, BlamedRank, LaunchError, LaunchReport, RankExit, RankFailure};
 pub use launch::launch;
-pub use pet::{GivenFlags, PetDefaults};
+pub use node_rank::{parse_endpoint, DEFAULT_RDZV_PORT};
+pub use pet::{rdzv_backend, GivenFlags, PetDefaults};
 pub use rendezvous::bind_free_port;
 pub use report::root_cause_box;
 pub use spawn::{spawn, SpawnOptions};

@@ -28,6 +28,13 @@ pub struct PetDefaults {
     pub master_port: Option<u16>,
     /// `PET_MAX_RESTARTS`.
     pub max_restarts: Option<usize>,
+    /// `PET_RDZV_BACKEND`: `c10d` or `static` (torchrun's; others are refused).
+    pub rdzv_backend: Option<String>,
+    /// `PET_RDZV_ENDPOINT`: the rendezvous store's `HOST[:PORT]`
+    /// ([`crate::parse_endpoint`]).
+    pub rdzv_endpoint: Option<(String, u16)>,
+    /// `PET_RDZV_ID`: the job's id.
+    pub rdzv_id: Option<String>,
 }
 
 /// Which of ddprun's options were given on its command line: their `PET_*` variables are not
@@ -46,6 +53,12 @@ pub struct GivenFlags {
     pub master_port: bool,
     /// `--max-restarts` (`PET_MAX_RESTARTS`).
     pub max_restarts: bool,
+    /// `--rdzv-backend` (`PET_RDZV_BACKEND`).
+    pub rdzv_backend: bool,
+    /// `--rdzv-endpoint` (`PET_RDZV_ENDPOINT`).
+    pub rdzv_endpoint: bool,
+    /// `--rdzv-id` (`PET_RDZV_ID`).
+    pub rdzv_id: bool,
 }
 
 impl PetDefaults {
@@ -120,7 +133,21 @@ impl PetDefaults {
                 _ => return Err(bad("PET_MASTER_PORT", &v, "not a port number (1-65535)")),
             },
         };
+        let rdzv_backend = match get("PET_RDZV_BACKEND", given.rdzv_backend) {
+            None => None,
+            Some(v) => Some(rdzv_backend(&v).map_err(|why| bad("PET_RDZV_BACKEND", &v, &why))?),
+        };
+        let rdzv_endpoint = match get("PET_RDZV_ENDPOINT", given.rdzv_endpoint) {
+            None => None,
+            Some(v) => Some(
+                crate::node_rank::parse_endpoint(&v)
+                    .map_err(|why| bad("PET_RDZV_ENDPOINT", &v, &why))?,
+            ),
+        };
         Ok(PetDefaults {
+            rdzv_backend,
+            rdzv_endpoint,
+            rdzv_id: get("PET_RDZV_ID", given.rdzv_id),
             nnodes,
             min_nnodes,
             nproc_per_node,
@@ -129,6 +156,18 @@ impl PetDefaults {
             master_port,
             max_restarts: count("PET_MAX_RESTARTS", given.max_restarts, 0)?,
         })
+    }
+}
+
+/// torchrun's `--rdzv-backend`: `c10d` (the node rank may come from the rendezvous) or
+/// `static` (it must be given), in any case; torchrun's `etcd` backends are refused.
+pub fn rdzv_backend(text: &str) -> Result<String, String> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        b @ ("c10d" | "static") => Ok(b.to_string()),
+        _ => Err(format!(
+            "{text:?}: ddprun's rendezvous backends are c10d and static (its store is a \
+             PyTorch TCPStore on the endpoint)"
+        )),
     }
 }
 
@@ -143,6 +182,34 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         PetDefaults::from_vars(&GivenFlags::default(), move |k: &str| map.get(k).cloned())
+    }
+
+    /// Kubeflow's elastic policy: torchrun's rendezvous options as `PET_RDZV_*`, no node rank.
+    #[test]
+    fn an_elastic_pod_s_rendezvous_variables_are_read() {
+        let d = from(&[
+            ("PET_NNODES", "2:3"),
+            ("PET_RDZV_BACKEND", "C10D"),
+            ("PET_RDZV_ENDPOINT", "job-worker-0:29400"),
+            ("PET_RDZV_ID", "job"),
+        ])
+        .unwrap();
+        assert_eq!(d.rdzv_backend.as_deref(), Some("c10d"));
+        assert_eq!(d.rdzv_endpoint, Some(("job-worker-0".into(), 29400)));
+        assert_eq!(d.rdzv_id.as_deref(), Some("job"));
+        assert_eq!(
+            (d.nnodes, d.min_nnodes, d.node_rank),
+            (Some(3), Some(2), None)
+        );
+        for (var, value) in [
+            ("PET_RDZV_BACKEND", "etcd-v2"),
+            ("PET_RDZV_ENDPOINT", "job-worker-0:x"),
+        ] {
+            match from(&[(var, value)]) {
+                Err(LaunchError::Variable { var: v, .. }) => assert_eq!(v, var),
+                other => panic!("{var}={value}: {other:?}"),
+            }
+        }
     }
 
     #[test]
@@ -167,6 +234,7 @@ mod tests {
                 master_addr: Some("job-master-0".into()),
                 master_port: Some(23456),
                 max_restarts: Some(3),
+                ..PetDefaults::default()
             }
         );
         assert_eq!(from(&[]).unwrap(), PetDefaults::default());
@@ -227,6 +295,9 @@ mod tests {
             master_addr: true,
             master_port: true,
             max_restarts: true,
+            rdzv_backend: true,
+            rdzv_endpoint: true,
+            rdzv_id: true,
         };
         assert_eq!(
             PetDefaults::from_vars(&all, lookup).unwrap(),

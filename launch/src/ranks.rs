@@ -19,8 +19,8 @@ use ddp_comm::elastic::{ERROR_FILE_ENV, RESTART_COUNT_ENV, STORE_FD_ENV};
 use ddp_comm::flight::TRACE_DIR_ENV;
 
 use crate::config::{rank_env, LaunchConfig};
-use crate::error::{LaunchError, RankExit};
-use crate::output::{forward_lines, Stream, Tail, TAIL_LINES};
+use crate::error::{signal_name, LaunchError, RankExit};
+use crate::output::{forward_lines, notice, Stream, Tail, TAIL_LINES};
 
 /// One local rank's process.
 pub(crate) struct Rank {
@@ -150,9 +150,23 @@ impl Rank {
     }
 }
 
-/// Sends `signal` to the process group of every rank that has not ended yet.
+/// Sends `signal` to the process group of every rank that has not ended yet; a process of
+/// the group that is stopped (a frozen rank: it would handle no other signal before the grace
+/// period ends) gets `SIGKILL` at once instead (see `frozen.rs`).
 pub(crate) fn stop_running(ranks: &mut [Rank], signal: i32) {
     for rank in ranks.iter_mut().filter(|rank| rank.exit.is_none()) {
+        if signal != libc::SIGKILL {
+            for pid in crate::frozen::stopped_in_group(rank.child.id()) {
+                notice(&format!(
+                    "rank {} is stopped (process {pid}, SIGSTOP): it cannot handle {}; killing \
+                     it at once",
+                    rank.rank,
+                    signal_name(signal)
+                ));
+                // SAFETY: kill has no memory-safety preconditions.
+                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            }
+        }
         rank.signal_group(signal);
         rank.signalled = true;
     }

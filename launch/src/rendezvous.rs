@@ -35,6 +35,9 @@ pub(crate) struct Rendezvous {
     pub addr: String,
     fixed_port: Option<u16>,
     hosts_store: bool,
+    /// torchrun's c10d rendezvous without node ranks (`node_rank.rs`): an agent that finds the
+    /// port taken is a client.
+    client_if_taken: bool,
 }
 
 /// An attempt's port, and the store this launcher hosts on it (`None` on a node other than 0),
@@ -47,13 +50,20 @@ pub(crate) struct AttemptStore {
 impl Rendezvous {
     /// The address and port of `config`: both given on several nodes (an error otherwise), on a
     /// single node [`DEFAULT_MASTER_ADDR`] and a port bound per attempt when not given.
+    /// Without a node rank (torchrun's c10d rendezvous), an agent on the address's host tries
+    /// to host the store, and is a client when the port is taken (see `node_rank.rs`).
     pub fn settle(config: &LaunchConfig) -> Result<Rendezvous, LaunchError> {
-        let hosts_store = config.node_rank == 0;
+        let client_if_taken = config.node_rank_at_rendezvous;
+        let hosts_store = match (client_if_taken, &config.master_addr) {
+            (true, Some(addr)) => crate::node_rank::is_local(addr),
+            _ => config.node_rank == 0,
+        };
         match (&config.master_addr, config.master_port) {
             (Some(addr), Some(port)) => Ok(Rendezvous {
                 addr: addr.clone(),
                 fixed_port: Some(port),
                 hosts_store,
+                client_if_taken,
             }),
             _ if config.nnodes > 1 => Err(LaunchError::MultiNodeNeedsMaster {
                 nnodes: config.nnodes,
@@ -64,6 +74,7 @@ impl Rendezvous {
                     .unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_string()),
                 fixed_port: port,
                 hosts_store,
+                client_if_taken,
             }),
         }
     }
@@ -72,6 +83,14 @@ impl Rendezvous {
     pub fn first_store(&self) -> Result<AttemptStore, LaunchError> {
         match (self.fixed_port, self.hosts_store) {
             (Some(port), false) => Ok(AttemptStore { port, _host: None }),
+            (Some(port), true) if self.client_if_taken => match self.host(port) {
+                Err(LaunchError::StorePort { source, .. })
+                    if source.kind() == io::ErrorKind::AddrInUse =>
+                {
+                    Ok(AttemptStore { port, _host: None })
+                }
+                other => other,
+            },
             (port, _) => self.host(port.unwrap_or(0)),
         }
     }

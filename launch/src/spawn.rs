@@ -61,7 +61,7 @@ impl Default for SpawnOptions {
 /// of a one-node job and waits for them: ddprun's `--nproc-per-node nprocs` without ddprun.
 /// Each rank gets torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 /// `LOCAL_WORLD_SIZE`, `MASTER_ADDR=127.0.0.1`, a free `MASTER_PORT`, ...; see
-/// [`crate::rank_env`]), so `ProcessGroup::from_env()` in it forms the group.
+/// [`crate::rank_env`]) and `DDP_LAUNCHER=spawn`, so `ProcessGroup::from_env()` in it forms the group.
 ///
 /// Returns the ranks' report when all exited 0, else [`crate::launch`]'s error: for a failed
 /// rank [`LaunchError::RankFailed`], naming the root cause (print it with
@@ -95,6 +95,7 @@ pub fn spawn(nprocs: usize, options: &SpawnOptions) -> Result<LaunchReport, Laun
     let mut config = LaunchConfig::new(nprocs, command);
     config.max_restarts = options.max_restarts;
     config.grace_period = options.grace_period;
+    config.launcher = "spawn".to_string();
     crate::launch(&config)
 }
 

@@ -264,7 +264,7 @@ fn printed_env(stdout: &str, nproc: usize) -> Vec<Vec<(String, String)>> {
 
 const PRINT_ENV: &str = "echo RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK \
     LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT \
-    GROUP_RANK=$GROUP_RANK DDP_JOB_ID=${DDP_JOB_ID:-none}";
+    GROUP_RANK=$GROUP_RANK DDP_JOB_ID=${DDP_JOB_ID:-none} DDP_LAUNCHER=$DDP_LAUNCHER";
 
 fn value<'a>(vars: &'a [(String, String)], name: &str) -> &'a str {
     &vars
@@ -330,6 +330,8 @@ fn every_rank_gets_its_variables_on_one_node() {
             ("MASTER_PORT", port.to_string()),
             ("GROUP_RANK", "0".to_string()),
             ("DDP_JOB_ID", job.to_string()),
+            // The trainers' first line says `launcher: ddprun` (a real torchrun sets none).
+            ("DDP_LAUNCHER", "ddprun".to_string()),
         ];
         for (name, want) in expected {
             assert_eq!(value(vars, name), want, "rank {rank}: {name}");
@@ -952,10 +954,15 @@ fn a_restart_that_succeeds_gives_zero() {
 
 /// ddprun of `nproc` ranks of `ddp-comm-peer` all-reducing forever, with `env` (NAME=VALUE).
 fn peers(nproc: usize, env: &[&str]) -> Command {
+    peers_with_grace("0.5", nproc, env)
+}
+
+/// [`peers`] with the grace period `grace` (seconds).
+fn peers_with_grace(grace: &str, nproc: usize, env: &[&str]) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
     command.args([
         "--grace-period",
-        "0.5",
+        grace,
         "--nproc-per-node",
         &nproc.to_string(),
         "--",
@@ -972,12 +979,28 @@ fn peers(nproc: usize, env: &[&str]) -> Command {
 /// (DDP_PEER_TIMEOUT) and exit first; rank 1 ends only when ddprun kills it. The root cause
 /// names rank 1, the rank the failure is about, not the first rank to exit; the box's second
 /// line quotes that first exit, and ddprun exits with its code (rank 1's SIGKILL was ddprun's).
+/// The stopped rank can neither write a flight record nor handle SIGTERM: ddprun kills it at
+/// once rather than after the default grace period (5 s), so the box comes within 4.5 s of
+/// the survivors' timeout (3 s; it came after 3 + 2.5 + 5 s before).
 #[test]
 fn a_frozen_rank_is_the_root_cause_not_the_first_rank_to_exit() {
-    let done = run(peers(
+    let done = run(peers_with_grace(
+        "5",
         3,
         &["DDP_PEER_TIMEOUT=3", "PEER_STOP_RANK=1", "PEER_STOP_STEP=3"],
     ));
+    assert!(
+        done.elapsed < Duration::from_millis(7500),
+        "the box came {:?} after the start:\n{}",
+        done.elapsed,
+        done.stderr
+    );
+    assert!(
+        done.stderr.contains("rank 1 is stopped (process ")
+            && done.stderr.contains("killing it at once"),
+        "{}",
+        done.stderr
+    );
     assert!(
         done.stdout
             .contains("rank 1 stops itself (SIGSTOP) at step 3"),

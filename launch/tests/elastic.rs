@@ -310,3 +310,201 @@ fn node_0_does_not_wait_for_an_agent_that_died_hard() {
     let (status, text) = agents[1].finish();
     assert!(status.success(), "{status}\n{text}");
 }
+
+/// The agents of nodes 1 and 2 die hard (SIGKILL, their ranks too) while the job runs: node
+/// 0's rank falls below the minimum of 2 and exits saying so, and node 0's agent, which hosts
+/// the store, does not start a new round whose rank could only wait for nodes that are gone:
+/// once their silence passes (`ddp_comm::AGENT_SILENCE`, 10 s) it exits non-zero naming them.
+/// (Before, it restarted the rank, which waited for the others until its connect deadline,
+/// on every restart of the budget.)
+#[test]
+fn node_0_exits_when_every_other_agent_died_hard() {
+    let port = free_port();
+    let env = ["PEER_STEPS=100000", "DDP_CONNECT_TIMEOUT=30"];
+    let mut agents: Vec<Agent> = (0..3)
+        .map(|n| Agent::start(elastic_node(n, "2:3", 1, port, 1, &env)))
+        .collect();
+    agents[0].wait_for("step 20 ");
+    for agent in &agents[1..] {
+        let ranks = children(agent.child.id(), "ddp-elastic-peer");
+        for pid in std::iter::once(agent.child.id()).chain(ranks) {
+            // SAFETY: kill has no memory-safety preconditions.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+    let killed = Instant::now();
+    let (status, text) = agents[0].finish();
+    let took = killed.elapsed();
+    assert!(!status.success(), "{status}\n{text}");
+    assert!(
+        text.contains("the launchers (ddprun) of nodes [1, 2] have been silent for 10s"),
+        "{text}"
+    );
+    assert!(!text.contains("restarting"), "a new round started:\n{text}");
+    assert!(
+        took < Duration::from_secs(20),
+        "node 0 took {took:?} after the other agents died\n{text}"
+    );
+}
+
+/// An agent of a `2:3` job started as torchrun's users start one: no node rank, the rendezvous
+/// endpoint, torchrun's c10d backend and the job's id, as flags or as Kubeflow's `PET_*`
+/// variables (`pet`).
+fn c10d_agent(port: u16, pet: bool, env: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    common::clear_launcher_env(&mut command);
+    command.args(["--grace-period", "0.5", "--nproc-per-node", "1"]);
+    let endpoint = format!("127.0.0.1:{port}");
+    if pet {
+        command.envs([
+            ("PET_NNODES", "2:3"),
+            ("PET_RDZV_BACKEND", "c10d"),
+            ("PET_RDZV_ENDPOINT", endpoint.as_str()),
+            ("PET_RDZV_ID", "c10d-test"),
+        ]);
+    } else {
+        command.args(["--nnodes", "2:3", "--rdzv-backend", "c10d"]);
+        command.args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "c10d-test"]);
+    }
+    command
+        .args(["--max-restarts", "1", "--", "env"])
+        .args(["PEER_SLEEP_MS=20", "DDP_PEER_TIMEOUT=2"])
+        .args(env)
+        .arg(common::workspace_bin("ddp-elastic-peer"));
+    command
+}
+
+/// Three agents started with the same command line (two with torchrun's flags, one with the
+/// `PET_*` variables), as torchrun's c10d rendezvous and Kubeflow's elastic policy start them:
+/// the first hosts the store (node 0), the other two find the port taken and take node ranks
+/// 1 and 2 from the store; the job forms at world 3. The agent of node 2 is then killed (with
+/// its rank): the other two finish the job, as with node ranks given.
+#[test]
+fn three_agents_with_one_command_line_train_and_finish() {
+    let port = free_port();
+    let env = ["PEER_STEPS=150"];
+    let mut agents = vec![Agent::start(c10d_agent(port, false, &env))];
+    let first = agents[0].wait_for("node rank ");
+    assert!(first.contains("whose store this agent hosts"), "{first}");
+    agents.push(Agent::start(c10d_agent(port, true, &env)));
+    agents.push(Agent::start(c10d_agent(port, false, &env)));
+    let node = |said: &str| {
+        let rank = said.split("node rank ").nth(1).unwrap();
+        rank.split(' ').next().unwrap().to_string()
+    };
+    let mut nodes = vec![node(&first)];
+    for agent in &mut agents[1..] {
+        nodes.push(node(&agent.wait_for("node rank ")));
+    }
+    let mut sorted = nodes.clone();
+    sorted.sort();
+    assert_eq!(sorted, ["0", "1", "2"], "{nodes:?}");
+    assert_eq!(nodes[0], "0", "the first agent hosts");
+    agents[0].wait_for(" world 3 step ");
+    let victim = nodes.iter().position(|n| n == "2").unwrap();
+    let ranks = children(agents[victim].child.id(), "ddp-elastic-peer");
+    for pid in std::iter::once(agents[victim].child.id()).chain(ranks) {
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    for (i, agent) in agents.iter_mut().enumerate() {
+        if i == victim {
+            continue;
+        }
+        let (status, text) = agent.finish();
+        assert!(
+            status.success(),
+            "agent {i} (node {}): {status}\n{text}",
+            nodes[i]
+        );
+        assert!(text.contains("step 150 "), "{text}");
+    }
+}
+
+/// A bare PyTorch `TCPStore` client (its wire protocol: VALIDATE, then SET and ADD), as anyone
+/// who reaches `MASTER_PORT` may run one: a stranger to the job.
+struct Stranger(std::net::TcpStream);
+
+impl Stranger {
+    fn connect(port: u16) -> Stranger {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let stream = loop {
+            match std::net::TcpStream::connect(("127.0.0.1", port)) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() > deadline => panic!("no store at {port}: {e}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut s = Stranger(stream);
+        let mut hello = vec![0u8];
+        hello.extend(0x3C85_F7CEu32.to_le_bytes());
+        s.send(&hello);
+        s
+    }
+
+    fn send(&mut self, bytes: &[u8]) {
+        use std::io::Write;
+        self.0.write_all(bytes).unwrap();
+    }
+
+    fn with_key(query: u8, key: &str) -> Vec<u8> {
+        let mut m = vec![query];
+        m.extend((key.len() as u64).to_le_bytes());
+        m.extend(key.as_bytes());
+        m
+    }
+
+    fn set(&mut self, key: &str, value: &[u8]) {
+        let mut m = Stranger::with_key(1, key);
+        m.extend((value.len() as u64).to_le_bytes());
+        m.extend(value);
+        self.send(&m);
+    }
+
+    fn add(&mut self, key: &str, delta: i64) -> i64 {
+        use std::io::Read;
+        let mut m = Stranger::with_key(4, key);
+        m.extend(delta.to_le_bytes());
+        self.send(&m);
+        let mut answer = [0u8; 8];
+        self.0.read_exact(&mut answer).unwrap();
+        i64::from_le_bytes(answer)
+    }
+}
+
+/// A stranger reaches the store of a one-node elastic job (2 ranks, `1:2` nodes: up to 4)
+/// while it trains, and makes every attack the records allowed: it says the job is done,
+/// writes garbage where the next generations' records go, and sends a join request of a
+/// plausible fourth process every 100 ms (which, admitted, would be healed with rank 0's
+/// weights). The records carry the seal of the job's secret (`DDP_TOKEN`), so the ranks ignore
+/// all of it: the job trains to its last step at world 2 without re-forming, and ddprun exits
+/// 0. (Without `DDP_TOKEN`, as before: the stranger's request was admitted, the job re-formed
+/// for a process that never came, and both ranks failed.)
+#[test]
+fn a_stranger_at_the_store_leaves_the_job_training() {
+    let port = free_port();
+    let mut command = elastic_node(0, "1:2", 2, port, 0, &["PEER_STEPS=150"]);
+    command.env("DDP_TOKEN", "the job's secret");
+    let mut agent = Agent::start(command);
+    agent.wait_for("step 5 ");
+    let mut stranger = Stranger::connect(port);
+    let prefix = "//worker/attempt_0/elastic/";
+    for round in 0..20 {
+        stranger.set(&format!("{prefix}done"), b"1");
+        for g in 2..5 {
+            stranger.set(&format!("{prefix}gen/{g}"), b"{garbage");
+        }
+        let n = stranger.add(&format!("{prefix}joins"), 1);
+        let request =
+            format!("{{\"member\":{{\"slot\":3,\"incarnation\":{round},\"host\":\"stranger\"}}}}");
+        stranger.set(&format!("{prefix}join/{n}"), request.as_bytes());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (status, text) = agent.finish();
+    assert!(status.success(), "{status}\n{text}");
+    assert!(text.contains("world 2 step 150 "), "{text}");
+    assert!(!text.contains("reformed"), "the job re-formed:\n{text}");
+}

@@ -8,7 +8,7 @@
 //!
 //! | launcher | detected by | rank, world, local rank, local world |
 //! | --- | --- | --- |
-//! | torchrun (ddprun, Kubeflow PyTorchJob) | `RANK` or `WORLD_SIZE` | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` |
+//! | torchrun (ddprun, `ddp_launch::spawn`, Kubeflow PyTorchJob; named by `DDP_LAUNCHER` when set) | `RANK` or `WORLD_SIZE` | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` |
 //! | Open MPI (`mpirun`) | `OMPI_COMM_WORLD_RANK` and `_SIZE` | `OMPI_COMM_WORLD_RANK`, `_SIZE`, `_LOCAL_RANK`, `_LOCAL_SIZE` |
 //! | MPICH, Intel MPI (Hydra `mpiexec`), `srun --mpi=pmi2` | `PMI_RANK` and `PMI_SIZE` | `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS`; else Slurm's `SLURM_LOCALID`, `SLURM_TASKS_PER_NODE`/`SLURM_NODEID` when `SLURM_PROCID` and `SLURM_NTASKS` match (srun's pmi2 sets no local variables); else an error when the world is over 1 |
 //! | Slurm (`srun`) | `SLURM_PROCID` and `SLURM_NTASKS` | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_TASKS_PER_NODE`/`SLURM_NODEID` |
@@ -50,6 +50,12 @@ use crate::config::{
 };
 use crate::error::CommError;
 use crate::launcher::slurm::{first_host, parse_tasks_per_node};
+
+/// The variable with which a launcher that sets torchrun's variables names itself, for
+/// [`GroupConfig::launcher`]: ddprun sets `ddprun`, and
+/// `ddp_launch::spawn` (PyTorch's `mp.spawn` for a Rust program) `spawn`; torchrun sets none, so
+/// its ranks say `torchrun`. A short name of ASCII letters, digits, `-`, `_` or `.`.
+pub const LAUNCHER_ENV: &str = "DDP_LAUNCHER";
 
 /// How variables are read: the process environment ([`process_env`]) or a caller's map.
 pub(crate) type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
@@ -227,9 +233,34 @@ pub(crate) fn resolve(given: &Explicit, env: Lookup) -> Result<GroupConfig, Comm
         launcher: if given.rank.is_some() && given.world_size.is_some() {
             "explicit".to_string()
         } else {
-            launcher.name().to_string()
+            launcher_name(env, launcher)?
         },
     })
+}
+
+/// The launcher's name for [`GroupConfig::launcher`]: under torchrun's variables the name a
+/// launcher gives itself in `DDP_LAUNCHER` (ddprun, spawn), else the detected launcher's.
+fn launcher_name(env: Lookup, launcher: Launcher) -> Result<String, CommError> {
+    let var = LAUNCHER_ENV;
+    match env(var).filter(|n| !n.is_empty()) {
+        Some(name) if launcher == Launcher::Torchrun => {
+            let fine = name.len() <= 32
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+            match fine {
+                true => Ok(name),
+                false => Err(CommError::config(
+                    var,
+                    format!(
+                        "{name:?}: a launcher's name is at most 32 ASCII letters, digits, '-', \
+                         '_' or '.'"
+                    ),
+                )),
+            }
+        }
+        _ => Ok(launcher.name().to_string()),
+    }
 }
 
 /// A value and the variable (or builder setting) it came from, for error messages.

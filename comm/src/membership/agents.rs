@@ -13,8 +13,9 @@
 //! (its node died hard), so that it never waits forever.
 //!
 //! Keys, under [`AGENTS_PREFIX`] (the job's, across its rounds): `node/<n>` (node n's launcher
-//! registered), `beat/<n>` (a counter it adds 1 to every [`AGENT_BEAT`]) and `left/<n>` (it
-//! left).
+//! registered), `beat/<n>` (a counter it adds 1 to every [`AGENT_BEAT`]), `left/<n>` (it
+//! left) and `next_node` (the node ranks handed out to launchers started without one,
+//! [`next_node_rank`]).
 
 use std::sync::mpsc;
 use std::thread::JoinHandle;
@@ -101,6 +102,26 @@ impl AgentPresence {
     }
 }
 
+/// The node rank of a launcher of an elastic job started without one (torchrun's c10d
+/// rendezvous: every agent runs the same command line), from the store at `addr:port` that
+/// the agent which could host it holds as node 0: the count of launchers that asked so far,
+/// `next_node` under [`AGENTS_PREFIX`] (1 for the first, 2 for the next, ...), so that no two
+/// agents of the job get the same node rank, whatever order they start in. Retries connecting
+/// until `connect_by` (the hosting agent may start later).
+pub fn next_node_rank(addr: &str, port: u16, connect_by: Instant) -> Result<usize, CommError> {
+    let prefix = AGENTS_PREFIX.to_string();
+    let store = Store::connect_torch(0, addr, port, prefix, connect_by, CALL)?;
+    let n = store.add("next_node", 1)?;
+    usize::try_from(n)
+        .ok()
+        .filter(|&n| n >= 1)
+        .ok_or_else(|| CommError::Store {
+            rank: 0,
+            addr: format!("{addr}:{port}"),
+            message: format!("the launchers' node counter ({AGENTS_PREFIX}next_node) gave {n}"),
+        })
+}
+
 /// Beats until `stop` closes, then says that this launcher left.
 fn present(store: &Store, node: usize, beat: Duration, stop: &mpsc::Receiver<()>) {
     let key = format!("beat/{node}");
@@ -136,6 +157,11 @@ pub struct AgentWatch {
     /// Per node: the last beat count seen and when it last moved.
     beats: Vec<Option<(i64, Instant)>>,
     silence: Duration,
+    /// The nodes whose launchers were silent for the silence at the last look, without having
+    /// left: they died hard.
+    lost: Vec<usize>,
+    /// When a launcher's beat last moved between two looks (not counting the first look).
+    moved: Option<Instant>,
 }
 
 impl AgentWatch {
@@ -144,7 +170,27 @@ impl AgentWatch {
         AgentWatch {
             beats: vec![None; nnodes],
             silence,
+            lost: Vec::new(),
+            moved: None,
         }
+    }
+
+    /// The nodes whose launchers had gone silent for the silence at the last
+    /// [`present`](Self::present), registered and never having left: killed, or their hosts
+    /// down or cut off.
+    pub fn lost(&self) -> &[usize] {
+        &self.lost
+    }
+
+    /// When another launcher's beat was last seen to move (between two looks), if ever: a
+    /// launcher alive now has moved within its beat interval.
+    pub fn last_moved(&self) -> Option<Instant> {
+        self.moved
+    }
+
+    /// The silence after which a launcher is gone.
+    pub fn silence(&self) -> Duration {
+        self.silence
     }
 
     /// The nodes whose launchers node 0's launcher must still keep the store for: registered
@@ -154,6 +200,7 @@ impl AgentWatch {
         let value = |key: String| host.value(&format!("{AGENTS_PREFIX}{key}"));
         let now = Instant::now();
         let mut present = Vec::new();
+        self.lost.clear();
         for (node, seen) in self.beats.iter_mut().enumerate().skip(1) {
             if value(format!("node/{node}")).is_none() || value(format!("left/{node}")).is_some() {
                 continue;
@@ -165,10 +212,15 @@ impl AgentWatch {
             match seen {
                 Some((last, since)) if *last == count => {
                     if now.duration_since(*since) >= self.silence {
+                        self.lost.push(node);
                         continue;
                     }
                 }
-                _ => *seen = Some((count, now)),
+                Some(_) => {
+                    self.moved = Some(now);
+                    *seen = Some((count, now));
+                }
+                None => *seen = Some((count, now)),
             }
             present.push(node);
         }
@@ -233,8 +285,10 @@ mod tests {
         assert_eq!(watch.present(&host), vec![1, 2]);
         until("node 2 gone", || watch.present(&host) == vec![1]);
         assert!(started.elapsed() >= silence, "{:?}", started.elapsed());
+        assert_eq!(watch.lost(), [2], "node 2 died hard");
         std::thread::sleep(silence * 2);
         assert_eq!(watch.present(&host), vec![1], "node 1 still beats");
+        assert!(watch.last_moved().is_some_and(|t| t.elapsed() < silence));
         drop(beating);
         assert_eq!(
             watch.present(&host),
@@ -242,5 +296,6 @@ mod tests {
             "{:?}",
             host.keys()
         );
+        assert_eq!(watch.lost(), [2], "node 1 left, node 2 is still lost");
     }
 }

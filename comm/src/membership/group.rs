@@ -14,7 +14,9 @@
 //! * `joins`, `join/<n>`: join requests, numbered by an atomic add.
 //! * `gen/latest`, `gen/<g>`: the generations, decided once each by whoever wins the atomic
 //!   add on `g<g>/decider`; `g<g>/report/<slot>`: the survivors' reports when generation g
-//!   ends; `done`: the job finished.
+//!   ends; `done`: the job finished. With a secret (`DDP_TOKEN`) every record is sealed with
+//!   it and one that fails the check is ignored (`elastic_seal.rs`): a stranger at the store
+//!   can neither end the job, nor break a generation, nor join it.
 //!
 //! Each generation's process group is a new group of its own (its keys under `pg<g>/`, its job
 //! id `<DDP_JOB_ID>-gen<g>`, new connections and shared-memory segments), so no straggler of an
@@ -41,9 +43,7 @@
 //! group. A member left out (it reported too
 //! late) joins again as a new process would, and is healed.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::collectives::element::ReduceOp;
@@ -51,9 +51,11 @@ use crate::config::GroupConfig;
 use crate::error::CommError;
 use crate::group::ProcessGroup;
 use crate::launcher::env::{process_env, resolve, Explicit, Lookup};
+use crate::membership::poller::Poller;
 use crate::membership::records::{
     decide_founding, decide_next, Generation, JobTerms, JoinRequest, Left, Member, Report,
 };
+use crate::membership::seal::{open, present, read, read_record, seal, seal_json};
 use crate::rendezvous::store::Store;
 use crate::rendezvous::torch_store::agent_key_prefix;
 
@@ -272,15 +274,16 @@ impl ElasticGroup {
             addr: store.address().to_string(),
             reason,
         };
+        let secret = base.token.as_deref();
         if store.add("terms/claim", 1)? == 1 {
-            store.set("terms", &to_json(&terms))?;
+            store.set("terms", &seal_json(secret, "terms", &terms))?;
         } else {
-            let job: JobTerms = from_json(&store.get_timeout("terms", CALL)?, "terms")?;
+            let job: JobTerms = read_record(&store, secret, "terms", CALL)?;
             if let Some(why) = job.refuse(&terms) {
                 return Err(refused(why));
             }
         }
-        if store.check(&["done"])? {
+        if present(&store, secret, "done")? {
             return Ok(None);
         }
         let mut group = ElasticGroup {
@@ -316,11 +319,13 @@ impl ElasticGroup {
         let request = JoinRequest {
             member: self.me.clone(),
         };
-        self.store.set(&format!("join/{n}"), &to_json(&request))?;
+        let key = format!("join/{n}");
+        self.store
+            .set(&key, &seal_json(self.secret(), &key, &request))?;
         let mut seen = self.generation.number;
         let mut tried_founding = false;
         loop {
-            if self.store.check(&["done"])? {
+            if present(&self.store, self.secret(), "done")? {
                 return Ok(None);
             }
             let latest = self.store.add("gen/latest", 0)?.max(0) as u64;
@@ -414,8 +419,10 @@ impl ElasticGroup {
         let first = requests.last().map_or(1, |(n, _)| n + 1);
         for n in first..=count {
             let key = format!("join/{n}");
-            let request: JoinRequest = from_json(&self.store.get_timeout(&key, CALL)?, &key)?;
-            requests.push((n, request));
+            // A request that fails the secret check is a stranger's: it joins nothing.
+            if let Some(request) = read(&self.store, self.secret(), &key, CALL, true)? {
+                requests.push((n, request));
+            }
         }
         Ok(())
     }
@@ -423,7 +430,9 @@ impl ElasticGroup {
     /// Writes `generation`, then moves `gen/latest` to it.
     fn publish(&self, generation: &Generation) -> Result<(), CommError> {
         let g = generation.number;
-        self.store.set(&format!("gen/{g}"), &to_json(generation))?;
+        let key = format!("gen/{g}");
+        self.store
+            .set(&key, &seal_json(self.secret(), &key, generation))?;
         self.store.add("gen/latest", 1)?;
         tracing::info!(
             "elastic: generation {g} ({}): slots {:?}, from step {}",
@@ -435,8 +444,12 @@ impl ElasticGroup {
     }
 
     fn read_generation(&self, g: u64) -> Result<Generation, CommError> {
-        let key = format!("gen/{g}");
-        from_json(&self.store.get_timeout(&key, CALL)?, &key)
+        read_record(&self.store, self.secret(), &format!("gen/{g}"), CALL)
+    }
+
+    /// The job's secret, which seals its records (`elastic_seal.rs`).
+    fn secret(&self) -> Option<&str> {
+        self.config.base.token.as_deref()
     }
 
     /// How long the members of generation `g` take at most to form its group: the connect
@@ -478,7 +491,7 @@ impl ElasticGroup {
         let pg = Arc::new(ProcessGroup::init(config, None, Duration::ZERO)?);
         self.poller = if rank == 0 {
             Some(Poller::start(
-                &self.config,
+                (self.config.slot, &self.config.base, self.config.poll),
                 &self.store,
                 generation.joins_seen,
             )?)
@@ -532,10 +545,7 @@ impl ElasticGroup {
     /// apply it (and with [`Vote::CommitAndGrow`], then call [`reform`](Self::reform)). An
     /// error: do not apply it yet; call [`reform`](Self::reform) with `finished: true`.
     pub fn should_commit(&self) -> Result<Vote, CommError> {
-        let waiting = self
-            .poller
-            .as_ref()
-            .is_some_and(|p| p.waiting.load(Ordering::Acquire) > 0);
+        let waiting = self.poller.as_ref().is_some_and(Poller::waiting);
         let all = self
             .group()
             .all_reduce(vec![i64::from(waiting)], ReduceOp::Max)?;
@@ -588,10 +598,12 @@ impl ElasticGroup {
                 .filter_map(|r| prev.members.get(r).map(|m| m.slot))
                 .collect()
         });
-        self.store
-            .set(&format!("g{g}/lost/{}", self.me.slot), &to_json(&lost))?;
-        self.store
-            .set(&format!("g{g}/report/{}", self.me.slot), &to_json(&report))?;
+        for (key, record) in [
+            (format!("g{g}/lost/{}", self.me.slot), to_json(&lost)),
+            (format!("g{g}/report/{}", self.me.slot), to_json(&report)),
+        ] {
+            self.store.set(&key, &seal(self.secret(), &key, &record))?;
+        }
         // The old group goes away on a thread of its own (see the module documentation).
         if let Some(p) = self.poller.take() {
             p.stop();
@@ -612,7 +624,7 @@ impl ElasticGroup {
         }
         let wait = decide_until.saturating_duration_since(Instant::now()) + CALL;
         let key = format!("gen/{next}");
-        let generation: Generation = from_json(&self.store.get_timeout(&key, wait)?, &key)?;
+        let generation: Generation = read_record(&self.store, self.secret(), &key, wait)?;
         if let Some(why) = &generation.failed {
             return Err(self.below_min(why));
         }
@@ -678,15 +690,12 @@ impl ElasticGroup {
                     continue;
                 }
                 let key = format!("g{g}/report/{}", m.slot);
-                if self.store.check(&[&key])? {
-                    reports.push((
-                        m.slot,
-                        from_json(&self.store.get_timeout(&key, CALL)?, &key)?,
-                    ));
+                if present(&self.store, self.secret(), &key)? {
+                    reports.push((m.slot, read_record(&self.store, self.secret(), &key, CALL)?));
                     let key = format!("g{g}/lost/{}", m.slot);
-                    if self.store.check(&[&key])? {
+                    if present(&self.store, self.secret(), &key)? {
                         let slots: Vec<usize> =
-                            from_json(&self.store.get_timeout(&key, CALL)?, &key)?;
+                            read_record(&self.store, self.secret(), &key, CALL)?;
                         lost.extend(slots);
                     }
                 }
@@ -719,7 +728,9 @@ impl ElasticGroup {
         let count = self.store.add("joins", 0)?.max(0) as u64;
         for n in prev.joins_seen + 1..=count {
             let key = format!("join/{n}");
-            requests.push((n, from_json(&self.store.get_timeout(&key, CALL)?, &key)?));
+            if let Some(request) = read(&self.store, self.secret(), &key, CALL, true)? {
+                requests.push((n, request));
+            }
         }
         let next = decide_next(
             prev,
@@ -743,7 +754,7 @@ impl ElasticGroup {
         if let Some(p) = self.poller.take() {
             p.stop();
         }
-        self.store.set("done", b"1")
+        self.store.set("done", &seal(self.secret(), "done", b"1"))
     }
 
     /// The error of a job below its minimum, noted for the error file and the exit code the
@@ -767,10 +778,19 @@ impl Drop for ElasticGroup {
 
 /// Where the elastic job of attempt `restart` stands, as the store `host` holds it (for the
 /// launcher that hosts it): `None` while it runs (or has not started), `Some(Ok(()))` once it
-/// finished, `Some(Err(why))` once it stopped below its minimum.
-pub fn elastic_job_state(host: &crate::TorchStoreHost, restart: u32) -> Option<Result<(), String>> {
+/// finished, `Some(Err(why))` once it stopped below its minimum. Records that fail the check
+/// of the job's `secret` (`DDP_TOKEN`) are taken for absent.
+pub fn elastic_job_state(
+    host: &crate::TorchStoreHost,
+    restart: u32,
+    secret: Option<&str>,
+) -> Option<Result<(), String>> {
     let prefix = format!("{}elastic/", agent_key_prefix(restart));
-    if host.value(&format!("{prefix}done")).is_some() {
+    let value = |key: &str| {
+        let bytes = host.value(&format!("{prefix}{key}"))?;
+        open(secret, key, &bytes).ok().map(<[u8]>::to_vec)
+    };
+    if value("done").is_some() {
         return Some(Ok(()));
     }
     let latest: u64 = String::from_utf8(host.value(&format!("{prefix}gen/latest"))?)
@@ -778,80 +798,12 @@ pub fn elastic_job_state(host: &crate::TorchStoreHost, restart: u32) -> Option<R
         .trim()
         .parse()
         .ok()?;
-    let generation: Generation =
-        serde_json::from_slice(&host.value(&format!("{prefix}gen/{latest}"))?).ok()?;
+    let generation: Generation = serde_json::from_slice(&value(&format!("gen/{latest}"))?).ok()?;
     generation.failed.map(Err)
-}
-
-/// Rank 0's look-out: a thread with a store connection of its own that counts the join
-/// requests every [`ElasticConfig::poll`] and says whether any is newer than the generation.
-struct Poller {
-    waiting: Arc<AtomicI64>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl Poller {
-    fn start(config: &ElasticConfig, store: &Store, seen: u64) -> Result<Poller, CommError> {
-        let base = &config.base;
-        let own = Store::connect_torch(
-            config.slot,
-            &base.master_addr,
-            base.master_port,
-            store.key_prefix().to_string(),
-            Instant::now() + CALL,
-            CALL,
-        )?;
-        let waiting = Arc::new(AtomicI64::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (w, s, poll) = (waiting.clone(), stop.clone(), config.poll);
-        let thread = std::thread::Builder::new()
-            .name("ddp-elastic-poll".into())
-            .spawn(move || {
-                let mut warned = false;
-                while !s.load(Ordering::Acquire) {
-                    match own.add("joins", 0) {
-                        Ok(count) if count.max(0) as u64 > seen => w.store(1, Ordering::Release),
-                        Ok(_) => {}
-                        Err(e) if !warned => {
-                            warned = true;
-                            tracing::warn!("elastic: cannot look for joiners: {e}");
-                        }
-                        Err(_) => {}
-                    }
-                    std::thread::sleep(poll);
-                }
-            })
-            .map_err(|e| CommError::Internal {
-                rank: config.slot,
-                message: format!("cannot start the elastic look-out thread: {e}"),
-            })?;
-        Ok(Poller {
-            waiting,
-            stop,
-            thread: Some(thread),
-        })
-    }
-
-    fn stop(mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
 }
 
 fn to_json<T: serde::Serialize>(value: &T) -> Vec<u8> {
     serde_json::to_vec(value).unwrap_or_default()
-}
-
-fn from_json<T: serde::de::DeserializeOwned>(bytes: &[u8], key: &str) -> Result<T, CommError> {
-    serde_json::from_slice(bytes).map_err(|e| {
-        CommError::config(
-            ELASTIC_ENV,
-            format!("the store's elastic key {key:?} holds something unreadable: {e}"),
-        )
-    })
 }
 
 /// A random 64-bit number (std's randomly keyed hasher over the time and the process id).

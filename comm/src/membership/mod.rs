@@ -6,6 +6,8 @@
 
 pub(crate) mod agents;
 pub(crate) mod group;
+pub(crate) mod poller;
 pub(crate) mod records;
+pub(crate) mod seal;
 
 pub use records::*;

@@ -4,6 +4,7 @@
 //! ddprun --nproc-per-node 4 -- target/release/train-mnist --epochs 1
 //! ddprun --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 -- CMD...
 //! ddprun --nnodes 2:3 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 --max-restarts 3 -- CMD...
+//! ddprun --nnodes 2:3 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job --max-restarts 3 -- CMD...
 //! ```
 //!
 //! Each rank gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
@@ -68,6 +69,22 @@ struct Args {
     /// --nproc_per_node, are accepted too).
     #[arg(long, conflicts_with_all = ["nnodes", "node_rank", "master_addr", "master_port"])]
     standalone: bool,
+    /// torchrun's rendezvous backend: `c10d` (with --nnodes MIN:MAX and no --node-rank, every
+    /// agent runs the same command line and takes its node rank at the rendezvous: the one on
+    /// the endpoint's host that can bind its port hosts the store and is node 0, the others
+    /// count themselves in that store) or `static` (the node rank is --node-rank's)
+    /// [default: PET_RDZV_BACKEND, else static].
+    #[arg(long, alias = "rdzv_backend", value_name = "c10d|static", value_parser = launch::rdzv_backend)]
+    rdzv_backend: Option<String>,
+    /// torchrun's rendezvous endpoint, HOST:PORT or HOST (port 29400): the
+    /// rendezvous store's address, as --master-addr and --master-port [default:
+    /// PET_RDZV_ENDPOINT].
+    #[arg(long, alias = "rdzv_endpoint", value_name = "HOST:PORT", value_parser = launch::parse_endpoint,
+          conflicts_with_all = ["master_addr", "master_port", "standalone"])]
+    rdzv_endpoint: Option<(String, u16)>,
+    /// torchrun's rendezvous id: the job's id, as --job-id [default: PET_RDZV_ID].
+    #[arg(long, alias = "rdzv_id", value_name = "ID")]
+    rdzv_id: Option<String>,
     /// Job id exported as DDP_JOB_ID [default on a single node: generated].
     #[arg(long, value_name = "ID")]
     job_id: Option<String>,
@@ -117,6 +134,9 @@ fn main() -> ExitCode {
         master_addr: args.master_addr.is_some() || args.standalone,
         master_port: args.master_port.is_some() || args.standalone,
         max_restarts: args.max_restarts.is_some(),
+        rdzv_backend: args.rdzv_backend.is_some(),
+        rdzv_endpoint: args.rdzv_endpoint.is_some() || args.standalone,
+        rdzv_id: args.rdzv_id.is_some(),
     };
     let pet = match PetDefaults::from_env(&given) {
         Ok(pet) => pet,
@@ -125,6 +145,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // torchrun's rendezvous options: the endpoint is the store's address (a flag wins over
+    // every variable), and c10d without a node rank takes it at the rendezvous.
+    let endpoint = args.rdzv_endpoint.or(pet.rdzv_endpoint);
+    let (endpoint_addr, endpoint_port) = endpoint.map_or((None, None), |(a, p)| (Some(a), Some(p)));
+    let node_rank = args.node_rank.or(pet.node_rank);
+    let c10d = args.rdzv_backend.or(pet.rdzv_backend).as_deref() == Some("c10d");
     let config = LaunchConfig {
         nproc_per_node: args.nproc_per_node.or(pet.nproc_per_node).unwrap_or(1),
         nnodes: args.nnodes.map(|(_, max)| max).or(pet.nnodes).unwrap_or(1),
@@ -132,14 +158,16 @@ fn main() -> ExitCode {
             Some((min, max)) => (min < max).then_some(min),
             None => pet.min_nnodes,
         },
-        node_rank: args.node_rank.or(pet.node_rank).unwrap_or(0),
-        master_addr: args.master_addr.or(pet.master_addr),
-        master_port: args.master_port.or(pet.master_port),
-        job_id: args.job_id,
+        node_rank: node_rank.unwrap_or(0),
+        node_rank_at_rendezvous: c10d && node_rank.is_none(),
+        master_addr: args.master_addr.or(endpoint_addr).or(pet.master_addr),
+        master_port: args.master_port.or(endpoint_port).or(pet.master_port),
+        job_id: args.job_id.or(args.rdzv_id).or(pet.rdzv_id),
         command: args.command,
         grace_period,
         forward_signals: true,
         max_restarts: args.max_restarts.or(pet.max_restarts).unwrap_or(0),
+        launcher: "ddprun".to_string(),
     };
     match launch::launch(&config) {
         Ok(_) => ExitCode::SUCCESS,

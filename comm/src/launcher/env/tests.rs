@@ -24,6 +24,33 @@ fn no_variables_is_a_single_process() {
     assert_eq!(c, GroupConfig::default());
 }
 
+/// Under torchrun's variables the launcher is `torchrun` unless it names itself in
+/// `DDP_LAUNCHER` (ddprun, spawn); a name that is no short word is an error naming the variable;
+/// the variable means nothing under another launcher.
+#[test]
+fn a_launcher_names_itself_in_ddp_launcher() {
+    let torch = [("RANK", "0"), ("WORLD_SIZE", "2")];
+    let with = |base: &[(&str, &str)], name: Option<&str>| {
+        let mut all = base.to_vec();
+        all.extend(name.map(|n| ("DDP_LAUNCHER", n)));
+        GroupConfig::from_vars(vars(&all))
+    };
+    assert_eq!(with(&torch, None).unwrap().launcher, "torchrun");
+    assert_eq!(with(&torch, Some("")).unwrap().launcher, "torchrun");
+    assert_eq!(with(&torch, Some("ddprun")).unwrap().launcher, "ddprun");
+    assert_eq!(with(&torch, Some("spawn")).unwrap().launcher, "spawn");
+    for bad in ["two words", "x\n", &"y".repeat(33)] {
+        let e = with(&torch, Some(bad)).unwrap_err();
+        assert_eq!(err_var(e), "DDP_LAUNCHER", "{bad:?}");
+    }
+    let slurm = [
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "1"),
+        ("MASTER_ADDR", "a"),
+    ];
+    assert_eq!(with(&slurm, Some("ddprun")).unwrap().launcher, "slurm");
+}
+
 #[test]
 fn torchrun_agent_store_variables() {
     let base = [("RANK", "1"), ("WORLD_SIZE", "2")];
