@@ -28,8 +28,7 @@ use ddp_models::Classifier;
 use serde_json::json;
 
 use crate::frame::{
-    checkpoint_to_resume, local_eval, restart_count, step_seed, sum_eval, Data, Ending, RunSummary,
-    Task,
+    checkpoint_to_resume, local_eval, step_seed, sum_eval, Data, Ending, RunSummary, Task,
 };
 use crate::options::{BackendKind, HookKind, LrScaling, OptimizerKind, TrainConfig};
 
@@ -191,14 +190,11 @@ where
         seed: cfg.seed,
         allow_mismatch: true,
     };
-    let restart = restart_count();
+    let restart = ddp_comm::elastic::restart_count();
     // Whether the job (not only this process) was restarted: ddprun's round, the same for
     // every rank of the round (a rank restarted alone into a running job has a restart count
     // of its own, and is healed rather than resumed).
-    let round = std::env::var(ddp_comm::ELASTIC_ROUND_ENV)
-        .ok()
-        .and_then(|r| r.trim().parse::<usize>().ok())
-        .unwrap_or(restart);
+    let round = ddp_comm::elastic::elastic_round();
     let mut model = model;
     let mut optimizer = elastic_optimizer(cfg);
     let mut progress = Progress::default();

@@ -134,15 +134,6 @@ pub(crate) fn step_seed(seed: u64, epoch: u64, rank: u64, batch: u64) -> u64 {
     )
 }
 
-/// How many times the launcher restarted the job before starting this process
-/// (`TORCHELASTIC_RESTART_COUNT`, set by ddprun and torchrun); 0 when unset or unreadable.
-pub(crate) fn restart_count() -> usize {
-    std::env::var(ddp_comm::elastic::RESTART_COUNT_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
-}
-
 /// FNV-1a of the values' little-endian bytes.
 pub(crate) fn fnv1a_f32(values: &[f32]) -> u64 {
     values.iter().fold(ddp_comm::bytes::FNV1A_OFFSET, |h, v| {

@@ -537,7 +537,7 @@ impl TrainConfig {
     pub fn elastic_range(&self) -> Option<String> {
         self.elastic
             .clone()
-            .or_else(|| std::env::var(ddp_comm::ELASTIC_ENV).ok())
+            .or_else(ddp_comm::elastic::elastic_range)
             .filter(|v| !v.trim().is_empty())
     }
 

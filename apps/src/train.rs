@@ -20,9 +20,7 @@ use ddp_data::{
 };
 use ddp_models::Classifier;
 
-use crate::frame::{
-    checkpoint_to_resume, local_eval, restart_count, step_seed, sum_eval, Ending, Say,
-};
+use crate::frame::{checkpoint_to_resume, local_eval, step_seed, sum_eval, Ending, Say};
 pub use crate::frame::{peak_rss_mib, Data, RunSummary, Task};
 use crate::metrics::{EpochMetrics, MetricsWriter};
 use crate::options::TrainConfig;
@@ -185,7 +183,7 @@ where
     // Resume: rank 0 reads the checkpoint and broadcasts it, so that the other ranks (on other
     // nodes perhaps) need no access to the file. A rank restarted by its launcher resumes on
     // its own when there is a checkpoint directory.
-    let restart = restart_count();
+    let restart = ddp_comm::elastic::restart_count();
     let mut start_epoch = 0;
     let mut start_batch = 0usize;
     let mut start_loss_sum = 0.0;
