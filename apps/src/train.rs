@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use burn::module::Module;
+use burn::optim::ModuleOptimizer;
 use burn::tensor::Device;
 use ddp::{DdpError, Position, RunId, SyncStats};
 use ddp_comm::ProcessGroup;
@@ -175,79 +176,22 @@ where
     let mut lr = cfg.scaled_lr(world);
     let Task {
         name,
-        mut model,
+        model,
         train,
         test,
     } = task;
 
-    // Resume: rank 0 reads the checkpoint and broadcasts it, so that the other ranks (on other
-    // nodes perhaps) need no access to the file. A rank restarted by its launcher resumes on
-    // its own when there is a checkpoint directory.
     let restart = ddp_comm::elastic::restart_count();
-    let mut start_epoch = 0;
-    let mut start_batch = 0usize;
-    let mut start_loss_sum = 0.0;
-    let mut step: u64 = 0;
-    let mut optim = stepper::burn_optimizer(cfg);
-    let mut saved_state = None;
-    if let Some(path) = checkpoint_to_resume(cfg, restart > 0)? {
-        if !cfg.resume {
-            say.line(format!(
-                "restart {restart} of the job ({}={restart}): resuming from {}",
-                ddp_comm::elastic::RESTART_COUNT_ENV,
-                cfg.checkpoint_dir.as_deref().unwrap_or(&path).display()
-            ));
-        }
-        let run = run_id(cfg, &name);
-        let resumed = match stepper::resume(cfg, &pg, &path, &run, model, optim) {
-            Err(DdpError::CheckpointMismatch { path, what }) => bail!(
-                "{path} was written by a run with {what}: resuming would not continue that run \
-                 (another data order and other dropout masks); pass \
-                 --allow-mismatched-checkpoint to resume from it anyway"
-            ),
-            other => other?,
-        };
-        let (resumed, state) = resumed;
-        saved_state = state.map(|bytes| (bytes, path.display().to_string()));
-        (model, optim) = (resumed.model, resumed.optim);
-        if let Some(what) = &resumed.mismatch {
-            tracing::warn!(
-                "{} was written by a run with {what}; resuming anyway",
-                path.display()
-            );
-            say.line(format!(
-                "warning: {} was written by a run with {what}; resuming anyway \
-                 (--allow-mismatched-checkpoint)",
-                path.display()
-            ));
-        }
-        if let Some(meta) = resumed.meta {
-            start_epoch = meta.epoch;
-            start_batch = usize::try_from(meta.batch_in_epoch).unwrap_or(usize::MAX);
-            start_loss_sum = meta.epoch_loss_sums.get(rank).copied().unwrap_or(0.0);
-            step = meta.step;
-            if start_batch > 0 {
-                say.line(format!(
-                    "resuming from {} (mid-epoch: step {step}, epoch {} continues after its \
-                     batch {start_batch})",
-                    path.display(),
-                    start_epoch + 1
-                ));
-            } else {
-                say.line(format!(
-                    "resuming from {} (epoch {}, step {})",
-                    path.display(),
-                    start_epoch,
-                    step
-                ));
-            }
-        } else {
-            say.line(format!(
-                "no checkpoint at {}: starting fresh",
-                path.display()
-            ));
-        }
-    }
+    let start = resume(cfg, &pg, &say, &name, restart, model)?;
+    let Start {
+        epoch: start_epoch,
+        batch: start_batch,
+        loss_sum: start_loss_sum,
+        mut step,
+        saved_state,
+        ..
+    } = start;
+    let (mut model, optim) = (start.model, start.optim);
     let kill_at = test_kill_step(rank, world, restart);
 
     let (wrapped, mut stepper) = Stepper::new(cfg, pg.clone(), model, optim, saved_state)?;
@@ -499,6 +443,107 @@ where
         group: Some(pg),
         elastic_json: None,
     })
+}
+
+/// Where a run starts: a fresh model and optimizer, or what a checkpoint holds.
+struct Start<M> {
+    model: M,
+    optim: ModuleOptimizer,
+    /// Epochs completed.
+    epoch: usize,
+    /// Batches of the next epoch done (a mid-epoch checkpoint).
+    batch: usize,
+    /// This rank's loss sum over those batches.
+    loss_sum: f64,
+    /// Optimizer steps completed.
+    step: u64,
+    /// The state [`Stepper::new`] loads, with the file it came from.
+    saved_state: Option<(Vec<u8>, String)>,
+}
+
+/// The start of a run: fresh, or resumed from the checkpoint [`checkpoint_to_resume`] names
+/// (with `--resume`, or in a process its launcher restarted, `restart` > 0). Rank 0 reads the
+/// checkpoint and broadcasts it, so that the other ranks (on other nodes perhaps) need no
+/// access to the file.
+fn resume<M: Module>(
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    say: &Say,
+    name: &str,
+    restart: usize,
+    model: M,
+) -> Result<Start<M>> {
+    let rank = pg.rank();
+    let mut start = Start {
+        model,
+        optim: stepper::burn_optimizer(cfg),
+        epoch: 0,
+        batch: 0,
+        loss_sum: 0.0,
+        step: 0,
+        saved_state: None,
+    };
+    let Some(path) = checkpoint_to_resume(cfg, restart > 0)? else {
+        return Ok(start);
+    };
+    if !cfg.resume {
+        say.line(format!(
+            "restart {restart} of the job ({}={restart}): resuming from {}",
+            ddp_comm::elastic::RESTART_COUNT_ENV,
+            cfg.checkpoint_dir.as_deref().unwrap_or(&path).display()
+        ));
+    }
+    let run = run_id(cfg, name);
+    let resumed = match stepper::resume(cfg, pg, &path, &run, start.model, start.optim) {
+        Err(DdpError::CheckpointMismatch { path, what }) => bail!(
+            "{path} was written by a run with {what}: resuming would not continue that run \
+             (another data order and other dropout masks); pass \
+             --allow-mismatched-checkpoint to resume from it anyway"
+        ),
+        other => other?,
+    };
+    let (resumed, state) = resumed;
+    start.saved_state = state.map(|bytes| (bytes, path.display().to_string()));
+    (start.model, start.optim) = (resumed.model, resumed.optim);
+    if let Some(what) = &resumed.mismatch {
+        tracing::warn!(
+            "{} was written by a run with {what}; resuming anyway",
+            path.display()
+        );
+        say.line(format!(
+            "warning: {} was written by a run with {what}; resuming anyway \
+             (--allow-mismatched-checkpoint)",
+            path.display()
+        ));
+    }
+    let Some(meta) = resumed.meta else {
+        say.line(format!(
+            "no checkpoint at {}: starting fresh",
+            path.display()
+        ));
+        return Ok(start);
+    };
+    start.epoch = meta.epoch;
+    start.batch = usize::try_from(meta.batch_in_epoch).unwrap_or(usize::MAX);
+    start.loss_sum = meta.epoch_loss_sums.get(rank).copied().unwrap_or(0.0);
+    start.step = meta.step;
+    if start.batch > 0 {
+        say.line(format!(
+            "resuming from {} (mid-epoch: step {}, epoch {} continues after its batch {})",
+            path.display(),
+            start.step,
+            start.epoch + 1,
+            start.batch
+        ));
+    } else {
+        say.line(format!(
+            "resuming from {} (epoch {}, step {})",
+            path.display(),
+            start.epoch,
+            start.step
+        ));
+    }
+    Ok(start)
 }
 
 /// What the TensorBoard curves show every `--log-interval` steps, gathered since the last point.
