@@ -174,7 +174,7 @@ impl RunSummary {
 /// `restarted` (a restart count above 0; for an elastic run, the job's round) when the run has
 /// a checkpoint directory. `None`: a fresh start.
 pub(crate) fn checkpoint_to_resume(cfg: &TrainConfig, restarted: bool) -> Result<Option<PathBuf>> {
-    if !cfg.resume && !(restarted && cfg.checkpoint_dir.is_some()) {
+    if !(cfg.resume || restarted && cfg.checkpoint_dir.is_some()) {
         return Ok(None);
     }
     let dir = cfg
