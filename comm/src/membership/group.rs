@@ -344,6 +344,9 @@ impl ElasticGroup {
                 }
                 if let Some(rank) = generation.rank_of(self.me.slot, self.me.incarnation) {
                     self.joined_running = generation.number > 1 || generation.step > 0;
+                    if self.joined_running {
+                        crate::membership::hooks::die_at(self.me.slot, "admitted");
+                    }
                     self.form(generation, Instant::now() + self.formation_timeout(seen))?;
                     return Ok(Some(rank));
                 }
@@ -604,6 +607,7 @@ impl ElasticGroup {
         ] {
             self.store.set(&key, &seal(self.secret(), &key, &record))?;
         }
+        crate::membership::hooks::die_at(self.me.slot, "reported");
         // The old group goes away on a thread of its own (see the module documentation).
         if let Some(p) = self.poller.take() {
             p.stop();
@@ -680,6 +684,9 @@ impl ElasticGroup {
     /// lost), or `until`; then publishes.
     fn decide(&self, prev: &Generation, until: Instant, reason: &str) -> Result<(), CommError> {
         let g = prev.number;
+        if g == 1 {
+            crate::membership::hooks::die_at(self.me.slot, "deciding");
+        }
         let mut reports: Vec<(usize, Report)> = Vec::new();
         // The slots whose connections the reporters lost (written before each report).
         let mut lost: Vec<usize> = Vec::new();

@@ -6,6 +6,7 @@
 
 pub(crate) mod agents;
 pub(crate) mod group;
+pub(crate) mod hooks;
 pub(crate) mod poller;
 pub(crate) mod records;
 pub(crate) mod seal;
