@@ -2,7 +2,9 @@
 //! ddprun hosts it: survivors of a kill go on at the smaller world within a second, a
 //! restarted process rejoins at a step boundary, a frozen rank is removed after the peer
 //! timeout, a process of another job or world is refused while the job goes on, and below its
-//! minimum the job stops naming the ranks lost. Every wait has a deadline.
+//! minimum the job stops naming the ranks lost; a second failure during a re-form (a joiner
+//! killed mid-heal, a second rank killed, the decider killed) starts another round and a busy
+//! survivor is waited for. Every wait has a deadline.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -415,8 +417,14 @@ fn survivors_finish(
             .filter(|l| l.contains("reformed gen"))
             .last()
             .unwrap_or_else(|| panic!("slot {s} never re-formed:\n{all}"));
-        assert!(last.contains(&format!("world {world} ")), "slot {s}: {last}\n{all}");
-        assert!(!all.contains("healed true"), "slot {s} was left out:\n{all}");
+        assert!(
+            last.contains(&format!("world {world} ")),
+            "slot {s}: {last}\n{all}"
+        );
+        assert!(
+            !all.contains("healed true"),
+            "slot {s} was left out:\n{all}"
+        );
         let next = lines
             .iter()
             .find(|l| l.contains(" step ") && !l.contains("reformed") && field(l, "at") > from_ms)
@@ -524,7 +532,9 @@ fn the_decider_killed_before_it_publishes_is_replaced() {
     let decider = decider.unwrap();
     let survivors: Vec<usize> = (0..3).filter(|&s| s != decider).collect();
     let after = survivors_finish(&mut peers, &survivors, 80, 2, died, deadline);
-    eprintln!("the decider (slot {decider}) died; the survivors' next steps came {after:?} ms later");
+    eprintln!(
+        "the decider (slot {decider}) died; the survivors' next steps came {after:?} ms later"
+    );
     assert!(after.iter().all(|&ms| ms < 8000), "{after:?} ms");
 }
 
@@ -549,7 +559,10 @@ fn a_busy_survivor_is_waited_for_not_dropped() {
     let busy = peers[1].wait_for("busy for", deadline);
     let after = survivors_finish(&mut peers, &[0, 1], 60, 2, killed, deadline);
     for (s, ms) in [0, 1].iter().zip(&after) {
-        assert!(*ms >= 4500, "slot {s} stepped {ms} ms after the kill: {busy}");
+        assert!(
+            *ms >= 4500,
+            "slot {s} stepped {ms} ms after the kill: {busy}"
+        );
     }
     let lines = &peers[1].seen;
     assert!(

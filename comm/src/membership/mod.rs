@@ -5,10 +5,12 @@
 //! [`AgentPresence`](crate::AgentPresence), [`AgentWatch`](crate::AgentWatch)).
 
 pub(crate) mod agents;
+pub(crate) mod beat;
 pub(crate) mod group;
 pub(crate) mod hooks;
 pub(crate) mod poller;
 pub(crate) mod records;
+pub(crate) mod reform;
 pub(crate) mod seal;
 
 pub use records::*;
