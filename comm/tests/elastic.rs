@@ -414,8 +414,7 @@ fn survivors_finish(
         check_each_once(&steps(&lines), 1, steps_total, &format!("slot {s}"));
         let last = lines
             .iter()
-            .filter(|l| l.contains("reformed gen"))
-            .last()
+            .rfind(|l| l.contains("reformed gen"))
             .unwrap_or_else(|| panic!("slot {s} never re-formed:\n{all}"));
         assert!(
             last.contains(&format!("world {world} ")),

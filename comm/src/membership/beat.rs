@@ -1,6 +1,5 @@
 //! Each member's beat in the store, and what a watcher makes of it. A thread of every elastic
-//! process adds 1 to its own counter (`beat/<slot>-<incarnation>`) a few times per peer
-//! timeout, on a store connection of its own, independent of the training loop: a process busy
+//! process adds 1 to its own counter (`beat/<slot>-<incarnation>`) every 100 ms at most, on a store connection of its own, independent of the training loop: a process busy
 //! in a long backward or a checkpoint write beats on; a dead or frozen one stops. A re-form
 //! waits for a member as long as it beats, and drops it once it has been silent for the peer
 //! timeout, so "busy" and "dead" are told apart by the process itself, not by a fixed wait.
@@ -26,8 +25,19 @@ pub(crate) fn beat_key(member: &Member) -> String {
     format!("beat/{}-{:x}", member.slot, member.incarnation)
 }
 
-/// A process's beat: a thread that adds to its counter every quarter of the peer timeout
-/// (between 20 ms and 1 s); it stops when dropped.
+/// How often a process beats: a quarter of the peer timeout, between 20 and 100 ms (a few
+/// store adds a second per process), so that a member named dead by mistake shows it is alive
+/// within [`NAMED_GRACE`].
+pub(crate) fn beat_every(peer_timeout: Duration) -> Duration {
+    (peer_timeout / 4).clamp(Duration::from_millis(20), Duration::from_millis(100))
+}
+
+/// How long a decider watches a member that a survivor named dead (its error's cause, a
+/// connection lost) before it drops it, unless its beat moves meanwhile: three beats.
+pub(crate) const NAMED_GRACE: Duration = Duration::from_millis(300);
+
+/// A process's beat: a thread that adds to its counter every [`beat_every`]; it stops when
+/// dropped.
 pub(crate) struct Beat {
     stop: Arc<AtomicBool>,
 }
@@ -44,8 +54,7 @@ impl Beat {
             CALL,
         )?;
         let key = beat_key(me);
-        let every =
-            (base.peer_timeout / 4).clamp(Duration::from_millis(20), Duration::from_secs(1));
+        let every = beat_every(base.peer_timeout);
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
         let slot = me.slot;
@@ -84,7 +93,8 @@ impl Drop for Beat {
 /// changed, on the watcher's own clock (no clocks are compared across hosts).
 pub(crate) struct Liveness {
     silence: Duration,
-    seen: HashMap<(usize, u64), (i64, Instant)>,
+    /// Per member: the counter's last value, when it last changed, when first looked at.
+    seen: HashMap<(usize, u64), (i64, Instant, Instant)>,
 }
 
 impl Liveness {
@@ -105,10 +115,18 @@ impl Liveness {
         let entry = self
             .seen
             .entry((member.slot, member.incarnation))
-            .or_insert((value, now));
+            .or_insert((value, now, now));
         if entry.0 != value {
-            *entry = (value, now);
+            (entry.0, entry.1) = (value, now);
         }
         Ok(now.duration_since(entry.1) < self.silence)
+    }
+
+    /// Whether `member` has been looked at ([`alive`](Self::alive)) for `watch` at least and
+    /// its counter has not moved since the first look.
+    pub(crate) fn still_for(&self, member: &Member, watch: Duration) -> bool {
+        self.seen
+            .get(&(member.slot, member.incarnation))
+            .is_some_and(|&(_, changed, first)| changed == first && first.elapsed() >= watch)
     }
 }

@@ -16,8 +16,8 @@
 //!    was merely slow publishes nothing and follows the published one.
 //! 3. The decider waits for every member until it reported, withdrew (a joiner whose group did
 //!    not form), was named by a survivor (its error's root cause or a connection lost: a node's
-//!    ranks die together), or went silent for the peer timeout. A member that beats is busy,
-//!    not dead, and is waited for (up to the re-form's deadline).
+//!    ranks die together) and did not beat for 300 ms, or went silent for the peer timeout. A
+//!    member that beats is busy, not dead, and is waited for (up to the re-form's deadline).
 //! 4. The members meet at `g<n>/ready/<slot>` before forming the group: a member that went
 //!    silent instead (killed after its report, a joiner killed once admitted) fails the round
 //!    naming it, and so does a group that does not form; the survivors then report in the
@@ -30,7 +30,7 @@
 use std::time::{Duration, Instant};
 
 use crate::error::CommError;
-use crate::membership::beat::Liveness;
+use crate::membership::beat::{Liveness, NAMED_GRACE};
 use crate::membership::group::{Change, Continue, ElasticGroup, StepStatus};
 use crate::membership::hooks::die_at;
 use crate::membership::records::{decide_next, Generation, Left, Member, Report};
@@ -269,7 +269,6 @@ impl ElasticGroup {
         // The slots whose connections the reporters lost (written before each report).
         let mut lost: Vec<usize> = Vec::new();
         let mut withdrawn: Vec<usize> = Vec::new();
-        let mut named_since: Option<Instant> = None;
         loop {
             for m in &prev.members {
                 if reports.iter().any(|(s, _)| *s == m.slot) || withdrawn.contains(&m.slot) {
@@ -311,13 +310,13 @@ impl ElasticGroup {
             if waiting.is_empty() {
                 break;
             }
-            // Everyone else is named as failed: give a rank named by mistake a moment to say
-            // it is alive.
-            if waiting.iter().all(|m| named(m)) {
-                let since = *named_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= Duration::from_millis(30) {
-                    break;
-                }
+            // Everyone else is named as failed: a rank named by mistake (its connections closed
+            // while it was busy) shows it is alive by beating within the grace.
+            if waiting
+                .iter()
+                .all(|m| named(m) && live.still_for(m, NAMED_GRACE))
+            {
+                break;
             }
             if Instant::now() > deadline {
                 tracing::warn!(
