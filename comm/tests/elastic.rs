@@ -2,7 +2,9 @@
 //! ddprun hosts it: survivors of a kill go on at the smaller world within a second, a
 //! restarted process rejoins at a step boundary, a frozen rank is removed after the peer
 //! timeout, a process of another job or world is refused while the job goes on, and below its
-//! minimum the job stops naming the ranks lost. Every wait has a deadline.
+//! minimum the job stops naming the ranks lost; a second failure during a re-form (a joiner
+//! killed mid-heal, a second rank killed, the decider killed) starts another round and a busy
+//! survivor is waited for. Every wait has a deadline.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -380,4 +382,191 @@ fn below_the_minimum_the_job_stops_naming_the_ranks_lost() {
             "{all}"
         );
     }
+}
+
+// A second failure during a membership change (issue 57 item 5): the change becomes another
+// round, and the job goes on while MIN members remain.
+
+/// The first line with `what` in a finished peer's output.
+fn line_with<'a>(lines: &'a [String], what: &str) -> &'a str {
+    lines
+        .iter()
+        .find(|l| l.contains(what))
+        .unwrap_or_else(|| panic!("no line with {what:?}; lines:\n{}", lines.join("\n")))
+}
+
+/// The survivors `slots` finish every step once, exit 0, and their first re-form after
+/// `from_ms` (the wall clock of the last failure) reaches world `world`; returns the
+/// milliseconds from `from_ms` to each one's next committed step.
+fn survivors_finish(
+    peers: &mut [Peer],
+    slots: &[usize],
+    steps_total: u64,
+    world: usize,
+    from_ms: u128,
+    deadline: Instant,
+) -> Vec<u128> {
+    let mut after = Vec::new();
+    for &s in slots {
+        let (status, lines) = peers[s].finish(deadline);
+        let all = lines.join("\n");
+        assert!(status.success(), "slot {s}:\n{all}");
+        check_each_once(&steps(&lines), 1, steps_total, &format!("slot {s}"));
+        let last = lines
+            .iter()
+            .rfind(|l| l.contains("reformed gen"))
+            .unwrap_or_else(|| panic!("slot {s} never re-formed:\n{all}"));
+        assert!(
+            last.contains(&format!("world {world} ")),
+            "slot {s}: {last}\n{all}"
+        );
+        assert!(
+            !all.contains("healed true"),
+            "slot {s} was left out:\n{all}"
+        );
+        let next = lines
+            .iter()
+            .find(|l| l.contains(" step ") && !l.contains("reformed") && field(l, "at") > from_ms)
+            .unwrap_or_else(|| panic!("slot {s}: no step after the failure:\n{all}"));
+        after.push(field(next, "at") - from_ms);
+    }
+    after
+}
+
+/// A joiner killed once the generation that admits it is decided, before it formed its group
+/// (mid-heal): the others start another round at once, re-form without it and train on.
+#[test]
+fn a_joiner_killed_mid_heal_leaves_the_others_training() {
+    let job = Job::new("2:3");
+    let env = [("PEER_STEPS", "150"), ("PEER_SLEEP_MS", "20")];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut peers: Vec<Peer> = (0..3).map(|s| job.spawn(s, &env)).collect();
+    for p in &mut peers {
+        p.wait_for("step 5 ", deadline);
+    }
+    peers[2].child.kill().unwrap();
+    for s in [0, 1] {
+        peers[s].wait_for("reformed gen 2", deadline);
+    }
+    let mut joiner = job.spawn(
+        2,
+        &[
+            ("PEER_STEPS", "150"),
+            ("DDP_TEST_ELASTIC_DIE", "2:admitted"),
+        ],
+    );
+    let (status, lines) = joiner.finish(deadline);
+    assert!(!status.success(), "{}", lines.join("\n"));
+    let died = field(line_with(&lines, "kills it (admitted)"), "at");
+    let after = survivors_finish(&mut peers, &[0, 1], 150, 2, died, deadline);
+    eprintln!("the joiner died mid-heal; the survivors' next steps came {after:?} ms later");
+    assert!(after.iter().all(|&ms| ms < 8000), "{after:?} ms");
+}
+
+/// A second rank dies during the re-form after the first loss (its report written, so it is
+/// in the next generation): the survivors start another round and go on at world 2.
+#[test]
+fn a_second_rank_killed_during_the_re_form_leaves_the_others_training() {
+    let job = Job::new("2:4");
+    let env = [
+        ("PEER_STEPS", "80"),
+        ("PEER_SLEEP_MS", "20"),
+        ("WORLD_SIZE", "4"),
+    ];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut peers: Vec<Peer> = (0..4)
+        .map(|s| {
+            let mut env = env.to_vec();
+            if s == 1 {
+                env.push(("DDP_TEST_ELASTIC_DIE", "1:reported"));
+            }
+            job.spawn(s, &env)
+        })
+        .collect();
+    for p in &mut peers {
+        p.wait_for("step 5 ", deadline);
+    }
+    peers[3].child.kill().unwrap();
+    let (status, lines) = peers[1].finish(deadline);
+    assert!(!status.success(), "{}", lines.join("\n"));
+    let died = field(line_with(&lines, "kills it (reported)"), "at");
+    let after = survivors_finish(&mut peers, &[0, 2], 80, 2, died, deadline);
+    eprintln!("second death during the re-form; the survivors' next steps came {after:?} ms later");
+    assert!(after.iter().all(|&ms| ms < 8000), "{after:?} ms");
+}
+
+/// The survivor that wins the decision of the next generation dies before it publishes it:
+/// another survivor takes the decision over once the decider's beat stops, and the job goes on
+/// at world 2.
+#[test]
+fn the_decider_killed_before_it_publishes_is_replaced() {
+    let job = Job::new("2:4");
+    let env = [
+        ("PEER_STEPS", "80"),
+        ("PEER_SLEEP_MS", "20"),
+        ("WORLD_SIZE", "4"),
+        ("DDP_TEST_ELASTIC_DIE", "any:deciding"),
+    ];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut peers: Vec<Peer> = (0..4).map(|s| job.spawn(s, &env)).collect();
+    for p in &mut peers {
+        p.wait_for("step 5 ", deadline);
+    }
+    peers[3].child.kill().unwrap();
+    // The decider is whoever won the counter: find it by its exit.
+    let mut decider = None;
+    let mut died = 0;
+    let until = Instant::now() + Duration::from_secs(20);
+    while decider.is_none() {
+        for (s, p) in peers.iter_mut().enumerate().take(3) {
+            if p.child.try_wait().unwrap().is_some() {
+                let (_, lines) = p.finish(deadline);
+                died = field(line_with(&lines, "kills it (deciding)"), "at");
+                decider = Some(s);
+            }
+        }
+        assert!(Instant::now() < until, "no decider died");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let decider = decider.unwrap();
+    let survivors: Vec<usize> = (0..3).filter(|&s| s != decider).collect();
+    let after = survivors_finish(&mut peers, &survivors, 80, 2, died, deadline);
+    eprintln!(
+        "the decider (slot {decider}) died; the survivors' next steps came {after:?} ms later"
+    );
+    assert!(after.iter().all(|&ms| ms < 8000), "{after:?} ms");
+}
+
+/// A survivor busy for longer than the peer timeout + 2 s when the others re-form (a long
+/// backward, a checkpoint write), its links and beat alive: it is waited for, not dropped.
+#[test]
+fn a_busy_survivor_is_waited_for_not_dropped() {
+    let job = Job::new("2:3");
+    let env = [
+        ("PEER_STEPS", "60"),
+        ("PEER_SLEEP_MS", "20"),
+        ("PEER_BUSY_SLOT", "1"),
+        ("PEER_BUSY_MS", "5000"),
+    ];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut peers: Vec<Peer> = (0..3).map(|s| job.spawn(s, &env)).collect();
+    for p in &mut peers {
+        p.wait_for("step 5 ", deadline);
+    }
+    let killed = now_ms();
+    peers[2].child.kill().unwrap();
+    let busy = peers[1].wait_for("busy for", deadline);
+    let after = survivors_finish(&mut peers, &[0, 1], 60, 2, killed, deadline);
+    for (s, ms) in [0, 1].iter().zip(&after) {
+        assert!(
+            *ms >= 4500,
+            "slot {s} stepped {ms} ms after the kill: {busy}"
+        );
+    }
+    let lines = &peers[1].seen;
+    assert!(
+        line_with(lines, "reformed gen").contains("reformed gen 2 "),
+        "{}",
+        lines.join("\n")
+    );
 }

@@ -21,6 +21,11 @@
 //! committed the last step, before it says the job finished, `PEER_DIE_DELAY_MS` (default 0)
 //! later; only when it founded the job (not restarted: `TORCHELASTIC_RESTART_COUNT` unset or
 //! 0, and not healed into a running job).
+//!
+//! Test hook: with `PEER_BUSY_SLOT=S`, slot S, at its first failed step, stays busy
+//! `PEER_BUSY_MS` (default 5000) before it re-forms (a long backward, a checkpoint write), its
+//! links alive. The membership's own hooks (`DDP_TEST_ELASTIC_DIE`) kill a process inside a
+//! re-form or a join.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -73,6 +78,10 @@ fn run() -> Result<(), ddp_comm::CommError> {
         .and_then(|v| v.parse().ok())
         == Some(slot)
         && first_start;
+    let mut busy = std::env::var("PEER_BUSY_SLOT")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        == Some(slot);
     let mut committed = group.generation().step;
     if group.joined_running() {
         println!(
@@ -114,6 +123,12 @@ fn run() -> Result<(), ddp_comm::CommError> {
             }
             Err(e) => (reduced.is_ok(), Some(e)),
         };
+        if busy && cause.is_some() {
+            busy = false;
+            let ms = var("PEER_BUSY_MS", 5000);
+            println!("elastic slot {slot} busy for {ms} ms at {}", now_ms());
+            std::thread::sleep(Duration::from_millis(ms));
+        }
         let status = StepStatus {
             committed,
             finished,

@@ -36,12 +36,14 @@
 //! A collective that fails (a peer closed its connections: at once after a kill, as an
 //! elastic group waits no grace for an ABORT that would explain the loss; a peer
 //! silent for `DDP_PEER_TIMEOUT`: a frozen one) or a vote that fails sends every survivor to
-//! [`ElasticGroup::reform`]: it reports its step, the first to report decides the next
-//! generation once every member has reported or been named by a survivor (the root cause of
-//! its error, or any connection it lost: the ranks of a node die together, and each error
-//! blames one; else it waits until the peer timeout has passed), and everyone forms the new
-//! group. A member left out (it reported too
-//! late) joins again as a new process would, and is healed.
+//! [`ElasticGroup::reform`] (`membership/reform.rs`): it reports its step, a decider holding a
+//! lease decides the next generation once every member has reported or been named by a
+//! survivor (the root cause of its error, or any connection it lost: the ranks of a node die
+//! together, and each error blames one) or has stopped beating in the store for the peer
+//! timeout (`membership/beat.rs`: a busy member beats on and is waited for), and everyone forms
+//! the new group. A second failure during all this (a member dead after its report, a joiner
+//! dead once admitted, the decider dead before it published) starts another round; a member
+//! left out (it reported too late) joins again as a new process would, and is healed.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -51,10 +53,9 @@ use crate::config::GroupConfig;
 use crate::error::CommError;
 use crate::group::ProcessGroup;
 use crate::launcher::env::{process_env, resolve, Explicit, Lookup};
+use crate::membership::beat::{Beat, Liveness};
 use crate::membership::poller::Poller;
-use crate::membership::records::{
-    decide_founding, decide_next, Generation, JobTerms, JoinRequest, Left, Member, Report,
-};
+use crate::membership::records::{decide_founding, Generation, JobTerms, JoinRequest, Member};
 use crate::membership::seal::{open, present, read, read_record, seal, seal_json};
 use crate::rendezvous::store::Store;
 use crate::rendezvous::torch_store::agent_key_prefix;
@@ -206,15 +207,17 @@ pub struct Change {
 
 /// A process group whose membership changes while the job runs; see the module documentation.
 pub struct ElasticGroup {
-    config: ElasticConfig,
-    me: Member,
-    store: Store,
-    generation: Generation,
-    pg: Option<Arc<ProcessGroup>>,
+    pub(super) config: ElasticConfig,
+    pub(super) me: Member,
+    pub(super) store: Store,
+    pub(super) generation: Generation,
+    pub(super) pg: Option<Arc<ProcessGroup>>,
     /// Rank 0's look-out for join requests.
-    poller: Option<Poller>,
+    pub(super) poller: Option<Poller>,
     /// Whether this process joined a running job (and must be healed) rather than founded it.
-    joined_running: bool,
+    pub(super) joined_running: bool,
+    /// This process's beat in the store (`beat.rs`), from its join to its finish.
+    pub(super) beat: Option<Beat>,
 }
 
 impl std::fmt::Debug for ElasticGroup {
@@ -278,6 +281,7 @@ impl ElasticGroup {
         if present(&store, secret, "done")? {
             return Ok(None);
         }
+        let beat = Beat::start(&me, base, &store)?;
         let mut group = ElasticGroup {
             config,
             me,
@@ -296,6 +300,7 @@ impl ElasticGroup {
             pg: None,
             poller: None,
             joined_running: false,
+            beat: Some(beat),
         };
         match group.admission(deadline)? {
             None => Ok(None),
@@ -306,14 +311,9 @@ impl ElasticGroup {
     /// Registers a join request and waits until a generation admits it, forming its group:
     /// `Some(rank)`; `None` when the job finished meanwhile. Tries to found generation 1 when
     /// none exists yet.
-    fn admission(&mut self, deadline: Instant) -> Result<Option<usize>, CommError> {
-        let n = self.store.add("joins", 1)? as u64;
-        let request = JoinRequest {
-            member: self.me.clone(),
-        };
-        let key = format!("join/{n}");
-        self.store
-            .set(&key, &seal_json(self.secret(), &key, &request))?;
+    pub(super) fn admission(&mut self, deadline: Instant) -> Result<Option<usize>, CommError> {
+        let mut n = self.request_to_join()?;
+        let mut live = Liveness::new(self.config.base.peer_timeout);
         let mut seen = self.generation.number;
         let mut tried_founding = false;
         loop {
@@ -336,8 +336,29 @@ impl ElasticGroup {
                 }
                 if let Some(rank) = generation.rank_of(self.me.slot, self.me.incarnation) {
                     self.joined_running = generation.number > 1 || generation.step > 0;
-                    self.form(generation, Instant::now() + self.formation_timeout(seen))?;
-                    return Ok(Some(rank));
+                    if generation.number == 1 {
+                        self.form(generation, Instant::now() + self.formation_timeout(seen))?;
+                        return Ok(Some(rank));
+                    }
+                    crate::membership::hooks::die_at(self.me.slot, "admitted");
+                    match self.form_next(generation, &mut live, deadline)? {
+                        Ok(()) => return Ok(Some(rank)),
+                        // Another member died before the group formed: the others start
+                        // another round without this joiner, which withdraws (so that they
+                        // need not wait for it) and asks again.
+                        Err(failed) => {
+                            tracing::warn!(
+                                "elastic: slot {} withdraws from generation {seen} and asks to \
+                                 join again: {}",
+                                self.me.slot,
+                                failed.why
+                            );
+                            let key = format!("g{seen}/withdrawn/{}", self.me.slot);
+                            self.store.set(&key, &seal(self.secret(), &key, b"1"))?;
+                            n = self.request_to_join()?;
+                        }
+                    }
+                    continue;
                 }
                 if let Some((_, why)) = generation.refused.iter().find(|(r, _)| *r == n) {
                     return Err(CommError::ElasticRefused {
@@ -362,6 +383,18 @@ impl ElasticGroup {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// Registers a join request of this process; returns its number.
+    fn request_to_join(&self) -> Result<u64, CommError> {
+        let n = self.store.add("joins", 1)? as u64;
+        let request = JoinRequest {
+            member: self.me.clone(),
+        };
+        let key = format!("join/{n}");
+        self.store
+            .set(&key, &seal_json(self.secret(), &key, &request))?;
+        Ok(n)
     }
 
     /// The founding decision (this process won it): waits until `MAX` processes registered, or
@@ -420,7 +453,7 @@ impl ElasticGroup {
     }
 
     /// Writes `generation`, then moves `gen/latest` to it.
-    fn publish(&self, generation: &Generation) -> Result<(), CommError> {
+    pub(super) fn publish(&self, generation: &Generation) -> Result<(), CommError> {
         let g = generation.number;
         let key = format!("gen/{g}");
         self.store
@@ -440,14 +473,14 @@ impl ElasticGroup {
     }
 
     /// The job's secret, which seals its records (`elastic_seal.rs`).
-    fn secret(&self) -> Option<&str> {
+    pub(super) fn secret(&self) -> Option<&str> {
         self.config.base.token.as_deref()
     }
 
     /// How long the members of generation `g` take at most to form its group: the connect
     /// deadline for the founding one (every process is starting), else twice the peer timeout
     /// plus 5 s (they are all running; one that does not come makes the next generation).
-    fn formation_timeout(&self, g: u64) -> Duration {
+    pub(super) fn formation_timeout(&self, g: u64) -> Duration {
         let base = &self.config.base;
         if g <= 1 {
             base.connect_timeout
@@ -458,7 +491,11 @@ impl ElasticGroup {
 
     /// Forms `generation`'s process group (this process is a member) and, on its rank 0,
     /// starts the look-out for join requests.
-    fn form(&mut self, generation: Generation, deadline: Instant) -> Result<(), CommError> {
+    pub(super) fn form(
+        &mut self,
+        generation: Generation,
+        deadline: Instant,
+    ) -> Result<(), CommError> {
         let rank = generation
             .rank_of(self.me.slot, self.me.incarnation)
             .expect("a member forms its group");
@@ -548,195 +585,6 @@ impl ElasticGroup {
         })
     }
 
-    /// Ends the current generation and joins the next (see the module documentation):
-    /// reports `status` (and the rank `cause` blames, if any), lets the first reporter decide,
-    /// and forms the new group. Drop every handle of the old group ([`group`](Self::group))
-    /// first: the last one shuts it down. Returns the new generation as this process sees it;
-    /// [`CommError::ElasticStopped`] when fewer than MIN ranks remain (the error names the
-    /// ranks lost); `Ok(None)` when the job finished meanwhile.
-    pub fn reform(
-        &mut self,
-        status: StepStatus,
-        cause: Option<&CommError>,
-    ) -> Result<Option<Change>, CommError> {
-        let prev = self.generation.clone();
-        let g = prev.number;
-        tracing::debug!(
-            "elastic: slot {} leaves generation {g}: {cause:?}",
-            self.me.slot
-        );
-        let my_rank = prev.rank_of(self.me.slot, self.me.incarnation);
-        let blamed = cause
-            .and_then(CommError::peer)
-            .filter(|&p| Some(p) != my_rank)
-            .and_then(|p| prev.members.get(p))
-            .map(|m| m.slot);
-        let why = match cause {
-            Some(e) => e.to_string(),
-            None => "processes wait to join".to_string(),
-        };
-        let report = Report {
-            incarnation: self.me.incarnation,
-            committed: status.committed,
-            finished: status.finished.then_some(status.committed + 1),
-            blamed,
-            why: why.clone(),
-        };
-        // Every member whose connection this rank lost (a node's ranks die together; the
-        // report blames one), before the report, so that the decider finds it with the report.
-        let lost: Vec<usize> = self.pg.as_ref().map_or_else(Vec::new, |pg| {
-            pg.lost_peers()
-                .into_iter()
-                .filter_map(|r| prev.members.get(r).map(|m| m.slot))
-                .collect()
-        });
-        for (key, record) in [
-            (format!("g{g}/lost/{}", self.me.slot), to_json(&lost)),
-            (format!("g{g}/report/{}", self.me.slot), to_json(&report)),
-        ] {
-            self.store.set(&key, &seal(self.secret(), &key, &record))?;
-        }
-        // The old group goes away on a thread of its own (see the module documentation).
-        if let Some(p) = self.poller.take() {
-            p.stop();
-        }
-        if let Some(pg) = self.pg.take() {
-            let _ = std::thread::Builder::new()
-                .name("ddp-elastic-drop".into())
-                .spawn(move || drop(pg));
-        }
-        let next = g + 1;
-        let decide_until = Instant::now() + self.config.base.peer_timeout + Duration::from_secs(2);
-        if self.store.add(&format!("g{next}/decider"), 1)? == 1 {
-            let reason = match cause {
-                Some(_) => format!("slot {} saw: {why}", self.me.slot),
-                None => "growth".to_string(),
-            };
-            self.decide(&prev, decide_until, &reason)?;
-        }
-        let wait = decide_until.saturating_duration_since(Instant::now()) + CALL;
-        let key = format!("gen/{next}");
-        let generation: Generation = read_record(&self.store, self.secret(), &key, wait)?;
-        if let Some(why) = &generation.failed {
-            return Err(self.below_min(why));
-        }
-        let Some(rank) = generation.rank_of(self.me.slot, self.me.incarnation) else {
-            // Left out (it reported after the decision): join again, to be healed.
-            tracing::warn!(
-                "elastic: slot {} was left out of generation {next}; joining again",
-                self.me.slot
-            );
-            self.generation = generation;
-            let deadline = Instant::now() + self.config.base.connect_timeout;
-            return match self.admission(deadline)? {
-                None => Ok(None),
-                Some(rank) => Ok(Some(Change {
-                    generation: self.generation.clone(),
-                    rank,
-                    action: Continue::Keep,
-                    healed: true,
-                })),
-            };
-        };
-        let action = if status.committed == generation.step {
-            match status.finished {
-                true => Continue::DropFinished,
-                false => Continue::Keep,
-            }
-        } else if status.committed + 1 == generation.step && status.finished {
-            Continue::ApplyFinished
-        } else {
-            return Err(CommError::Internal {
-                rank,
-                message: format!(
-                    "elastic: generation {next} continues from step {} but slot {} committed \
-                     step {} (finished the next: {})",
-                    generation.step, self.me.slot, status.committed, status.finished
-                ),
-            });
-        };
-        tracing::debug!("elastic: slot {} read generation {next}", self.me.slot);
-        let deadline = Instant::now() + self.formation_timeout(next);
-        self.form(generation.clone(), deadline)?;
-        tracing::debug!("elastic: slot {} formed generation {next}", self.me.slot);
-        Ok(Some(Change {
-            generation,
-            rank,
-            action,
-            healed: false,
-        }))
-    }
-
-    /// The decision of the generation after `prev` (this process won it): waits until every
-    /// member reported or was named by a survivor (its error's root cause, or a connection it
-    /// lost), or `until`; then publishes.
-    fn decide(&self, prev: &Generation, until: Instant, reason: &str) -> Result<(), CommError> {
-        let g = prev.number;
-        let mut reports: Vec<(usize, Report)> = Vec::new();
-        // The slots whose connections the reporters lost (written before each report).
-        let mut lost: Vec<usize> = Vec::new();
-        let mut named_since: Option<Instant> = None;
-        loop {
-            for m in &prev.members {
-                if reports.iter().any(|(s, _)| *s == m.slot) {
-                    continue;
-                }
-                let key = format!("g{g}/report/{}", m.slot);
-                if present(&self.store, self.secret(), &key)? {
-                    reports.push((m.slot, read_record(&self.store, self.secret(), &key, CALL)?));
-                    let key = format!("g{g}/lost/{}", m.slot);
-                    if present(&self.store, self.secret(), &key)? {
-                        let slots: Vec<usize> =
-                            read_record(&self.store, self.secret(), &key, CALL)?;
-                        lost.extend(slots);
-                    }
-                }
-            }
-            let reported = |m: &Member| {
-                reports
-                    .iter()
-                    .any(|(s, r)| *s == m.slot && r.incarnation == m.incarnation)
-            };
-            let named = |m: &Member| {
-                lost.contains(&m.slot) || reports.iter().any(|(_, r)| r.blamed == Some(m.slot))
-            };
-            if prev.members.iter().all(reported) {
-                break;
-            }
-            // Everyone else is named as failed: give a rank named by mistake a moment to say
-            // it is alive.
-            if prev.members.iter().all(|m| reported(m) || named(m)) {
-                let since = *named_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= Duration::from_millis(30) {
-                    break;
-                }
-            }
-            if Instant::now() > until {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let mut requests = Vec::new();
-        let count = self.store.add("joins", 0)?.max(0) as u64;
-        for n in prev.joins_seen + 1..=count {
-            let key = format!("join/{n}");
-            if let Some(request) = read(&self.store, self.secret(), &key, CALL, true)? {
-                requests.push((n, request));
-            }
-        }
-        let next = decide_next(
-            prev,
-            &reports,
-            &requests,
-            (self.config.min, self.config.max),
-            reason,
-        );
-        for Left { slot, rank, why } in &next.left {
-            tracing::warn!("elastic: rank {rank} (slot {slot}) left: {why}");
-        }
-        self.publish(&next)
-    }
-
     /// Says the job finished: processes still waiting to join, and any that arrives later (a
     /// rank restarted after the last step), get `Ok(None)` from [`join`](Self::join) and exit.
     /// Call it on every rank once training is over. Every member's call writes it: a member
@@ -746,12 +594,13 @@ impl ElasticGroup {
         if let Some(p) = self.poller.take() {
             p.stop();
         }
+        self.beat = None;
         self.store.set("done", &seal(self.secret(), "done", b"1"))
     }
 
     /// The error of a job below its minimum, noted for the error file and the exit code the
     /// launcher reads (see [`crate::launcher::contract::finish`]).
-    fn below_min(&self, why: &str) -> CommError {
+    pub(super) fn below_min(&self, why: &str) -> CommError {
         crate::launcher::contract::note_elastic_stop();
         CommError::ElasticStopped {
             slot: self.me.slot,
@@ -792,10 +641,6 @@ pub fn elastic_job_state(
         .ok()?;
     let generation: Generation = serde_json::from_slice(&value(&format!("gen/{latest}"))?).ok()?;
     generation.failed.map(Err)
-}
-
-fn to_json<T: serde::Serialize>(value: &T) -> Vec<u8> {
-    serde_json::to_vec(value).unwrap_or_default()
 }
 
 /// A random 64-bit number (std's randomly keyed hasher over the time and the process id).

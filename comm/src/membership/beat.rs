@@ -1,0 +1,132 @@
+//! Each member's beat in the store, and what a watcher makes of it. A thread of every elastic
+//! process adds 1 to its own counter (`beat/<slot>-<incarnation>`) every 100 ms at most, on a store connection of its own, independent of the training loop: a process busy
+//! in a long backward or a checkpoint write beats on; a dead or frozen one stops. A re-form
+//! waits for a member as long as it beats, and drops it once it has been silent for the peer
+//! timeout, so "busy" and "dead" are told apart by the process itself, not by a fixed wait.
+//!
+//! The counters are not sealed (an add cannot be): a stranger at the store can make a dead
+//! member look alive, which delays a re-form up to its deadline, never breaks it.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::config::GroupConfig;
+use crate::error::CommError;
+use crate::membership::records::Member;
+use crate::rendezvous::store::Store;
+
+/// Deadline of one store call of the beat.
+const CALL: Duration = Duration::from_secs(30);
+
+/// The key of `member`'s beat counter.
+pub(crate) fn beat_key(member: &Member) -> String {
+    format!("beat/{}-{:x}", member.slot, member.incarnation)
+}
+
+/// How often a process beats: a quarter of the peer timeout, between 20 and 100 ms (a few
+/// store adds a second per process), so that a member named dead by mistake shows it is alive
+/// within [`NAMED_GRACE`].
+pub(crate) fn beat_every(peer_timeout: Duration) -> Duration {
+    (peer_timeout / 4).clamp(Duration::from_millis(20), Duration::from_millis(100))
+}
+
+/// How long a decider watches a member that a survivor named dead (its error's cause, a
+/// connection lost) before it drops it, unless its beat moves meanwhile: three beats.
+pub(crate) const NAMED_GRACE: Duration = Duration::from_millis(300);
+
+/// A process's beat: a thread that adds to its counter every [`beat_every`]; it stops when
+/// dropped.
+pub(crate) struct Beat {
+    stop: Arc<AtomicBool>,
+}
+
+impl Beat {
+    /// Starts `me`'s beat, on a connection of its own to the store of `store`.
+    pub(crate) fn start(me: &Member, base: &GroupConfig, store: &Store) -> Result<Beat, CommError> {
+        let own = Store::connect_torch(
+            me.slot,
+            &base.master_addr,
+            base.master_port,
+            store.key_prefix().to_string(),
+            Instant::now() + CALL,
+            CALL,
+        )?;
+        let key = beat_key(me);
+        let every = beat_every(base.peer_timeout);
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let slot = me.slot;
+        std::thread::Builder::new()
+            .name("ddp-elastic-beat".into())
+            .spawn(move || {
+                let mut warned = false;
+                while !s.load(Ordering::Acquire) {
+                    if let Err(e) = own.add(&key, 1) {
+                        if !warned {
+                            warned = true;
+                            tracing::warn!("elastic: slot {slot} cannot beat in the store: {e}");
+                        }
+                    }
+                    let until = Instant::now() + every;
+                    while Instant::now() < until && !s.load(Ordering::Acquire) {
+                        std::thread::sleep(Duration::from_millis(10).min(every));
+                    }
+                }
+            })
+            .map_err(|e| CommError::Internal {
+                rank: slot,
+                message: format!("cannot start the elastic beat thread: {e}"),
+            })?;
+        Ok(Beat { stop })
+    }
+}
+
+impl Drop for Beat {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+/// What one watcher saw of the members' beats: each counter's last value and when it last
+/// changed, on the watcher's own clock (no clocks are compared across hosts).
+pub(crate) struct Liveness {
+    silence: Duration,
+    /// Per member: the counter's last value, when it last changed, when first looked at.
+    seen: HashMap<(usize, u64), (i64, Instant, Instant)>,
+}
+
+impl Liveness {
+    /// A watcher that takes a member silent for `silence` (the peer timeout) for dead.
+    pub(crate) fn new(silence: Duration) -> Liveness {
+        Liveness {
+            silence,
+            seen: HashMap::new(),
+        }
+    }
+
+    /// Whether `member` beat less than the silence ago, as far as this watcher knows: its
+    /// counter moved since the watcher's first look or changed within the silence. A member
+    /// looked at for the first time is alive for the silence that follows.
+    pub(crate) fn alive(&mut self, store: &Store, member: &Member) -> Result<bool, CommError> {
+        let value = store.add(&beat_key(member), 0)?;
+        let now = Instant::now();
+        let entry = self
+            .seen
+            .entry((member.slot, member.incarnation))
+            .or_insert((value, now, now));
+        if entry.0 != value {
+            (entry.0, entry.1) = (value, now);
+        }
+        Ok(now.duration_since(entry.1) < self.silence)
+    }
+
+    /// Whether `member` has been looked at ([`alive`](Self::alive)) for `watch` at least and
+    /// its counter has not moved since the first look.
+    pub(crate) fn still_for(&self, member: &Member, watch: Duration) -> bool {
+        self.seen
+            .get(&(member.slot, member.incarnation))
+            .is_some_and(|&(_, changed, first)| changed == first && first.elapsed() >= watch)
+    }
+}
