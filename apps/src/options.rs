@@ -49,6 +49,31 @@ pub enum BackendKind {
     /// gives a Vulkan device on the CPU): wgpu's default adapter, shared by the ranks of a
     /// host (needs a build with the `wgpu` feature). Gradients go through the host path.
     Wgpu,
+    /// burn's wgpu backend on the Vulkan API only (Linux, Windows, Android; Mesa's lavapipe on
+    /// a machine without a GPU): `--backend wgpu` that fails, naming Vulkan, where no Vulkan
+    /// device is found instead of falling back to another API (needs the `wgpu` feature).
+    Vulkan,
+    /// burn's wgpu backend on Apple's Metal API (macOS, iOS; needs the `wgpu` feature). On any
+    /// other system, an error naming the backend.
+    Metal,
+}
+
+impl BackendKind {
+    /// Whether this backend is one of burn's wgpu backends (`wgpu`, `vulkan`, `metal`).
+    pub fn is_wgpu(self) -> bool {
+        matches!(self, Self::Wgpu | Self::Vulkan | Self::Metal)
+    }
+
+    /// The name `--backend` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Cuda => "cuda",
+            Self::Wgpu => "wgpu",
+            Self::Vulkan => "vulkan",
+            Self::Metal => "metal",
+        }
+    }
 }
 
 /// Where the trainer reads its data from.

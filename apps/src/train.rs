@@ -861,8 +861,11 @@ pub fn start(
         bail!("--backend cuda: this build has no CUDA support (build with --features cuda)");
     }
     #[cfg(not(feature = "wgpu"))]
-    if cfg.backend == crate::options::BackendKind::Wgpu {
-        bail!("--backend wgpu: this build has no wgpu support (build with --features wgpu)");
+    if cfg.backend.is_wgpu() {
+        bail!(
+            "--backend {}: this build has no wgpu support (build with --features wgpu)",
+            cfg.backend.name()
+        );
     }
     // An elastic run forms its groups itself, once its model is built (`elastic.rs`).
     let elastic = cfg.elastic_range().is_some();
@@ -880,7 +883,9 @@ pub fn start(
         #[cfg(feature = "cuda")]
         crate::options::BackendKind::Cuda => crate::gpu::cuda_device(&pg)?,
         #[cfg(feature = "wgpu")]
-        crate::options::BackendKind::Wgpu => crate::gpu::wgpu_device(&pg)?,
+        backend @ (crate::options::BackendKind::Wgpu
+        | crate::options::BackendKind::Vulkan
+        | crate::options::BackendKind::Metal) => crate::gpu::wgpu_device(&pg, backend)?,
         _ => Device::flex(),
     }
     .autodiff();
