@@ -14,28 +14,23 @@
 //! steps committed, repeated and dropped, and for each epoch how often each sample was trained
 //! by the committed steps this rank saw (from the sampler's plan of every rank of each step).
 
-use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use burn::module::Module;
 use burn::tensor::Device;
-use ddp::{
-    Compression, DdpConfig, DdpError, ElasticDdp, ElasticOptimizer, Outcome, Position, Progress,
-    RunId, ShardOptimizer, ShardedAdamConfig, ShardedAdamWConfig, ShardedSgdConfig, ZeroConfig,
-    ZeroStage,
-};
-use ddp_comm::{ElasticConfig, ElasticGroup, ProcessGroup, ReduceOp, ELASTIC_ENV};
+use ddp::{DdpError, ElasticDdp, ElasticOptimizer, Outcome, Position, Progress, RunId};
+use ddp_comm::{ElasticConfig, ElasticGroup, ELASTIC_ENV};
 use ddp_data::{
-    BatchSource, CpuBatch, DataLoader, DistributedSampler, ElasticSampler, LoaderConfig,
+    Batch, BatchSource, CpuBatch, DataLoader, DistributedSampler, ElasticSampler, LoaderConfig,
 };
 use ddp_models::Classifier;
 use serde_json::json;
 
-use crate::options::{
-    BackendKind, CompressionKind, HookKind, LrScaling, OptimizerKind, TrainConfig,
+use crate::frame::{
+    checkpoint_to_resume, local_eval, step_seed, sum_eval, Data, Ending, RunSummary, Task,
 };
-use crate::train::{Data, RunSummary, Task};
+use crate::options::{BackendKind, HookKind, LrScaling, OptimizerKind, TrainConfig};
 
 /// Milliseconds since the Unix epoch.
 fn now_ms() -> u128 {
@@ -47,43 +42,16 @@ fn ms_since_epoch(t: SystemTime) -> u128 {
     t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis())
 }
 
-/// The optimizer step `cfg` asks for, for every generation (the same settings as the plain
-/// loop's `Stepper`).
+/// The optimizer step `cfg` asks for, for every generation (the plain loop's settings).
 fn elastic_optimizer(cfg: &TrainConfig) -> ElasticOptimizer {
-    let stage = match cfg.zero_stage {
-        0 => None,
-        1 => Some(ZeroStage::One),
-        _ => Some(ZeroStage::Two),
-    };
-    match stage {
+    match crate::stepper::zero_config(cfg) {
         None => ElasticOptimizer::Ddp {
-            config: DdpConfig {
-                bucket_cap_mb: cfg.bucket_cap_mb,
-                compression: match cfg.compression {
-                    CompressionKind::None => Compression::None,
-                    CompressionKind::Bf16 => Compression::Bf16,
-                    CompressionKind::F16 => Compression::F16,
-                },
-                overlap: cfg.overlap,
-                max_grad_norm: cfg.max_grad_norm,
-                ..DdpConfig::default()
-            },
+            config: crate::stepper::ddp_config(cfg),
             optim: crate::stepper::burn_optimizer(cfg),
         },
-        Some(stage) => ElasticOptimizer::Zero {
-            config: ZeroConfig::new(stage)
-                .with_bucket_cap_mb(cfg.bucket_cap_mb)
-                .with_max_grad_norm(cfg.max_grad_norm),
-            optimizer: match cfg.optimizer {
-                OptimizerKind::Adam => {
-                    ShardOptimizer::Adam(ShardedAdamConfig::new().with_epsilon(1e-8))
-                }
-                OptimizerKind::Adamw => ShardOptimizer::AdamW(ShardedAdamWConfig::new()),
-                OptimizerKind::Sgd => ShardOptimizer::Sgd(
-                    ShardedSgdConfig::new()
-                        .with_momentum((cfg.momentum > 0.0).then_some(cfg.momentum)),
-                ),
-            },
+        Some(config) => ElasticOptimizer::Zero {
+            config,
+            optimizer: crate::stepper::shard_optimizer(cfg),
         },
     }
 }
@@ -156,17 +124,18 @@ struct ChangeRecord {
     at_ms: u128,
 }
 
-/// Trains `task` elastically (see the module documentation).
+/// Trains `task` elastically in `range` (`MIN:MAX`; see the module documentation); `None`:
+/// the job had finished before this process could join it.
 pub(crate) fn run<M, S, const D: usize>(
     cfg: &TrainConfig,
     device: Device,
     task: Task<M, S>,
-) -> Result<RunSummary>
+    range: String,
+) -> Result<Option<Ending<M>>>
 where
     M: Module + Classifier<D>,
     S: BatchSource<D> + 'static,
 {
-    let started = Instant::now();
     let Task {
         name,
         model,
@@ -176,7 +145,6 @@ where
     let (Data::Memory(train), Data::Memory(test)) = (train, test) else {
         bail!("--elastic trains from memory only (not --data-format shards)");
     };
-    let range = cfg.elastic_range().context("not an elastic run")?;
     if cfg.comm_hook == HookKind::Powersgd {
         bail!(
             "--comm-hook powersgd cannot be combined with elastic training ({ELASTIC_ENV} or \
@@ -207,7 +175,7 @@ where
     }
     let Some(group) = ElasticGroup::join(config)? else {
         println!("elastic: slot {slot}: the job has already finished");
-        return Ok(empty_summary(&name));
+        return Ok(None);
     };
     let healed = group.joined_running();
     let train_len = cfg
@@ -222,25 +190,21 @@ where
         seed: cfg.seed,
         allow_mismatch: true,
     };
-    let restart = crate::train::restart_count();
+    let restart = ddp_comm::elastic::restart_count();
     // Whether the job (not only this process) was restarted: ddprun's round, the same for
     // every rank of the round (a rank restarted alone into a running job has a restart count
     // of its own, and is healed rather than resumed).
-    let round = std::env::var(ddp_comm::ELASTIC_ROUND_ENV)
-        .ok()
-        .and_then(|r| r.trim().parse::<usize>().ok())
-        .unwrap_or(restart);
+    let round = ddp_comm::elastic::elastic_round();
     let mut model = model;
     let mut optimizer = elastic_optimizer(cfg);
     let mut progress = Progress::default();
     let mut zero_state = None;
-    let resume = !healed && (cfg.resume || (round > 0 && cfg.checkpoint_dir.is_some()));
-    if resume {
-        let dir = cfg
-            .checkpoint_dir
-            .as_ref()
-            .context("--resume needs --checkpoint-dir")?;
-        let path = ddp::checkpoint::checkpoint_path(dir);
+    // A joiner is healed from the job, never resumed.
+    let resume = match healed {
+        true => None,
+        false => checkpoint_to_resume(cfg, round > 0)?,
+    };
+    if let Some(path) = resume {
         let pg = group.group();
         let meta = match &mut optimizer {
             ElasticOptimizer::Ddp { optim, .. } => {
@@ -321,7 +285,7 @@ where
     let mut counts: Vec<(u64, Vec<u32>)> = Vec::new();
     let mut order: (u64, Vec<usize>) = (u64::MAX, Vec::new());
     let (mut loss_sum, mut loss_steps) = (0.0f64, 0u64);
-    let mut summary = empty_summary(&name);
+    let mut summary = RunSummary::new(&name, 0, None);
     let loader_cfg = LoaderConfig {
         batch_size: cfg.batch_size,
         num_workers: 0,
@@ -339,10 +303,9 @@ where
             // The epoch's end (or the step limit): evaluate and save, on every rank (not
             // counted as training time).
             let aside_from = Instant::now();
-            let evaluated = run.collective(|r| {
-                evaluate(r.model(), &test_loader, test_len, r.process_group())
-                    .map_err(DdpError::Comm)
-            })?;
+            let local = local_eval(run.model(), test_batches(&test_loader, test_len, &run))?;
+            let evaluated =
+                run.collective(|r| sum_eval(r.process_group(), local).map_err(DdpError::Comm))?;
             let (correct, total, test_loss) = match evaluated {
                 Ok(v) => v,
                 Err(outcome) => {
@@ -414,12 +377,7 @@ where
             .step(&order.1, p.position as usize, world, rank)
             .context("a step inside the epoch")?;
         let batch = CpuBatch::build(&*train, &share.indices).into_tensors(&device);
-        device.seed(crate::train::step_seed(
-            cfg.seed,
-            p.epoch,
-            rank as u64,
-            p.step,
-        ));
+        device.seed(step_seed(cfg.seed, p.epoch, rank as u64, p.step));
         let hooked = run.prepare();
         let (loss, _) = hooked.loss(batch.inputs, batch.targets);
         drop(hooked);
@@ -513,74 +471,55 @@ where
         }
     }
     let train_time = train_started.elapsed().saturating_sub(aside);
-    let flat = ddp::flatten_params(run.model())?;
-    summary.params_hash = format!("{:016x}", crate::train::fnv1a_f32(&flat));
     summary.world_size = run.world_size();
     summary.steps = run.progress().step;
     summary.samples_per_sec = samples_done as f64 / train_time.as_secs_f64().max(1e-9);
-    summary.peak_rss_mib = vec![crate::train::peak_rss_mib()];
     let (rank, generation) = (run.rank(), run.elastic_group().generation().number);
     let vote_seconds = run.vote_time().as_secs_f64();
     let backwards_skipped = run.backwards_skipped();
     let model = run.finish()?;
-    if let (Some(path), 0) = (&cfg.export, rank) {
-        ddp_models::export_safetensors(&model, path)
-            .with_context(|| format!("exporting weights to {}", path.display()))?;
-        summary.export = Some(path.clone());
-    }
-    summary.wall_seconds = started.elapsed().as_secs_f64();
     let mut sorted = committed.clone();
     sorted.sort_unstable();
     let repeated = sorted.windows(2).filter(|w| w[0] == w[1]).count();
-    if rank == 0 || cfg.verbose {
-        println!(
-            "done: {} epochs, {} steps, test accuracy {:.2}% ({}/{}), {} membership changes, \
-             {:.1} s",
-            summary.epochs,
-            summary.steps,
-            100.0 * summary.test_accuracy,
-            summary.test_correct,
-            summary.test_total,
-            changes.len(),
-            summary.wall_seconds
-        );
-    }
-    if cfg.json {
-        let epochs: Vec<serde_json::Value> = counts
-            .iter()
-            .map(|(e, c)| {
-                json!({
-                    "epoch": e,
-                    "min_count": c.iter().min(),
-                    "max_count": c.iter().max(),
-                    "trained": c.iter().filter(|&&n| n > 0).count(),
-                })
+    let epochs: Vec<serde_json::Value> = counts
+        .iter()
+        .map(|(e, c)| {
+            json!({
+                "epoch": e,
+                "min_count": c.iter().min(),
+                "max_count": c.iter().max(),
+                "trained": c.iter().filter(|&&n| n > 0).count(),
             })
-            .collect();
-        let elastic = json!({
-            "slot": slot,
-            "rank": rank,
-            "generation": generation,
-            "healed_at_start": healed,
-            "changes": changes,
-            "steps_committed": committed.len(),
-            "first_step": committed.first(),
-            "last_step": committed.last(),
-            "steps_in_order": committed.windows(2).all(|w| w[1] == w[0] + 1),
-            "steps_repeated": repeated,
-            "steps_dropped": dropped,
-            "backwards_skipped": backwards_skipped,
-            "vote_seconds": vote_seconds,
-            "train_seconds": train_time.as_secs_f64(),
-            "epochs": epochs,
-            "summary": summary,
-        });
-        println!("DDP_ELASTIC_SUMMARY {elastic}");
-        if rank == 0 || cfg.verbose {
-            println!("DDP_SUMMARY {}", serde_json::to_string(&summary)?);
-        }
-    }
-    Ok(summary)
+        })
+        .collect();
+    let elastic = json!({
+        "slot": slot,
+        "rank": rank,
+        "generation": generation,
+        "healed_at_start": healed,
+        "changes": changes,
+        "steps_committed": committed.len(),
+        "first_step": committed.first(),
+        "last_step": committed.last(),
+        "steps_in_order": committed.windows(2).all(|w| w[1] == w[0] + 1),
+        "steps_repeated": repeated,
+        "steps_dropped": dropped,
+        "backwards_skipped": backwards_skipped,
+        "vote_seconds": vote_seconds,
+        "train_seconds": train_time.as_secs_f64(),
+        "epochs": epochs,
+    });
+    let serde_json::Value::Object(elastic_json) = elastic else {
+        unreachable!("json! of an object literal is an object")
+    };
+    Ok(Some(Ending {
+        model,
+        rank,
+        summary,
+        detail: format!("{} membership changes", changes.len()),
+        group: None,
+        elastic_json: Some(elastic_json),
+    }))
 }
 
 /// A whole number from the test hook variable `name`.
@@ -685,60 +624,21 @@ fn save<M: Module>(
     })?)
 }
 
-/// Correct predictions, samples and mean loss over the test set, each rank its exact share.
-fn evaluate<M, S, const D: usize>(
-    model: &M,
-    loader: &DataLoader<S, D>,
+/// This rank's exact share of the first `test_len` test samples, in the current world.
+fn test_batches<'a, M: Module, S, const D: usize>(
+    loader: &'a DataLoader<S, D>,
     test_len: usize,
-    pg: &Arc<ProcessGroup>,
-) -> Result<(u64, u64, f64), ddp_comm::CommError>
+    run: &ElasticDdp<M>,
+) -> impl Iterator<Item = Result<Batch<D>>> + 'a
 where
-    M: Module + Classifier<D>,
     S: BatchSource<D> + 'static,
 {
-    let eval = model.valid();
-    let (mut correct, mut total, mut loss_sum) = (0f64, 0f64, 0f64);
-    let sampler = DistributedSampler::exact(test_len, pg.world_size(), pg.rank())
+    let sampler = DistributedSampler::exact(test_len, run.world_size(), run.rank())
         .expect("a rank of its world");
-    let batches = loader
+    loader
         .iter(sampler.indices())
-        .expect("the exact sampler's indices are in the test set");
-    for batch in batches {
-        let n = batch.targets.dims()[0] as f64;
-        let (loss, output) = eval.loss(batch.inputs, batch.targets.clone());
-        correct += eval.correct(&output, &batch.targets) as f64;
-        total += n;
-        loss_sum += f64::from(loss.into_scalar::<f32>()) * n;
-    }
-    let sums = pg.all_reduce(vec![correct, total, loss_sum], ReduceOp::Sum)?;
-    Ok((sums[0] as u64, sums[1] as u64, sums[2] / sums[1].max(1.0)))
-}
-
-/// A summary with nothing trained yet.
-fn empty_summary(name: &str) -> RunSummary {
-    RunSummary {
-        model: name.to_string(),
-        world_size: 0,
-        epochs: 0,
-        steps: 0,
-        test_accuracy: 0.0,
-        test_correct: 0,
-        test_total: 0,
-        train_loss: f64::NAN,
-        samples_per_sec: 0.0,
-        comm_seconds: 0.0,
-        pack_seconds: 0.0,
-        wait_seconds: 0.0,
-        unpack_seconds: 0.0,
-        buckets: 0,
-        buckets_during_backward: 0,
-        wall_seconds: 0.0,
-        peak_rss_mib: Vec::new(),
-        params_hash: String::new(),
-        checkpoint: None,
-        export: None,
-        metrics_dir: None,
-    }
+        .expect("the exact sampler's indices are in the test set")
+        .map(Ok)
 }
 
 #[cfg(test)]

@@ -34,7 +34,7 @@ pub fn cuda_device(pg: &ProcessGroup) -> Result<Device> {
     }
     let count = ddp_comm::nccl::device_count()
         .map_err(|e| anyhow!("--backend cuda: rank {}: {e}", pg.rank()))?;
-    let mask = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let mask = ddp_comm::elastic::visible_devices();
     let ordinal = ddp_comm::nccl::pick_device(
         pg.local_rank(),
         pg.local_world_size(),

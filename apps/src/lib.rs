@@ -8,6 +8,7 @@
 pub mod alloc;
 pub mod elastic;
 pub mod fit;
+mod frame;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 pub mod gpu;
 pub mod metrics;

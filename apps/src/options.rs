@@ -311,7 +311,7 @@ impl TrainArgs {
         {
             bail!("--powersgd-rank and --powersgd-start need --comm-hook powersgd");
         }
-        let cfg = TrainConfig {
+        let mut cfg = TrainConfig {
             epochs: a.epochs.ok_or_else(|| need("epochs"))?,
             batch_size: a.batch_size.ok_or_else(|| need("batch-size"))?,
             lr: a.lr.ok_or_else(|| need("lr"))?,
@@ -356,6 +356,9 @@ impl TrainArgs {
                 bail!("--elastic {range:?}: expected MIN:MAX with 1 <= MIN <= MAX");
             }
         }
+        // Whether the run is elastic is asked here, once: the flag, else the launcher's
+        // variable (checked by the elastic group, which names it).
+        cfg.elastic = cfg.elastic.or_else(ddp_comm::elastic::elastic_range);
         if cfg.batch_size == 0 {
             bail!("batch-size must be at least 1");
         }
@@ -515,8 +518,8 @@ pub struct TrainConfig {
     pub trace_dir: Option<PathBuf>,
     /// The traced steps (global, from 1, end excluded).
     pub trace_steps: std::ops::Range<u64>,
-    /// `--elastic MIN:MAX`: elastic membership (`None`: `DDP_ELASTIC` decides, see
-    /// [`TrainConfig::elastic_range`]).
+    /// `--elastic MIN:MAX`, else `DDP_ELASTIC` (read once, when the settings are resolved):
+    /// elastic membership; `None`: a fixed one (see [`TrainConfig::elastic_range`]).
     pub elastic: Option<String>,
 }
 
@@ -558,12 +561,10 @@ impl From<&TrainConfig> for ddp::PowerSgdConfig {
 }
 
 impl TrainConfig {
-    /// The elastic range of this run: `--elastic`, else `DDP_ELASTIC`; `None`: not elastic.
+    /// The elastic range of this run: `--elastic`, else `DDP_ELASTIC` as it was when the
+    /// settings were resolved; `None`: not elastic.
     pub fn elastic_range(&self) -> Option<String> {
-        self.elastic
-            .clone()
-            .or_else(|| std::env::var(ddp_comm::ELASTIC_ENV).ok())
-            .filter(|v| !v.trim().is_empty())
+        self.elastic.clone().filter(|v| !v.trim().is_empty())
     }
 
     /// The wrapper's communication hook setting ([`ddp::DdpConfig::comm_hook`]; bf16 and f16

@@ -49,8 +49,40 @@ pub(crate) fn burn_optimizer(cfg: &TrainConfig) -> ModuleOptimizer {
     }
 }
 
+/// DDP's settings for `cfg` (stage 0): buckets, wire type, communication hook, overlap and
+/// clipping.
+pub(crate) fn ddp_config(cfg: &TrainConfig) -> DdpConfig {
+    DdpConfig {
+        bucket_cap_mb: cfg.bucket_cap_mb,
+        compression: match cfg.compression {
+            CompressionKind::None => Compression::None,
+            CompressionKind::Bf16 => Compression::Bf16,
+            CompressionKind::F16 => Compression::F16,
+        },
+        comm_hook: cfg.ddp_comm_hook(),
+        overlap: cfg.overlap,
+        max_grad_norm: cfg.max_grad_norm,
+        ..DdpConfig::default()
+    }
+}
+
+/// ZeRO's settings for `cfg` (`None`: stage 0, plain DDP).
+pub(crate) fn zero_config(cfg: &TrainConfig) -> Option<ZeroConfig> {
+    let stage = match cfg.zero_stage {
+        0 => return None,
+        1 => ZeroStage::One,
+        _ => ZeroStage::Two,
+    };
+    Some(
+        ZeroConfig::new(stage)
+            .with_bucket_cap_mb(cfg.bucket_cap_mb)
+            .with_overlap(cfg.overlap)
+            .with_max_grad_norm(cfg.max_grad_norm),
+    )
+}
+
 /// The sharded optimizer with the same math as [`burn_optimizer`].
-fn shard_optimizer(cfg: &TrainConfig) -> ShardOptimizer {
+pub(crate) fn shard_optimizer(cfg: &TrainConfig) -> ShardOptimizer {
     match cfg.optimizer {
         OptimizerKind::Adam => ShardOptimizer::Adam(ShardedAdamConfig::new().with_epsilon(1e-8)),
         OptimizerKind::Adamw => ShardOptimizer::AdamW(ShardedAdamWConfig::new()),
@@ -99,35 +131,14 @@ impl Stepper {
         optim: ModuleOptimizer,
         saved_state: Option<(Vec<u8>, String)>,
     ) -> Result<(M, Stepper), DdpError> {
-        let stage = match cfg.zero_stage {
-            0 => None,
-            1 => Some(ZeroStage::One),
-            _ => Some(ZeroStage::Two),
-        };
-        let Some(stage) = stage else {
-            let config = DdpConfig {
-                bucket_cap_mb: cfg.bucket_cap_mb,
-                compression: match cfg.compression {
-                    CompressionKind::None => Compression::None,
-                    CompressionKind::Bf16 => Compression::Bf16,
-                    CompressionKind::F16 => Compression::F16,
-                },
-                comm_hook: cfg.ddp_comm_hook(),
-                overlap: cfg.overlap,
-                max_grad_norm: cfg.max_grad_norm,
-                ..DdpConfig::default()
-            };
-            let (model, mut ddp) = DistributedDataParallel::new(model, pg, config)?;
+        let Some(config) = zero_config(cfg) else {
+            let (model, mut ddp) = DistributedDataParallel::new(model, pg, ddp_config(cfg))?;
             let hooked = matches!(ddp.config().comm_hook, CommHookKind::PowerSgd(_));
             if let Some((bytes, source)) = saved_state.filter(|_| hooked) {
                 ddp.load_comm_hook_state(&bytes, &source)?;
             }
             return Ok((model, Stepper::Ddp { ddp, optim }));
         };
-        let config = ZeroConfig::new(stage)
-            .with_bucket_cap_mb(cfg.bucket_cap_mb)
-            .with_overlap(cfg.overlap)
-            .with_max_grad_norm(cfg.max_grad_norm);
         let (model, mut zero) = ShardedDataParallel::new(model, pg, config, shard_optimizer(cfg))?;
         if let Some((bytes, source)) = saved_state {
             zero.load_consolidated(&bytes, &source)?;

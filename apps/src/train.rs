@@ -1,6 +1,8 @@
-//! The training loop shared by `train-mnist`, `train-pima` and `train-gpt`: a plain burn loop
+//! The step loop of a fixed membership, shared by `train-mnist`, `train-pima` and `train-gpt`
+//! (the frame around it, [`crate::fit::train`], also runs the elastic one): a plain burn loop
 //! with the few lines DDP adds (wrap the model, set the sampler's epoch, sync the gradients), an
-//! exact evaluation over every test sample once, checkpoints and metrics on rank 0.
+//! exact evaluation over every test sample once, checkpoints and metrics on rank 0; and
+//! [`start`], what every trainer does first.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -9,94 +11,22 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use burn::module::Module;
+use burn::optim::ModuleOptimizer;
 use burn::tensor::Device;
 use ddp::{DdpError, Position, RunId, SyncStats};
-use ddp_comm::{ProcessGroup, ReduceOp};
+use ddp_comm::ProcessGroup;
 use ddp_data::{
     Batch, BatchSource, DataLoader, DistributedSampler, LoaderConfig, ShardLoader,
-    ShardLoaderConfig, ShardSet,
+    ShardLoaderConfig,
 };
 use ddp_models::Classifier;
-use serde::Serialize;
 
+use crate::frame::{checkpoint_to_resume, local_eval, step_seed, sum_eval, Ending, Say};
+pub use crate::frame::{peak_rss_mib, Data, RunSummary, Task};
 use crate::metrics::{EpochMetrics, MetricsWriter};
 use crate::options::TrainConfig;
 use crate::stepper::{self, Stepper};
 use crate::trace::{trace_step, Tracer};
-
-/// What a finished run reports (rank 0 prints it; every rank returns it).
-#[derive(Debug, Clone, Serialize)]
-pub struct RunSummary {
-    /// Model name.
-    pub model: String,
-    /// World size.
-    pub world_size: usize,
-    /// Epochs completed (including those before a resume).
-    pub epochs: usize,
-    /// Optimizer steps completed.
-    pub steps: u64,
-    /// Test accuracy after the last epoch.
-    pub test_accuracy: f64,
-    /// Correctly classified test samples after the last epoch.
-    pub test_correct: u64,
-    /// Test samples evaluated (each exactly once).
-    pub test_total: u64,
-    /// Mean training loss of the last epoch.
-    pub train_loss: f64,
-    /// Training samples per second over this run, all ranks together (`train-gpt`: tokens).
-    pub samples_per_sec: f64,
-    /// Seconds spent in gradient synchronisation on this rank (pack + wait + unpack).
-    pub comm_seconds: f64,
-    /// Of which: copying gradients into buckets and submitting them.
-    pub pack_seconds: f64,
-    /// Of which: blocked waiting for all-reduces.
-    pub wait_seconds: f64,
-    /// Of which: turning reduced buckets back into gradient tensors.
-    pub unpack_seconds: f64,
-    /// Gradient buckets all-reduced on this rank (DDP: every bucket of every step).
-    pub buckets: u64,
-    /// Of which: all-reduces started during backward (`--overlap`, the default); 0 where overlap
-    /// is off or cannot run.
-    pub buckets_during_backward: u64,
-    /// Wall time of this process's run, in seconds.
-    pub wall_seconds: f64,
-    /// Peak resident memory of each rank in MiB, in rank order.
-    pub peak_rss_mib: Vec<f64>,
-    /// Final parameters hash (FNV-1a of the f32 values), for reproducibility checks.
-    pub params_hash: String,
-    /// The checkpoint written last, if any.
-    pub checkpoint: Option<PathBuf>,
-    /// The safetensors export, if any.
-    pub export: Option<PathBuf>,
-    /// The metrics directory, if any.
-    pub metrics_dir: Option<PathBuf>,
-}
-
-/// A model, its data and its name: what a trainer hands to [`crate::fit::train`].
-pub struct Task<M, S> {
-    /// Short model name, stored in checkpoints (`cnn`, `mlp`, `pima-mlp`).
-    pub name: String,
-    /// The freshly initialised model (rank 0's values win at the start).
-    pub model: M,
-    /// Training set.
-    pub train: Data<S>,
-    /// Test set.
-    pub test: Data<S>,
-}
-
-/// Where a split's samples come from.
-pub enum Data<S> {
-    /// The whole split in memory, served by [`DataLoader`] over a [`DistributedSampler`].
-    Memory(Arc<S>),
-    /// Safetensors shards on disk, streamed by [`ShardLoader`] (each rank reads its shards).
-    Shards(ShardSet),
-}
-
-impl<S> From<Arc<S>> for Data<S> {
-    fn from(set: Arc<S>) -> Data<S> {
-        Data::Memory(set)
-    }
-}
 
 /// One rank's batches of a split, epoch after epoch, from memory or from shards.
 enum Feed<S, const D: usize> {
@@ -225,19 +155,6 @@ impl<S: BatchSource<D> + 'static, const D: usize> Feed<S, D> {
     }
 }
 
-/// Prints on rank 0, or on every rank with `--verbose`.
-struct Say {
-    on: bool,
-}
-
-impl Say {
-    fn line(&self, text: impl AsRef<str>) {
-        if self.on {
-            println!("{}", text.as_ref());
-        }
-    }
-}
-
 /// Trains `task` with the settings in `cfg` on every rank of `pg`, a fixed membership (the
 /// elastic loop is `elastic.rs`'s; [`crate::fit::train`] chooses).
 pub(crate) fn run<M, S, const D: usize>(
@@ -245,12 +162,12 @@ pub(crate) fn run<M, S, const D: usize>(
     pg: Arc<ProcessGroup>,
     device: Device,
     task: Task<M, S>,
-) -> Result<RunSummary>
+    started: Instant,
+) -> Result<Ending<M>>
 where
     M: Module + Classifier<D>,
     S: BatchSource<D> + 'static,
 {
-    let started = Instant::now();
     let (rank, world) = (pg.rank(), pg.world_size());
     let say = Say {
         on: rank == 0 || cfg.verbose,
@@ -259,85 +176,22 @@ where
     let mut lr = cfg.scaled_lr(world);
     let Task {
         name,
-        mut model,
+        model,
         train,
         test,
     } = task;
 
-    // Resume: rank 0 reads the checkpoint and broadcasts it, so that the other ranks (on other
-    // nodes perhaps) need no access to the file. A rank restarted by its launcher resumes on
-    // its own when there is a checkpoint directory.
-    let restart = restart_count();
-    let resume = cfg.resume || (restart > 0 && cfg.checkpoint_dir.is_some());
-    let mut start_epoch = 0;
-    let mut start_batch = 0usize;
-    let mut start_loss_sum = 0.0;
-    let mut step: u64 = 0;
-    let mut optim = stepper::burn_optimizer(cfg);
-    let mut saved_state = None;
-    if resume {
-        let dir = cfg
-            .checkpoint_dir
-            .as_ref()
-            .context("--resume needs --checkpoint-dir")?;
-        let path = ddp::checkpoint::checkpoint_path(dir);
-        if !cfg.resume {
-            say.line(format!(
-                "restart {restart} of the job ({}={restart}): resuming from {}",
-                ddp_comm::elastic::RESTART_COUNT_ENV,
-                dir.display()
-            ));
-        }
-        let run = run_id(cfg, &name);
-        let resumed = match stepper::resume(cfg, &pg, &path, &run, model, optim) {
-            Err(DdpError::CheckpointMismatch { path, what }) => bail!(
-                "{path} was written by a run with {what}: resuming would not continue that run \
-                 (another data order and other dropout masks); pass \
-                 --allow-mismatched-checkpoint to resume from it anyway"
-            ),
-            other => other?,
-        };
-        let (resumed, state) = resumed;
-        saved_state = state.map(|bytes| (bytes, path.display().to_string()));
-        (model, optim) = (resumed.model, resumed.optim);
-        if let Some(what) = &resumed.mismatch {
-            tracing::warn!(
-                "{} was written by a run with {what}; resuming anyway",
-                path.display()
-            );
-            say.line(format!(
-                "warning: {} was written by a run with {what}; resuming anyway \
-                 (--allow-mismatched-checkpoint)",
-                path.display()
-            ));
-        }
-        if let Some(meta) = resumed.meta {
-            start_epoch = meta.epoch;
-            start_batch = usize::try_from(meta.batch_in_epoch).unwrap_or(usize::MAX);
-            start_loss_sum = meta.epoch_loss_sums.get(rank).copied().unwrap_or(0.0);
-            step = meta.step;
-            if start_batch > 0 {
-                say.line(format!(
-                    "resuming from {} (mid-epoch: step {step}, epoch {} continues after its \
-                     batch {start_batch})",
-                    path.display(),
-                    start_epoch + 1
-                ));
-            } else {
-                say.line(format!(
-                    "resuming from {} (epoch {}, step {})",
-                    path.display(),
-                    start_epoch,
-                    step
-                ));
-            }
-        } else {
-            say.line(format!(
-                "no checkpoint at {}: starting fresh",
-                path.display()
-            ));
-        }
-    }
+    let restart = ddp_comm::elastic::restart_count();
+    let start = resume(cfg, &pg, &say, &name, restart, model)?;
+    let Start {
+        epoch: start_epoch,
+        batch: start_batch,
+        loss_sum: start_loss_sum,
+        mut step,
+        saved_state,
+        ..
+    } = start;
+    let (mut model, optim) = (start.model, start.optim);
     let kill_at = test_kill_step(rank, world, restart);
 
     let (wrapped, mut stepper) = Stepper::new(cfg, pg.clone(), model, optim, saved_state)?;
@@ -378,29 +232,8 @@ where
         (Some(dir), 0) => Some(MetricsWriter::create(dir)?),
         _ => None,
     };
-    let mut summary = RunSummary {
-        model: name.clone(),
-        world_size: world,
-        epochs: start_epoch,
-        steps: step,
-        test_accuracy: 0.0,
-        test_correct: 0,
-        test_total: 0,
-        train_loss: f64::NAN,
-        samples_per_sec: 0.0,
-        comm_seconds: 0.0,
-        pack_seconds: 0.0,
-        wait_seconds: 0.0,
-        unpack_seconds: 0.0,
-        buckets: 0,
-        buckets_during_backward: 0,
-        wall_seconds: 0.0,
-        peak_rss_mib: Vec::new(),
-        params_hash: String::new(),
-        checkpoint: None,
-        export: None,
-        metrics_dir: cfg.metrics_dir.clone(),
-    };
+    let mut summary = RunSummary::new(&name, world, cfg.metrics_dir.clone());
+    (summary.epochs, summary.steps) = (start_epoch, step);
     let mut tracer = match &cfg.trace_dir {
         Some(dir) => Some(Tracer::new(dir, rank, cfg.trace_steps.clone())?),
         None => None,
@@ -542,7 +375,8 @@ where
         summary.buckets += comm.buckets;
         summary.buckets_during_backward += comm.buckets_during_backward;
 
-        let (correct, total, test_loss) = evaluate(&model, &test_feed, &pg)?;
+        let local = local_eval(&model, test_feed.batches()?)?;
+        let (correct, total, test_loss) = sum_eval(&pg, local)?;
         let accuracy = correct as f64 / total.max(1) as f64;
         let train_loss = loss_sum / batches.max(1) as f64;
         let samples_per_sec = (epoch_samples * world as u64) as f64 / elapsed.as_secs_f64();
@@ -600,45 +434,116 @@ where
     } else {
         (samples_done * world as u64) as f64 / train_time.as_secs_f64()
     };
-    let flat = ddp::flatten_params(&model)?;
-    summary.params_hash = format!("{:016x}", fnv1a_f32(&flat));
-    if let (Some(path), 0) = (&cfg.export, rank) {
-        ddp_models::export_safetensors(&model, path)
-            .with_context(|| format!("exporting weights to {}", path.display()))?;
-        summary.export = Some(path.clone());
+    let detail = format!("{:.0} samples/s", summary.samples_per_sec);
+    Ok(Ending {
+        model,
+        rank,
+        summary,
+        detail,
+        group: Some(pg),
+        elastic_json: None,
+    })
+}
+
+/// Where a run starts: a fresh model and optimizer, or what a checkpoint holds.
+struct Start<M> {
+    model: M,
+    optim: ModuleOptimizer,
+    /// Epochs completed.
+    epoch: usize,
+    /// Batches of the next epoch done (a mid-epoch checkpoint).
+    batch: usize,
+    /// This rank's loss sum over those batches.
+    loss_sum: f64,
+    /// Optimizer steps completed.
+    step: u64,
+    /// The state [`Stepper::new`] loads, with the file it came from.
+    saved_state: Option<(Vec<u8>, String)>,
+}
+
+/// The start of a run: fresh, or resumed from the checkpoint [`checkpoint_to_resume`] names
+/// (with `--resume`, or in a process its launcher restarted, `restart` > 0). Rank 0 reads the
+/// checkpoint and broadcasts it, so that the other ranks (on other nodes perhaps) need no
+/// access to the file.
+fn resume<M: Module>(
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    say: &Say,
+    name: &str,
+    restart: usize,
+    model: M,
+) -> Result<Start<M>> {
+    let rank = pg.rank();
+    let mut start = Start {
+        model,
+        optim: stepper::burn_optimizer(cfg),
+        epoch: 0,
+        batch: 0,
+        loss_sum: 0.0,
+        step: 0,
+        saved_state: None,
+    };
+    let Some(path) = checkpoint_to_resume(cfg, restart > 0)? else {
+        return Ok(start);
+    };
+    if !cfg.resume {
+        say.line(format!(
+            "restart {restart} of the job ({}={restart}): resuming from {}",
+            ddp_comm::elastic::RESTART_COUNT_ENV,
+            cfg.checkpoint_dir.as_deref().unwrap_or(&path).display()
+        ));
     }
-    // Also makes sure nobody leaves before rank 0 has written its files.
-    summary.peak_rss_mib = pg.all_gather(vec![peak_rss_mib()])?;
-    summary.wall_seconds = started.elapsed().as_secs_f64();
-    say.line(format!(
-        "done: {} epochs, {} steps, test accuracy {:.2}% ({}/{}), {:.0} samples/s, {:.1} s{}{}{}",
-        summary.epochs,
-        summary.steps,
-        100.0 * summary.test_accuracy,
-        summary.test_correct,
-        summary.test_total,
-        summary.samples_per_sec,
-        summary.wall_seconds,
-        summary
-            .checkpoint
-            .as_ref()
-            .map(|p| format!("; checkpoint {}", p.display()))
-            .unwrap_or_default(),
-        summary
-            .export
-            .as_ref()
-            .map(|p| format!("; weights {}", p.display()))
-            .unwrap_or_default(),
-        summary
-            .metrics_dir
-            .as_ref()
-            .map(|p| format!("; metrics {}", p.display()))
-            .unwrap_or_default(),
-    ));
-    if cfg.json && (rank == 0 || cfg.verbose) {
-        println!("DDP_SUMMARY {}", serde_json::to_string(&summary)?);
+    let run = run_id(cfg, name);
+    let resumed = match stepper::resume(cfg, pg, &path, &run, start.model, start.optim) {
+        Err(DdpError::CheckpointMismatch { path, what }) => bail!(
+            "{path} was written by a run with {what}: resuming would not continue that run \
+             (another data order and other dropout masks); pass \
+             --allow-mismatched-checkpoint to resume from it anyway"
+        ),
+        other => other?,
+    };
+    let (resumed, state) = resumed;
+    start.saved_state = state.map(|bytes| (bytes, path.display().to_string()));
+    (start.model, start.optim) = (resumed.model, resumed.optim);
+    if let Some(what) = &resumed.mismatch {
+        tracing::warn!(
+            "{} was written by a run with {what}; resuming anyway",
+            path.display()
+        );
+        say.line(format!(
+            "warning: {} was written by a run with {what}; resuming anyway \
+             (--allow-mismatched-checkpoint)",
+            path.display()
+        ));
     }
-    Ok(summary)
+    let Some(meta) = resumed.meta else {
+        say.line(format!(
+            "no checkpoint at {}: starting fresh",
+            path.display()
+        ));
+        return Ok(start);
+    };
+    start.epoch = meta.epoch;
+    start.batch = usize::try_from(meta.batch_in_epoch).unwrap_or(usize::MAX);
+    start.loss_sum = meta.epoch_loss_sums.get(rank).copied().unwrap_or(0.0);
+    start.step = meta.step;
+    if start.batch > 0 {
+        say.line(format!(
+            "resuming from {} (mid-epoch: step {}, epoch {} continues after its batch {})",
+            path.display(),
+            start.step,
+            start.epoch + 1,
+            start.batch
+        ));
+    } else {
+        say.line(format!(
+            "resuming from {} (epoch {}, step {})",
+            path.display(),
+            start.epoch,
+            start.step
+        ));
+    }
+    Ok(start)
 }
 
 /// What the TensorBoard curves show every `--log-interval` steps, gathered since the last point.
@@ -694,32 +599,6 @@ fn add_stats(a: &mut SyncStats, b: &SyncStats) {
     a.buckets_during_backward += b.buckets_during_backward;
 }
 
-/// Correct predictions, samples and mean loss over the whole test set: each rank evaluates its
-/// exact (unpadded) share, and the counts are summed across ranks.
-fn evaluate<M, S, const D: usize>(
-    model: &M,
-    feed: &Feed<S, D>,
-    pg: &ProcessGroup,
-) -> Result<(u64, u64, f64)>
-where
-    M: Module + Classifier<D>,
-    S: BatchSource<D> + 'static,
-{
-    let eval = model.valid();
-    let (mut correct, mut total, mut loss_sum) = (0f64, 0f64, 0f64);
-    for batch in feed.batches()? {
-        let batch = batch?;
-        let n = batch.targets.dims()[0] as f64;
-        let (loss, output) = eval.loss(batch.inputs, batch.targets.clone());
-        let loss = f64::from(loss.into_scalar::<f32>());
-        correct += eval.correct(&output, &batch.targets) as f64;
-        total += n;
-        loss_sum += loss * n;
-    }
-    let sums = pg.all_reduce(vec![correct, total, loss_sum], ReduceOp::Sum)?;
-    Ok((sums[0] as u64, sums[1] as u64, sums[2] / sums[1].max(1.0)))
-}
-
 fn progress_bar(rank0: bool, len: u64, epoch: usize) -> Option<indicatif::ProgressBar> {
     if !rank0 || !std::io::stderr().is_terminal() {
         return None;
@@ -734,41 +613,6 @@ fn progress_bar(rank0: bool, len: u64, epoch: usize) -> Option<indicatif::Progre
     );
     bar.set_prefix(epoch.to_string());
     Some(bar)
-}
-
-/// This process's peak resident set size in MiB (Linux `ru_maxrss` is in KiB).
-pub fn peak_rss_mib() -> f64 {
-    // SAFETY: getrusage only writes the struct we pass.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
-        return f64::NAN;
-    }
-    usage.ru_maxrss as f64 / 1024.0
-}
-
-/// A seed for (seed, epoch, rank): splitmix64's mixer of the three.
-fn mix(seed: u64, epoch: u64, rank: u64) -> u64 {
-    ddp_data::sampler::splitmix64(
-        seed ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ rank.wrapping_mul(0xbf58_476d_1ce4_e5b9),
-    )
-}
-
-/// The dropout seed of batch `batch` (from 0) of epoch `epoch` on rank `rank`: [`mix`] of the
-/// first three mixed again with the batch, so that every step's masks can be drawn again
-/// without drawing the steps before it.
-pub(crate) fn step_seed(seed: u64, epoch: u64, rank: u64, batch: u64) -> u64 {
-    ddp_data::sampler::splitmix64(
-        mix(seed, epoch, rank) ^ batch.wrapping_mul(0x94d0_49bb_1331_11eb),
-    )
-}
-
-/// How many times the launcher restarted the job before starting this process
-/// (`TORCHELASTIC_RESTART_COUNT`, set by ddprun and torchrun); 0 when unset or unreadable.
-pub(crate) fn restart_count() -> usize {
-    std::env::var(ddp_comm::elastic::RESTART_COUNT_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
 }
 
 /// The test hook of `--checkpoint-every`'s documentation: the global step after which this
@@ -819,13 +663,6 @@ fn run_id(cfg: &TrainConfig, name: &str) -> RunId {
         seed: cfg.seed,
         allow_mismatch: cfg.allow_mismatched_checkpoint,
     }
-}
-
-/// FNV-1a of the values' little-endian bytes.
-pub(crate) fn fnv1a_f32(values: &[f32]) -> u64 {
-    values.iter().fold(ddp_comm::bytes::FNV1A_OFFSET, |h, v| {
-        ddp_comm::bytes::fnv1a_from(h, &v.to_le_bytes())
-    })
 }
 
 /// What [`start`] hands a trainer: its settings, its process group and its device.

@@ -1,8 +1,8 @@
 //! Warming burn up on a GPU before an elastic process asks to join.
 //!
-//! burn's CUDA backend compiles (NVRTC) and tunes each kernel the first time it runs: the MNIST
-//! CNN's first training step took 151-188 s on an H100 and an H200, the first evaluation 20-31
-//! s more, every later step about 3 ms (docs/gpu.md). A process that joins a running elastic
+//! burn's CUDA backend compiles (NVRTC) and tunes each kernel the first time it runs: on a cold
+//! kernel cache the first training step and the first evaluation take minutes, every later
+//! step milliseconds (docs/gpu.md has the figures). A process that joins a running elastic
 //! job and paid this inside its first step would hold every member of the job in that step's
 //! all-reduce for minutes. So a process on a GPU runs the kernels of one training step
 //! (forward, backward, burn's optimizer) and of one evaluation batch first, with batches of the

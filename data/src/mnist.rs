@@ -169,6 +169,25 @@ impl Mnist {
         self.normalization
     }
 
+    /// Writes this split as shards of `shard_size` samples into `dir` (the format
+    /// [`crate::ShardSet`] reads; 10 classes, 28×28 `u8` pixels as stored): what
+    /// `ddp-shards from-mnist` and the loader benchmark do with each split.
+    pub fn write_shards(
+        &self,
+        dir: &std::path::Path,
+        shard_size: usize,
+    ) -> Result<crate::shards::ShardIndex, DataError> {
+        let (rows, cols) = self.image_size();
+        crate::shards::write_shards(
+            dir,
+            self.pixels(),
+            self.labels(),
+            &[rows, cols],
+            10,
+            shard_size,
+        )
+    }
+
     /// Image height and width in pixels (28 and 28 for MNIST).
     pub fn image_size(&self) -> (usize, usize) {
         (self.rows, self.cols)

@@ -38,6 +38,14 @@ fn fail(text: impl Into<String>) -> DdpError {
 }
 
 const MAGIC: &[u8; 8] = b"DDPCKPT1";
+/// Numbers that may be `null`: serde_json writes a non-finite `f64` as `null`, which it cannot
+/// read back as an `f64`; read as NaN, so that a checkpoint of a run whose loss diverged can
+/// still be resumed (the weights are what they are; the loss only feeds the epoch's mean).
+fn nan_for_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Vec<f64>, D::Error> {
+    let values: Vec<Option<f64>> = Vec::deserialize(d)?;
+    Ok(values.into_iter().map(|v| v.unwrap_or(f64::NAN)).collect())
+}
+
 /// File name of the latest checkpoint inside the checkpoint directory.
 pub const CHECKPOINT_FILE: &str = "checkpoint.ddpck";
 
@@ -52,8 +60,9 @@ pub struct CheckpointMeta {
     #[serde(default)]
     pub batch_in_epoch: u64,
     /// Each rank's sum of the training losses of those `batch_in_epoch` batches, in rank order
-    /// (for the epoch's mean loss after a resume); empty at an epoch's end.
-    #[serde(default)]
+    /// (for the epoch's mean loss after a resume); empty at an epoch's end. A sum that is not
+    /// finite (a diverged run's NaN) is written as JSON's `null` and read back as NaN.
+    #[serde(default, deserialize_with = "nan_for_null")]
     pub epoch_loss_sums: Vec<f64>,
     /// Optimizer steps completed (the global step).
     pub step: u64,
@@ -308,6 +317,20 @@ mod tests {
         std::fs::write(&path, b"garbage").unwrap();
         let err = load(&path).unwrap_err().to_string();
         assert!(err.contains("not a ddp-rs checkpoint"), "{err}");
+    }
+
+    /// A run whose loss became NaN writes `null` into the header; reading it back gives NaN
+    /// (it failed with "unreadable checkpoint header" before) and the finite sums as written.
+    #[test]
+    fn a_nan_loss_sum_is_written_and_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut m = meta();
+        m.batch_in_epoch = 3;
+        m.epoch_loss_sums = vec![1.5, f64::NAN];
+        let path = save(dir.path(), m, b"model", b"").unwrap();
+        let ck = load(&path).unwrap();
+        assert_eq!(ck.meta.epoch_loss_sums[0], 1.5);
+        assert!(ck.meta.epoch_loss_sums[1].is_nan());
     }
 
     #[test]

@@ -138,7 +138,7 @@ pub fn rank_env(
         (LAUNCHER_ENV, config.launcher.clone()),
     ];
     if let Some(id) = job_id {
-        env.push(("DDP_JOB_ID", id.to_string()));
+        env.push((ddp_comm::elastic::JOB_ID_ENV, id.to_string()));
     }
     if let Some((min, max)) = config.elastic_ranks() {
         env.push((ELASTIC_ENV, format!("{min}:{max}")));
@@ -155,7 +155,7 @@ pub(crate) fn attempt_job_id(config: &LaunchConfig, restart: usize, port: u16) -
     let base = match &config.job_id {
         Some(id) => Some(id.clone()),
         None if config.nnodes == 1 => return Some(generate_job_id(port)),
-        None => std::env::var("DDP_JOB_ID").ok().filter(|id| !id.is_empty()),
+        None => ddp_comm::elastic::job_id(),
     };
     match (base, restart) {
         (Some(id), 0) => Some(id),

@@ -60,7 +60,7 @@ fn nproc_with(
 
 /// `, CUDA_VISIBLE_DEVICES=...` when it is set, for the error without GPUs.
 fn visible_note() -> String {
-    std::env::var("CUDA_VISIBLE_DEVICES")
+    ddp_comm::elastic::visible_devices()
         .map(|v| format!(", CUDA_VISIBLE_DEVICES={v:?}"))
         .unwrap_or_default()
 }
@@ -75,7 +75,7 @@ pub(crate) fn gpu_count() -> usize {
     count_gpus(
         Path::new("/dev"),
         Path::new("/proc/driver/nvidia/gpus"),
-        std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
+        ddp_comm::elastic::visible_devices().as_deref(),
     )
 }
 

@@ -666,7 +666,7 @@ fn join_agents(
 /// without one is told that anyone who reaches its store can disturb it: no launcher can make
 /// a secret for it, since the agents that join later must know it too.
 fn job_secret(config: &LaunchConfig) -> Option<String> {
-    let token = std::env::var("DDP_TOKEN").ok().filter(|t| !t.is_empty());
+    let token = ddp_comm::elastic::job_token();
     if token.is_none() && config.min_nnodes.is_some() {
         notice(
             "DDP_TOKEN is not set: the elastic job's records in the store are not sealed, and \

@@ -72,9 +72,7 @@ impl Default for SpawnOptions {
 pub fn spawn(nprocs: usize, options: &SpawnOptions) -> Result<LaunchReport, LaunchError> {
     let group = ddp_comm::GroupConfig::from_env()
         .map_err(|e| LaunchError::Environment(format!("cannot start ranks: {e}")))?;
-    let step_id = std::env::var("SLURM_STEP_ID")
-        .or_else(|_| std::env::var("SLURM_STEPID"))
-        .ok();
+    let step_id = ddp_comm::elastic::slurm_step_id();
     if group.launcher != "none" && !single_task_slurm_step(&group, step_id.as_deref()) {
         return Err(LaunchError::AlreadyARank {
             rank: group.rank,

@@ -109,12 +109,12 @@ pub fn import(args: ImportArgs) -> Result<()> {
 
 /// `cargo xtask bench-shards`.
 pub fn bench(args: BenchArgs) -> Result<()> {
-    let bin = util::build_release_bins(&["ddp-shards"], &[])?;
+    let bin = util::build_release_bins(&["ddp-shards-bench"], &[])?;
     let work = args
         .work
         .unwrap_or_else(|| util::workspace_root().join("target/bench-shards"));
     util::run(
-        Command::new(bin.join("ddp-shards"))
+        Command::new(bin.join("ddp-shards-bench"))
             .arg("bench")
             .arg("--mnist-dir")
             .arg(&args.mnist_dir)

@@ -166,7 +166,7 @@ pub fn run_dir(name: &str, out: Option<PathBuf>) -> Result<PathBuf> {
 }
 
 /// The python the torch comparisons use (gloo, PyTorch's step, torchrun, PyTorch on GPU):
-/// `$DDP_PYTHON`, else `~/.cache/torchenv/bin/python` when it exists (the README's venv), else
+/// `$DDP_PYTHON`, else `~/.cache/torchenv/bin/python` when it exists (the venv docs/running.md sets up), else
 /// `python3`. Each task checks what it needs of it (torch, gloo, CUDA) and says so.
 pub fn torch_python() -> PathBuf {
     if let Some(p) = std::env::var_os("DDP_PYTHON").filter(|p| !p.is_empty()) {

@@ -15,14 +15,11 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use crate::config::GroupConfig;
 use crate::error::CommError;
 use crate::launcher::env::Lookup;
+pub use crate::launcher::vars::*;
 
 /// The variable torchrun sets to the file where a rank records its fatal error (torchelastic's
 /// `@record`); ddprun sets it too, and [`record_error`] writes it.
 pub const ERROR_FILE_ENV: &str = "TORCHELASTIC_ERROR_FILE";
-
-/// The variable that tells a rank how many times the launcher has restarted the job before
-/// starting it (0 on the first attempt), as torchrun names it.
-pub const RESTART_COUNT_ENV: &str = "TORCHELASTIC_RESTART_COUNT";
 
 /// The variable that tells a rank how many restarts the launcher allows (`--max-restarts`), as
 /// torchrun names it.

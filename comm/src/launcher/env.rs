@@ -300,65 +300,106 @@ struct Ranks {
     local_world: usize,
 }
 
-/// The rank, world size, local rank and local world size, from the launcher in use, checked
-/// against each other.
-fn ranks(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Ranks, CommError> {
-    let (torch, slurm) = (launcher == Launcher::Torchrun, launcher == Launcher::Slurm);
-    let (ompi, mpich) = (launcher == Launcher::OpenMpi, launcher == Launcher::Mpich);
-    // Only the variables of the launcher in use, and only those not given explicitly.
-    let read = |explicit: bool, var: &str, active: bool| -> Result<Option<usize>, CommError> {
-        if explicit || !active {
-            Ok(None)
-        } else {
-            parse_var::<usize>(env, var, "a non-negative integer")
-        }
-    };
-    let world = first_given(
-        given.world_size,
-        "world_size",
-        vec![
-            (
-                read(given.world_size.is_some(), "WORLD_SIZE", torch)?,
-                "WORLD_SIZE",
-            ),
-            (
-                read(given.world_size.is_some(), "OMPI_COMM_WORLD_SIZE", ompi)?,
-                "OMPI_COMM_WORLD_SIZE",
-            ),
-            (
-                read(given.world_size.is_some(), "PMI_SIZE", mpich)?,
-                "PMI_SIZE",
-            ),
-            (
-                read(given.world_size.is_some(), "SLURM_NTASKS", slurm)?,
-                "SLURM_NTASKS",
-            ),
+/// The variable each launcher sets for the world size, the rank, the local world size and the
+/// local rank (in that order); Slurm's local world size comes from its task counts instead.
+fn launcher_vars(launcher: Launcher) -> [Option<&'static str>; 4] {
+    match launcher {
+        Launcher::Torchrun => [
+            Some("WORLD_SIZE"),
+            Some("RANK"),
+            Some("LOCAL_WORLD_SIZE"),
+            Some("LOCAL_RANK"),
         ],
-    )
-    .unwrap_or(FromVar::new(1, "WORLD_SIZE"));
+        Launcher::OpenMpi => [
+            Some("OMPI_COMM_WORLD_SIZE"),
+            Some("OMPI_COMM_WORLD_RANK"),
+            Some("OMPI_COMM_WORLD_LOCAL_SIZE"),
+            Some("OMPI_COMM_WORLD_LOCAL_RANK"),
+        ],
+        Launcher::Mpich => [
+            Some("PMI_SIZE"),
+            Some("PMI_RANK"),
+            Some("MPI_LOCALNRANKS"),
+            Some("MPI_LOCALRANKID"),
+        ],
+        Launcher::Slurm => [
+            Some("SLURM_NTASKS"),
+            Some("SLURM_PROCID"),
+            None,
+            Some("SLURM_LOCALID"),
+        ],
+        Launcher::None => [None; 4],
+    }
+}
+
+/// Quantity `which` ([`launcher_vars`]'s order) as the launcher in use sets it: `None` when it
+/// was given explicitly (`explicit`), or the launcher sets no variable for it, or the variable is
+/// unset; an error naming the variable when it is not a non-negative integer.
+fn launcher_value(
+    env: Lookup,
+    launcher: Launcher,
+    which: usize,
+    explicit: bool,
+) -> Result<(Option<usize>, &'static str), CommError> {
+    let torch_name = launcher_vars(Launcher::Torchrun)[which].expect("torchrun sets all four");
+    match launcher_vars(launcher)[which] {
+        Some(var) if !explicit => {
+            Ok((parse_var::<usize>(env, var, "a non-negative integer")?, var))
+        }
+        Some(var) => Ok((None, var)),
+        None => Ok((None, torch_name)),
+    }
+}
+
+/// The rank, world size, local rank and local world size, from the launcher in use, checked
+/// against each other. In steps: the world size, the rank within it, the ranks on this host,
+/// this rank among them; each from an explicit value, else the launcher's variable, else a
+/// source of that launcher's own (Slurm's task counts, a Kubeflow pod), else the single-process
+/// default.
+fn ranks(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Ranks, CommError> {
+    let world = world_size(given, env, launcher)?;
+    let rank = rank_in_world(given, env, launcher, &world)?;
+    // `srun --mpi=pmi2` (or `MpiDefault=pmi2`): PMI_RANK and PMI_SIZE without MPICH's local
+    // variables, beside the Slurm step's own, which then describe the same tasks.
+    let pmi_under_srun = launcher == Launcher::Mpich && slurm_step_is(env, rank.value, world.value);
+    let local_world = local_world_size(given, env, launcher, pmi_under_srun, (&rank, &world))?;
+    let local_rank = local_rank(given, env, launcher, pmi_under_srun, &rank, &local_world)?;
+    Ok(Ranks {
+        rank: rank.value,
+        world: world.value,
+        local_rank: local_rank.value,
+        local_world: local_world.value,
+    })
+}
+
+/// The world size: explicit, else the launcher's variable, else 1; at least 1.
+fn world_size(
+    given: &Explicit,
+    env: Lookup,
+    launcher: Launcher,
+) -> Result<FromVar<usize>, CommError> {
+    let from_launcher = launcher_value(env, launcher, 0, given.world_size.is_some())?;
+    let world = first_given(given.world_size, "world_size", vec![from_launcher])
+        .unwrap_or(FromVar::new(1, "WORLD_SIZE"));
     if world.value == 0 {
         return Err(CommError::config(
             &world.var,
             format!("{}=0: the world size must be at least 1", world.var),
         ));
     }
-    let rank = first_given(
-        given.rank,
-        "rank",
-        vec![
-            (read(given.rank.is_some(), "RANK", torch)?, "RANK"),
-            (
-                read(given.rank.is_some(), "OMPI_COMM_WORLD_RANK", ompi)?,
-                "OMPI_COMM_WORLD_RANK",
-            ),
-            (read(given.rank.is_some(), "PMI_RANK", mpich)?, "PMI_RANK"),
-            (
-                read(given.rank.is_some(), "SLURM_PROCID", slurm)?,
-                "SLURM_PROCID",
-            ),
-        ],
-    );
-    let rank = match rank {
+    Ok(world)
+}
+
+/// The rank: explicit, else the launcher's variable, else 0 in a world of one; below the world
+/// size.
+fn rank_in_world(
+    given: &Explicit,
+    env: Lookup,
+    launcher: Launcher,
+    world: &FromVar<usize>,
+) -> Result<FromVar<usize>, CommError> {
+    let from_launcher = launcher_value(env, launcher, 1, given.rank.is_some())?;
+    let rank = match first_given(given.rank, "rank", vec![from_launcher]) {
         Some(r) => r,
         None if world.value == 1 => FromVar::new(0, "RANK"),
         None => {
@@ -380,63 +421,41 @@ fn ranks(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Ranks, Com
             ),
         ));
     }
+    Ok(rank)
+}
 
-    let slurm_local_world = if slurm && given.local_world_size.is_none() {
+/// The ranks on this host: explicit, else the launcher's variable, else Slurm's task counts
+/// (under srun, also beneath PMI), else a Kubeflow pod's `PET_NPROC_PER_NODE`, else the whole
+/// world (one host); MPICH without any of them is an error (each rank would take the host for
+/// its own). At least 1.
+fn local_world_size(
+    given: &Explicit,
+    env: Lookup,
+    launcher: Launcher,
+    pmi_under_srun: bool,
+    (rank, world): (&FromVar<usize>, &FromVar<usize>),
+) -> Result<FromVar<usize>, CommError> {
+    let explicit = given.local_world_size.is_some();
+    let slurm_tasks = if (launcher == Launcher::Slurm || pmi_under_srun) && !explicit {
         slurm_tasks_on_this_node(env)?
     } else {
         None
     };
-    // `srun --mpi=pmi2` (or `MpiDefault=pmi2`): PMI_RANK and PMI_SIZE without MPICH's local
-    // variables, beside the Slurm step's own, which then describe the same tasks.
-    let pmi_under_srun = mpich && slurm_step_is(env, rank.value, world.value);
-    let (pmi_local_world, pmi_local_rank) = if pmi_under_srun {
-        let local_world = match given.local_world_size {
-            None => slurm_tasks_on_this_node(env)?,
-            Some(_) => None,
-        };
-        let local_rank = match given.local_rank {
-            None => parse_var::<usize>(env, "SLURM_LOCALID", "a non-negative integer")?,
-            Some(_) => None,
-        };
-        (local_world, local_rank)
-    } else {
-        (None, None)
-    };
     // Started directly in a Kubeflow pod: RANK and WORLD_SIZE without LOCAL_WORLD_SIZE.
     let pod_local_world =
-        if torch && given.local_world_size.is_none() && env("LOCAL_WORLD_SIZE").is_none() {
+        if launcher == Launcher::Torchrun && !explicit && env("LOCAL_WORLD_SIZE").is_none() {
             crate::launcher::kubeflow::direct_local_world(env, world.value)?
         } else {
             None
         };
-    let local_world = first_given(
-        given.local_world_size,
-        "local_world_size",
-        vec![
-            (
-                read(given.local_world_size.is_some(), "LOCAL_WORLD_SIZE", torch)?,
-                "LOCAL_WORLD_SIZE",
-            ),
-            (
-                read(
-                    given.local_world_size.is_some(),
-                    "OMPI_COMM_WORLD_LOCAL_SIZE",
-                    ompi,
-                )?,
-                "OMPI_COMM_WORLD_LOCAL_SIZE",
-            ),
-            (
-                read(given.local_world_size.is_some(), "MPI_LOCALNRANKS", mpich)?,
-                "MPI_LOCALNRANKS",
-            ),
-            (slurm_local_world, "SLURM_TASKS_PER_NODE"),
-            (pmi_local_world, "SLURM_TASKS_PER_NODE"),
-            (pod_local_world, "PET_NPROC_PER_NODE"),
-        ],
-    );
-    let local_world = match local_world {
+    let candidates = vec![
+        launcher_value(env, launcher, 2, explicit)?,
+        (slurm_tasks, "SLURM_TASKS_PER_NODE"),
+        (pod_local_world, "PET_NPROC_PER_NODE"),
+    ];
+    let local_world = match first_given(given.local_world_size, "local_world_size", candidates) {
         Some(l) => l,
-        None if mpich && world.value > 1 => {
+        None if launcher == Launcher::Mpich && world.value > 1 => {
             return Err(CommError::config(
                 "MPI_LOCALNRANKS",
                 format!(
@@ -452,43 +471,39 @@ fn ranks(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Ranks, Com
         }
         None => FromVar::new(world.value, "LOCAL_WORLD_SIZE"),
     };
-    let local_rank = first_given(
-        given.local_rank,
-        "local_rank",
-        vec![
-            (
-                read(given.local_rank.is_some(), "LOCAL_RANK", torch)?,
-                "LOCAL_RANK",
-            ),
-            (
-                read(
-                    given.local_rank.is_some(),
-                    "OMPI_COMM_WORLD_LOCAL_RANK",
-                    ompi,
-                )?,
-                "OMPI_COMM_WORLD_LOCAL_RANK",
-            ),
-            (
-                read(given.local_rank.is_some(), "MPI_LOCALRANKID", mpich)?,
-                "MPI_LOCALRANKID",
-            ),
-            (
-                read(given.local_rank.is_some(), "SLURM_LOCALID", slurm)?,
-                "SLURM_LOCALID",
-            ),
-            (pmi_local_rank, "SLURM_LOCALID"),
-        ],
-    )
-    .unwrap_or(FromVar::new(
-        rank.value % local_world.value.max(1),
-        "LOCAL_RANK",
-    ));
     if local_world.value == 0 {
         return Err(CommError::config(
             &local_world.var,
             format!("{}=0: must be at least 1", local_world.var),
         ));
     }
+    Ok(local_world)
+}
+
+/// This rank among the ranks of its host: explicit, else the launcher's variable (under srun
+/// beneath PMI, `SLURM_LOCALID`), else the rank modulo the local world size; below the local
+/// world size.
+fn local_rank(
+    given: &Explicit,
+    env: Lookup,
+    launcher: Launcher,
+    pmi_under_srun: bool,
+    rank: &FromVar<usize>,
+    local_world: &FromVar<usize>,
+) -> Result<FromVar<usize>, CommError> {
+    let explicit = given.local_rank.is_some();
+    let pmi_local_rank = if pmi_under_srun && !explicit {
+        parse_var::<usize>(env, "SLURM_LOCALID", "a non-negative integer")?
+    } else {
+        None
+    };
+    let candidates = vec![
+        launcher_value(env, launcher, 3, explicit)?,
+        (pmi_local_rank, "SLURM_LOCALID"),
+    ];
+    let local_rank = first_given(given.local_rank, "local_rank", candidates).unwrap_or(
+        FromVar::new(rank.value % local_world.value.max(1), "LOCAL_RANK"),
+    );
     if local_rank.value >= local_world.value {
         return Err(CommError::config(
             &local_rank.var,
@@ -498,12 +513,7 @@ fn ranks(given: &Explicit, env: Lookup, launcher: Launcher) -> Result<Ranks, Com
             ),
         ));
     }
-    Ok(Ranks {
-        rank: rank.value,
-        world: world.value,
-        local_rank: local_rank.value,
-        local_world: local_world.value,
-    })
+    Ok(local_rank)
 }
 
 /// Where rank 0 is: `MASTER_ADDR`, else what the launcher in use says (see the module

@@ -8,3 +8,4 @@ pub mod contract;
 pub(crate) mod env;
 pub(crate) mod kubeflow;
 pub(crate) mod slurm;
+pub(crate) mod vars;

@@ -59,15 +59,7 @@ use crate::membership::seal::{open, present, read, read_record, seal, seal_json}
 use crate::rendezvous::store::Store;
 use crate::rendezvous::torch_store::agent_key_prefix;
 
-/// The variable that makes a rank elastic: `MIN:MAX`, the least and the most ranks the job
-/// runs with (ddprun sets it from `--nnodes MIN:MAX`, in ranks).
-pub const ELASTIC_ENV: &str = "DDP_ELASTIC";
-
-/// The variable with which ddprun tells an elastic rank its job's round (0, then 1, 2, ... after
-/// each restart of the whole job below its minimum): the round's keys in the store are its
-/// own. Without it, the round is `TORCHELASTIC_RESTART_COUNT` (torchrun's count), which under
-/// ddprun also counts the ranks restarted alone, and so differs from rank to rank.
-pub const ELASTIC_ROUND_ENV: &str = "DDP_ELASTIC_ROUND";
+pub use crate::launcher::vars::{ELASTIC_ENV, ELASTIC_ROUND_ENV};
 
 /// How long the founding waits for more processes once `MIN` have registered, unless `MAX`
 /// have (torchrun's "last call").

@@ -95,7 +95,7 @@ pub(super) fn open_device(
 ) -> Result<OpenedDevice, String> {
     let visible = check_driver()?;
     let nccl = nccl()?;
-    let mask = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let mask = crate::launcher::vars::visible_devices();
     let ordinal = pick_device(local_rank, local_world_size, visible, mask.as_deref())?;
     let ctx = guard(|| CudaContext::new(ordinal))?
         .map_err(|e| format!("cannot open GPU {ordinal}: {e:?}"))?;

@@ -121,7 +121,7 @@ impl Store {
             rank: index,
             world: clients,
             job_id: wire::job_id_from_name(job),
-            token: std::env::var("DDP_TOKEN").ok().filter(|t| !t.is_empty()),
+            token: crate::launcher::vars::job_token(),
         };
         Store::connect(&me, host, port, deadline, timeout)
     }

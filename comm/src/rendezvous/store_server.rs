@@ -126,7 +126,7 @@ impl StoreHost {
     /// Listens on every interface at `port` for the `clients` clients of job `job` (a name that
     /// every client gives too; `DDP_TOKEN`, when set, must match as well).
     pub fn start(port: u16, clients: usize, job: &str) -> Result<StoreHost, CommError> {
-        let token = std::env::var("DDP_TOKEN").ok().filter(|t| !t.is_empty());
+        let token = crate::launcher::vars::job_token();
         let job_id = wire::job_id_from_name(job);
         Ok(StoreHost {
             _server: StoreServer::start(None, "0.0.0.0", port, clients, token, job_id)?,

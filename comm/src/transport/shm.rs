@@ -70,8 +70,8 @@ const CONTROL_BYTES: usize = 256;
 /// Where slot 0's data begins (page aligned, so every element type is aligned).
 const DATA_OFFSET: usize = 4096;
 /// The data bytes per slot. Small enough that a piece, the peers' parts of it and the
-/// accumulator stay in a core's L2 (1 MiB here): on the development machine 512 KiB to 1 MiB
-/// pieces all-reduce 16 MiB at 2 ranks about 2.5x faster than 4 MiB pieces.
+/// accumulator stay in a core's L2 (1 MiB here); larger pieces measured slower
+/// (`cargo xtask bench-allreduce`, docs/results.md).
 pub(crate) const DEFAULT_SLOT_BYTES: usize = 1 << 20;
 /// How long a parked waiter sleeps at most before it checks the group's state again.
 const PARK_STEP: Duration = Duration::from_millis(5);

@@ -75,7 +75,7 @@ impl DevicePath {
                  all-reduce them through the host and TCP instead)"
             ))
         })?;
-        let mask = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        let mask = ddp_comm::elastic::visible_devices();
         // Every rank checks (a local error), then all agree, so that none goes on alone.
         let local = check_same_gpu(
             model_gpu,
