@@ -81,10 +81,17 @@ pub fn wgpu_device(pg: &ProcessGroup, backend: crate::options::BackendKind) -> R
         return Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice));
     };
     let device = WgpuDevice::default().on(api);
-    bring_up(&device, backend)
-        .map_err(|e| anyhow::anyhow!("--backend {name}: rank {}: no {api:?} device: {e}", pg.rank()))?;
+    bring_up(&device, backend).map_err(|e| {
+        anyhow::anyhow!(
+            "--backend {name}: rank {}: no {api:?} device: {e}",
+            pg.rank()
+        )
+    })?;
     if pg.local_rank() == 0 {
-        eprintln!("rank {}: wgpu's default adapter on {api:?}; {cache}", pg.rank());
+        eprintln!(
+            "rank {}: wgpu's default adapter on {api:?}; {cache}",
+            pg.rank()
+        );
     }
     Ok(Device::new(device))
 }
