@@ -251,9 +251,8 @@ where
         train_feed.num_samples(),
         steps_per_epoch,
         match train_feed.num_samples() % cfg.batch_size {
-            0 => String::new(),
-            n if cfg.drop_last => format!("; the last partial batch of {n} dropped"),
-            n => format!(", the last of {n} samples"),
+            n if n > 0 && cfg.drop_last => format!("; the last partial batch of {n} dropped"),
+            _ => String::new(),
         },
         cfg.batch_size,
         cfg.describe_lr(world),

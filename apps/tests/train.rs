@@ -693,7 +693,7 @@ fn drop_last_drops_the_partial_batch_and_is_off_on_the_cpu() {
     ];
     let kept = ddprun_mnist(1, &small);
     assert_eq!(summary(&kept)["steps"], 8, "{}", text(&kept));
-    assert!(text(&kept).contains("4 steps per epoch, the last of 4 samples"));
+    assert!(text(&kept).contains("(100 per rank, 4 steps per epoch)"));
     let dropped = ddprun_mnist(1, &[&small[..], &["--drop-last"]].concat());
     assert_eq!(summary(&dropped)["steps"], 6, "{}", text(&dropped));
     assert!(
