@@ -81,9 +81,9 @@ pub struct Task<M, S> {
 
 /// Where a split's samples come from.
 pub enum Data<S> {
-    /// The whole split in memory, served by [`DataLoader`] over a [`DistributedSampler`].
+    /// The whole split in memory, served by [`ddp_data::DataLoader`] over a [`ddp_data::DistributedSampler`].
     Memory(Arc<S>),
-    /// Safetensors shards on disk, streamed by [`ShardLoader`] (each rank reads its shards).
+    /// Safetensors shards on disk, streamed by [`ddp_data::ShardLoader`] (each rank reads its shards).
     Shards(ShardSet),
 }
 
