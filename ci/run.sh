@@ -19,7 +19,30 @@ cd "$(dirname "$0")/.."
 FEATURES=ddp-apps/nccl,ddp-apps/wgpu
 export DDP_CARGO_FEATURES=$FEATURES
 
-step() { printf '\n== %s (%s)\n' "$1" "$(date +%H:%M:%S)"; }
+# Each step prints its start time and records its duration; a table of seconds per step is
+# printed at the end, and on a failure (the EXIT trap), so that a run tells where its time goes.
+STEP_NAMES=()
+STEP_STARTS=()
+step() {
+  STEP_NAMES+=("$1")
+  STEP_STARTS+=("$(date +%s)")
+  printf '\n== %s (%s)\n' "$1" "$(date +%H:%M:%S)"
+}
+step_times() {
+  local rc=$? now i n end total
+  now=$(date +%s)
+  n=${#STEP_NAMES[@]}
+  [ "$n" -gt 0 ] || return "$rc"
+  printf '\n== seconds per step%s\n' "$([ "$rc" -eq 0 ] || echo " (failed in the last one, exit $rc)")"
+  for ((i = 0; i < n; i++)); do
+    if [ $((i + 1)) -lt "$n" ]; then end=${STEP_STARTS[$((i + 1))]}; else end=$now; fi
+    printf '%6d  %s\n' $((end - STEP_STARTS[i])) "${STEP_NAMES[$i]:0:90}"
+  done
+  total=$((now - STEP_STARTS[0]))
+  printf '%6d  total\n' "$total"
+  return "$rc"
+}
+trap step_times EXIT
 
 step "toolchain"
 cargo --version

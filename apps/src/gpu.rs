@@ -1,7 +1,8 @@
 //! The GPU backends: `--backend cuda` (feature `cuda`), burn's CUDA backend on the GPU of
 //! `LOCAL_RANK` (gradients of more than one rank are all-reduced on the GPU through NCCL by the
 //! `ddp` crate), and `--backend wgpu` (feature `wgpu`), burn's wgpu backend on wgpu's default
-//! adapter (gradients through the host). Both use burn's kernel cache in one folder per user.
+//! adapter (gradients through the host), or pinned to one graphics API (`--backend vulkan`,
+//! `--backend metal`). All use burn's kernel cache in one folder per user.
 
 #[cfg(feature = "cuda")]
 use anyhow::anyhow;
@@ -44,16 +45,69 @@ pub fn cuda_device(pg: &ProcessGroup) -> Result<Device> {
     Ok(Device::cuda(ordinal))
 }
 
-/// burn's wgpu device for this rank: wgpu's default adapter (a discrete GPU first; on a machine
-/// without one, Mesa's lavapipe, a Vulkan device on the CPU; `CUBECL_WGPU_DEFAULT_DEVICE`
-/// chooses another), shared by the ranks of a host. burn's kernel caches are pointed at one
-/// folder per user first (`ddp::kernel_cache::configure_kernel_cache`), and the first rank of
-/// each host says where.
+/// burn's wgpu device for this rank, shared by the ranks of a host. burn's kernel caches are
+/// pointed at one folder per user first (`ddp::kernel_cache::configure_kernel_cache`), and the
+/// first rank of each host says where.
+///
+/// - `--backend wgpu`: wgpu's default adapter on whichever graphics API wgpu settles on (a
+///   discrete GPU first; on a machine without one, Mesa's lavapipe, a Vulkan device on the CPU;
+///   `CUBECL_WGPU_DEFAULT_DEVICE` chooses another), brought up lazily by burn.
+/// - `--backend vulkan` / `metal`: the same adapter pinned to that API (burn's WGSL compiler:
+///   burn's `vulkan` feature, SPIR-V, is not built). The device is brought up here, so that a
+///   machine without it is an error naming the backend, not a panic inside burn; `metal` is
+///   an error at once on a system other than Apple's.
 #[cfg(feature = "wgpu")]
-pub fn wgpu_device(pg: &ProcessGroup) -> Result<Device> {
-    let cache = ddp::kernel_cache::configure_kernel_cache(None);
-    if pg.local_rank() == 0 {
-        eprintln!("rank {}: wgpu's default adapter; {cache}", pg.rank());
+pub fn wgpu_device(pg: &ProcessGroup, backend: crate::options::BackendKind) -> Result<Device> {
+    use crate::options::BackendKind;
+    use burn::backend::wgpu::{WgpuBackend, WgpuDevice};
+    let name = backend.name();
+    let pinned = match backend {
+        BackendKind::Vulkan => Some(WgpuBackend::Vulkan),
+        BackendKind::Metal => Some(WgpuBackend::Metal),
+        _ => None,
+    };
+    if backend == BackendKind::Metal && !cfg!(target_vendor = "apple") {
+        anyhow::bail!(
+            "--backend metal: Metal is Apple's graphics API (macOS, iOS), and this is {}: use \
+             --backend wgpu (wgpu's default adapter) or --backend vulkan",
+            std::env::consts::OS
+        );
     }
-    Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice))
+    let cache = ddp::kernel_cache::configure_kernel_cache(None);
+    let Some(api) = pinned else {
+        if pg.local_rank() == 0 {
+            eprintln!("rank {}: wgpu's default adapter; {cache}", pg.rank());
+        }
+        return Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice));
+    };
+    let device = WgpuDevice::default().on(api);
+    bring_up(&device, backend).map_err(|e| {
+        anyhow::anyhow!(
+            "--backend {name}: rank {}: no {api:?} device: {e}",
+            pg.rank()
+        )
+    })?;
+    if pg.local_rank() == 0 {
+        eprintln!(
+            "rank {}: wgpu's default adapter on {api:?}; {cache}",
+            pg.rank()
+        );
+    }
+    Ok(Device::new(device))
+}
+
+/// Brings `device` up on its pinned graphics API, registering its client with cubecl (burn then
+/// finds it under the device's id).
+#[cfg(feature = "wgpu")]
+fn bring_up(
+    device: &burn::backend::wgpu::WgpuDevice,
+    backend: crate::options::BackendKind,
+) -> std::result::Result<(), String> {
+    use burn::backend::wgpu::{graphics, try_init_setup, RuntimeOptions};
+    let options = RuntimeOptions::try_default().map_err(|e| e.to_string())?;
+    let setup = match backend {
+        crate::options::BackendKind::Metal => try_init_setup::<graphics::Metal>(device, options),
+        _ => try_init_setup::<graphics::Vulkan>(device, options),
+    };
+    setup.map(|_| ()).map_err(|e| e.to_string())
 }

@@ -49,6 +49,31 @@ pub enum BackendKind {
     /// gives a Vulkan device on the CPU): wgpu's default adapter, shared by the ranks of a
     /// host (needs a build with the `wgpu` feature). Gradients go through the host path.
     Wgpu,
+    /// burn's wgpu backend on the Vulkan API only (Linux, Windows, Android; Mesa's lavapipe on
+    /// a machine without a GPU): `--backend wgpu` that fails, naming Vulkan, where no Vulkan
+    /// device is found instead of falling back to another API (needs the `wgpu` feature).
+    Vulkan,
+    /// burn's wgpu backend on Apple's Metal API (macOS, iOS; needs the `wgpu` feature). On any
+    /// other system, an error naming the backend.
+    Metal,
+}
+
+impl BackendKind {
+    /// Whether this backend is one of burn's wgpu backends (`wgpu`, `vulkan`, `metal`).
+    pub fn is_wgpu(self) -> bool {
+        matches!(self, Self::Wgpu | Self::Vulkan | Self::Metal)
+    }
+
+    /// The name `--backend` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Cuda => "cuda",
+            Self::Wgpu => "wgpu",
+            Self::Vulkan => "vulkan",
+            Self::Metal => "metal",
+        }
+    }
 }
 
 /// Where the trainer reads its data from.
@@ -174,6 +199,12 @@ pub struct TrainArgs {
     /// bit-identical either way). On by default; `--overlap false` starts them after backward.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub overlap: Option<bool>,
+    /// Drop each epoch's last partial training batch, like PyTorch's `DataLoader(drop_last=True)`:
+    /// every step then has the same batch shape, and a GPU backend compiles and tunes its
+    /// kernels for one shape only. On by default on the GPU backends (`cuda`, `wgpu`, `vulkan`,
+    /// `metal`), off on `cpu` (PyTorch's default); `--drop-last false` keeps the partial batch.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub drop_last: Option<bool>,
     /// Directory of the data set (MNIST: where the four files are or will be downloaded;
     /// with `--data-format shards`, the folder holding `train/` and `test/`).
     #[arg(long)]
@@ -258,7 +289,7 @@ impl TrainArgs {
         merge_fields!(self, under; epochs, batch_size, lr, optimizer, momentum, max_grad_norm,
             lr_scaling, lr_schedule, warmup_steps, decay_steps, min_lr, seed,
             backend, threads, workers, bucket_cap_mb, compression, comm_hook, powersgd_rank,
-            powersgd_start, zero_stage, overlap, data_dir, data_format,
+            powersgd_start, zero_stage, overlap, drop_last, data_dir, data_format,
             prefetch_shards, checkpoint_dir, checkpoint_every,
             resume, allow_mismatched_checkpoint, metrics_dir, export, log_interval, max_steps, train_samples, test_samples,
             verbose, json, trace_dir, trace_steps, elastic)
@@ -306,6 +337,9 @@ impl TrainArgs {
             powersgd_start: a.powersgd_start.unwrap_or(1000),
             zero_stage: a.zero_stage.unwrap_or(0),
             overlap: a.overlap.unwrap_or(ddp::DdpConfig::new().overlap),
+            drop_last: a
+                .drop_last
+                .unwrap_or(a.backend.unwrap_or(BackendKind::Cpu) != BackendKind::Cpu),
             data_dir: a.data_dir,
             data_format: a.data_format.unwrap_or(DataFormat::Memory),
             prefetch_shards: a.prefetch_shards.unwrap_or(2),
@@ -459,6 +493,8 @@ pub struct TrainConfig {
     pub zero_stage: u8,
     /// All-reduces (ZeRO: reduce-scatters) during backward (on by default).
     pub overlap: bool,
+    /// Each epoch's last partial training batch dropped (on by default on the GPU backends).
+    pub drop_last: bool,
     /// Data directory.
     pub data_dir: Option<PathBuf>,
     /// In memory or streamed from shards.

@@ -34,16 +34,20 @@ enum Feed<S, const D: usize> {
         loader: DataLoader<S, D>,
         sampler: DistributedSampler,
         batch_size: usize,
+        drop_last: bool,
     },
     Shards {
         loader: ShardLoader<D>,
         device: Device,
+        batch_size: usize,
+        drop_last: bool,
     },
 }
 
 impl<S: BatchSource<D> + 'static, const D: usize> Feed<S, D> {
     /// The training feed (`eval` false: shuffled, padded) or the evaluation feed (`eval` true:
-    /// every sample once across ranks) of `data`, cut to `limit` samples.
+    /// every sample once across ranks) of `data`, cut to `limit` samples. The training feed
+    /// drops each epoch's last partial batch with `cfg.drop_last`.
     fn new(
         data: Data<S>,
         cfg: &TrainConfig,
@@ -52,6 +56,7 @@ impl<S: BatchSource<D> + 'static, const D: usize> Feed<S, D> {
         eval: bool,
         limit: Option<usize>,
     ) -> Result<Self> {
+        let (batch_size, drop_last) = (cfg.batch_size, cfg.drop_last && !eval);
         Ok(match data {
             Data::Memory(set) => {
                 let len = limit.map_or(set.len(), |n| n.min(set.len()));
@@ -68,7 +73,8 @@ impl<S: BatchSource<D> + 'static, const D: usize> Feed<S, D> {
                 Feed::Memory {
                     loader: DataLoader::new(set, config, device)?,
                     sampler,
-                    batch_size: cfg.batch_size,
+                    batch_size,
+                    drop_last,
                 }
             }
             Data::Shards(set) => {
@@ -87,7 +93,12 @@ impl<S: BatchSource<D> + 'static, const D: usize> Feed<S, D> {
                 } else {
                     ShardLoader::new(set, world, rank, config)?
                 };
-                Feed::Shards { loader, device }
+                Feed::Shards {
+                    loader,
+                    device,
+                    batch_size,
+                    drop_last,
+                }
             }
         })
     }
@@ -108,8 +119,23 @@ impl<S: BatchSource<D> + 'static, const D: usize> Feed<S, D> {
         }
     }
 
-    /// Batches this rank takes per epoch.
+    /// Batches this rank takes per epoch (with `drop_last`, the full ones only).
     fn num_batches(&self) -> usize {
+        let (batch_size, drop_last) = match self {
+            Feed::Memory {
+                batch_size,
+                drop_last,
+                ..
+            }
+            | Feed::Shards {
+                batch_size,
+                drop_last,
+                ..
+            } => (*batch_size, *drop_last),
+        };
+        if drop_last {
+            return self.num_samples() / batch_size.max(1);
+        }
         match self {
             Feed::Memory {
                 loader, sampler, ..
@@ -135,20 +161,24 @@ impl<S: BatchSource<D> + 'static, const D: usize> Feed<S, D> {
     /// shards they are read (the shard order fixes which samples come next) but not turned into
     /// tensors.
     fn batches_from(&self, skip: usize) -> Result<Box<dyn Iterator<Item = Result<Batch<D>>> + '_>> {
+        // With drop_last, the partial batch at the end is never built.
+        let left = self.num_batches().saturating_sub(skip);
         Ok(match self {
             Feed::Memory {
                 loader,
                 sampler,
                 batch_size,
+                ..
             } => {
                 let mut indices = sampler.indices();
                 indices.drain(..skip.saturating_mul(*batch_size).min(indices.len()));
-                Box::new(loader.iter(indices)?.map(Ok))
+                Box::new(loader.iter(indices)?.take(left).map(Ok))
             }
-            Feed::Shards { loader, device } => Box::new(
+            Feed::Shards { loader, device, .. } => Box::new(
                 loader
                     .iter()?
                     .skip(skip)
+                    .take(left)
                     .map(move |b| Ok(b.map_err(anyhow::Error::from)?.into_tensors(device))),
             ),
         })
@@ -214,12 +244,16 @@ where
 
     say.line(format!(
         "training {name}: world {world} (launcher: {}; {} compute threads per rank), \
-         {train_len} training samples ({} per rank, {} steps per epoch), {test_len} test \
+         {train_len} training samples ({} per rank, {} steps per epoch{}), {test_len} test \
          samples, batch {} per rank, {}, {}, {}, {} epochs from epoch {}",
         pg.config().launcher,
         rayon::current_num_threads(),
         train_feed.num_samples(),
         steps_per_epoch,
+        match train_feed.num_samples() % cfg.batch_size {
+            n if n > 0 && cfg.drop_last => format!("; the last partial batch of {n} dropped"),
+            _ => String::new(),
+        },
         cfg.batch_size,
         cfg.describe_lr(world),
         cfg.describe_optimizer(),
@@ -698,8 +732,11 @@ pub fn start(
         bail!("--backend cuda: this build has no CUDA support (build with --features cuda)");
     }
     #[cfg(not(feature = "wgpu"))]
-    if cfg.backend == crate::options::BackendKind::Wgpu {
-        bail!("--backend wgpu: this build has no wgpu support (build with --features wgpu)");
+    if cfg.backend.is_wgpu() {
+        bail!(
+            "--backend {}: this build has no wgpu support (build with --features wgpu)",
+            cfg.backend.name()
+        );
     }
     // An elastic run forms its groups itself, once its model is built (`elastic.rs`).
     let elastic = cfg.elastic_range().is_some();
@@ -717,7 +754,9 @@ pub fn start(
         #[cfg(feature = "cuda")]
         crate::options::BackendKind::Cuda => crate::gpu::cuda_device(&pg)?,
         #[cfg(feature = "wgpu")]
-        crate::options::BackendKind::Wgpu => crate::gpu::wgpu_device(&pg)?,
+        backend @ (crate::options::BackendKind::Wgpu
+        | crate::options::BackendKind::Vulkan
+        | crate::options::BackendKind::Metal) => crate::gpu::wgpu_device(&pg, backend)?,
         _ => Device::flex(),
     }
     .autodiff();

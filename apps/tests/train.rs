@@ -673,3 +673,36 @@ fn help_and_first_line_speak_for_the_trainer() {
         "{all}"
     );
 }
+
+/// `--drop-last` (PyTorch's `drop_last=True`): 100 samples in batches of 32 are 3 steps an
+/// epoch, not 4, and the line at the start says what was dropped; off by default on the CPU
+/// backend (the last batch of 4 samples is a step), so CPU runs keep their weights.
+#[test]
+fn drop_last_drops_the_partial_batch_and_is_off_on_the_cpu() {
+    let small = [
+        "--model",
+        "mlp",
+        "--train-samples",
+        "100",
+        "--test-samples",
+        "100",
+        "--batch-size",
+        "32",
+        "--epochs",
+        "2",
+    ];
+    let kept = ddprun_mnist(1, &small);
+    assert_eq!(summary(&kept)["steps"], 8, "{}", text(&kept));
+    assert!(text(&kept).contains("(100 per rank, 4 steps per epoch)"));
+    let dropped = ddprun_mnist(1, &[&small[..], &["--drop-last"]].concat());
+    assert_eq!(summary(&dropped)["steps"], 6, "{}", text(&dropped));
+    assert!(
+        text(&dropped).contains("3 steps per epoch; the last partial batch of 4 dropped"),
+        "{}",
+        text(&dropped)
+    );
+    assert_ne!(
+        summary(&dropped)["params_hash"],
+        summary(&kept)["params_hash"]
+    );
+}
