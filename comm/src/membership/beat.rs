@@ -45,12 +45,10 @@ pub(crate) struct Beat {
 impl Beat {
     /// Starts `me`'s beat, on a connection of its own to the store of `store`.
     pub(crate) fn start(me: &Member, base: &GroupConfig, store: &Store) -> Result<Beat, CommError> {
-        let own = Store::connect_torch(
+        let own = store.torch_connection_of_its_own(
             me.slot,
             &base.master_addr,
             base.master_port,
-            store.key_prefix().to_string(),
-            Instant::now() + CALL,
             CALL,
         )?;
         let key = beat_key(me);

@@ -9,7 +9,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::config::GroupConfig;
 use crate::error::CommError;
@@ -35,14 +35,8 @@ impl Poller {
         store: &Store,
         seen: u64,
     ) -> Result<Poller, CommError> {
-        let own = Store::connect_torch(
-            slot,
-            &base.master_addr,
-            base.master_port,
-            store.key_prefix().to_string(),
-            Instant::now() + CALL,
-            CALL,
-        )?;
+        let own =
+            store.torch_connection_of_its_own(slot, &base.master_addr, base.master_port, CALL)?;
         let secret = base.token.clone();
         let waiting = Arc::new(AtomicBool::new(false));
         let stop = Arc::new(AtomicBool::new(false));

@@ -168,6 +168,20 @@ impl Store {
         })
     }
 
+    /// A second connection of `rank` to the PyTorch store this one talks to, on `host:port`,
+    /// with the same key prefix: a socket of its own, for a thread whose calls must not wait
+    /// behind this connection's (a beat, a look-out). `timeout` bounds the connect and each call.
+    pub(crate) fn torch_connection_of_its_own(
+        &self,
+        rank: usize,
+        host: &str,
+        port: u16,
+        timeout: Duration,
+    ) -> Result<Store, CommError> {
+        let prefix = self.key_prefix().to_string();
+        Store::connect_torch(rank, host, port, prefix, Instant::now() + timeout, timeout)
+    }
+
     /// The store's address, `host:port`.
     pub fn address(&self) -> &str {
         &self.addr
