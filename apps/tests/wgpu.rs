@@ -14,12 +14,17 @@
 //!   of one test that share a kernel cache under the target folder (only the first phase
 //!   compiles): ZeRO stage 2 at 2 ranks ends bit-identical across ranks and with plain DDP's
 //!   weights; a sharded run resumed from its epoch checkpoint ends where the uninterrupted one
-//!   ends; each epoch's last partial batch is dropped (`--drop-last`, on by default on GPUs).
+//!   ends; each epoch's last partial batch is dropped (`--drop-last`, on by default on GPUs);
+//!   an elastic job of two agents (`--nnodes 1:2`) whose node-1 rank kills itself after step
+//!   4 goes on at world 1 from device tensors, and the rank its agent restarts is healed from
+//!   rank 0 (weights, optimizer state, ZeRO's shards resharded) and ends with rank 0's bits,
+//!   under DDP and under ZeRO stage 2.
 //! - `--backend metal` off Apple's systems is an error naming the backend (not ignored: it
 //!   needs no device).
 
 #![cfg(feature = "wgpu")]
 
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -221,9 +226,88 @@ fn vulkan_run(cache: &Path, epochs: &str, args: &[&str]) -> Value {
     s[0].clone()
 }
 
+/// The heal phase of [`device_tensors_on_vulkan_shard_checkpoint_resume_and_heal`]: two
+/// ddprun agents of a `1:2` elastic job (one rank each) train the MLP on Vulkan; node 1's
+/// rank kills itself after step 4 (`DDP_TEST_KILL_AT_STEP`), rank 0 goes on alone, node 1's
+/// agent restarts its rank, which joins at a step boundary and is healed from rank 0's device
+/// tensors. Returns both agents' output, node 0's first.
+fn vulkan_heal(cache: &Path, args: &[&str]) -> [String; 2] {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let agent = |node: usize| {
+        let mut command = Command::new(common::workspace_bin("ddprun"));
+        common::clear_launcher_env(&mut command);
+        command
+            .args(["--grace-period", "1", "--nnodes", "1:2", "--node-rank"])
+            .arg(node.to_string())
+            .args(["--master-addr", "127.0.0.1", "--master-port"])
+            .arg(port.to_string())
+            .args(["--max-restarts", &node.to_string(), "--"])
+            .arg(env!("CARGO_BIN_EXE_train-mnist"))
+            .arg("--data-dir")
+            .arg(mnist::real_mnist())
+            .args([
+                "--backend",
+                "vulkan",
+                "--model",
+                "mlp",
+                "--batch-size",
+                "32",
+            ])
+            // 120 steps at world 2, or 240 at world 1 (~35 ms each here): the restarted rank
+            // (~3 s to start, its kernels in the cache) finds the job running.
+            .args([
+                "--train-samples",
+                "7680",
+                "--test-samples",
+                "128",
+                "--epochs",
+                "1",
+            ])
+            .args([
+                "--json",
+                "--verbose",
+                "--threads",
+                "1",
+                "--log-interval",
+                "10",
+            ])
+            .args(args)
+            .env("DDP_CACHE_DIR", cache)
+            .env("DDP_TEST_KILL_AT_STEP", "4")
+            .env("DDP_TEST_KILL_RANK", "1")
+            .env("RUST_LOG", "warn");
+        std::thread::spawn(move || common::output_with_deadline(&mut command, DEADLINE))
+    };
+    let start = std::time::Instant::now();
+    let runs = [agent(0), agent(1)].map(|t| t.join().unwrap());
+    eprintln!(
+        "vulkan, elastic kill and heal {args:?}: {:.1} s",
+        start.elapsed().as_secs_f64()
+    );
+    runs.map(|out| {
+        let all = text(&out);
+        assert!(out.status.success(), "an agent failed:\n{all}");
+        all
+    })
+}
+
+/// The last `DDP_ELASTIC_SUMMARY` in `all`.
+fn elastic_summary(all: &str) -> Value {
+    let json = all
+        .lines()
+        .rev()
+        .find_map(|l| l.split_once("DDP_ELASTIC_SUMMARY ").map(|(_, j)| j))
+        .unwrap_or_else(|| panic!("no elastic summary in:\n{all}"));
+    serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {json}"))
+}
+
 #[test]
 #[ignore = "needs a Vulkan device (Mesa's lavapipe: apt-get install mesa-vulkan-drivers; CI installs it and runs this)"]
-fn device_tensors_on_vulkan_shard_checkpoint_and_resume() {
+fn device_tensors_on_vulkan_shard_checkpoint_resume_and_heal() {
     let cache = shared_cache();
     // A cold cache is filled first, by a short run of every kernel shape the phases use: a
     // process that tunes a kernel itself may pick another variant (another rounding) than the
@@ -253,6 +337,34 @@ fn device_tensors_on_vulkan_shard_checkpoint_and_resume() {
         resumed["params_hash"], zero["params_hash"],
         "the run resumed on Vulkan from its checkpoint ended with other weights"
     );
+    // Elastic: a rank lost and healed back from device tensors, under DDP and ZeRO stage 2.
+    for args in [&[][..], &["--zero-stage", "2"][..]] {
+        let [node0, node1] = vulkan_heal(&cache, args);
+        assert!(
+            node1.contains("restarting it alone to rejoin the elastic job"),
+            "{node1}"
+        );
+        assert!(node1.contains("joined (healed from rank 0)"), "{node1}");
+        let (s0, s1) = (elastic_summary(&node0), elastic_summary(&node1));
+        // Rank 0 went on alone after the loss and grew back to 2: two membership changes,
+        // every sample of the epoch trained once, no step repeated.
+        let changes = s0["changes"].as_array().unwrap();
+        assert_eq!(changes.len(), 2, "{s0}");
+        assert_eq!(
+            (&changes[0]["after_step"], &changes[0]["world"]),
+            (&4.into(), &1.into())
+        );
+        assert_eq!(changes[1]["world"], 2, "{s0}");
+        assert_eq!(s0["steps_repeated"], 0, "{s0}");
+        assert_eq!(s0["epochs"][0]["min_count"], 1, "{s0}");
+        assert_eq!(s0["epochs"][0]["max_count"], 1, "{s0}");
+        assert_eq!(s1["healed_at_start"], true, "{s1}");
+        // The healed rank ends with rank 0's weights, bit for bit.
+        assert_eq!(
+            s0["summary"]["params_hash"], s1["summary"]["params_hash"],
+            "the rank healed on Vulkan {args:?} ended with other weights:\n{node0}\n{node1}"
+        );
+    }
 }
 
 #[test]
