@@ -28,7 +28,7 @@ use ddp_models::Classifier;
 use serde_json::json;
 
 use crate::frame::{
-    checkpoint_to_resume, local_eval, step_seed, sum_eval, Data, Ending, RunSummary, Task,
+    checkpoint_to_resume, eval_pad, local_eval, step_seed, sum_eval, Data, Ending, RunSummary, Task,
 };
 use crate::options::{BackendKind, HookKind, LrScaling, OptimizerKind, TrainConfig};
 
@@ -182,7 +182,9 @@ where
         .train_samples
         .map_or(train.len(), |n| n.min(train.len()));
     let test_len = cfg.test_samples.map_or(test.len(), |n| n.min(test.len()));
-    let sampler = ElasticSampler::new(train_len, cfg.batch_size)?.with_seed(cfg.seed);
+    let sampler = ElasticSampler::new(train_len, cfg.batch_size)?
+        .with_seed(cfg.seed)
+        .with_drop_last(cfg.drop_last);
 
     // A founder of a restarted job resumes from the last checkpoint; a joiner is healed.
     let run_id = RunId {
@@ -298,12 +300,17 @@ where
     let mut aside = std::time::Duration::ZERO;
     loop {
         let p = run.progress().clone();
-        let epoch_over = p.position as usize >= train_len;
+        // Nothing left, or (--drop-last) less than a full step at this world.
+        let epoch_over = sampler.step_len(p.position as usize, run.world_size()) == 0;
         if epoch_over || at_limit(p.step) {
             // The epoch's end (or the step limit): evaluate and save, on every rank (not
             // counted as training time).
             let aside_from = Instant::now();
-            let local = local_eval(run.model(), test_batches(&test_loader, test_len, &run))?;
+            let local = local_eval(
+                run.model(),
+                test_batches(&test_loader, test_len, &run),
+                eval_pad(cfg),
+            )?;
             let evaluated =
                 run.collective(|r| sum_eval(r.process_group(), local).map_err(DdpError::Comm))?;
             let (correct, total, test_loss) = match evaluated {
@@ -446,7 +453,7 @@ where
                 );
             }
             if cfg.checkpoint_every.is_some_and(|k| step.is_multiple_of(k))
-                && share.next < train_len
+                && sampler.step_len(share.next, world) > 0
                 && !at_limit(step)
             {
                 let position = (p.epoch, share.next as u64);

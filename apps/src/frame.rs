@@ -184,11 +184,28 @@ pub(crate) fn checkpoint_to_resume(cfg: &TrainConfig, restarted: bool) -> Result
     Ok(Some(ddp::checkpoint::checkpoint_path(dir)))
 }
 
+/// The batch size every evaluation batch is padded to ([`local_eval`]): the training batch on
+/// a GPU backend (cubecl compiles and tunes each kernel per shape), none on the CPU.
+pub(crate) fn eval_pad(cfg: &TrainConfig) -> Option<usize> {
+    (cfg.backend != crate::options::BackendKind::Cpu).then_some(cfg.batch_size)
+}
+
 /// This rank's share of an evaluation, before the sum across ranks: correct predictions,
 /// samples and the loss summed over samples, as `f64` (the all-reduce's element).
+///
+/// With `pad_to` (see [`eval_pad`]), a batch of fewer rows (the last, partial one) runs its
+/// forward pass padded to `pad_to` rows with copies of its first row, and only the real rows'
+/// outputs are counted and given a loss ([`Classifier::output_loss`]). Why: a cubecl device
+/// (CUDA, wgpu) compiles and tunes its heavy kernels (convolutions, matmuls) once per shape,
+/// and a batch of another shape costs every process whose kernel cache lacks it a tuning of its
+/// own (seconds to minutes on a cold cache); padded, every evaluation batch has the training
+/// batches' shape, tuned already. The rows of a batch are independent in evaluation (no
+/// dropout, batch norm on its running statistics, attention within a row), so the real rows'
+/// outputs are what the unpadded batch gives.
 pub(crate) fn local_eval<M, const D: usize>(
     model: &M,
     batches: impl Iterator<Item = Result<Batch<D>>>,
+    pad_to: Option<usize>,
 ) -> Result<[f64; 3]>
 where
     M: Module + Classifier<D>,
@@ -198,7 +215,21 @@ where
     for batch in batches {
         let batch = batch?;
         let n = batch.targets.dims()[0] as f64;
-        let (loss, output) = eval.loss(batch.inputs, batch.targets.clone());
+        let rows = batch.inputs.dims()[0];
+        let (loss, output) = match pad_to {
+            Some(full) if rows > 0 && rows < full => {
+                let copies = batch.inputs.clone().slice(0..1).repeat_dim(0, full - rows);
+                let output = eval.forward(burn::tensor::Tensor::cat(vec![batch.inputs, copies], 0));
+                // Outputs per row: 1, or a row's positions (the GPT's tokens).
+                let per_row = output.dims()[0] / full;
+                let output = output.slice(0..rows * per_row);
+                (
+                    eval.output_loss(output.clone(), batch.targets.clone()),
+                    output,
+                )
+            }
+            _ => eval.loss(batch.inputs, batch.targets.clone()),
+        };
         sums[0] += eval.correct(&output, &batch.targets) as f64;
         sums[1] += n;
         sums[2] += f64::from(loss.into_scalar::<f32>()) * n;
@@ -294,4 +325,89 @@ pub(crate) fn finish<M: Module>(
         }
     }
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::{Device, Int, Tensor, TensorData};
+    use ddp_models::{GptConfig, MnistMlpConfig};
+
+    /// `rows` inputs of `shape` (after the batch dimension) and `per_row` targets each,
+    /// deterministic, on `device`.
+    fn batch<const D: usize>(
+        first: usize,
+        rows: usize,
+        shape: [usize; D],
+        per_row: usize,
+        classes: usize,
+        device: &Device,
+    ) -> Batch<D> {
+        let each: usize = shape[1..].iter().product();
+        let values: Vec<f32> = (0..rows * each)
+            .map(|i| ((first * each + i) * 7919 % 101) as f32 / 10.0)
+            .collect();
+        let mut dims = shape;
+        dims[0] = rows;
+        let targets: Vec<i64> = (0..rows * per_row)
+            .map(|i| ((first * per_row + i) * 31 % classes) as i64)
+            .collect();
+        Batch {
+            inputs: Tensor::from_data(TensorData::new(values, dims), device),
+            targets: Tensor::<1, Int>::from_data(
+                TensorData::new(targets, [rows * per_row]),
+                device,
+            ),
+        }
+    }
+
+    /// `local_eval` of `sizes`-row batches with `pad_to`, against the reference: the same
+    /// samples one at a time, unpadded (another shape, each row on its own).
+    fn check<M: Module + Classifier<D>, const D: usize>(
+        model: &M,
+        sizes: &[usize],
+        shape: [usize; D],
+        per_row: usize,
+        classes: usize,
+        device: &Device,
+    ) {
+        let mut batches = Vec::new();
+        let mut first = 0;
+        for &rows in sizes {
+            batches.push(batch(first, rows, shape, per_row, classes, device));
+            first += rows;
+        }
+        let singles: Vec<Batch<D>> = (0..first)
+            .map(|i| batch(i, 1, shape, per_row, classes, device))
+            .collect();
+        let reference = local_eval(model, singles.into_iter().map(Ok), None).unwrap();
+        let padded = local_eval(model, batches.into_iter().map(Ok), Some(sizes[0])).unwrap();
+        assert_eq!(padded[0], reference[0], "correct predictions");
+        assert_eq!(padded[1], (first * per_row) as f64, "samples counted");
+        assert_eq!(padded[1], reference[1]);
+        assert!(
+            (padded[2] - reference[2]).abs() <= 1e-4 * reference[2].abs().max(1.0),
+            "loss sums: padded {} vs one at a time {}",
+            padded[2],
+            reference[2]
+        );
+    }
+
+    /// The last partial batch padded to the training batch's rows: the count, the samples and
+    /// the loss are those of the real rows alone (an MLP on images; a GPT, whose rows each give
+    /// several outputs and targets).
+    #[test]
+    fn a_padded_last_batch_counts_its_real_rows_alone() {
+        let device = Device::flex();
+        device.seed(5);
+        let mlp = MnistMlpConfig::new().init(&device);
+        check(&mlp, &[8, 8, 3], [8, 1, 28, 28], 1, 10, &device);
+        let gpt = GptConfig::new(11)
+            .with_block_size(8)
+            .with_n_layer(1)
+            .with_n_head(2)
+            .with_n_embd(8)
+            .init(&device);
+        check(&gpt, &[4, 1], [4, 8], 8, 11, &device);
+    }
 }

@@ -21,7 +21,7 @@ use ddp_data::{
 };
 use ddp_models::Classifier;
 
-use crate::frame::{checkpoint_to_resume, local_eval, step_seed, sum_eval, Ending, Say};
+use crate::frame::{checkpoint_to_resume, eval_pad, local_eval, step_seed, sum_eval, Ending, Say};
 pub use crate::frame::{peak_rss_mib, Data, RunSummary, Task};
 use crate::metrics::{EpochMetrics, MetricsWriter};
 use crate::options::TrainConfig;
@@ -409,7 +409,7 @@ where
         summary.buckets += comm.buckets;
         summary.buckets_during_backward += comm.buckets_during_backward;
 
-        let local = local_eval(&model, test_feed.batches()?)?;
+        let local = local_eval(&model, test_feed.batches()?, eval_pad(cfg))?;
         let (correct, total, test_loss) = sum_eval(&pg, local)?;
         let accuracy = correct as f64 / total.max(1) as f64;
         let train_loss = loss_sum / batches.max(1) as f64;

@@ -227,6 +227,7 @@ pub struct ElasticSampler {
     shuffle: bool,
     seed: u64,
     epoch: u64,
+    drop_last: bool,
 }
 
 /// One rank's share of one step of an [`ElasticSampler`].
@@ -259,7 +260,17 @@ impl ElasticSampler {
             shuffle: true,
             seed: 0,
             epoch: 0,
+            drop_last: false,
         })
+    }
+
+    /// Ends each epoch before a step that would be partial (fewer than `world · batch_size`
+    /// samples left), like PyTorch's `drop_last=True`: every step then has every rank's batch
+    /// at its full size, one shape for a GPU backend's kernels. Off by default: the last step
+    /// takes what is left (every sample of the epoch trained once).
+    pub fn with_drop_last(mut self, drop_last: bool) -> ElasticSampler {
+        self.drop_last = drop_last;
+        self
     }
 
     /// Shuffles (the default) or keeps the dataset order.
@@ -303,11 +314,18 @@ impl ElasticSampler {
         }
     }
 
-    /// How many samples the step at `position` takes with `world` ranks (0 at the epoch's end).
+    /// How many samples the step at `position` takes with `world` ranks (0 at the epoch's end:
+    /// nothing left, or with [`with_drop_last`](Self::with_drop_last) less than a full step).
     pub fn step_len(&self, position: usize, world: usize) -> usize {
         let left = self.dataset_len.saturating_sub(position);
         let full = world.max(1) * self.batch_size;
-        if left < full + world.max(1) {
+        if self.drop_last {
+            if left >= full {
+                full
+            } else {
+                0
+            }
+        } else if left < full + world.max(1) {
             left
         } else {
             full
@@ -317,11 +335,13 @@ impl ElasticSampler {
     /// Steps left in the epoch from `position` with `world` ranks.
     pub fn steps_left(&self, mut position: usize, world: usize) -> usize {
         let mut steps = 0;
-        while position < self.dataset_len {
-            position += self.step_len(position, world);
+        loop {
+            match self.step_len(position, world) {
+                0 => return steps,
+                n => position += n,
+            }
             steps += 1;
         }
-        steps
     }
 
     /// Rank `rank`'s share of the step at `position` of the epoch whose order is `order`
@@ -488,6 +508,46 @@ mod tests {
         // A step takes the tail with it when fewer than W samples would be left after it.
         assert_eq!(sampler.step_len(1003 - 84, 5), 84);
         assert_eq!(sampler.step_len(1003 - 85, 5), 80);
+    }
+
+    /// With drop-last every step gives every rank a full batch (weight 1) through a world that
+    /// changes, and the epoch ends before the step that would be partial: the samples trained
+    /// are the order's prefix, each once, and what is left is less than a full step.
+    #[test]
+    fn with_drop_last_every_step_is_full_and_the_partial_tail_is_left() {
+        let sampler = ElasticSampler::new(1003, 16)
+            .unwrap()
+            .with_seed(7)
+            .with_drop_last(true);
+        let order = sampler.order();
+        let mut seen = vec![0u32; 1003];
+        let (mut position, mut step, mut world) = (0, 0, 3);
+        while let Some(first) = sampler.step(&order, position, world, 0) {
+            for r in 0..world {
+                let share = sampler.step(&order, position, world, r).unwrap();
+                assert_eq!((share.indices.len(), share.real), (16, 16), "step {step}");
+                assert_eq!(share.loss_scale, 1.0);
+                for &i in &share.indices {
+                    seen[i] += 1;
+                }
+            }
+            position = first.next;
+            step += 1;
+            world = if step < 10 { 3 } else { 5 };
+        }
+        // 10 steps of 48 (480), then 6 of 80 (960): 43 left, less than a step of 80.
+        assert_eq!((step, position), (16, 960));
+        let left = 1003 - position;
+        assert!(left < world * 16, "{left} samples left with world {world}");
+        assert_eq!(sampler.step_len(position, world), 0);
+        assert_eq!(sampler.steps_left(position, world), 0);
+        for (k, &i) in order.iter().enumerate() {
+            assert_eq!(
+                seen[i],
+                u32::from(k < position),
+                "sample at {k} of the order"
+            );
+        }
     }
 
     /// Fewer samples left than ranks: the ranks without one get a stand-in of weight 0.

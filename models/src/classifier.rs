@@ -13,8 +13,17 @@ pub trait Classifier<const D: usize> {
     /// single logit, as each model documents.
     fn forward(&self, input: Tensor<D>) -> Tensor<2>;
 
-    /// The mean loss over the batch (shape `[1]`) and the model's output for the batch.
-    fn loss(&self, input: Tensor<D>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<2>);
+    /// The mean loss (shape `[1]`) of `output`, rows that [`forward`](Self::forward) gave,
+    /// against their `targets`: a trainer that ran a padded batch (every batch of one shape,
+    /// so that a GPU backend tunes its kernels once) takes the loss of the real rows alone.
+    fn output_loss(&self, output: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1>;
+
+    /// The mean loss over the batch (shape `[1]`) and the model's output for the batch:
+    /// [`forward`](Self::forward), then [`output_loss`](Self::output_loss).
+    fn loss(&self, input: Tensor<D>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<2>) {
+        let output = self.forward(input);
+        (self.output_loss(output.clone(), targets), output)
+    }
 
     /// How many samples of the batch `output` predicts correctly.
     fn correct(&self, output: &Tensor<2>, targets: &Tensor<1, Int>) -> usize;

@@ -114,8 +114,8 @@ impl Classifier<4> for MnistCnn {
         MnistCnn::forward(self, input)
     }
 
-    fn loss(&self, input: Tensor<4>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<2>) {
-        MnistCnn::loss(self, input, targets)
+    fn output_loss(&self, output: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
+        nll_loss(output, targets)
     }
 
     fn correct(&self, output: &Tensor<2>, targets: &Tensor<1, Int>) -> usize {

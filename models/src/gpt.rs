@@ -276,8 +276,8 @@ impl Classifier<2> for Gpt {
         Gpt::forward(self, input.int())
     }
 
-    fn loss(&self, input: Tensor<2>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<2>) {
-        Gpt::loss(self, input.int(), targets)
+    fn output_loss(&self, output: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
+        cross_entropy(output, targets)
     }
 
     fn correct(&self, output: &Tensor<2>, targets: &Tensor<1, Int>) -> usize {

@@ -75,11 +75,10 @@ impl PimaMlp {
     /// `[batch, 1]`. `targets` are `0` or `1`, one per row.
     pub fn loss(&self, rows: Tensor<2>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<2>) {
         let logits = self.forward(rows);
-        let bce = BinaryCrossEntropyLossConfig::new()
-            .with_logits(true)
-            .init(&logits.device());
-        let loss = bce.forward(logits.clone().squeeze_dim::<1>(1), targets);
-        (loss, logits)
+        (
+            Classifier::output_loss(self, logits.clone(), targets),
+            logits,
+        )
     }
 }
 
@@ -88,8 +87,12 @@ impl Classifier<2> for PimaMlp {
         PimaMlp::forward(self, input)
     }
 
-    fn loss(&self, input: Tensor<2>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<2>) {
-        PimaMlp::loss(self, input, targets)
+    /// Binary cross-entropy of the logits.
+    fn output_loss(&self, output: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
+        let bce = BinaryCrossEntropyLossConfig::new()
+            .with_logits(true)
+            .init(&output.device());
+        bce.forward(output.squeeze_dim::<1>(1), targets)
     }
 
     /// A row is predicted positive when its logit is above 0 (probability above 0.5).

@@ -19,6 +19,14 @@ pub const ELASTIC_ENV: &str = "DDP_ELASTIC";
 /// ddprun also counts the ranks restarted alone, and so differs from rank to rank.
 pub const ELASTIC_ROUND_ENV: &str = "DDP_ELASTIC_ROUND";
 
+/// The variable that sets an elastic job's "last call" (seconds; torchrun's c10d rendezvous
+/// calls it `last_call_timeout`): once MIN processes have asked to found the job, the founding
+/// waits this long for more before generation 1 starts without them (unless MAX have asked).
+/// [`DEFAULT_LAST_CALL`](crate::DEFAULT_LAST_CALL) without it. A job whose processes start
+/// unevenly (a GPU process compiles its kernels before it asks: seconds to minutes on a cold
+/// cache) founds at MAX with a longer last call, rather than at MIN and healing the latecomers.
+pub const LAST_CALL_ENV: &str = "DDP_ELASTIC_LAST_CALL";
+
 /// The variable holding the job's secret (`DDP_TOKEN`): the same on every node, it
 /// authenticates ranks to ddp-comm's store and mesh, and seals an elastic job's membership
 /// records.

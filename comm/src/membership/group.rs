@@ -60,6 +60,7 @@ use crate::membership::seal::{open, present, read, read_record, seal, seal_json}
 use crate::rendezvous::store::Store;
 use crate::rendezvous::torch_store::agent_key_prefix;
 
+use crate::launcher::vars::LAST_CALL_ENV;
 pub use crate::launcher::vars::{ELASTIC_ENV, ELASTIC_ROUND_ENV};
 
 /// How long the founding waits for more processes once `MIN` have registered, unless `MAX`
@@ -100,7 +101,8 @@ impl ElasticConfig {
     /// `RANK`, the round [`ELASTIC_ROUND_ENV`] (else `TORCHELASTIC_RESTART_COUNT`), the store
     /// the launcher's at `MASTER_ADDR:MASTER_PORT`
     /// (`TORCHELASTIC_USE_AGENT_STORE=True`: required, since the store must outlive every
-    /// rank). `compat` is the program's (see [`ElasticConfig::compat`]).
+    /// rank). The last call is [`LAST_CALL_ENV`](crate::elastic::LAST_CALL_ENV)'s, else
+    /// [`DEFAULT_LAST_CALL`]. `compat` is the program's (see [`ElasticConfig::compat`]).
     pub fn from_env(compat: &str) -> Result<Option<ElasticConfig>, CommError> {
         ElasticConfig::from_vars(compat, &process_env)
     }
@@ -126,6 +128,20 @@ impl ElasticConfig {
             })?;
             base.torch_agent_store = base.torch_agent_store.map(|_| round);
         }
+        let last_call = match lookup(LAST_CALL_ENV).filter(|v| !v.trim().is_empty()) {
+            None => DEFAULT_LAST_CALL,
+            Some(text) => text
+                .trim()
+                .parse::<f64>()
+                .ok()
+                .and_then(|s| Duration::try_from_secs_f64(s).ok())
+                .ok_or_else(|| {
+                    CommError::config(
+                        LAST_CALL_ENV,
+                        format!("{LAST_CALL_ENV}={text:?}: expected seconds (2, 0.5, 60, ...)"),
+                    )
+                })?,
+        };
         if base.torch_agent_store.is_none() {
             return Err(CommError::config(
                 ELASTIC_ENV,
@@ -142,7 +158,7 @@ impl ElasticConfig {
             max,
             slot: base.rank,
             compat: compat.to_string(),
-            last_call: DEFAULT_LAST_CALL,
+            last_call,
             poll: DEFAULT_POLL,
             base,
         }))
@@ -710,6 +726,40 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!((c.min, c.max, c.slot), (2, 3, 2));
+        assert_eq!(c.last_call, DEFAULT_LAST_CALL);
+    }
+
+    /// `DDP_ELASTIC_LAST_CALL` sets the founding's last call; a value that is not seconds is
+    /// an error naming the variable and the value.
+    #[test]
+    fn the_last_call_comes_from_its_variable() {
+        let with = |last_call: &'static str| {
+            let pairs = [
+                ("DDP_ELASTIC", "1:2"),
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "29500"),
+                ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+                ("DDP_ELASTIC_LAST_CALL", last_call),
+            ];
+            ElasticConfig::from_vars("m", &move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            })
+        };
+        let c = with("60").unwrap().unwrap();
+        assert_eq!(c.last_call, Duration::from_secs(60));
+        assert_eq!(
+            with(" 0.5 ").unwrap().unwrap().last_call,
+            Duration::from_millis(500)
+        );
+        for bad in ["-1", "soon", "1e400"] {
+            let e = with(bad).unwrap_err().to_string();
+            assert!(e.contains(&format!("DDP_ELASTIC_LAST_CALL={bad:?}")), "{e}");
+        }
     }
 
     /// The store keys' round is ddprun's `DDP_ELASTIC_ROUND` where given, not torchrun's
