@@ -51,8 +51,15 @@ fn ddprun_mnist(nproc: usize, cache: &Path, args: &[&str]) -> Output {
 fn ddprun(nproc: usize, cache: &Path, args: &[&str]) -> Output {
     let mut command = Command::new(common::workspace_bin("ddprun"));
     common::clear_launcher_env(&mut command);
+    command.args(["--nproc-per-node", &nproc.to_string(), "--"]);
+    train_mnist(&mut command, cache).args(args);
+    common::output_with_deadline(&mut command, DEADLINE)
+}
+
+/// Adds `train-mnist --json --verbose --threads 1` on the real MNIST to a ddprun `command`, the
+/// kernel cache in `cache`.
+fn train_mnist<'a>(command: &'a mut Command, cache: &Path) -> &'a mut Command {
     command
-        .args(["--nproc-per-node", &nproc.to_string(), "--"])
         .arg(env!("CARGO_BIN_EXE_train-mnist"))
         .arg("--data-dir")
         .arg(mnist::real_mnist())
@@ -64,9 +71,7 @@ fn ddprun(nproc: usize, cache: &Path, args: &[&str]) -> Output {
             "--log-interval",
             "10",
         ])
-        .args(args)
-        .env("DDP_CACHE_DIR", cache);
-    common::output_with_deadline(&mut command, DEADLINE)
+        .env("DDP_CACHE_DIR", cache)
 }
 
 /// The kernel cache the device-tensor test's phases share, under the build's target folder:
@@ -251,10 +256,8 @@ fn vulkan_heal(cache: &Path, args: &[&str]) -> [String; 2] {
             .arg(node.to_string())
             .args(["--master-addr", "127.0.0.1", "--master-port"])
             .arg(port.to_string())
-            .args(["--max-restarts", &node.to_string(), "--"])
-            .arg(env!("CARGO_BIN_EXE_train-mnist"))
-            .arg("--data-dir")
-            .arg(mnist::real_mnist())
+            .args(["--max-restarts", &node.to_string(), "--"]);
+        train_mnist(&mut command, cache)
             .args([
                 "--backend",
                 "vulkan",
@@ -274,16 +277,7 @@ fn vulkan_heal(cache: &Path, args: &[&str]) -> [String; 2] {
                 "--epochs",
                 "1",
             ])
-            .args([
-                "--json",
-                "--verbose",
-                "--threads",
-                "1",
-                "--log-interval",
-                "10",
-            ])
             .args(args)
-            .env("DDP_CACHE_DIR", cache)
             .env("DDP_TEST_KILL_AT_STEP", "4")
             .env("DDP_TEST_KILL_RANK", "1")
             // Founded by both ranks, however unevenly they start (each compiles its kernels
