@@ -692,6 +692,7 @@ impl<M: Module> ElasticDdp<M> {
             }
         }
         phase("optimizer record decoded");
+        crate::elastic::heal_die::die_at(healed, "weights");
         let mut lost = 0;
         // Survivors alone hold the same parameters (a dropped step changed none, an applied
         // one all alike): they are not broadcast. Every member reads the same generation.
