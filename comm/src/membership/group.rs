@@ -324,6 +324,7 @@ impl ElasticGroup {
             if latest == 0 && !tried_founding {
                 tried_founding = true;
                 if self.store.add("g1/decider", 1)? == 1 {
+                    crate::membership::hooks::die_at(self.me.slot, "founding");
                     self.found(deadline)?;
                     continue;
                 }
