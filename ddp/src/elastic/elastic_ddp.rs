@@ -17,7 +17,11 @@
 //! (the wrapper's broadcast of rank 0's values, in place), rank 0's burn parameter ids with
 //! burn's optimizer record (DDP) or the resharded optimizer state (ZeRO, `elastic/reshard.rs`),
 //! and the run's [`Progress`] (step, epoch, position in the epoch, and bytes of the caller's
-//! own: its RNG state, its loss sums), all over the group's own transport.
+//! own: its RNG state, its loss sums), all over the group's own transport. A heal that fails
+//! in the group (a joiner died during it) changes no survivor's committed state: the heal
+//! works on a clone of the model sharing its tensors, and the survivors re-form again without
+//! the dead one; a rank being healed whose heal fails returns the error (it holds part of
+//! rank 0's state at most).
 //!
 //! ZeRO keeps each step's starting point until the vote (the wrapper steps into a second set of
 //! buffers, reused from step to step: `ShardedDataParallel::keep_starting_points`): a failure
