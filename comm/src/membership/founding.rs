@@ -14,7 +14,7 @@
 //! add on `g1/publish`), so a decider that was merely frozen and comes back publishes nothing
 //! and follows the published one. Every wait is bounded by the join's deadline.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::error::CommError;
 use crate::membership::beat::Liveness;
@@ -24,81 +24,66 @@ use crate::membership::records::Member;
 use crate::membership::seal::{present, read, seal_json};
 
 /// Deadline of one store call of the membership.
-const CALL: std::time::Duration = std::time::Duration::from_secs(30);
+const CALL: Duration = Duration::from_secs(30);
 
-/// Where a process stands in the founding decision.
-pub(crate) struct FoundingLease {
-    /// The lease raced for, or watched.
-    number: u64,
-    /// Whether this process has raced for it.
-    raced: bool,
-    /// Since when this process watches it.
-    watching: Instant,
-    /// Deciders of earlier leases that went silent before they published.
-    dead: Vec<Member>,
-}
-
-impl FoundingLease {
-    /// Lease 0, not raced for yet.
-    pub(crate) fn new() -> FoundingLease {
-        FoundingLease {
-            number: 0,
-            raced: false,
-            watching: Instant::now(),
-            dead: Vec::new(),
-        }
-    }
-}
+/// How often a waiter looks at the store.
+const POLL: Duration = Duration::from_millis(20);
 
 impl ElasticGroup {
-    /// One look at the founding decision while no generation exists (see the module
-    /// documentation): races for `lease` when this process has not yet, and founds the job when
-    /// it wins; else watches its decider and, once it has gone silent, moves to the next lease
-    /// (the caller calls again while no generation exists).
-    pub(crate) fn found_under_lease(
+    /// Waits until generation 1 exists, founding it when this process wins a lease (see the
+    /// module documentation), or until the job is done or `deadline` has passed (the caller
+    /// tells which). `live` watches the deciders' beats.
+    pub(crate) fn await_founding(
         &mut self,
-        lease: &mut FoundingLease,
         live: &mut Liveness,
         deadline: Instant,
     ) -> Result<(), CommError> {
-        let claim = format!("g1/decider/{}", lease.number);
-        let who_key = format!("{claim}/who");
-        if !lease.raced {
-            lease.raced = true;
-            lease.watching = Instant::now();
+        // Deciders of earlier leases that went silent before they published.
+        let mut dead: Vec<Member> = Vec::new();
+        let mut lease = 0u64;
+        loop {
+            let claim = format!("g1/decider/{lease}");
+            let who_key = format!("{claim}/who");
             if self.store.add(&claim, 1)? == 1 {
                 self.store
                     .set(&who_key, &seal_json(self.secret(), &who_key, &self.me))?;
-                if lease.number == 0 {
+                if lease == 0 {
                     die_at(self.me.slot, "founding");
                 }
-                return self.found(&lease.dead, deadline);
+                return self.found(&dead, deadline);
             }
-            return Ok(());
+            let watching = Instant::now();
+            loop {
+                if self.store.add("gen/latest", 0)? > 0
+                    || present(&self.store, self.secret(), "done")?
+                    || Instant::now() > deadline
+                {
+                    return Ok(());
+                }
+                let decider: Option<Member> = match present(&self.store, self.secret(), &who_key)? {
+                    true => read(&self.store, self.secret(), &who_key, CALL, true)?,
+                    false => None,
+                };
+                let gone = match &decider {
+                    Some(m) => !live.alive(&self.store, m)?,
+                    // The lease's winner died before it named itself.
+                    None => watching.elapsed() > self.config.base.peer_timeout,
+                };
+                if gone {
+                    tracing::warn!(
+                        "elastic: the founding decider ({}) went silent before publishing \
+                         generation 1; slot {} races for the next lease",
+                        decider
+                            .as_ref()
+                            .map_or("unnamed".to_string(), |m| format!("slot {}", m.slot)),
+                        self.me.slot
+                    );
+                    dead.extend(decider);
+                    lease += 1;
+                    break;
+                }
+                std::thread::sleep(POLL);
+            }
         }
-        let decider: Option<Member> = match present(&self.store, self.secret(), &who_key)? {
-            true => read(&self.store, self.secret(), &who_key, CALL, true)?,
-            false => None,
-        };
-        let gone = match &decider {
-            Some(m) if *m == self.me => false,
-            Some(m) => !live.alive(&self.store, m)?,
-            // The lease's winner died before it named itself.
-            None => lease.watching.elapsed() > self.config.base.peer_timeout,
-        };
-        if gone {
-            tracing::warn!(
-                "elastic: the founding decider ({}) went silent before publishing generation \
-                 1; slot {} races for the next lease",
-                decider
-                    .as_ref()
-                    .map_or("unnamed".to_string(), |m| format!("slot {}", m.slot)),
-                self.me.slot
-            );
-            lease.dead.extend(decider);
-            lease.number += 1;
-            lease.raced = false;
-        }
-        Ok(())
     }
 }

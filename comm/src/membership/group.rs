@@ -55,7 +55,6 @@ use crate::error::CommError;
 use crate::group::ProcessGroup;
 use crate::launcher::env::{process_env, resolve, Explicit, Lookup};
 use crate::membership::beat::{Beat, Liveness};
-use crate::membership::founding::FoundingLease;
 use crate::membership::poller::Poller;
 use crate::membership::records::{decide_founding, Generation, JobTerms, JoinRequest, Member};
 use crate::membership::seal::{open, present, read, read_record, seal, seal_json};
@@ -317,14 +316,16 @@ impl ElasticGroup {
         let mut n = self.request_to_join()?;
         let mut live = Liveness::new(self.config.base.peer_timeout);
         let mut seen = self.generation.number;
-        let mut founding = FoundingLease::new();
+        let mut tried_founding = false;
         loop {
             if present(&self.store, self.secret(), "done")? {
                 return Ok(None);
             }
-            let latest = self.store.add("gen/latest", 0)?.max(0) as u64;
-            if latest == 0 {
-                self.found_under_lease(&mut founding, &mut live, deadline)?;
+            let mut latest = self.store.add("gen/latest", 0)?.max(0) as u64;
+            if latest == 0 && !tried_founding {
+                tried_founding = true;
+                self.await_founding(&mut live, deadline)?;
+                latest = self.store.add("gen/latest", 0)?.max(0) as u64;
             }
             while seen < latest {
                 seen += 1;
