@@ -424,3 +424,74 @@ fn a_joiner_with_another_lr_or_bucket_size_is_refused_and_the_job_goes_on() {
     }
     assert_eq!(hashes[0], hashes[1], "replicas differ");
 }
+
+/// Two agents train; a third agent's rank asks to join and kills itself in the middle of its
+/// heal (`DDP_TEST_HEAL_DIE=weights`: its group formed, rank 0 sent it the progress, the
+/// parameter ids and the optimizer record, the survivors are about to broadcast the weights),
+/// and its agent may not restart it. The survivors keep their committed state across the
+/// failed heal, re-form again at 2 without it, and finish the epoch: every sample trained
+/// once, no step repeated, equal weights; their next step comes well before the peer timeout.
+/// Returns the milliseconds from the joiner's death to each survivor's next step.
+fn joiner_dies_during_its_heal(extra: &[&str]) -> Vec<u128> {
+    let _alone = one_at_a_time();
+    let samples = 8_000;
+    let args = trainer_args(samples, extra);
+    let port = free_port();
+    let deadline = Instant::now() + DEADLINE;
+    let env = [("DDP_PEER_TIMEOUT", PEER_TIMEOUT_S)];
+    let mut agents: Vec<Agent> = (0..2).map(|n| agent(n, port, 0, &env, &args)).collect();
+    agents[0].wait_for("step 5 (", deadline);
+    let die = [
+        ("DDP_PEER_TIMEOUT", PEER_TIMEOUT_S),
+        ("DDP_TEST_HEAL_DIE", "weights"),
+    ];
+    let mut joiner = agent(2, port, 0, &die, &args);
+    let line = joiner.wait_for("kills this joiner (weights) at ", deadline);
+    let died_at = number_after(&line, " at ");
+    let (ok, lines) = joiner.finish();
+    assert!(!ok, "the joiner killed itself:\n{}", lines.join("\n"));
+    let mut next_steps = Vec::new();
+    for (n, a) in agents.iter_mut().enumerate() {
+        let change = a.wait_for("elastic: generation ", deadline);
+        assert!(
+            change.contains(" of 2 ") && change.contains("slot 2"),
+            "node {n}: the change after the failed heal is not back at 2 without slot 2: {change}"
+        );
+        let line = a.wait_for("elastic: step ", deadline);
+        next_steps.push(number_after(&line, " at ").saturating_sub(died_at));
+    }
+    let timeout_ms: u128 = PEER_TIMEOUT_S.parse::<u128>().unwrap() * 1000;
+    assert!(
+        next_steps.iter().all(|&ms| ms < timeout_ms / 2),
+        "the survivors' next steps came {next_steps:?} ms after the joiner's death"
+    );
+    let finished: Vec<(bool, Vec<String>)> = agents.iter_mut().map(Agent::finish).collect();
+    let mut hashes = Vec::new();
+    for (n, (ok, lines)) in finished.iter().enumerate() {
+        let all = lines.join("\n");
+        assert!(ok, "node {n} failed:\n{all}");
+        // The heal failed on this survivor (not a step after it): it kept its state.
+        assert!(
+            all.contains("keeps its committed state"),
+            "node {n}: no failed heal:\n{all}"
+        );
+        let s = json_after(lines, "DDP_ELASTIC_SUMMARY ");
+        check_whole_epoch(&s, samples as u64, &format!("node {n}"));
+        assert_eq!(s["steps_dropped"], 0, "node {n}: {s}");
+        assert_eq!(s["summary"]["world_size"], 2, "node {n}: {s}");
+        hashes.push(s["summary"]["params_hash"].clone());
+    }
+    assert_eq!(hashes[0], hashes[1], "replicas differ");
+    eprintln!("joiner killed during its heal: survivors' next steps {next_steps:?} ms after it");
+    next_steps
+}
+
+#[test]
+fn a_joiner_killed_during_its_heal_leaves_the_survivors_training() {
+    joiner_dies_during_its_heal(&[]);
+}
+
+#[test]
+fn a_joiner_killed_during_its_heal_with_zero_stage_2() {
+    joiner_dies_during_its_heal(&["--zero-stage", "2"]);
+}

@@ -570,3 +570,56 @@ fn a_busy_survivor_is_waited_for_not_dropped() {
         lines.join("\n")
     );
 }
+
+/// The process that wins the founding decision dies before it publishes generation 1: the
+/// others take the decision over once its beat stops (the peer timeout, 2 s here), found the
+/// job without it, and train every step at world 2; none waits for the connect deadline.
+#[test]
+fn the_founding_decider_killed_before_it_publishes_is_replaced() {
+    let job = Job::new("2:3");
+    let env = [
+        ("PEER_STEPS", "30"),
+        ("PEER_SLEEP_MS", "20"),
+        ("DDP_CONNECT_TIMEOUT", "20"),
+        ("DDP_TEST_ELASTIC_DIE", "any:founding"),
+    ];
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let mut peers: Vec<Peer> = (0..3).map(|s| job.spawn(s, &env)).collect();
+    // The decider is whoever won the counter: find it by its exit.
+    let mut decider = None;
+    let mut died = 0;
+    let until = Instant::now() + Duration::from_secs(20);
+    while decider.is_none() {
+        for (s, p) in peers.iter_mut().enumerate() {
+            if p.child.try_wait().unwrap().is_some() {
+                let (_, lines) = p.finish(deadline);
+                died = field(line_with(&lines, "kills it (founding)"), "at");
+                decider = Some(s);
+            }
+        }
+        assert!(Instant::now() < until, "no founding decider died");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let decider = decider.unwrap();
+    let mut first_steps = Vec::new();
+    for s in (0..3).filter(|&s| s != decider) {
+        let (status, lines) = peers[s].finish(deadline);
+        let all = lines.join("\n");
+        assert!(status.success(), "slot {s}:\n{all}");
+        check_each_once(&steps(&lines), 1, 30, &format!("slot {s}"));
+        let first = line_with(&lines, " step 1 at ");
+        assert!(
+            first.contains("gen 1 ") && first.contains("world 2 "),
+            "slot {s}: {first}"
+        );
+        first_steps.push(field(first, "at") - died);
+    }
+    eprintln!(
+        "the founding decider (slot {decider}) died; the others' first steps came \
+         {first_steps:?} ms later"
+    );
+    assert!(
+        first_steps.iter().all(|&ms| ms < 10_000),
+        "{first_steps:?} ms"
+    );
+}

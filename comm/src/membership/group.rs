@@ -12,8 +12,9 @@
 //! * `terms`: what every process must share (job id, MIN:MAX, the program's `compat`); a
 //!   process that differs is refused naming the field, and the job is not disturbed.
 //! * `joins`, `join/<n>`: join requests, numbered by an atomic add.
-//! * `gen/latest`, `gen/<g>`: the generations, decided once each by whoever wins the atomic
-//!   add on `g<g>/decider`; `g<g>/report/<slot>`: the survivors' reports when generation g
+//! * `gen/latest`, `gen/<g>`: the generations, decided once each by whoever holds the lease
+//!   `g<g>/decider/<lease>` (an atomic add; the founding one too, `membership/founding.rs`);
+//!   `g<g>/report/<slot>`: the survivors' reports when generation g
 //!   ends; `done`: the job finished. With a secret (`DDP_TOKEN`) every record is sealed with
 //!   it and one that fails the check is ignored (`elastic_seal.rs`): a stranger at the store
 //!   can neither end the job, nor break a generation, nor join it.
@@ -336,13 +337,11 @@ impl ElasticGroup {
             if present(&self.store, self.secret(), "done")? {
                 return Ok(None);
             }
-            let latest = self.store.add("gen/latest", 0)?.max(0) as u64;
+            let mut latest = self.store.add("gen/latest", 0)?.max(0) as u64;
             if latest == 0 && !tried_founding {
                 tried_founding = true;
-                if self.store.add("g1/decider", 1)? == 1 {
-                    self.found(deadline)?;
-                    continue;
-                }
+                self.await_founding(&mut live, deadline)?;
+                latest = self.store.add("gen/latest", 0)?.max(0) as u64;
             }
             while seen < latest {
                 seen += 1;
@@ -413,15 +412,21 @@ impl ElasticGroup {
         Ok(n)
     }
 
-    /// The founding decision (this process won it): waits until `MAX` processes registered, or
-    /// `MIN` did and the last call passed, then publishes generation 1.
-    fn found(&mut self, deadline: Instant) -> Result<(), CommError> {
+    /// The founding decision (this process won its lease, `membership/founding.rs`): waits until
+    /// `MAX` processes registered, or `MIN` did and the last call passed, then publishes
+    /// generation 1, unless another decider published it first. The requests of `dead`
+    /// (deciders of earlier leases that went silent) do not count.
+    pub(super) fn found(&mut self, dead: &[Member], deadline: Instant) -> Result<(), CommError> {
         let mut requests: Vec<(u64, JoinRequest)> = Vec::new();
         let mut min_since: Option<Instant> = None;
         loop {
             let count = self.store.add("joins", 0)?.max(0) as u64;
             self.read_requests(&mut requests, count)?;
-            let mut slots: Vec<usize> = requests.iter().map(|(_, r)| r.member.slot).collect();
+            let mut slots: Vec<usize> = requests
+                .iter()
+                .filter(|(_, r)| !dead.contains(&r.member))
+                .map(|(_, r)| r.member.slot)
+                .collect();
             slots.sort_unstable();
             slots.dedup();
             if slots.len() >= self.config.max {
@@ -448,7 +453,22 @@ impl ElasticGroup {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        self.publish(&decide_founding(&requests, self.config.max))
+        let alive: Vec<(u64, JoinRequest)> = requests
+            .iter()
+            .filter(|(_, r)| !dead.contains(&r.member))
+            .cloned()
+            .collect();
+        let mut generation = decide_founding(&alive, self.config.max);
+        // The dead deciders' requests are seen too: no later generation admits them.
+        generation.joins_seen = requests.last().map_or(0, |(n, _)| *n);
+        if self.store.add("g1/publish", 1)? != 1 {
+            tracing::warn!(
+                "elastic: slot {} decided generation 1 after another decider published it",
+                self.me.slot
+            );
+            return Ok(());
+        }
+        self.publish(&generation)
     }
 
     /// Reads the join requests up to `count` not yet in `requests` (numbered from 1).

@@ -6,7 +6,7 @@
 /// `SIGKILL` at `stage`: `reported` (its report of the first re-form written, before anything
 /// else), `deciding` (it won the decision of generation 2 and has not published it),
 /// `admitted` (a joiner read the generation that admits it into a running job, before forming
-/// its group).
+/// its group), `founding` (it won the founding decision and has not published generation 1).
 pub(crate) const DIE_ENV: &str = "DDP_TEST_ELASTIC_DIE";
 
 /// Kills this process when [`DIE_ENV`] names `slot` (or `any`) and `stage`, saying so on stderr

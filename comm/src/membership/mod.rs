@@ -1,13 +1,15 @@
 //! Elastic membership: [`ElasticGroup`](crate::ElasticGroup), a group whose ranks leave and
 //! join while the job runs, through the launcher's store (`group.rs`; its re-form in rounds
-//! that survive a second failure, `reform.rs`; each process's beat in the store, `beat.rs`;
-//! test hooks, `hooks.rs`); its records and
+//! that survive a second failure, `reform.rs`; the founding decision under a lease,
+//! `founding.rs`; each process's beat in the store, `beat.rs`; test hooks, `hooks.rs`); its
+//! records and
 //! decisions, who is in each generation and from which step it continues (`records.rs`, whose
 //! items are public here); and the launchers of an elastic job in its store (`agents.rs`:
 //! [`AgentPresence`](crate::AgentPresence), [`AgentWatch`](crate::AgentWatch)).
 
 pub(crate) mod agents;
 pub(crate) mod beat;
+pub(crate) mod founding;
 pub(crate) mod group;
 pub(crate) mod hooks;
 pub(crate) mod poller;

@@ -17,7 +17,11 @@
 //! (the wrapper's broadcast of rank 0's values, in place), rank 0's burn parameter ids with
 //! burn's optimizer record (DDP) or the resharded optimizer state (ZeRO, `elastic/reshard.rs`),
 //! and the run's [`Progress`] (step, epoch, position in the epoch, and bytes of the caller's
-//! own: its RNG state, its loss sums), all over the group's own transport.
+//! own: its RNG state, its loss sums), all over the group's own transport. A heal that fails
+//! in the group (a joiner died during it) changes no survivor's committed state: the heal
+//! works on a clone of the model sharing its tensors, and the survivors re-form again without
+//! the dead one; a rank being healed whose heal fails returns the error (it holds part of
+//! rank 0's state at most).
 //!
 //! ZeRO keeps each step's starting point until the vote (the wrapper steps into a second set of
 //! buffers, reused from step to step: `ShardedDataParallel::keep_starting_points`): a failure
@@ -267,8 +271,14 @@ impl<M: Module> ElasticDdp<M> {
             vote_time: Duration::ZERO,
             backwards_skipped: 0,
         };
-        run.heal_and_wrap(healed, None)?;
-        Ok(run)
+        match run.heal_and_wrap(healed, None) {
+            Ok(_) => Ok(run),
+            Err(e) if healed => {
+                let generation = run.group.generation().number;
+                Err(heal_failed(generation, run.group.rank(), e))
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// The model of the last committed step.
@@ -516,6 +526,14 @@ impl<M: Module> ElasticDdp<M> {
     /// re-forms, commits or drops the step in flight as decided, heals the joiners and wraps
     /// the model in the new group. `finished`: the step this rank finished but whose vote did
     /// not complete (the model and a ZeRO wrapper hold the committed state meanwhile).
+    ///
+    /// A heal that fails in the group (a joiner died while rank 0 sent it the state, or any
+    /// member during the wrapper's broadcast or ZeRO's resharding) leaves a survivor's
+    /// committed state as it was ([`heal_and_wrap`](Self::heal_and_wrap) gives it back): the
+    /// survivor re-forms again, blaming the failure, in as many rounds as it takes, until a
+    /// heal succeeds or the job is below its minimum. A rank being healed whose heal fails
+    /// holds no consistent state and returns the error (its process exits; its agent may
+    /// restart it, and it joins as a new process would).
     fn reform(
         &mut self,
         finished_step: bool,
@@ -529,69 +547,87 @@ impl<M: Module> ElasticDdp<M> {
             _ => None,
         };
         self.wrapped = None;
-        let status = StepStatus {
-            committed: self.progress.step,
-            finished: finished_step,
-        };
-        let Some(change) = self.group.reform(status, cause.as_ref())? else {
-            return Ok(Outcome::Finished);
-        };
-        tracing::debug!(
-            "elastic re-form, rank {}: generation {} agreed in {:.3} s",
-            change.rank,
-            change.generation.number,
-            started.elapsed().as_secs_f64()
-        );
         let mut dropped = cause.is_some();
-        match (change.action, finished) {
-            (Continue::ApplyFinished, Some(Finished::Ddp { grads, lr, after })) => {
-                let model = self
-                    .model
-                    .take()
-                    .expect("the model is back after every call");
-                self.model = Some(self.apply_ddp(model, lr, grads));
-                self.progress = after;
-                self.committed_at = Some(SystemTime::now());
-                dropped = false;
+        let (mut finished_step, mut cause, mut finished) = (finished_step, cause, finished);
+        loop {
+            let status = StepStatus {
+                committed: self.progress.step,
+                finished: finished_step,
+            };
+            let Some(change) = self.group.reform(status, cause.as_ref())? else {
+                return Ok(Outcome::Finished);
+            };
+            tracing::debug!(
+                "elastic re-form, rank {}: generation {} agreed in {:.3} s",
+                change.rank,
+                change.generation.number,
+                started.elapsed().as_secs_f64()
+            );
+            match (change.action, finished.take()) {
+                (Continue::ApplyFinished, Some(Finished::Ddp { grads, lr, after })) => {
+                    let model = self
+                        .model
+                        .take()
+                        .expect("the model is back after every call");
+                    self.model = Some(self.apply_ddp(model, lr, grads));
+                    self.progress = after;
+                    self.committed_at = Some(SystemTime::now());
+                    dropped = false;
+                }
+                (
+                    Continue::ApplyFinished,
+                    Some(Finished::Zero {
+                        model,
+                        shard: stepped,
+                        after,
+                    }),
+                ) => {
+                    self.model = Some(model);
+                    shard = Some(stepped);
+                    self.progress = after;
+                    self.committed_at = Some(SystemTime::now());
+                    dropped = false;
+                }
+                (Continue::ApplyFinished, None) => {
+                    return Err(DdpError::Config(format!(
+                        "elastic: generation {} applies step {} which this rank does not hold",
+                        change.generation.number, change.generation.step
+                    )))
+                }
+                // Dropped, or nothing was in flight: the committed state (ZeRO's wrapper went
+                // back to the step's starting point already).
+                _ => {}
             }
-            (
-                Continue::ApplyFinished,
-                Some(Finished::Zero {
-                    model,
-                    shard: stepped,
-                    after,
-                }),
-            ) => {
-                self.model = Some(model);
-                shard = Some(stepped);
-                self.progress = after;
-                self.committed_at = Some(SystemTime::now());
-                dropped = false;
+            if change.healed {
+                shard = None;
             }
-            (Continue::ApplyFinished, None) => {
-                return Err(DdpError::Config(format!(
-                    "elastic: generation {} applies step {} which this rank does not hold",
-                    change.generation.number, change.generation.step
-                )))
-            }
-            // Dropped, or nothing was in flight: the committed state (ZeRO's wrapper went
-            // back to the step's starting point already).
-            _ => {}
+            let number = change.generation.number;
+            let e = match self.heal_and_wrap(change.healed, shard.as_deref()) {
+                Ok(lost) => {
+                    return Ok(Outcome::Changed(Membership {
+                        generation: number,
+                        rank: change.rank,
+                        world_size: change.generation.members.len(),
+                        joined: change.generation.joined.clone(),
+                        left: change.generation.left.clone(),
+                        dropped: dropped && !change.healed,
+                        healed: change.healed,
+                        lost_state: lost,
+                    }))
+                }
+                Err(e) if change.healed => return Err(heal_failed(number, change.rank, e)),
+                Err(DdpError::Comm(e)) => e,
+                Err(e) => return Err(e),
+            };
+            tracing::warn!(
+                "elastic: the heal of generation {number} failed on rank {} ({e}); this rank \
+                 keeps its committed state (step {}) and re-forms again",
+                change.rank,
+                self.progress.step
+            );
+            // Nothing is in flight any more: the step was applied or dropped above.
+            (finished_step, cause) = (false, Some(e));
         }
-        if change.healed {
-            shard = None;
-        }
-        let lost = self.heal_and_wrap(change.healed, shard.as_deref())?;
-        Ok(Outcome::Changed(Membership {
-            generation: change.generation.number,
-            rank: change.rank,
-            world_size: change.generation.members.len(),
-            joined: change.generation.joined.clone(),
-            left: change.generation.left.clone(),
-            dropped: dropped && !change.healed,
-            healed: change.healed,
-            lost_state: lost,
-        }))
     }
 
     /// In the current generation's group, every member at the same point: rank 0 sends the
@@ -607,7 +643,33 @@ impl<M: Module> ElasticDdp<M> {
     /// (DDP: burn's optimizer state, the only part that must be serialised, since burn keeps it
     /// private; ZeRO's state is resharded from the survivors' shards instead). A model record
     /// would carry the weights a second time, encoded and decoded.
+    ///
+    /// A heal that fails leaves this rank's committed state in place, model and progress (the
+    /// optimizer changes on a rank being healed only, a ZeRO shard is the caller's): the model
+    /// goes into the
+    /// heal as a clone that shares its tensors, so the heal's in-place broadcasts write into
+    /// copies and never into the committed weights; the clone's cost is one copy of the values
+    /// the heal sends (every weight when joiners come, the buffers otherwise), and none on a
+    /// GPU, whose values are copied to the host for the broadcast anyway. So a survivor whose
+    /// heal stopped halfway holds the weights it held before, the same as every other
+    /// survivor's, and re-forms ([`reform`](Self::reform)).
     fn heal_and_wrap(&mut self, healed: bool, shard: Option<&[u8]>) -> Result<usize, DdpError> {
+        let committed = self
+            .model
+            .clone()
+            .expect("the model is back after every call");
+        let progress = self.progress.clone();
+        let result = self.try_heal_and_wrap(healed, shard);
+        if result.is_err() {
+            self.model = Some(committed);
+            self.progress = progress;
+            self.wrapped = None;
+        }
+        result
+    }
+
+    /// [`heal_and_wrap`](Self::heal_and_wrap)'s heal, which may lose the model on failure.
+    fn try_heal_and_wrap(&mut self, healed: bool, shard: Option<&[u8]>) -> Result<usize, DdpError> {
         let pg = Arc::clone(self.group.group());
         let generation = self.group.generation();
         let has_joiners = generation.number > 1 && !generation.joined.is_empty();
@@ -692,6 +754,7 @@ impl<M: Module> ElasticDdp<M> {
             }
         }
         phase("optimizer record decoded");
+        crate::elastic::heal_die::die_at(healed, "weights");
         let mut lost = 0;
         // Survivors alone hold the same parameters (a dropped step changed none, an applied
         // one all alike): they are not broadcast. Every member reads the same generation.
@@ -719,6 +782,17 @@ impl<M: Module> ElasticDdp<M> {
         self.wrapped = Some(wrapped);
         Ok(lost)
     }
+}
+
+/// The error of a rank being healed (a joiner, or a member left out and back) whose heal in
+/// generation `generation` (as rank `rank`) failed with `e`: it holds part of rank 0's state at
+/// most, so it must not train; its process exits, and its agent may restart it.
+fn heal_failed(generation: u64, rank: usize, e: DdpError) -> DdpError {
+    DdpError::Config(format!(
+        "elastic: the heal of this rank (rank {rank} of generation {generation}) failed: {e}; \
+         it holds no consistent state and cannot train, so it exits (its agent may restart \
+         it: it joins again as a new process)"
+    ))
 }
 
 /// Refuses a communication hook with state per rank (PowerSGD) under elastic training, with
