@@ -12,16 +12,21 @@
 //! ([`AgentWatch`]), and takes a launcher whose beat stopped for [`AGENT_SILENCE`] for gone
 //! (its node died hard), so that it never waits forever.
 //!
+//! Every other launcher also hosts a standby store and publishes it here (`standby.rs`); when
+//! node 0 is lost, the ranks move to the lowest live standby, each other launcher's presence
+//! follows them there, and the launcher whose standby it is keeps it as node 0's did.
+//!
 //! Keys, under [`AGENTS_PREFIX`] (the job's, across its rounds): `node/<n>` (node n's launcher
 //! registered), `beat/<n>` (a counter it adds 1 to every [`AGENT_BEAT`]), `left/<n>` (it
-//! left) and `next_node` (the node ranks handed out to launchers started without one,
-//! [`next_node_rank`]).
+//! left), `next_node` (the node ranks handed out to launchers started without one,
+//! [`next_node_rank`]) and the standby stores' `standby/...` (`standby.rs`).
 
-use std::sync::mpsc;
+use std::sync::{mpsc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::CommError;
+use crate::membership::standby::{connect_first, publish, reachable, Standby, StandbyReader};
 use crate::rendezvous::store::Store;
 use crate::rendezvous::torch_store_server::TorchStoreHost;
 
@@ -61,13 +66,18 @@ impl AgentPresence {
     /// Registers node `node`'s launcher in the store at `addr:port` and beats every `beat`,
     /// from a thread of its own: the thread connects (retrying until `connect_by`: node 0's
     /// launcher may start later) and registers. Never blocks; an unreachable store only means
-    /// that node 0's launcher will not wait for this one.
+    /// that node 0's launcher will not wait for this one. With `standby` (the port of this
+    /// launcher's standby store, `standby.rs`), the thread first publishes it, sealed with
+    /// `secret`, at the address this launcher reaches the store from; and when the store is
+    /// lost it follows the job's ranks to the standby they move to (the lowest node's that
+    /// accepts a connection) and registers and beats there.
     pub fn start(
         node: usize,
-        addr: &str,
-        port: u16,
+        (addr, port): (&str, u16),
         beat: Duration,
         connect_by: Instant,
+        standby: Option<u16>,
+        secret: Option<String>,
     ) -> Result<AgentPresence, CommError> {
         let (stop_tx, stop_rx) = mpsc::channel::<()>();
         let (left_tx, left) = mpsc::channel::<()>();
@@ -84,9 +94,17 @@ impl AgentPresence {
                     CALL,
                 );
                 if let Ok(store) = store {
-                    if store.add(&format!("node/{node}"), 1).is_ok() {
-                        present(&store, node, beat, &stop_rx);
+                    if let Some(standby_port) = standby {
+                        let mine = Standby {
+                            node,
+                            host: store.local_addr().ip().to_string(),
+                            port: standby_port,
+                        };
+                        if let Err(e) = publish(&store, "", &mine, secret.as_deref()) {
+                            tracing::warn!("ddprun: cannot publish node {node}'s standby: {e}");
+                        }
                     }
+                    follow(store, (node, &addr, port), beat, &stop_rx, secret);
                 }
                 let _ = left_tx.send(());
             })
@@ -99,6 +117,46 @@ impl AgentPresence {
             left,
             thread: Some(thread),
         })
+    }
+}
+
+/// Registers and beats in `store` (node `node`'s launcher; the store at `addr:port`) until
+/// `stop` closes; when the store is lost (a beat fails and nothing accepts a connection at its
+/// address any more), moves to the standby the ranks move to and goes on there.
+fn follow(
+    mut store: Store,
+    (node, addr, port): (usize, &str, u16),
+    beat: Duration,
+    stop: &mpsc::Receiver<()>,
+    secret: Option<String>,
+) {
+    let mut reader = StandbyReader::under_agents(secret);
+    let standbys = Mutex::new(Vec::new());
+    let mut lost: Vec<String> = Vec::new();
+    let (mut host, mut port) = (addr.to_string(), port);
+    loop {
+        if store.add(&format!("node/{node}"), 1).is_ok()
+            && present(&store, node, beat, stop, &mut reader, &standbys)
+        {
+            return;
+        }
+        if reachable(&host, port) {
+            return;
+        }
+        lost.push(store.address().to_string());
+        let list = standbys.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let Some((standby, next)) = connect_first(&list, &mut lost, node, AGENTS_PREFIX, CALL)
+        else {
+            return;
+        };
+        tracing::warn!(
+            "ddprun: node {node}'s launcher lost the store at {}; following the job to node \
+             {}'s standby at {}",
+            store.address(),
+            standby.node,
+            standby.address()
+        );
+        (store, host, port) = (next, standby.host, standby.port);
     }
 }
 
@@ -122,13 +180,22 @@ pub fn next_node_rank(addr: &str, port: u16, connect_by: Instant) -> Result<usiz
         })
 }
 
-/// Beats until `stop` closes, then says that this launcher left.
-fn present(store: &Store, node: usize, beat: Duration, stop: &mpsc::Receiver<()>) {
+/// Beats until `stop` closes, then says that this launcher left (`true`), or until a beat
+/// fails (`false`); keeps `standbys` up to date meanwhile.
+fn present(
+    store: &Store,
+    node: usize,
+    beat: Duration,
+    stop: &mpsc::Receiver<()>,
+    reader: &mut StandbyReader,
+    standbys: &Mutex<Vec<Standby>>,
+) -> bool {
     let key = format!("beat/{node}");
     loop {
         if store.add(&key, 1).is_err() {
-            return;
+            return false;
         }
+        let _ = reader.refresh(store, standbys);
         match stop.recv_timeout(beat) {
             Err(mpsc::RecvTimeoutError::Timeout) => continue,
             _ => break,
@@ -136,6 +203,7 @@ fn present(store: &Store, node: usize, beat: Duration, stop: &mpsc::Receiver<()>
     }
     // An add, not a set: its answer says the store holds it (a set is not answered).
     let _ = store.add(&format!("left/{node}"), 1);
+    true
 }
 
 impl Drop for AgentPresence {
@@ -252,9 +320,11 @@ mod tests {
         let mut watch = AgentWatch::new(3, Duration::from_secs(10));
         assert!(watch.present(&host).is_empty());
         let by = Instant::now() + Duration::from_secs(10);
-        let two = AgentPresence::start(2, "127.0.0.1", host.port(), AGENT_BEAT, by).unwrap();
+        let two = AgentPresence::start(2, ("127.0.0.1", host.port()), AGENT_BEAT, by, None, None)
+            .unwrap();
         until("node 2 registered", || watch.present(&host) == vec![2]);
-        let one = AgentPresence::start(1, "127.0.0.1", host.port(), AGENT_BEAT, by).unwrap();
+        let one = AgentPresence::start(1, ("127.0.0.1", host.port()), AGENT_BEAT, by, None, None)
+            .unwrap();
         until("node 1 registered", || watch.present(&host) == vec![1, 2]);
         drop(two);
         assert_eq!(watch.present(&host), vec![1], "left at once on drop");
@@ -271,9 +341,15 @@ mod tests {
         let by = Instant::now() + Duration::from_secs(10);
         let silence = Duration::from_millis(300);
         let mut watch = AgentWatch::new(3, silence);
-        let beating =
-            AgentPresence::start(1, "127.0.0.1", host.port(), Duration::from_millis(50), by)
-                .unwrap();
+        let beating = AgentPresence::start(
+            1,
+            ("127.0.0.1", host.port()),
+            Duration::from_millis(50),
+            by,
+            None,
+            None,
+        )
+        .unwrap();
         until("node 1 registered", || watch.present(&host) == vec![1]);
         // What a launcher killed by SIGKILL leaves: a registration and a beat, then nothing.
         let store =

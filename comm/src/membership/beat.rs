@@ -4,6 +4,9 @@
 //! waits for a member as long as it beats, and drops it once it has been silent for the peer
 //! timeout, so "busy" and "dead" are told apart by the process itself, not by a fixed wait.
 //!
+//! The same thread keeps the process's list of standby stores (`standby.rs`) up to date, reading
+//! it again every tenth beat when it changed: it costs one store add a second while it does not.
+//!
 //! The counters are not sealed (an add cannot be): a stranger at the store can make a dead
 //! member look alive, which delays a re-form up to its deadline, never breaks it.
 
@@ -15,6 +18,7 @@ use std::time::{Duration, Instant};
 use crate::config::GroupConfig;
 use crate::error::CommError;
 use crate::membership::records::Member;
+use crate::membership::standby::{StandbyReader, Standbys};
 use crate::rendezvous::store::Store;
 
 /// Deadline of one store call of the beat.
@@ -43,15 +47,25 @@ pub(crate) struct Beat {
 }
 
 impl Beat {
-    /// Starts `me`'s beat, on a connection of its own to the store of `store`.
-    pub(crate) fn start(me: &Member, base: &GroupConfig, store: &Store) -> Result<Beat, CommError> {
-        let own = store.torch_connection_of_its_own(
+    /// Starts `me`'s beat, on a connection of its own to the store of `store` (at `base`'s
+    /// address), which also keeps `standbys` up to date.
+    pub(crate) fn start(
+        me: &Member,
+        base: &GroupConfig,
+        store: &Store,
+        standbys: Standbys,
+    ) -> Result<Beat, CommError> {
+        // No key prefix: the beat's key is under `store`'s, the standby list under the agents'.
+        let own = Store::connect_torch(
             me.slot,
             &base.master_addr,
             base.master_port,
+            String::new(),
+            Instant::now() + CALL,
             CALL,
         )?;
-        let key = beat_key(me);
+        let key = format!("{}{}", store.key_prefix(), beat_key(me));
+        let mut reader = StandbyReader::new(base.token.clone());
         let every = beat_every(base.peer_timeout);
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
@@ -60,7 +74,12 @@ impl Beat {
             .name("ddp-elastic-beat".into())
             .spawn(move || {
                 let mut warned = false;
+                let mut beats = 0u64;
                 while !s.load(Ordering::Acquire) {
+                    if beats % 10 == 0 {
+                        let _ = reader.refresh(&own, &standbys);
+                    }
+                    beats += 1;
                     if let Err(e) = own.add(&key, 1) {
                         if !warned {
                             warned = true;

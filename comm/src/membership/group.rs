@@ -57,6 +57,7 @@ use crate::membership::beat::{Beat, Liveness};
 use crate::membership::poller::Poller;
 use crate::membership::records::{decide_founding, Generation, JobTerms, JoinRequest, Member};
 use crate::membership::seal::{open, present, read, read_record, seal, seal_json};
+use crate::membership::standby::Standbys;
 use crate::rendezvous::store::Store;
 use crate::rendezvous::torch_store::agent_key_prefix;
 
@@ -218,6 +219,10 @@ pub struct ElasticGroup {
     pub(super) joined_running: bool,
     /// This process's beat in the store (`beat.rs`), from its join to its finish.
     pub(super) beat: Option<Beat>,
+    /// The standby stores, kept up to date by the beat's thread (`standby.rs`).
+    pub(super) standbys: Standbys,
+    /// The addresses of the stores lost so far (`failover.rs`): never gone back to.
+    pub(super) lost_stores: Vec<String>,
 }
 
 impl std::fmt::Debug for ElasticGroup {
@@ -281,7 +286,8 @@ impl ElasticGroup {
         if present(&store, secret, "done")? {
             return Ok(None);
         }
-        let beat = Beat::start(&me, base, &store)?;
+        let standbys = Standbys::default();
+        let beat = Beat::start(&me, base, &store, standbys.clone())?;
         let mut group = ElasticGroup {
             config,
             me,
@@ -301,6 +307,8 @@ impl ElasticGroup {
             poller: None,
             joined_running: false,
             beat: Some(beat),
+            standbys,
+            lost_stores: Vec::new(),
         };
         match group.admission(deadline)? {
             None => Ok(None),
