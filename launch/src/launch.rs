@@ -403,10 +403,7 @@ impl<'a> Job<'a> {
     /// ranks there, has seen the end.
     fn take_over_the_store(&mut self) {
         let moved = self.store._host.is_none()
-            && self
-                .standby
-                .as_ref()
-                .is_some_and(|standby| standby.keys().iter().any(|k| k.starts_with("/worker/")));
+            && self.standby.as_ref().is_some_and(ddp_comm::ranks_moved_to);
         if !moved {
             return;
         }

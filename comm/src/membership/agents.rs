@@ -94,17 +94,12 @@ impl AgentPresence {
                     CALL,
                 );
                 if let Ok(store) = store {
-                    if let Some(standby_port) = standby {
-                        let mine = Standby {
-                            node,
-                            host: store.local_addr().ip().to_string(),
-                            port: standby_port,
-                        };
-                        if let Err(e) = publish(&store, "", &mine, secret.as_deref()) {
-                            tracing::warn!("ddprun: cannot publish node {node}'s standby: {e}");
-                        }
-                    }
-                    follow(store, (node, &addr, port), beat, &stop_rx, secret);
+                    let mine = standby.map(|p| Standby {
+                        node,
+                        host: store.local_addr().ip().to_string(),
+                        port: p,
+                    });
+                    follow(store, (node, &addr, port), beat, &stop_rx, (mine, secret));
                 }
                 let _ = left_tx.send(());
             })
@@ -120,21 +115,27 @@ impl AgentPresence {
     }
 }
 
-/// Registers and beats in `store` (node `node`'s launcher; the store at `addr:port`) until
-/// `stop` closes; when the store is lost (a beat fails and nothing accepts a connection at its
-/// address any more), moves to the standby the ranks move to and goes on there.
+/// Publishes `mine` (this launcher's standby, if any) and registers and beats in `store` (node
+/// `node`'s launcher; the store at `addr:port`) until `stop` closes; when the store is lost (a
+/// beat fails and nothing accepts a connection at its address any more), moves to the standby
+/// the ranks move to and does the same there.
 fn follow(
     mut store: Store,
     (node, addr, port): (usize, &str, u16),
     beat: Duration,
     stop: &mpsc::Receiver<()>,
-    secret: Option<String>,
+    (mine, secret): (Option<Standby>, Option<String>),
 ) {
-    let mut reader = StandbyReader::under_agents(secret);
+    let mut reader = StandbyReader::under_agents(secret.clone());
     let standbys = Mutex::new(Vec::new());
     let mut lost: Vec<String> = Vec::new();
     let (mut host, mut port) = (addr.to_string(), port);
     loop {
+        if let Some(mine) = &mine {
+            if let Err(e) = publish(&store, "", mine, secret.as_deref()) {
+                tracing::warn!("ddprun: cannot publish node {node}'s standby store: {e}");
+            }
+        }
         if store.add(&format!("node/{node}"), 1).is_ok()
             && present(&store, node, beat, stop, &mut reader, &standbys)
         {

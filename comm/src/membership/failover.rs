@@ -38,14 +38,24 @@ use crate::membership::standby::{connect_first, raise_to, reachable};
 const CALL: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl ElasticGroup {
-    /// Whether `error`, from a call on this process's store, says that the store is lost: it
-    /// is an error of the store's connection and nothing accepts a connection at the store's
-    /// address (within a couple of seconds). A store that is up but refused a call is not
-    /// lost: the error stands.
+    /// Whether `error`, from a call on this process's store, says that the store is lost and
+    /// a standby is left to move to: it is an error of the store's connection, nothing accepts
+    /// a connection at the store's address (within a couple of seconds), and a standby not
+    /// lost yet is known. A store that is up but refused a call is not lost: the error stands;
+    /// so does the error of a move that found no standby left.
     pub(super) fn store_lost(&self, error: &CommError) -> bool {
         let base = &self.config.base;
-        matches!(error, CommError::Store { addr, .. } if addr == self.store.address())
-            && !reachable(&base.master_addr, base.master_port)
+        let of_the_store = match error {
+            CommError::Store { addr, .. } | CommError::Connect { addr, .. } => {
+                *addr == self.store.address()
+            }
+            _ => false,
+        };
+        let standbys = self.standbys.lock().unwrap_or_else(|p| p.into_inner());
+        let one_left = standbys
+            .iter()
+            .any(|s| !self.lost_stores.contains(&s.address()));
+        of_the_store && one_left && !reachable(&base.master_addr, base.master_port)
     }
 
     /// Moves this process to the new store and seeds it with `left` (the generation this

@@ -114,12 +114,16 @@ impl ElasticGroup {
             lost,
             growth: cause.is_none(),
         };
+        let mut outcome = self.rounds(status, &mut round, deadline);
         loop {
-            match self.rounds(status, &mut round, deadline) {
-                // The store's node is lost: carry on in a standby store (`failover.rs`).
+            match outcome {
+                // The store's node is lost: carry on in a standby store (`failover.rs`); one
+                // lost during the move is moved from the same way.
                 Err(e) if self.store_lost(&e) => {
                     tracing::warn!("elastic: slot {}: {e}", self.me.slot);
-                    self.move_store(&round.prev)?;
+                    outcome = self
+                        .move_store(&round.prev)
+                        .and_then(|()| self.rounds(status, &mut round, deadline));
                 }
                 other => return other,
             }

@@ -9,7 +9,9 @@
 //! record sealed with the job's secret (`seal.rs`), then raises `standby/top` (one past the
 //! highest node that published) and adds 1 to `standby/changes`. Every rank and launcher keeps
 //! the list in memory, refreshed from a thread of its own whenever `standby/changes` moved
-//! ([`StandbyReader`]), so that it still knows it once the store is gone.
+//! ([`StandbyReader`]), so that it still knows it once the store is gone; a launcher that
+//! follows the job to a standby publishes its own there again, so that the list lives on in
+//! the new store.
 //!
 //! When the store is lost, every survivor picks the new one with the same rule and without a
 //! store to agree in ([`connect_first`]): the standby of the lowest node, among those not
@@ -33,9 +35,11 @@ use crate::error::CommError;
 use crate::membership::agents::AGENTS_PREFIX;
 use crate::membership::seal::{open, seal_json};
 use crate::rendezvous::store::Store;
+use crate::rendezvous::torch_store::agent_key_prefix;
+use crate::rendezvous::torch_store_server::TorchStoreHost;
 
 /// How long a survivor tries to reach one standby (or the lost store, to tell it is lost).
-pub(crate) const PROBE: Duration = Duration::from_secs(2);
+pub(crate) const PROBE: Duration = Duration::from_secs(1);
 
 /// The most node numbers a reader looks at (`standby/top` is a counter anyone can raise).
 const MOST_NODES: i64 = 4096;
@@ -135,7 +139,8 @@ impl StandbyReader {
         }
     }
 
-    /// Reads the list again into `list` when `standby/changes` moved since the last read.
+    /// Reads the list again into `list` when `standby/changes` moved since the last read: the
+    /// records found replace those of the same nodes; the others stay.
     pub(crate) fn refresh(
         &mut self,
         store: &Store,
@@ -167,10 +172,25 @@ impl StandbyReader {
                 }
             }
         }
-        *list.lock().unwrap_or_else(|p| p.into_inner()) = found;
+        // Merged by node, the newest record winning: a store the list was never published in
+        // (a standby the job just moved to) takes nothing away.
+        let mut list = list.lock().unwrap_or_else(|p| p.into_inner());
+        for s in found {
+            list.retain(|known| known.node != s.node);
+            list.push(s);
+        }
+        list.sort_by_key(|s| s.node);
         self.changes = Some(changes);
         Ok(())
     }
+}
+
+/// Whether the ranks of an elastic job moved their store to `standby`, a launcher's standby
+/// store: it holds keys of theirs (under torch's worker prefix), as no standby does before.
+pub fn ranks_moved_to(standby: &TorchStoreHost) -> bool {
+    let ranks = agent_key_prefix(0);
+    let ranks = ranks.trim_end_matches("0/").to_string();
+    standby.keys().iter().any(|k| k.starts_with(&ranks))
 }
 
 /// Whether something accepts a TCP connection at `host:port` within [`PROBE`].
@@ -215,7 +235,6 @@ pub(crate) fn connect_first(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rendezvous::torch_store_server::TorchStoreHost;
     use std::net::TcpListener;
 
     fn host() -> TorchStoreHost {
