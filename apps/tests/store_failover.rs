@@ -6,7 +6,9 @@
 //!   the store to node 1's standby and go on at world 2; their next step comes within a few
 //!   seconds of the kill (printed in ms), every sample of the epoch is trained once, no step is
 //!   repeated, the final replicas are identical, and both survivors' agents exit 0.
-//! - The same with four agents (`2:4`) and a second failure during the move: node 1, whose
+//! - A rank killed after the move and restarted alone by its agent is given the store where it
+//!   is now, joins there, is healed, and finishes with the others' weights.
+//! - The same as the first with four agents (`2:4`) and a second failure during the move: node 1, whose
 //!   standby the survivors move to, is killed as soon as a survivor says it moves there; the
 //!   last two survivors move on to node 2's standby and finish the epoch at world 2.
 //!
@@ -131,8 +133,9 @@ fn trainer_args(samples: usize) -> Vec<String> {
     args
 }
 
-/// Starts node `node`'s agent of a `nnodes` (`MIN:MAX`) job at `port`.
-fn agent(node: usize, nnodes: &str, port: u16, args: &[String]) -> Agent {
+/// Starts node `node`'s agent of a `nnodes` (`MIN:MAX`) job at `port`, allowed `restarts`
+/// restarts.
+fn agent(node: usize, nnodes: &str, port: u16, restarts: usize, args: &[String]) -> Agent {
     let mut command = Command::new(workspace_bin("ddprun"));
     common::clear_launcher_env(&mut command);
     command
@@ -140,7 +143,7 @@ fn agent(node: usize, nnodes: &str, port: u16, args: &[String]) -> Agent {
         .arg(node.to_string())
         .args(["--master-addr", "127.0.0.1", "--master-port"])
         .arg(port.to_string())
-        .args(["--max-restarts", "0", "--"])
+        .args(["--max-restarts", &restarts.to_string(), "--"])
         .arg(workspace_bin("train-mnist"))
         .args(args)
         .env("DDP_PEER_TIMEOUT", PEER_TIMEOUT_S)
@@ -268,7 +271,7 @@ fn the_job_survives_the_loss_of_the_node_that_hosts_the_store() {
     let args = trainer_args(samples);
     let port = free_port();
     let deadline = Instant::now() + DEADLINE;
-    let mut agents: Vec<Agent> = (0..3).map(|n| agent(n, "2:3", port, &args)).collect();
+    let mut agents: Vec<Agent> = (0..3).map(|n| agent(n, "2:3", port, 0, &args)).collect();
     agents[0].wait_for("step 8 (", deadline);
     let killed_at = agents[0].kill_node();
     survivors_go_on(&mut agents, &[1, 2], killed_at, samples, deadline);
@@ -286,7 +289,7 @@ fn the_job_survives_a_second_failure_during_the_move() {
     let args = trainer_args(samples);
     let port = free_port();
     let deadline = Instant::now() + DEADLINE;
-    let mut agents: Vec<Agent> = (0..4).map(|n| agent(n, "2:4", port, &args)).collect();
+    let mut agents: Vec<Agent> = (0..4).map(|n| agent(n, "2:4", port, 0, &args)).collect();
     agents[0].wait_for("step 6 (", deadline);
     let killed_at = agents[0].kill_node();
     agents[2].wait_for("moving to node 1's standby", deadline);
@@ -297,4 +300,42 @@ fn the_job_survives_a_second_failure_during_the_move() {
         node2.contains("moved to this node's standby"),
         "node 2's agent did not take the store over:\n{node2}"
     );
+}
+
+/// Node 0 lost, then node 2's rank killed once the survivors went on (`1:3`: the job runs on
+/// at world 1): its agent restarts it with the store's new address, and it joins the job in the
+/// standby, is healed, and ends with the same weights as node 1's rank.
+#[test]
+fn a_rank_restarted_after_the_move_joins_the_moved_store() {
+    let _alone = one_at_a_time();
+    let samples = 4_000;
+    let args = trainer_args(samples);
+    let port = free_port();
+    let deadline = Instant::now() + DEADLINE;
+    let mut agents: Vec<Agent> = (0..3)
+        .map(|n| agent(n, "1:3", port, usize::from(n == 2), &args))
+        .collect();
+    agents[0].wait_for("step 6 (", deadline);
+    agents[0].kill_node();
+    agents[2].wait_for("elastic: step ", deadline);
+    let victim = trainer_of(agents[2].child.id());
+    // SAFETY: kill has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(victim as i32, libc::SIGKILL) }, 0);
+    let mut hashes = Vec::new();
+    for n in [1, 2] {
+        let (ok, lines) = agents[n].finish();
+        let all = lines.join("\n");
+        assert!(ok, "node {n} failed:\n{all}");
+        let s = json_after(&lines, "DDP_ELASTIC_SUMMARY ");
+        assert_eq!(s["steps_repeated"], 0, "node {n}: {s}");
+        assert_eq!(s["summary"]["world_size"], 2, "node {n}: {s}");
+        hashes.push(s["summary"]["params_hash"].clone());
+        if n == 1 {
+            check_whole_epoch(&s, samples as u64, "node 1");
+        } else {
+            assert!(all.contains("restarting it alone"), "{all}");
+            assert_eq!(s["healed_at_start"], true, "node 2: {s}");
+        }
+    }
+    assert_eq!(hashes[0], hashes[1], "replicas differ");
 }

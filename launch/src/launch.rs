@@ -200,6 +200,8 @@ impl<'a> Job<'a> {
     /// Steps 2 to 5, once: every local rank of this round, until all have ended.
     fn run_attempt(&mut self) -> Outcome {
         clear_trace_files(&self.trace_dir.0);
+        let presence = self.presence.as_ref();
+        let store_now = move || presence.and_then(AgentPresence::moved_to);
         let attempt = Attempt {
             program: self.program,
             args: self.args,
@@ -209,6 +211,7 @@ impl<'a> Job<'a> {
             restart: self.restarts,
             restarts_used: self.restarts_used(),
             trace_dir: &self.trace_dir.0,
+            store_now: &store_now,
         };
         let round = self.restarts as u64;
         let agents = self.agents.as_ref();

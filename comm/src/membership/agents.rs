@@ -21,7 +21,7 @@
 //! left), `next_node` (the node ranks handed out to launchers started without one,
 //! [`next_node_rank`]) and the standby stores' `standby/...` (`standby.rs`).
 
-use std::sync::{mpsc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -45,6 +45,9 @@ const CALL: Duration = Duration::from_secs(10);
 /// How long [`AgentPresence`]'s drop waits for its thread to say in the store that it left.
 const LEAVE: Duration = Duration::from_secs(5);
 
+/// Where the job's store moved, once it did: `(host, port)`.
+type Moved = Arc<Mutex<Option<(String, u16)>>>;
+
 /// A launcher that does not host the store, in the store of its elastic job: registered, and
 /// beating from a thread of its own, until it is dropped, which says that it left (see the
 /// module documentation).
@@ -54,6 +57,8 @@ pub struct AgentPresence {
     /// The thread says through this that it wrote `left/<n>` (or gave up).
     left: mpsc::Receiver<()>,
     thread: Option<JoinHandle<()>>,
+    /// Where the thread followed the job's store, once it moved.
+    moved: Moved,
 }
 
 impl std::fmt::Debug for AgentPresence {
@@ -82,6 +87,8 @@ impl AgentPresence {
         let (stop_tx, stop_rx) = mpsc::channel::<()>();
         let (left_tx, left) = mpsc::channel::<()>();
         let addr = addr.to_string();
+        let moved = Arc::new(Mutex::new(None));
+        let moved_here = moved.clone();
         let thread = std::thread::Builder::new()
             .name("ddprun-elastic-presence".into())
             .spawn(move || {
@@ -99,7 +106,8 @@ impl AgentPresence {
                         host: store.local_addr().ip().to_string(),
                         port: p,
                     });
-                    follow(store, (node, &addr, port), beat, &stop_rx, (mine, secret));
+                    let to = (mine, secret, moved_here);
+                    follow(store, (node, &addr, port), beat, &stop_rx, to);
                 }
                 let _ = left_tx.send(());
             })
@@ -111,20 +119,28 @@ impl AgentPresence {
             stop: Some(stop_tx),
             left,
             thread: Some(thread),
+            moved,
         })
+    }
+
+    /// Where the job's store is now when it moved off the address this launcher was given
+    /// (the store's node was lost, and this launcher followed the ranks to a standby), as
+    /// `(host, port)`: a rank restarted from now on is given it.
+    pub fn moved_to(&self) -> Option<(String, u16)> {
+        self.moved.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 
 /// Publishes `mine` (this launcher's standby, if any) and registers and beats in `store` (node
 /// `node`'s launcher; the store at `addr:port`) until `stop` closes; when the store is lost (a
 /// beat fails and nothing accepts a connection at its address any more), moves to the standby
-/// the ranks move to and does the same there.
+/// the ranks move to, says so in `moved`, and does the same there.
 fn follow(
     mut store: Store,
     (node, addr, port): (usize, &str, u16),
     beat: Duration,
     stop: &mpsc::Receiver<()>,
-    (mine, secret): (Option<Standby>, Option<String>),
+    (mine, secret, moved): (Option<Standby>, Option<String>, Moved),
 ) {
     let mut reader = StandbyReader::under_agents(secret.clone());
     let standbys = Mutex::new(Vec::new());
@@ -157,6 +173,8 @@ fn follow(
             standby.node,
             standby.address()
         );
+        *moved.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some((standby.host.clone(), standby.port));
         (store, host, port) = (next, standby.host, standby.port);
     }
 }
