@@ -8,9 +8,9 @@
 //!   repeated, the final replicas are identical, and both survivors' agents exit 0.
 //! - A rank killed after the move and restarted alone by its agent is given the store where it
 //!   is now, joins there, is healed, and finishes with the others' weights.
-//! - The same as the first with four agents (`2:4`) and a second failure during the move: node 1, whose
-//!   standby the survivors move to, is killed as soon as a survivor says it moves there; the
-//!   last two survivors move on to node 2's standby and finish the epoch at world 2.
+//! - The same as the first with four agents (`2:4`) and a second failure during the move: node
+//!   1, whose standby the survivors move to, is killed as soon as a survivor says it moves
+//!   there; the last two survivors move on to node 2's standby and finish the epoch at world 2.
 //!
 //! The ranks' records are sealed (`DDP_TOKEN`), in the standby as in the first store. Every
 //! process runs under a deadline (`Guarded`): no test can hang.

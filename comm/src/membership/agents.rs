@@ -142,7 +142,7 @@ fn follow(
     stop: &mpsc::Receiver<()>,
     (mine, secret, moved): (Option<Standby>, Option<String>, Moved),
 ) {
-    let mut reader = StandbyReader::under_agents(secret.clone());
+    let mut reader = StandbyReader::new("", secret.clone());
     let standbys = Mutex::new(Vec::new());
     let mut lost: Vec<String> = Vec::new();
     let (mut host, mut port) = (addr.to_string(), port);

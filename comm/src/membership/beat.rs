@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::GroupConfig;
 use crate::error::CommError;
+use crate::membership::agents::AGENTS_PREFIX;
 use crate::membership::records::Member;
 use crate::membership::standby::{connect_first, reachable, StandbyReader, Standbys};
 use crate::rendezvous::store::Store;
@@ -73,7 +74,7 @@ impl Beat {
             CALL,
         )?;
         let key = format!("{}{}", store.key_prefix(), beat_key(me));
-        let mut reader = StandbyReader::new(base.token.clone());
+        let mut reader = StandbyReader::new(AGENTS_PREFIX, base.token.clone());
         let mut at = (base.master_addr.clone(), base.master_port);
         let every = beat_every(base.peer_timeout);
         let stop = Arc::new(AtomicBool::new(false));
@@ -85,7 +86,7 @@ impl Beat {
                 let mut warned = false;
                 let mut beats = 0u64;
                 while !s.load(Ordering::Acquire) {
-                    if beats % 10 == 0 {
+                    if beats.is_multiple_of(10) {
                         let _ = reader.refresh(&own, &standbys);
                     }
                     beats += 1;

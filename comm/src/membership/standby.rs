@@ -5,8 +5,8 @@
 //!
 //! Every launcher of the job other than node 0's (which hosts the store) hosts an empty store
 //! of its own, a standby, with the same protections, and publishes where it listens in the job's
-//! store before anything can fail: `standby/<node>` under [`AGENTS_PREFIX`], a [`Standby`]
-//! record sealed with the job's secret (`seal.rs`), then raises `standby/top` (one past the
+//! store before anything can fail: `standby/<node>` under the agents' prefix (`agents.rs`), a
+//! [`Standby`] record sealed with the job's secret (`seal.rs`), then raises `standby/top` (one past the
 //! highest node that published) and adds 1 to `standby/changes`. Every rank and launcher keeps
 //! the list in memory, refreshed from a thread of its own whenever `standby/changes` moved
 //! ([`StandbyReader`]), so that it still knows it once the store is gone; a launcher that
@@ -32,7 +32,6 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::error::CommError;
-use crate::membership::agents::AGENTS_PREFIX;
 use crate::membership::seal::{open, seal_json};
 use crate::rendezvous::store::Store;
 use crate::rendezvous::torch_store::agent_key_prefix;
@@ -74,7 +73,7 @@ fn record_key(node: usize) -> String {
 }
 
 /// Publishes `standby` in the store at `store`, whose calls put `under` in front of the keys
-/// (so that the result lands under [`AGENTS_PREFIX`]): its record, sealed with `secret`; then
+/// (so that the result lands under the agents' prefix): its record, sealed with `secret`; then
 /// `standby/top`; then `standby/changes` (see the module documentation).
 pub(crate) fn publish(
     store: &Store,
@@ -112,8 +111,7 @@ pub(crate) fn raise_to(store: &Store, key: &str, n: i64) -> Result<(), CommError
 
 /// A process's reader of the standby list (see the module documentation).
 pub(crate) struct StandbyReader {
-    /// What the calls put in front of the keys to reach [`AGENTS_PREFIX`]: the whole of it on
-    /// a store without a prefix, nothing on one whose prefix it is.
+    /// What the calls put in front of the keys to reach the agents' prefix.
     under: String,
     secret: Option<String>,
     /// `standby/changes` at the last read.
@@ -121,19 +119,12 @@ pub(crate) struct StandbyReader {
 }
 
 impl StandbyReader {
-    /// A reader through a store without a key prefix of its own.
-    pub(crate) fn new(secret: Option<String>) -> StandbyReader {
+    /// A reader through a store whose calls must put `under` in front of the keys to reach
+    /// the agents' prefix (`agents.rs`, where the records are): the whole prefix on a store
+    /// without one of its own, nothing on a store whose prefix it is.
+    pub(crate) fn new(under: &str, secret: Option<String>) -> StandbyReader {
         StandbyReader {
-            under: AGENTS_PREFIX.to_string(),
-            secret,
-            changes: None,
-        }
-    }
-
-    /// A reader through a store whose key prefix is [`AGENTS_PREFIX`].
-    pub(crate) fn under_agents(secret: Option<String>) -> StandbyReader {
-        StandbyReader {
-            under: String::new(),
+            under: under.to_string(),
             secret,
             changes: None,
         }
@@ -237,6 +228,9 @@ mod tests {
     use super::*;
     use std::net::TcpListener;
 
+    /// The agents' prefix, as `agents.rs` has it.
+    const PREFIX: &str = "/ddprun/agents/";
+
     fn host() -> TorchStoreHost {
         TorchStoreHost::start(TcpListener::bind("127.0.0.1:0").unwrap()).unwrap()
     }
@@ -259,18 +253,18 @@ mod tests {
     #[test]
     fn the_list_is_read_back_and_a_strangers_record_is_passed_over() {
         let store_host = host();
-        let agents = client(&store_host, AGENTS_PREFIX);
+        let agents = client(&store_host, PREFIX);
         let plain = client(&store_host, "");
         publish(&agents, "", &standby(2, 2002), Some("s")).unwrap();
-        publish(&plain, AGENTS_PREFIX, &standby(1, 2001), Some("s")).unwrap();
+        publish(&plain, PREFIX, &standby(1, 2001), Some("s")).unwrap();
         publish(&agents, "", &standby(3, 2003), Some("not the job's")).unwrap();
         let list = Mutex::new(Vec::new());
-        let mut reader = StandbyReader::new(Some("s".into()));
+        let mut reader = StandbyReader::new(PREFIX, Some("s".into()));
         reader.refresh(&plain, &list).unwrap();
         assert_eq!(*list.lock().unwrap(), [standby(1, 2001), standby(2, 2002)]);
         raise_to(&agents, "standby/top", 2).unwrap();
         assert_eq!(agents.add("standby/top", 0).unwrap(), 4, "never lowered");
-        let mut other = StandbyReader::under_agents(Some("s".into()));
+        let mut other = StandbyReader::new("", Some("s".into()));
         let list2 = Mutex::new(Vec::new());
         other.refresh(&agents, &list2).unwrap();
         assert_eq!(*list.lock().unwrap(), *list2.lock().unwrap());
