@@ -7,7 +7,8 @@
 //! # How
 //!
 //! The store must outlive every rank: the launcher's (ddprun hosts a PyTorch `TCPStore`,
-//! `TORCHELASTIC_USE_AGENT_STORE=True`). Its keys, under the attempt's prefix and `elastic/`:
+//! `TORCHELASTIC_USE_AGENT_STORE=True`); when the node that hosts it is lost, the survivors
+//! move it to another node's standby store (`failover.rs`). Its keys, under the attempt's prefix and `elastic/`:
 //!
 //! * `terms`: what every process must share (job id, MIN:MAX, the program's `compat`); a
 //!   process that differs is refused naming the field, and the job is not disturbed.
