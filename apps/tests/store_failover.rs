@@ -308,7 +308,8 @@ fn the_job_survives_a_second_failure_during_the_move() {
 #[test]
 fn a_rank_restarted_after_the_move_joins_the_moved_store() {
     let _alone = one_at_a_time();
-    let samples = 4_000;
+    // Enough steps at world 1 for the restarted rank to start and be admitted before the end.
+    let samples = 8_000;
     let args = trainer_args(samples);
     let port = free_port();
     let deadline = Instant::now() + DEADLINE;
