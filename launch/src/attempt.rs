@@ -301,13 +301,17 @@ impl<'a> Watch<'a> {
             ddp_comm::elastic::RESTART_COUNT_ENV
         ));
         let local_rank = self.ranks[i].local_rank;
-        match start_rank(
-            self.config,
-            self.attempt,
-            local_rank,
-            count,
-            &elastic.done_tx,
-        ) {
+        // After a move of the store (its node was lost), the rank joins where it is now.
+        let moved = (self.attempt.store_now)();
+        let attempt = match &moved {
+            Some((addr, port)) => Attempt {
+                master_addr: addr,
+                master_port: *port,
+                ..*self.attempt
+            },
+            None => *self.attempt,
+        };
+        match start_rank(self.config, &attempt, local_rank, count, &elastic.done_tx) {
             Ok(started) => self.ranks[i] = started,
             Err(error) => {
                 notice(&format!("rank {rank} could not be restarted: {error}"));

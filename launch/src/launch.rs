@@ -32,8 +32,12 @@
 //! node is alive or this node's ranks alone are below the job's minimum, nobody is left to run
 //! or end the job: node 0's launcher stops its ranks and exits with
 //! [`LaunchError::ElasticAgentsLost`] naming those nodes, instead of hosting, or starting new
-//! rounds, for nodes that are gone (so within the silence of their death). What happens when
-//! node 0's own launcher dies is another matter (the store goes with it; see the README).
+//! rounds, for nodes that are gone (so within the silence of their death). Every other node's
+//! launcher hosts an empty standby store and publishes it in node 0's: when node 0 is lost (its
+//! launcher and the store with it), the ranks move the store to the lowest live standby
+//! (`ddp_comm`'s `failover.rs`), the other launchers' presence follows them there, and the
+//! launcher whose standby it is hosts it from then on as node 0's did
+//! (`take_over_the_store`).
 //!
 //! Restarts are counted as torchrun counts them: `TORCHELASTIC_RESTART_COUNT` is the restarts
 //! of the budget used before the process started, a rank restarted alone in an elastic job
@@ -45,7 +49,7 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ddp_comm::{AgentPresence, AgentWatch, AGENT_BEAT, AGENT_SILENCE};
+use ddp_comm::{AgentPresence, AgentWatch, TorchStoreHost, AGENT_BEAT, AGENT_SILENCE};
 
 use crate::agents::Agents;
 use crate::attempt::{run_attempt, Ending, Outcome};
@@ -124,6 +128,9 @@ struct Job<'a> {
     /// The job's secret, the user's `DDP_TOKEN` (the ranks inherit it), with which an elastic
     /// job's records are sealed (see [`job_secret`]).
     token: Option<String>,
+    /// An elastic job on several nodes, on a node other than 0: this launcher's standby store,
+    /// where the ranks move the job's store if node 0 is lost (see the module documentation).
+    standby: Option<TorchStoreHost>,
 }
 
 impl<'a> Job<'a> {
@@ -145,14 +152,21 @@ impl<'a> Job<'a> {
         };
         let agents = join_agents(config, &rendezvous.addr, master_port, job_id.as_deref())?;
         let trace_dir = trace_dir(job_id.as_deref());
-        let presence = match config.min_nnodes.is_some() && store._host.is_none() {
+        let elsewhere = config.min_nnodes.is_some() && store._host.is_none();
+        let standby = match elsewhere && config.nnodes > 1 {
+            true => Some(rendezvous.standby()?),
+            false => None,
+        };
+        let token = job_secret(config);
+        let presence = match elsewhere {
             true => Some(
                 AgentPresence::start(
                     config.node_rank,
-                    &rendezvous.addr,
-                    master_port,
+                    (&rendezvous.addr, master_port),
                     AGENT_BEAT,
                     Instant::now() + REGISTER_BY,
+                    standby.as_ref().map(TorchStoreHost::port),
+                    token.clone(),
                 )
                 .map_err(|e| LaunchError::Agents {
                     message: e.to_string(),
@@ -178,13 +192,16 @@ impl<'a> Job<'a> {
             presence,
             stopped_hosting: false,
             watch: RefCell::new(watch),
-            token: job_secret(config),
+            token,
+            standby,
         })
     }
 
     /// Steps 2 to 5, once: every local rank of this round, until all have ended.
     fn run_attempt(&mut self) -> Outcome {
         clear_trace_files(&self.trace_dir.0);
+        let presence = self.presence.as_ref();
+        let store_now = move || presence.and_then(AgentPresence::moved_to);
         let attempt = Attempt {
             program: self.program,
             args: self.args,
@@ -194,6 +211,7 @@ impl<'a> Job<'a> {
             restart: self.restarts,
             restarts_used: self.restarts_used(),
             trace_dir: &self.trace_dir.0,
+            store_now: &store_now,
         };
         let round = self.restarts as u64;
         let agents = self.agents.as_ref();
@@ -288,6 +306,7 @@ impl<'a> Job<'a> {
     /// left to run or end the job: [`LaunchError::ElasticAgentsLost`], so that this launcher
     /// exits instead of restarting ranks that could only wait for nodes that are gone.
     fn host_until_the_job_is_over(&mut self) -> Result<bool, LaunchError> {
+        self.take_over_the_store();
         if !self.agent_watch() {
             return Ok(true);
         }
@@ -379,6 +398,31 @@ impl<'a> Job<'a> {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// When the ranks moved the job's store to this launcher's standby (node 0 was lost: the
+    /// standby holds their keys), this launcher hosts it from now on as node 0's did: it keeps
+    /// it up until the job is over and every other launcher, whose presence followed the
+    /// ranks there, has seen the end.
+    fn take_over_the_store(&mut self) {
+        let moved = self.store._host.is_none()
+            && self.standby.as_ref().is_some_and(ddp_comm::ranks_moved_to);
+        if !moved {
+            return;
+        }
+        let Some(host) = self.standby.take() else {
+            return;
+        };
+        notice(&format!(
+            "the elastic job's store moved to this node's standby (port {}): node 0 is lost; \
+             hosting it until the job is over",
+            host.port()
+        ));
+        self.store = AttemptStore {
+            port: host.port(),
+            _host: Some(host),
+        };
+        *self.watch.borrow_mut() = Some(AgentWatch::new(self.config.nnodes, AGENT_SILENCE));
     }
 
     /// Whether this launcher watches the other nodes' launchers: it hosts the store of an

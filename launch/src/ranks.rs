@@ -38,6 +38,7 @@ pub(crate) struct Rank {
 }
 
 /// What differs between the attempts of one launch.
+#[derive(Clone, Copy)]
 pub(crate) struct Attempt<'a> {
     pub program: &'a OsString,
     pub args: &'a [OsString],
@@ -50,6 +51,10 @@ pub(crate) struct Attempt<'a> {
     /// included: the ranks' `TORCHELASTIC_RESTART_COUNT` (torchrun's count).
     pub restarts_used: usize,
     pub trace_dir: &'a Path,
+    /// Where an elastic job's store is now, when it moved off `master_addr:master_port` (the
+    /// store's node was lost; `ddp_comm::AgentPresence::moved_to`): a rank restarted alone is
+    /// given that address.
+    pub store_now: &'a dyn Fn() -> Option<(String, u16)>,
 }
 
 /// `<dir>/error-rank<R>.json`: where rank `rank` records its fatal error.

@@ -113,6 +113,14 @@ impl Rendezvous {
         Ok(())
     }
 
+    /// A standby store for an elastic job on several nodes (on a node other than 0): empty, on
+    /// a free port of every interface of the address's family, with the same protections as
+    /// node 0's; the job's store moves there if node 0 is lost (`ddp_comm`'s `standby.rs`).
+    pub fn standby(&self) -> Result<TorchStoreHost, LaunchError> {
+        let AttemptStore { _host, .. } = self.host(0)?;
+        _host.ok_or_else(|| LaunchError::Environment("no standby store was started".into()))
+    }
+
     /// Binds `port` (0: a free one) on every interface of the address's family and hosts a
     /// store on it.
     fn host(&self, port: u16) -> Result<AttemptStore, LaunchError> {

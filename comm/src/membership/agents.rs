@@ -12,16 +12,21 @@
 //! ([`AgentWatch`]), and takes a launcher whose beat stopped for [`AGENT_SILENCE`] for gone
 //! (its node died hard), so that it never waits forever.
 //!
+//! Every other launcher also hosts a standby store and publishes it here (`standby.rs`); when
+//! node 0 is lost, the ranks move to the lowest live standby, each other launcher's presence
+//! follows them there, and the launcher whose standby it is keeps it as node 0's did.
+//!
 //! Keys, under [`AGENTS_PREFIX`] (the job's, across its rounds): `node/<n>` (node n's launcher
 //! registered), `beat/<n>` (a counter it adds 1 to every [`AGENT_BEAT`]), `left/<n>` (it
-//! left) and `next_node` (the node ranks handed out to launchers started without one,
-//! [`next_node_rank`]).
+//! left), `next_node` (the node ranks handed out to launchers started without one,
+//! [`next_node_rank`]) and the standby stores' `standby/...` (`standby.rs`).
 
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::CommError;
+use crate::membership::standby::{connect_first, publish, reachable, Standby, StandbyReader};
 use crate::rendezvous::store::Store;
 use crate::rendezvous::torch_store_server::TorchStoreHost;
 
@@ -40,6 +45,9 @@ const CALL: Duration = Duration::from_secs(10);
 /// How long [`AgentPresence`]'s drop waits for its thread to say in the store that it left.
 const LEAVE: Duration = Duration::from_secs(5);
 
+/// Where the job's store moved, once it did: `(host, port)`.
+type Moved = Arc<Mutex<Option<(String, u16)>>>;
+
 /// A launcher that does not host the store, in the store of its elastic job: registered, and
 /// beating from a thread of its own, until it is dropped, which says that it left (see the
 /// module documentation).
@@ -49,6 +57,8 @@ pub struct AgentPresence {
     /// The thread says through this that it wrote `left/<n>` (or gave up).
     left: mpsc::Receiver<()>,
     thread: Option<JoinHandle<()>>,
+    /// Where the thread followed the job's store, once it moved.
+    moved: Moved,
 }
 
 impl std::fmt::Debug for AgentPresence {
@@ -61,17 +71,24 @@ impl AgentPresence {
     /// Registers node `node`'s launcher in the store at `addr:port` and beats every `beat`,
     /// from a thread of its own: the thread connects (retrying until `connect_by`: node 0's
     /// launcher may start later) and registers. Never blocks; an unreachable store only means
-    /// that node 0's launcher will not wait for this one.
+    /// that node 0's launcher will not wait for this one. With `standby` (the port of this
+    /// launcher's standby store, `standby.rs`), the thread first publishes it, sealed with
+    /// `secret`, at the address this launcher reaches the store from; and when the store is
+    /// lost it follows the job's ranks to the standby they move to (the lowest node's that
+    /// accepts a connection) and registers and beats there.
     pub fn start(
         node: usize,
-        addr: &str,
-        port: u16,
+        (addr, port): (&str, u16),
         beat: Duration,
         connect_by: Instant,
+        standby: Option<u16>,
+        secret: Option<String>,
     ) -> Result<AgentPresence, CommError> {
         let (stop_tx, stop_rx) = mpsc::channel::<()>();
         let (left_tx, left) = mpsc::channel::<()>();
         let addr = addr.to_string();
+        let moved = Arc::new(Mutex::new(None));
+        let moved_here = moved.clone();
         let thread = std::thread::Builder::new()
             .name("ddprun-elastic-presence".into())
             .spawn(move || {
@@ -84,9 +101,13 @@ impl AgentPresence {
                     CALL,
                 );
                 if let Ok(store) = store {
-                    if store.add(&format!("node/{node}"), 1).is_ok() {
-                        present(&store, node, beat, &stop_rx);
-                    }
+                    let mine = standby.map(|p| Standby {
+                        node,
+                        host: store.local_addr().ip().to_string(),
+                        port: p,
+                    });
+                    let to = (mine, secret, moved_here);
+                    follow(store, (node, &addr, port), beat, &stop_rx, to);
                 }
                 let _ = left_tx.send(());
             })
@@ -98,7 +119,63 @@ impl AgentPresence {
             stop: Some(stop_tx),
             left,
             thread: Some(thread),
+            moved,
         })
+    }
+
+    /// Where the job's store is now when it moved off the address this launcher was given
+    /// (the store's node was lost, and this launcher followed the ranks to a standby), as
+    /// `(host, port)`: a rank restarted from now on is given it.
+    pub fn moved_to(&self) -> Option<(String, u16)> {
+        self.moved.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// Publishes `mine` (this launcher's standby, if any) and registers and beats in `store` (node
+/// `node`'s launcher; the store at `addr:port`) until `stop` closes; when the store is lost (a
+/// beat fails and nothing accepts a connection at its address any more), moves to the standby
+/// the ranks move to, says so in `moved`, and does the same there.
+fn follow(
+    mut store: Store,
+    (node, addr, port): (usize, &str, u16),
+    beat: Duration,
+    stop: &mpsc::Receiver<()>,
+    (mine, secret, moved): (Option<Standby>, Option<String>, Moved),
+) {
+    let mut reader = StandbyReader::new("", secret.clone());
+    let standbys = Mutex::new(Vec::new());
+    let mut lost: Vec<String> = Vec::new();
+    let (mut host, mut port) = (addr.to_string(), port);
+    loop {
+        if let Some(mine) = &mine {
+            if let Err(e) = publish(&store, "", mine, secret.as_deref()) {
+                tracing::warn!("ddprun: cannot publish node {node}'s standby store: {e}");
+            }
+        }
+        if store.add(&format!("node/{node}"), 1).is_ok()
+            && present(&store, node, beat, stop, &mut reader, &standbys)
+        {
+            return;
+        }
+        if reachable(&host, port) {
+            return;
+        }
+        lost.push(store.address().to_string());
+        let list = standbys.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let Some((standby, next)) = connect_first(&list, &mut lost, node, AGENTS_PREFIX, CALL)
+        else {
+            return;
+        };
+        tracing::warn!(
+            "ddprun: node {node}'s launcher lost the store at {}; following the job to node \
+             {}'s standby at {}",
+            store.address(),
+            standby.node,
+            standby.address()
+        );
+        *moved.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some((standby.host.clone(), standby.port));
+        (store, host, port) = (next, standby.host, standby.port);
     }
 }
 
@@ -122,13 +199,22 @@ pub fn next_node_rank(addr: &str, port: u16, connect_by: Instant) -> Result<usiz
         })
 }
 
-/// Beats until `stop` closes, then says that this launcher left.
-fn present(store: &Store, node: usize, beat: Duration, stop: &mpsc::Receiver<()>) {
+/// Beats until `stop` closes, then says that this launcher left (`true`), or until a beat
+/// fails (`false`); keeps `standbys` up to date meanwhile.
+fn present(
+    store: &Store,
+    node: usize,
+    beat: Duration,
+    stop: &mpsc::Receiver<()>,
+    reader: &mut StandbyReader,
+    standbys: &Mutex<Vec<Standby>>,
+) -> bool {
     let key = format!("beat/{node}");
     loop {
         if store.add(&key, 1).is_err() {
-            return;
+            return false;
         }
+        let _ = reader.refresh(store, standbys);
         match stop.recv_timeout(beat) {
             Err(mpsc::RecvTimeoutError::Timeout) => continue,
             _ => break,
@@ -136,6 +222,7 @@ fn present(store: &Store, node: usize, beat: Duration, stop: &mpsc::Receiver<()>
     }
     // An add, not a set: its answer says the store holds it (a set is not answered).
     let _ = store.add(&format!("left/{node}"), 1);
+    true
 }
 
 impl Drop for AgentPresence {
@@ -252,9 +339,11 @@ mod tests {
         let mut watch = AgentWatch::new(3, Duration::from_secs(10));
         assert!(watch.present(&host).is_empty());
         let by = Instant::now() + Duration::from_secs(10);
-        let two = AgentPresence::start(2, "127.0.0.1", host.port(), AGENT_BEAT, by).unwrap();
+        let two = AgentPresence::start(2, ("127.0.0.1", host.port()), AGENT_BEAT, by, None, None)
+            .unwrap();
         until("node 2 registered", || watch.present(&host) == vec![2]);
-        let one = AgentPresence::start(1, "127.0.0.1", host.port(), AGENT_BEAT, by).unwrap();
+        let one = AgentPresence::start(1, ("127.0.0.1", host.port()), AGENT_BEAT, by, None, None)
+            .unwrap();
         until("node 1 registered", || watch.present(&host) == vec![1, 2]);
         drop(two);
         assert_eq!(watch.present(&host), vec![1], "left at once on drop");
@@ -271,9 +360,15 @@ mod tests {
         let by = Instant::now() + Duration::from_secs(10);
         let silence = Duration::from_millis(300);
         let mut watch = AgentWatch::new(3, silence);
-        let beating =
-            AgentPresence::start(1, "127.0.0.1", host.port(), Duration::from_millis(50), by)
-                .unwrap();
+        let beating = AgentPresence::start(
+            1,
+            ("127.0.0.1", host.port()),
+            Duration::from_millis(50),
+            by,
+            None,
+            None,
+        )
+        .unwrap();
         until("node 1 registered", || watch.present(&host) == vec![1]);
         // What a launcher killed by SIGKILL leaves: a registration and a beat, then nothing.
         let store =

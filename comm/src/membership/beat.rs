@@ -4,6 +4,11 @@
 //! waits for a member as long as it beats, and drops it once it has been silent for the peer
 //! timeout, so "busy" and "dead" are told apart by the process itself, not by a fixed wait.
 //!
+//! When the store is lost, the beat follows the job to the standby store it moves to (`follow`),
+//! before the main thread does, so that a busy member is still told from a dead one there.
+//! The same thread keeps the process's list of standby stores (`standby.rs`) up to date, reading
+//! it again every tenth beat when it changed: it costs one store add a second while it does not.
+//!
 //! The counters are not sealed (an add cannot be): a stranger at the store can make a dead
 //! member look alive, which delays a re-form up to its deadline, never breaks it.
 
@@ -14,7 +19,9 @@ use std::time::{Duration, Instant};
 
 use crate::config::GroupConfig;
 use crate::error::CommError;
+use crate::membership::agents::AGENTS_PREFIX;
 use crate::membership::records::Member;
+use crate::membership::standby::{connect_first, reachable, StandbyReader, Standbys};
 use crate::rendezvous::store::Store;
 
 /// Deadline of one store call of the beat.
@@ -36,6 +43,12 @@ pub(crate) fn beat_every(peer_timeout: Duration) -> Duration {
 /// connection lost) before it drops it, unless its beat moves meanwhile: three beats.
 pub(crate) const NAMED_GRACE: Duration = Duration::from_millis(300);
 
+/// How long a watcher waits for a member's first beat in its store before it takes the member
+/// for dead: a member beats from before it joins, so only one that has not arrived in a store
+/// the job moved to (`failover.rs`) lacks a beat there, and one that lives follows the store
+/// within a probe or two (`standby.rs`).
+pub(crate) const ARRIVAL: Duration = Duration::from_secs(3);
+
 /// A process's beat: a thread that adds to its counter every [`beat_every`]; it stops when
 /// dropped.
 pub(crate) struct Beat {
@@ -43,15 +56,26 @@ pub(crate) struct Beat {
 }
 
 impl Beat {
-    /// Starts `me`'s beat, on a connection of its own to the store of `store`.
-    pub(crate) fn start(me: &Member, base: &GroupConfig, store: &Store) -> Result<Beat, CommError> {
-        let own = store.torch_connection_of_its_own(
+    /// Starts `me`'s beat, on a connection of its own to the store of `store` (at `base`'s
+    /// address), which also keeps `standbys` up to date.
+    pub(crate) fn start(
+        me: &Member,
+        base: &GroupConfig,
+        store: &Store,
+        standbys: Standbys,
+    ) -> Result<Beat, CommError> {
+        // No key prefix: the beat's key is under `store`'s, the standby list under the agents'.
+        let mut own = Store::connect_torch(
             me.slot,
             &base.master_addr,
             base.master_port,
+            String::new(),
+            Instant::now() + CALL,
             CALL,
         )?;
-        let key = beat_key(me);
+        let key = format!("{}{}", store.key_prefix(), beat_key(me));
+        let mut reader = StandbyReader::new(AGENTS_PREFIX, base.token.clone());
+        let mut at = (base.master_addr.clone(), base.master_port);
         let every = beat_every(base.peer_timeout);
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
@@ -60,11 +84,20 @@ impl Beat {
             .name("ddp-elastic-beat".into())
             .spawn(move || {
                 let mut warned = false;
+                let mut beats = 0u64;
                 while !s.load(Ordering::Acquire) {
+                    if beats.is_multiple_of(10) {
+                        let _ = reader.refresh(&own, &standbys);
+                    }
+                    beats += 1;
                     if let Err(e) = own.add(&key, 1) {
                         if !warned {
                             warned = true;
                             tracing::warn!("elastic: slot {slot} cannot beat in the store: {e}");
+                        }
+                        if let Some((next, host, port)) = follow(slot, &own, &at, &standbys) {
+                            (own, at) = (next, (host, port));
+                            warned = false;
                         }
                     }
                     let until = Instant::now() + every;
@@ -79,6 +112,25 @@ impl Beat {
             })?;
         Ok(Beat { stop })
     }
+}
+
+/// The store a beat goes on in when the one at `at` is lost (nothing accepts a connection
+/// there): the standby the ranks move to (`standby.rs`), so that a member busy while the store
+/// moves beats there before its main thread moves, and is waited for, not dropped. `None`
+/// while the store is up, or when no standby is left.
+fn follow(
+    slot: usize,
+    own: &Store,
+    at: &(String, u16),
+    standbys: &Standbys,
+) -> Option<(Store, String, u16)> {
+    if reachable(&at.0, at.1) {
+        return None;
+    }
+    let list = standbys.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let mut lost = vec![own.address().to_string()];
+    let (standby, next) = connect_first(&list, &mut lost, slot, "", CALL)?;
+    Some((next, standby.host, standby.port))
 }
 
 impl Drop for Beat {
@@ -106,7 +158,8 @@ impl Liveness {
 
     /// Whether `member` beat less than the silence ago, as far as this watcher knows: its
     /// counter moved since the watcher's first look or changed within the silence. A member
-    /// looked at for the first time is alive for the silence that follows.
+    /// looked at for the first time is alive for the silence that follows, unless it never beat
+    /// in this store: then for [`ARRIVAL`].
     pub(crate) fn alive(&mut self, store: &Store, member: &Member) -> Result<bool, CommError> {
         let value = store.add(&beat_key(member), 0)?;
         let now = Instant::now();
@@ -116,6 +169,11 @@ impl Liveness {
             .or_insert((value, now, now));
         if entry.0 != value {
             (entry.0, entry.1) = (value, now);
+        }
+        // Never beat in this store: it has not arrived (a store the job moved to), and a
+        // member that lives beats there within a probe or two (`follow`).
+        if value == 0 && now.duration_since(entry.2) >= ARRIVAL {
+            return Ok(false);
         }
         Ok(now.duration_since(entry.1) < self.silence)
     }

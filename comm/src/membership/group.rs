@@ -7,7 +7,8 @@
 //! # How
 //!
 //! The store must outlive every rank: the launcher's (ddprun hosts a PyTorch `TCPStore`,
-//! `TORCHELASTIC_USE_AGENT_STORE=True`). Its keys, under the attempt's prefix and `elastic/`:
+//! `TORCHELASTIC_USE_AGENT_STORE=True`); when the node that hosts it is lost, the survivors
+//! move it to another node's standby store (`failover.rs`). Its keys, under the attempt's prefix and `elastic/`:
 //!
 //! * `terms`: what every process must share (job id, MIN:MAX, the program's `compat`); a
 //!   process that differs is refused naming the field, and the job is not disturbed.
@@ -58,6 +59,7 @@ use crate::membership::beat::{Beat, Liveness};
 use crate::membership::poller::Poller;
 use crate::membership::records::{decide_founding, Generation, JobTerms, JoinRequest, Member};
 use crate::membership::seal::{open, present, read, read_record, seal, seal_json};
+use crate::membership::standby::Standbys;
 use crate::rendezvous::store::Store;
 use crate::rendezvous::torch_store::agent_key_prefix;
 
@@ -235,6 +237,10 @@ pub struct ElasticGroup {
     pub(super) joined_running: bool,
     /// This process's beat in the store (`beat.rs`), from its join to its finish.
     pub(super) beat: Option<Beat>,
+    /// The standby stores, kept up to date by the beat's thread (`standby.rs`).
+    pub(super) standbys: Standbys,
+    /// The addresses of the stores lost so far (`failover.rs`): never gone back to.
+    pub(super) lost_stores: Vec<String>,
 }
 
 impl std::fmt::Debug for ElasticGroup {
@@ -298,7 +304,8 @@ impl ElasticGroup {
         if present(&store, secret, "done")? {
             return Ok(None);
         }
-        let beat = Beat::start(&me, base, &store)?;
+        let standbys = Standbys::default();
+        let beat = Beat::start(&me, base, &store, standbys.clone())?;
         let mut group = ElasticGroup {
             config,
             me,
@@ -318,6 +325,8 @@ impl ElasticGroup {
             poller: None,
             joined_running: false,
             beat: Some(beat),
+            standbys,
+            lost_stores: Vec::new(),
         };
         match group.admission(deadline)? {
             None => Ok(None),

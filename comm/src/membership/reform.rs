@@ -25,7 +25,9 @@
 //!
 //! Every wait is bounded by the re-form's deadline (`DDP_CONNECT_TIMEOUT` from its start), and
 //! the rounds stop below MIN ([`CommError::ElasticStopped`]). The store must outlive the job
-//! (the launcher's); an error of the store itself ends the re-form.
+//! (the launcher's). When the node that hosts it is lost, the re-form moves to a standby store
+//! and starts over there from the generation it leaves (`failover.rs`); any other error of the
+//! store ends the re-form.
 
 use std::time::{Duration, Instant};
 
@@ -41,6 +43,16 @@ const CALL: Duration = Duration::from_secs(30);
 
 /// How often a re-form looks at the store while it waits.
 const POLL: Duration = Duration::from_millis(10);
+
+/// Where a re-form stands between its rounds: the generation left, whom this process blames
+/// and why, the members whose connections it lost, and whether the job grows.
+struct Round {
+    prev: Generation,
+    blamed: Option<usize>,
+    why: String,
+    lost: Vec<usize>,
+    growth: bool,
+}
 
 /// Why a round ended without a group: the slot to blame, if known, and why in words.
 pub(crate) struct Failed {
@@ -62,26 +74,25 @@ impl ElasticGroup {
         cause: Option<&CommError>,
     ) -> Result<Option<Change>, CommError> {
         let deadline = Instant::now() + self.config.base.connect_timeout;
-        let mut live = Liveness::new(self.config.base.peer_timeout);
-        let mut prev = self.generation.clone();
+        let prev = self.generation.clone();
         tracing::debug!(
             "elastic: slot {} leaves generation {}: {cause:?}",
             self.me.slot,
             prev.number
         );
         let my_rank = prev.rank_of(self.me.slot, self.me.incarnation);
-        let mut blamed = cause
+        let blamed = cause
             .and_then(CommError::peer)
             .filter(|&p| Some(p) != my_rank)
             .and_then(|p| prev.members.get(p))
             .map(|m| m.slot);
-        let mut why = match cause {
+        let why = match cause {
             Some(e) => e.to_string(),
             None => "processes wait to join".to_string(),
         };
         // Every member whose connection this rank lost (a node's ranks die together; the
         // report blames one), written before the report, so that the decider finds it with it.
-        let mut lost: Vec<usize> = self.pg.as_ref().map_or_else(Vec::new, |pg| {
+        let lost: Vec<usize> = self.pg.as_ref().map_or_else(Vec::new, |pg| {
             pg.lost_peers()
                 .into_iter()
                 .filter_map(|r| prev.members.get(r).map(|m| m.slot))
@@ -96,27 +107,59 @@ impl ElasticGroup {
                 .name("ddp-elastic-drop".into())
                 .spawn(move || drop(pg));
         }
-        let mut growth = cause.is_none();
+        let mut round = Round {
+            prev,
+            blamed,
+            why,
+            lost,
+            growth: cause.is_none(),
+        };
+        let mut outcome = self.rounds(status, &mut round, deadline);
         loop {
+            match outcome {
+                // The store's node is lost: carry on in a standby store (`failover.rs`); one
+                // lost during the move is moved from the same way.
+                Err(e) if self.store_lost(&e) => {
+                    tracing::warn!("elastic: slot {}: {e}", self.me.slot);
+                    outcome = self
+                        .move_store(&round.prev)
+                        .and_then(|()| self.rounds(status, &mut round, deadline));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// The rounds of [`reform`](Self::reform) in the current store, from `round`, which they
+    /// keep up to date (a move to another store starts over from it).
+    fn rounds(
+        &mut self,
+        status: StepStatus,
+        round: &mut Round,
+        deadline: Instant,
+    ) -> Result<Option<Change>, CommError> {
+        let mut live = Liveness::new(self.config.base.peer_timeout);
+        loop {
+            let prev = round.prev.clone();
             let g = prev.number;
             let next = g + 1;
             let report = Report {
                 incarnation: self.me.incarnation,
                 committed: status.committed,
                 finished: status.finished.then_some(status.committed + 1),
-                blamed,
-                why: why.clone(),
+                blamed: round.blamed,
+                why: round.why.clone(),
             };
             for (key, record) in [
-                (format!("g{g}/lost/{}", self.me.slot), to_json(&lost)),
+                (format!("g{g}/lost/{}", self.me.slot), to_json(&round.lost)),
                 (format!("g{g}/report/{}", self.me.slot), to_json(&report)),
             ] {
                 self.store.set(&key, &seal(self.secret(), &key, &record))?;
             }
             die_at(self.me.slot, "reported");
-            let reason = match growth {
+            let reason = match round.growth {
                 true => "growth".to_string(),
-                false => format!("slot {} saw: {why}", self.me.slot),
+                false => format!("slot {} saw: {}", self.me.slot, round.why),
             };
             let generation = self.next_generation(&prev, &reason, &mut live, deadline)?;
             if let Some(why) = &generation.failed {
@@ -172,11 +215,11 @@ impl ElasticGroup {
                         self.me.slot,
                         failed.why
                     );
-                    blamed = failed.blamed;
-                    why = failed.why;
-                    lost = Vec::new();
-                    growth = false;
-                    prev = generation;
+                    round.blamed = failed.blamed;
+                    round.why = failed.why;
+                    round.lost = Vec::new();
+                    round.growth = false;
+                    round.prev = generation;
                 }
             }
         }

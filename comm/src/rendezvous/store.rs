@@ -370,6 +370,24 @@ impl Store {
         })
     }
 
+    /// Sets `key` to `desired` if its value is `expected` (an empty `expected` matches a
+    /// missing key), atomically; returns the value after the call. PyTorch's `TCPStore` only
+    /// (ddp-comm's own store has no such call: an error).
+    pub(crate) fn compare_set(
+        &self,
+        key: &str,
+        expected: &[u8],
+        desired: &[u8],
+    ) -> Result<Vec<u8>, CommError> {
+        self.check_key(key)?;
+        self.call(&[key], self.timeout, |conn| match conn {
+            Conn::Ddp(_) => Err(StoreCallError::Refused(
+                "compare_set needs a PyTorch TCPStore".into(),
+            )),
+            Conn::Torch(t) => t.compare_set(&self.wire(key), expected, desired),
+        })
+    }
+
     /// Whether every key in `keys` is set (does not wait).
     pub fn check(&self, keys: &[&str]) -> Result<bool, CommError> {
         for k in keys {

@@ -356,7 +356,6 @@ impl TorchConn {
 
     /// COMPARE_SET: sets `key` to `desired` if its value is `expected` (an empty `expected`
     /// matches a missing key); answers the value after the operation.
-    #[cfg_attr(not(test), allow(dead_code))]
     pub fn compare_set(
         &mut self,
         key: &str,
