@@ -57,12 +57,13 @@ pub(crate) struct Beat {
 
 impl Beat {
     /// Starts `me`'s beat, on a connection of its own to the store of `store` (at `base`'s
-    /// address), which also keeps `standbys` up to date.
+    /// address; connecting retries until `connect_by`), which also keeps `standbys` up to date.
     pub(crate) fn start(
         me: &Member,
         base: &GroupConfig,
         store: &Store,
         standbys: Standbys,
+        connect_by: Instant,
     ) -> Result<Beat, CommError> {
         // No key prefix: the beat's key is under `store`'s, the standby list under the agents'.
         let mut own = Store::connect_torch(
@@ -70,7 +71,7 @@ impl Beat {
             &base.master_addr,
             base.master_port,
             String::new(),
-            Instant::now() + CALL,
+            connect_by,
             CALL,
         )?;
         let key = format!("{}{}", store.key_prefix(), beat_key(me));

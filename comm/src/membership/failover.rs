@@ -32,7 +32,7 @@ use crate::membership::beat::Beat;
 use crate::membership::group::ElasticGroup;
 use crate::membership::records::{Generation, JobTerms};
 use crate::membership::seal::seal_json;
-use crate::membership::standby::{connect_first, raise_to, reachable};
+use crate::membership::standby::{connect_first, raise_to, reachable, PROBE};
 
 /// Deadline of one store call of the membership.
 const CALL: std::time::Duration = std::time::Duration::from_secs(30);
@@ -100,11 +100,17 @@ impl ElasticGroup {
         self.config.base.master_addr = standby.host.clone();
         self.config.base.master_port = standby.port;
         self.beat = None;
+        // The standby accepted a connection a moment ago: one refused now means that its node
+        // died meanwhile (a second failure during the move), and the others must not wait for
+        // this survivor longer than their arrival grace (beat.rs, `ARRIVAL`), so the beat's
+        // connection is tried for one probe, not a store call's deadline: then this survivor
+        // moves on to the next standby, as the others do.
         self.beat = Some(Beat::start(
             &self.me,
             &self.config.base,
             &self.store,
             self.standbys.clone(),
+            Instant::now() + PROBE,
         )?);
         self.seed(left)?;
         tracing::warn!(

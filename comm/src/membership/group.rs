@@ -305,7 +305,7 @@ impl ElasticGroup {
             return Ok(None);
         }
         let standbys = Standbys::default();
-        let beat = Beat::start(&me, base, &store, standbys.clone())?;
+        let beat = Beat::start(&me, base, &store, standbys.clone(), Instant::now() + CALL)?;
         let mut group = ElasticGroup {
             config,
             me,

@@ -184,14 +184,23 @@ pub fn ranks_moved_to(standby: &TorchStoreHost) -> bool {
     standby.keys().iter().any(|k| k.starts_with(&ranks))
 }
 
-/// Whether something accepts a TCP connection at `host:port` within [`PROBE`].
+/// Whether a PyTorch store answers at `host:port`: something accepts a TCP connection within
+/// [`PROBE`] (a refused one says no at once), and a store there answers the protocol's
+/// handshake (VALIDATE, PING). The handshake is not idle: a process being killed closes its
+/// connections first and may still hold its listening socket for a moment, so that a bare
+/// connect would find a store that is gone (seen: a survivor that saw its connection to a
+/// dying standby close, probed, was accepted, and stopped instead of moving on).
 pub(crate) fn reachable(host: &str, port: u16) -> bool {
     let Ok(addrs) = (host, port).to_socket_addrs() else {
         return false;
     };
-    addrs
+    if !addrs
         .into_iter()
         .any(|a| TcpStream::connect_timeout(&a, PROBE).is_ok())
+    {
+        return false;
+    }
+    Store::connect_torch(0, host, port, String::new(), Instant::now() + PROBE, PROBE).is_ok()
 }
 
 /// The store of the first standby in node order whose address is not in `lost` and that
