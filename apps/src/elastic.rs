@@ -484,6 +484,7 @@ where
     let (rank, generation) = (run.rank(), run.elastic_group().generation().number);
     let vote_seconds = run.vote_time().as_secs_f64();
     let backwards_skipped = run.backwards_skipped();
+    summary.add_comm(&run.take_stats());
     let model = run.finish()?;
     let mut sorted = committed.clone();
     sorted.sort_unstable();

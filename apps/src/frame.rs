@@ -168,6 +168,16 @@ impl RunSummary {
             metrics_dir,
         }
     }
+
+    /// Adds a run's communication statistics (`comm`) to the summary's.
+    pub fn add_comm(&mut self, comm: &ddp::SyncStats) {
+        self.comm_seconds += comm.total().as_secs_f64();
+        self.pack_seconds += comm.pack.as_secs_f64();
+        self.wait_seconds += comm.wait.as_secs_f64();
+        self.unpack_seconds += comm.unpack.as_secs_f64();
+        self.buckets += comm.buckets;
+        self.buckets_during_backward += comm.buckets_during_backward;
+    }
 }
 
 /// The checkpoint a run starts from, if any: `--resume`, or a process its launcher

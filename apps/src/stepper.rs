@@ -237,17 +237,7 @@ impl Stepper {
     pub(crate) fn take_stats(&mut self) -> SyncStats {
         match self {
             Stepper::Ddp { ddp, .. } => ddp.take_stats(),
-            Stepper::Zero(zero) => {
-                let z = zero.take_stats();
-                SyncStats {
-                    steps: z.steps,
-                    wait: z.reduce + z.gather,
-                    unpack: z.update,
-                    bytes: z.bytes,
-                    buckets_during_backward: z.buckets_during_backward,
-                    ..SyncStats::default()
-                }
-            }
+            Stepper::Zero(zero) => zero.take_stats().into(),
         }
     }
 

@@ -359,7 +359,7 @@ where
             let at_interval = step.is_multiple_of(cfg.log_interval as u64);
             if at_interval {
                 let comm = stepper.take_stats();
-                add_stats(&mut epoch_comm, &comm);
+                epoch_comm.add(&comm);
                 if let Some(m) = metrics.as_mut() {
                     m.write_scalars(step, &interval.scalars(lr, world, &comm))?;
                 }
@@ -401,13 +401,8 @@ where
         train_time += elapsed;
         samples_done += epoch_samples;
         let mut comm = stepper.take_stats();
-        add_stats(&mut comm, &epoch_comm);
-        summary.comm_seconds += comm.total().as_secs_f64();
-        summary.pack_seconds += comm.pack.as_secs_f64();
-        summary.wait_seconds += comm.wait.as_secs_f64();
-        summary.unpack_seconds += comm.unpack.as_secs_f64();
-        summary.buckets += comm.buckets;
-        summary.buckets_during_backward += comm.buckets_during_backward;
+        comm.add(&epoch_comm);
+        summary.add_comm(&comm);
 
         let local = local_eval(&model, test_feed.batches()?, eval_pad(cfg))?;
         let (correct, total, test_loss) = sum_eval(&pg, local)?;
@@ -620,17 +615,6 @@ impl Interval {
             ("train/comm_fraction", comm_secs / secs),
         ]
     }
-}
-
-/// Adds `b`'s counts and times to `a`.
-fn add_stats(a: &mut SyncStats, b: &SyncStats) {
-    a.steps += b.steps;
-    a.pack += b.pack;
-    a.wait += b.wait;
-    a.unpack += b.unpack;
-    a.bytes += b.bytes;
-    a.buckets += b.buckets;
-    a.buckets_during_backward += b.buckets_during_backward;
 }
 
 fn progress_bar(rank0: bool, len: u64, epoch: usize) -> Option<indicatif::ProgressBar> {

@@ -16,17 +16,15 @@
 //!
 //! Every process runs under a deadline (`Guarded`): no test can hang.
 
-use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::process::Command;
+use std::time::{Duration, Instant};
 
-use serde_json::Value;
-
+mod agents;
 mod common;
 mod mnist;
-use common::{workspace_bin, Guarded};
+use agents::{check_whole_epoch, free_port, json_after, now_ms, number_after, trainer_of, Agent};
+use common::workspace_bin;
+use serde_json::Value;
 
 /// The longest one agent may run.
 const DEADLINE: Duration = Duration::from_secs(300);
@@ -41,59 +39,6 @@ static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// Holds [`ONE_AT_A_TIME`] (a test that panicked while holding it poisons it; the next goes on).
 fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// One `ddprun` agent, its output read line by line as it comes.
-struct Agent {
-    child: Guarded,
-    lines: mpsc::Receiver<String>,
-    seen: Vec<String>,
-}
-
-impl Agent {
-    /// Reads lines until one contains `what`; panics with the output past `deadline`.
-    fn wait_for(&mut self, what: &str, deadline: Instant) -> String {
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left.max(Duration::from_millis(1))) {
-                Ok(line) => {
-                    self.seen.push(line.clone());
-                    if line.contains(what) {
-                        return line;
-                    }
-                }
-                Err(_) => panic!(
-                    "no line with {what:?} in time; output:\n{}",
-                    self.seen.join("\n")
-                ),
-            }
-        }
-    }
-
-    /// Waits for the agent to exit; returns its success and all its output.
-    fn finish(&mut self) -> (bool, Vec<String>) {
-        let status = self.child.wait();
-        while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(2)) {
-            self.seen.push(line);
-        }
-        (status.success(), self.seen.clone())
-    }
-}
-
-/// A free TCP port on this host (bound and released: the agents bind it right after).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn now_ms() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis()
 }
 
 /// The trainer's arguments shared by the plain and the elastic runs.
@@ -134,83 +79,8 @@ fn agent(node: usize, port: u16, restarts: usize, env: &[(&str, &str)], args: &[
         .arg(workspace_bin("train-mnist"))
         .args(args)
         .envs(env.iter().copied())
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = Guarded::spawn(&mut command, DEADLINE);
-    let (tx, lines) = mpsc::channel();
-    for stream in [
-        Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-        Box::new(child.stderr.take().unwrap()),
-    ] {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-    }
-    Agent {
-        child,
-        lines,
-        seen: Vec::new(),
-    }
-}
-
-/// The pid of the trainer `ddprun` (process `agent_pid`) runs, from `/proc`.
-fn trainer_of(agent_pid: u32) -> u32 {
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // pid (comm) state ppid ...
-        let Some((comm, rest)) = stat.split_once(") ") else {
-            continue;
-        };
-        let ppid: u32 = rest.split_whitespace().nth(1).unwrap().parse().unwrap();
-        if ppid == agent_pid && comm.ends_with("(train-mnist") {
-            return pid;
-        }
-    }
-    panic!("no train-mnist under ddprun {agent_pid}")
-}
-
-/// The JSON after `marker` on the last line that has it.
-fn json_after(lines: &[String], marker: &str) -> Value {
-    let line = lines
-        .iter()
-        .rev()
-        .find_map(|l| l.split_once(marker).map(|(_, j)| j.to_string()))
-        .unwrap_or_else(|| panic!("no {marker} in:\n{}", lines.join("\n")));
-    serde_json::from_str(&line).unwrap()
-}
-
-/// The number after the last `key` in `line`.
-fn number_after(line: &str, key: &str) -> u128 {
-    let (_, rest) = line.rsplit_once(key).unwrap();
-    rest.split_whitespace().next().unwrap().parse().unwrap()
-}
-
-/// Checks what a rank that trained the whole epoch says: every step committed once, in
-/// order, from 1; each of the epoch's `samples` trained exactly once.
-fn check_whole_epoch(summary: &Value, samples: u64, who: &str) {
-    assert_eq!(summary["steps_repeated"], 0, "{who}: {summary}");
-    assert_eq!(summary["steps_in_order"], true, "{who}: {summary}");
-    assert_eq!(summary["first_step"], 1, "{who}: {summary}");
-    let epoch = &summary["epochs"][0];
-    assert_eq!(
-        epoch["min_count"], 1,
-        "{who}: a sample not trained once: {summary}"
-    );
-    assert_eq!(
-        epoch["max_count"], 1,
-        "{who}: a sample trained twice: {summary}"
-    );
-    assert_eq!(epoch["trained"], samples, "{who}: {summary}");
+        .env("RUST_LOG", "warn");
+    Agent::start(&mut command, DEADLINE)
 }
 
 /// The plain 3-rank run's accuracy (`ddprun --nproc-per-node 3`, the same settings).
@@ -298,6 +168,21 @@ fn kill_and_rejoin(extra: &[&str]) {
         assert_eq!(
             s["summary"]["world_size"], 3,
             "the world is not back at 3: {s}"
+        );
+        // The communication of every generation's wrapper is counted (it was 0).
+        let comm = &s["summary"];
+        assert!(comm["comm_seconds"].as_f64().unwrap() > 0.0, "{s}");
+    }
+    // DDP: at least one bucket all-reduced per step a survivor took.
+    if !extra.contains(&"--zero-stage") {
+        let (steps, buckets) = (
+            &summaries[0]["summary"]["steps"],
+            &summaries[0]["summary"]["buckets"],
+        );
+        assert!(
+            buckets.as_u64().unwrap() >= steps.as_u64().unwrap(),
+            "{}",
+            summaries[0]
         );
     }
     let accuracy = summaries[0]["summary"]["test_accuracy"].as_f64().unwrap();

@@ -84,7 +84,8 @@ pub use membership::group::{
     elastic_job_state, parse_range, Change, Continue, ElasticConfig, ElasticGroup, StepStatus,
     Vote, DEFAULT_LAST_CALL, DEFAULT_POLL, ELASTIC_ENV, ELASTIC_ROUND_ENV,
 };
-pub use membership::standby::{ranks_moved_to, Standby};
+pub use membership::redirect::{moved_record, Redirect};
+pub use membership::standby::{ranks_moved_to, MovedStore, Standby};
 pub use rendezvous::store::Store;
 pub use rendezvous::store_server::StoreHost;
 pub use rendezvous::torch_store_server::TorchStoreHost;

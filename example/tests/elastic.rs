@@ -4,7 +4,6 @@
 //! every rank holding the same parameters. And the guide's loop is this program's, line for
 //! line. Every process runs under a deadline.
 
-use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -31,18 +30,7 @@ impl Agent {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         let mut child = Guarded::spawn(&mut command, DEADLINE);
-        let (tx, lines) = mpsc::channel();
-        for stream in [
-            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-            Box::new(child.stderr.take().unwrap()),
-        ] {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    let _ = tx.send(line);
-                }
-            });
-        }
+        let lines = common::output_lines(&mut child);
         Agent {
             child,
             lines,

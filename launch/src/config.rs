@@ -44,6 +44,18 @@ pub struct LaunchConfig {
     /// hosts that attempt's store on it. Either way the launcher holds the port from the moment
     /// it chose it, so no other process can take it.
     pub master_port: Option<u16>,
+    /// The address the other nodes reach this node at (`--local-addr`, torchrun's flag): where
+    /// an elastic job's standby store on this node is published (see [`crate::launch`]). When
+    /// `None`, the address this node's launcher reaches the rendezvous store from, which is
+    /// right unless the other nodes reach this one through another interface.
+    pub local_addr: Option<String>,
+    /// How long an elastic job's founding waits for more processes once MIN joined, given to
+    /// the ranks as `DDP_ELASTIC_LAST_CALL` (torchrun's `--rdzv-conf last_call_timeout`);
+    /// `None`: the ranks' own (the variable if set, else 2 s).
+    pub last_call: Option<Duration>,
+    /// How long a rank tries to join (and to re-form), given to the ranks as
+    /// `DDP_CONNECT_TIMEOUT` (torchrun's `--rdzv-conf join_timeout`); `None`: the ranks' own.
+    pub join_timeout: Option<Duration>,
     /// An identifier shared by all ranks of the job, exported as `DDP_JOB_ID`. When `None`, a
     /// single-node launch generates one and a multi-node launch exports none (every node would
     /// generate a different one); an inherited `DDP_JOB_ID` is then passed through unchanged.
@@ -77,6 +89,9 @@ impl LaunchConfig {
             node_rank_at_rendezvous: false,
             master_addr: None,
             master_port: None,
+            local_addr: None,
+            last_call: None,
+            join_timeout: None,
             job_id: None,
             command,
             grace_period: DEFAULT_GRACE_PERIOD,
@@ -143,6 +158,13 @@ pub fn rank_env(
     if let Some((min, max)) = config.elastic_ranks() {
         env.push((ELASTIC_ENV, format!("{min}:{max}")));
         env.push((ELASTIC_ROUND_ENV, restart.to_string()));
+    }
+    if let Some(last_call) = config.last_call {
+        let var = ddp_comm::elastic::LAST_CALL_ENV;
+        env.push((var, last_call.as_secs_f64().to_string()));
+    }
+    if let Some(join) = config.join_timeout {
+        env.push(("DDP_CONNECT_TIMEOUT", join.as_secs_f64().to_string()));
     }
     env
 }

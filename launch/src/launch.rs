@@ -37,7 +37,9 @@
 //! launcher and the store with it), the ranks move the store to the lowest live standby
 //! (`ddp_comm`'s `failover.rs`), the other launchers' presence follows them there, and the
 //! launcher whose standby it is hosts it from then on as node 0's did
-//! (`take_over_the_store`).
+//! (`take_over_the_store`) and keeps a redirect at the job's first address ([`keep_redirect`]),
+//! through which a node 0 started again, or any agent given that address, finds the job; a new
+//! round after the move starts its ranks at the moved store.
 //!
 //! Restarts are counted as torchrun counts them: `TORCHELASTIC_RESTART_COUNT` is the restarts
 //! of the budget used before the process started, a rank restarted alone in an elastic job
@@ -49,7 +51,9 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ddp_comm::{AgentPresence, AgentWatch, TorchStoreHost, AGENT_BEAT, AGENT_SILENCE};
+use ddp_comm::{
+    AgentPresence, AgentWatch, MovedStore, Redirect, TorchStoreHost, AGENT_BEAT, AGENT_SILENCE,
+};
 
 use crate::agents::Agents;
 use crate::attempt::{run_attempt, Ending, Outcome};
@@ -131,6 +135,16 @@ struct Job<'a> {
     /// An elastic job on several nodes, on a node other than 0: this launcher's standby store,
     /// where the ranks move the job's store if node 0 is lost (see the module documentation).
     standby: Option<TorchStoreHost>,
+    /// The port of the job's first store (node 0's), where a redirect points at the store
+    /// once it moved here.
+    first_port: u16,
+    /// Once the ranks moved the job's store to this launcher's standby: the `moved` record it
+    /// keeps at the job's first address (see [`keep_redirect`]).
+    redirect: RefCell<Option<Redirect>>,
+    /// A launcher that hosts the store at the job's first address (node 0 started again after
+    /// its node was lost), once a `moved` record there says where the job went: its presence
+    /// in the moved store, and that store's address (see [`follow_moved_job`]).
+    follower: RefCell<Option<(AgentPresence, (String, u16))>>,
 }
 
 impl<'a> Job<'a> {
@@ -165,7 +179,9 @@ impl<'a> Job<'a> {
                     (&rendezvous.addr, master_port),
                     AGENT_BEAT,
                     Instant::now() + REGISTER_BY,
-                    standby.as_ref().map(TorchStoreHost::port),
+                    standby
+                        .as_ref()
+                        .map(|s| (config.local_addr.clone(), s.port())),
                     token.clone(),
                 )
                 .map_err(|e| LaunchError::Agents {
@@ -194,19 +210,40 @@ impl<'a> Job<'a> {
             watch: RefCell::new(watch),
             token,
             standby,
+            first_port: master_port,
+            redirect: RefCell::new(None),
+            follower: RefCell::new(None),
         })
     }
 
     /// Steps 2 to 5, once: every local rank of this round, until all have ended.
     fn run_attempt(&mut self) -> Outcome {
         clear_trace_files(&self.trace_dir.0);
-        let presence = self.presence.as_ref();
-        let store_now = move || presence.and_then(AgentPresence::moved_to);
+        let (presence, follower) = (self.presence.as_ref(), &self.follower);
+        let store_now = move || {
+            presence.and_then(AgentPresence::moved_to).or_else(|| {
+                let follower = follower.borrow();
+                let (p, at) = follower.as_ref()?;
+                Some(p.moved_to().unwrap_or_else(|| at.clone()))
+            })
+        };
+        // A new round after the job's store moved (its node was lost) starts where it is now.
+        let moved = store_now();
+        let (master_addr, master_port) = match &moved {
+            Some((addr, port)) => (addr.as_str(), *port),
+            None => (self.rendezvous.addr.as_str(), self.store.port),
+        };
+        let first = (self.rendezvous.addr.as_str(), self.first_port);
+        let round = self.restarts as u32;
+        let (redirect, token) = (&self.redirect, self.token.as_deref());
+        let ours = self.standby.as_ref().or(self.store._host.as_ref());
+        let redirect_now = || keep_redirect(redirect, presence, ours, first, round, token);
+        redirect_now();
         let attempt = Attempt {
             program: self.program,
             args: self.args,
-            master_addr: &self.rendezvous.addr,
-            master_port: self.store.port,
+            master_addr,
+            master_port,
             job_id: self.job_id.as_deref(),
             restart: self.restarts,
             restarts_used: self.restarts_used(),
@@ -217,7 +254,10 @@ impl<'a> Job<'a> {
         let agents = self.agents.as_ref();
         let (watch, host) = (&self.watch, self.store._host.as_ref());
         let alone_below_min = self.alone_below_min();
+        let node = self.config.node_rank;
         let other_nodes = || -> Option<Result<(), String>> {
+            redirect_now();
+            follow_moved_job(follower, host, node, token);
             if let (Some(w), Some(host)) = (watch.borrow_mut().as_mut(), host) {
                 // Every other launcher gone, and this node's ranks cannot run the job alone:
                 // they could only wait for nodes that are gone.
@@ -293,6 +333,7 @@ impl<'a> Job<'a> {
     /// every other node's launcher has seen the end (not when the launcher was `interrupted`).
     fn end(&mut self, interrupted: bool) {
         drop(self.presence.take());
+        drop(self.follower.borrow_mut().take());
         if !interrupted {
             self.host_until_every_node_saw_the_end();
         }
@@ -703,6 +744,82 @@ fn join_agents(
         str::to_string,
     );
     Agents::join(config.node_rank, config.nnodes, master_addr, port, &name).map(Some)
+}
+
+/// When the ranks moved the job's store to this launcher's standby (`ours`: the standby, or the
+/// store it hosts since it took it over; its `presence` followed them there), keeps a `moved`
+/// record at the job's `first` address ([`Redirect`], sealed with `secret`) that points at the
+/// store and `round`, so that a node 0 restarted there, or any agent or rank started later with
+/// that address, finds the job (see `ddp_comm`'s `redirect.rs`). Nothing before a move, nor on
+/// a launcher whose standby the job did not move to.
+fn keep_redirect(
+    redirect: &RefCell<Option<Redirect>>,
+    presence: Option<&AgentPresence>,
+    ours: Option<&TorchStoreHost>,
+    first: (&str, u16),
+    round: u32,
+    secret: Option<&str>,
+) {
+    let Some((host, port)) = presence.and_then(AgentPresence::moved_to) else {
+        return;
+    };
+    let to = MovedStore { host, port, round };
+    let mut redirect = redirect.borrow_mut();
+    if let Some(r) = redirect.as_ref() {
+        r.point(to);
+        return;
+    }
+    if !ours.is_some_and(|s| s.port() == port && ddp_comm::ranks_moved_to(s)) {
+        return;
+    }
+    match Redirect::start(first, to.clone(), secret.map(str::to_string)) {
+        Ok(r) => {
+            notice(&format!(
+                "the elastic job's store moved to this node's standby at {}:{port}; a store \
+                 restarted at its first address {}:{} will be told so",
+                to.host, first.0, first.1
+            ));
+            *redirect = Some(r);
+        }
+        Err(e) => notice(&format!(
+            "cannot keep a redirect at the job's first address: {e}"
+        )),
+    }
+}
+
+/// A launcher that hosts the store at the job's first address (`host`: node 0 started again
+/// after its node was lost, or the next agent on a c10d endpoint's host), once the agent that
+/// hosts the moved store wrote a `moved` record there ([`ddp_comm::moved_record`], sealed with
+/// `secret`): registers and beats in the moved store as node `node`'s launcher
+/// ([`AgentPresence`]), so that its ranks restarted alone and its next rounds are given that
+/// store, and its host waits for this launcher at the end as for any other. Its own ranks
+/// follow the record by themselves. Once.
+fn follow_moved_job(
+    follower: &RefCell<Option<(AgentPresence, (String, u16))>>,
+    host: Option<&TorchStoreHost>,
+    node: usize,
+    secret: Option<&str>,
+) {
+    if follower.borrow().is_some() {
+        return;
+    }
+    let Some(to) = host.and_then(|h| ddp_comm::moved_record(h, secret)) else {
+        return;
+    };
+    let at = (to.host.as_str(), to.port);
+    let secret = secret.map(str::to_string);
+    let by = Instant::now() + REGISTER_BY;
+    match AgentPresence::start(node, at, AGENT_BEAT, by, None, secret) {
+        Ok(presence) => {
+            notice(&format!(
+                "the elastic job's store moved to {}:{} while this node was away; following it \
+                 there",
+                to.host, to.port
+            ));
+            *follower.borrow_mut() = Some((presence, (to.host, to.port)));
+        }
+        Err(e) => notice(&format!("cannot follow the job to its moved store: {e}")),
+    }
 }
 
 /// The secret that seals an elastic job's records in the store (ddp-comm's `elastic_seal.rs`):

@@ -81,6 +81,7 @@ mod node_rank;
 mod output;
 mod pet;
 mod ranks;
+mod rdzv_conf;
 mod rendezvous;
 mod report;
 mod signals;
@@ -95,6 +96,7 @@ pub use error::{signal_name, BlamedRank, LaunchError, LaunchReport, RankExit, Ra
 pub use launch::launch;
 pub use node_rank::{parse_endpoint, DEFAULT_RDZV_PORT};
 pub use pet::{rdzv_backend, GivenFlags, PetDefaults};
+pub use rdzv_conf::{parse_rdzv_conf, RdzvConf};
 pub use rendezvous::bind_free_port;
 pub use report::root_cause_box;
 pub use spawn::{spawn, SpawnOptions};

@@ -14,8 +14,10 @@
 //! local rank`) stay below MAX. An agent that would get MAX or more is refused: the job already
 //! had its most nodes. A node rank is the agent's for the whole job, across its rounds.
 //!
-//! Not handled here: the hosting agent's death ends the store, and with it the job (another
-//! agent does not take the store over).
+//! The hosting agent's death does not end an elastic job: the store moves to another agent's
+//! standby (`ddp_comm`'s `failover.rs`), and an agent started later on the endpoint's host
+//! hosts a fresh store there, where the moved store's agent writes where the job went
+//! (`ddp_comm::Redirect`): the next agents take their node ranks from the moved store.
 
 use std::net::{IpAddr, TcpListener, ToSocketAddrs};
 use std::time::{Duration, Instant};

@@ -35,6 +35,8 @@ pub struct PetDefaults {
     pub rdzv_endpoint: Option<(String, u16)>,
     /// `PET_RDZV_ID`: the job's id.
     pub rdzv_id: Option<String>,
+    /// `PET_RDZV_CONF`: torchrun's rendezvous settings ([`crate::parse_rdzv_conf`]).
+    pub rdzv_conf: Option<crate::RdzvConf>,
 }
 
 /// Which of ddprun's options were given on its command line: their `PET_*` variables are not
@@ -59,6 +61,8 @@ pub struct GivenFlags {
     pub rdzv_endpoint: bool,
     /// `--rdzv-id` (`PET_RDZV_ID`).
     pub rdzv_id: bool,
+    /// `--rdzv-conf` (`PET_RDZV_CONF`).
+    pub rdzv_conf: bool,
 }
 
 impl PetDefaults {
@@ -144,7 +148,14 @@ impl PetDefaults {
                     .map_err(|why| bad("PET_RDZV_ENDPOINT", &v, &why))?,
             ),
         };
+        let rdzv_conf = match get("PET_RDZV_CONF", given.rdzv_conf) {
+            None => None,
+            Some(v) => {
+                Some(crate::parse_rdzv_conf(&v).map_err(|why| bad("PET_RDZV_CONF", &v, &why))?)
+            }
+        };
         Ok(PetDefaults {
+            rdzv_conf,
             rdzv_backend,
             rdzv_endpoint,
             rdzv_id: get("PET_RDZV_ID", given.rdzv_id),
@@ -204,6 +215,7 @@ mod tests {
         for (var, value) in [
             ("PET_RDZV_BACKEND", "etcd-v2"),
             ("PET_RDZV_ENDPOINT", "job-worker-0:x"),
+            ("PET_RDZV_CONF", "join_timeout=never"),
         ] {
             match from(&[(var, value)]) {
                 Err(LaunchError::Variable { var: v, .. }) => assert_eq!(v, var),
@@ -238,6 +250,9 @@ mod tests {
             }
         );
         assert_eq!(from(&[]).unwrap(), PetDefaults::default());
+        let conf = from(&[("PET_RDZV_CONF", "last_call_timeout=5")]).unwrap();
+        let last_call = conf.rdzv_conf.and_then(|c| c.last_call);
+        assert_eq!(last_call, Some(std::time::Duration::from_secs(5)));
         assert_eq!(from(&[("PET_NNODES", "3:3")]).unwrap().nnodes, Some(3));
         // An elastic range: its most nodes, and its least.
         let elastic = from(&[("PET_NNODES", "2:4")]).unwrap();
@@ -298,6 +313,7 @@ mod tests {
             rdzv_backend: true,
             rdzv_endpoint: true,
             rdzv_id: true,
+            rdzv_conf: true,
         };
         assert_eq!(
             PetDefaults::from_vars(&all, lookup).unwrap(),

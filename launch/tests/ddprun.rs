@@ -308,6 +308,61 @@ fn torchrun_spellings_are_accepted() {
     );
 }
 
+/// torchrun's `--rdzv-conf` (and Kubeflow's `PET_RDZV_CONF`): `last_call_timeout` and
+/// `join_timeout` reach the ranks as DDP_ELASTIC_LAST_CALL and DDP_CONNECT_TIMEOUT, torchrun's
+/// other keys are accepted and said to have no effect, and a key torchrun does not know is
+/// refused, naming it.
+#[test]
+fn rdzv_conf_reaches_the_ranks() {
+    let print = "echo RANK=$RANK LAST_CALL=${DDP_ELASTIC_LAST_CALL:-none} \
+                 CONNECT=${DDP_CONNECT_TIMEOUT:-none}";
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    common::clear_launcher_env(&mut command);
+    command.args(["--standalone", "--nproc_per_node=1"]);
+    command.args(["--rdzv_conf=last_call_timeout=7,join_timeout=42.5,read_timeout=60"]);
+    command.args(["sh", "-c", print]);
+    command
+        .env_remove("DDP_ELASTIC_LAST_CALL")
+        .env_remove("DDP_CONNECT_TIMEOUT");
+    let done = run(command);
+    assert!(done.status.success(), "stderr:\n{}", done.stderr);
+    let vars = &printed_env(&done.stdout, 1)[0];
+    assert_eq!(
+        (value(vars, "LAST_CALL"), value(vars, "CONNECT")),
+        ("7", "42.5")
+    );
+    assert!(
+        done.stderr.contains("read_timeout have no effect"),
+        "{}",
+        done.stderr
+    );
+    // The same from the pod's variable; without either, the ranks' own defaults.
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    common::clear_launcher_env(&mut command);
+    command.args(["--", "sh", "-c", print]);
+    command.env("PET_RDZV_CONF", "last_call_timeout=3");
+    command
+        .env_remove("DDP_ELASTIC_LAST_CALL")
+        .env_remove("DDP_CONNECT_TIMEOUT");
+    let done = run(command);
+    assert!(done.status.success(), "stderr:\n{}", done.stderr);
+    let vars = &printed_env(&done.stdout, 1)[0];
+    assert_eq!(
+        (value(vars, "LAST_CALL"), value(vars, "CONNECT")),
+        ("3", "none")
+    );
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
+    common::clear_launcher_env(&mut command);
+    command.args(["--rdzv-conf", "last_cal_timeout=7", "--", "true"]);
+    let done = run(command);
+    assert_eq!(done.status.code(), Some(2), "{}", done.stderr);
+    assert!(
+        done.stderr.contains("\"last_cal_timeout\""),
+        "{}",
+        done.stderr
+    );
+}
+
 #[test]
 fn every_rank_gets_its_variables_on_one_node() {
     let done = run(ddprun(3, PRINT_ENV));

@@ -6,7 +6,6 @@
 //! (node 0's, which hosts the store, waits for the other agents to see the end, but not for an
 //! agent that died hard). Every run has a deadline.
 
-use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
@@ -32,18 +31,7 @@ impl Agent {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         let mut child = Guarded::spawn(&mut command, DEADLINE);
-        let (tx, lines) = mpsc::channel();
-        for stream in [
-            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-            Box::new(child.stderr.take().unwrap()),
-        ] {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    let _ = tx.send(line);
-                }
-            });
-        }
+        let lines = common::output_lines(&mut child);
         Agent {
             child,
             lines,
@@ -93,8 +81,22 @@ fn elastic_node(
     restarts: usize,
     env: &[&str],
 ) -> Command {
+    elastic_node_with(&[], node, range, nproc, port, restarts, env)
+}
+
+/// [`elastic_node`] with more of ddprun's `flags`.
+fn elastic_node_with(
+    flags: &[&str],
+    node: usize,
+    range: &str,
+    nproc: usize,
+    port: u16,
+    restarts: usize,
+    env: &[&str],
+) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
     common::clear_launcher_env(&mut command);
+    command.args(flags);
     command
         .args([
             "--grace-period",
@@ -351,19 +353,24 @@ fn node_0_exits_when_every_other_agent_died_hard() {
 /// endpoint, torchrun's c10d backend and the job's id, as flags or as Kubeflow's `PET_*`
 /// variables (`pet`).
 fn c10d_agent(port: u16, pet: bool, env: &[&str]) -> Command {
+    c10d_agent_of(port, pet, "2:3", env)
+}
+
+/// [`c10d_agent`] of a `range` job.
+fn c10d_agent_of(port: u16, pet: bool, range: &str, env: &[&str]) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_ddprun"));
     common::clear_launcher_env(&mut command);
     command.args(["--grace-period", "0.5", "--nproc-per-node", "1"]);
     let endpoint = format!("127.0.0.1:{port}");
     if pet {
         command.envs([
-            ("PET_NNODES", "2:3"),
+            ("PET_NNODES", range),
             ("PET_RDZV_BACKEND", "c10d"),
             ("PET_RDZV_ENDPOINT", endpoint.as_str()),
             ("PET_RDZV_ID", "c10d-test"),
         ]);
     } else {
-        command.args(["--nnodes", "2:3", "--rdzv-backend", "c10d"]);
+        command.args(["--nnodes", range, "--rdzv-backend", "c10d"]);
         command.args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "c10d-test"]);
     }
     command
@@ -507,4 +514,171 @@ fn a_stranger_at_the_store_leaves_the_job_training() {
     assert!(status.success(), "{status}\n{text}");
     assert!(text.contains("world 2 step 150 "), "{text}");
     assert!(!text.contains("reformed"), "the job re-formed:\n{text}");
+}
+
+/// Kills an agent and its ranks together (`SIGKILL`, the agent first), as a node that dies.
+fn kill_node(agent: &Agent) {
+    let ranks = children(agent.child.id(), "ddp-elastic-peer");
+    for pid in std::iter::once(agent.child.id()).chain(ranks) {
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+}
+
+/// Node `node`'s agent of an elastic job whose records are sealed (`DDP_TOKEN`); node 1's
+/// says that the other nodes reach it at 127.0.0.2 (`--local-addr`, a loopback address of its
+/// own), where its standby store is published.
+fn sealed_node(node: usize, range: &str, nproc: usize, port: u16, env: &[&str]) -> Command {
+    let flags: &[&str] = match node {
+        1 => &["--local-addr", "127.0.0.2"],
+        _ => &[],
+    };
+    let mut command = elastic_node_with(flags, node, range, nproc, port, 1, env);
+    command.env("DDP_TOKEN", "redirect-test-secret");
+    command
+}
+
+/// Node 0's agent, which hosts the store, dies hard with its rank (`2:3`, one rank each): the
+/// others move the store to node 1's standby and go on at world 2. Node 0's agent is then
+/// started again with its command line: it hosts a fresh store at the job's first address,
+/// node 1's agent writes there where the job went (`ddp_comm::Redirect`), node 0's rank follows
+/// it, joins the job where it is and is healed, and the job finishes at world 3, every agent
+/// exiting 0. (Before, the restarted rank waited alone in the fresh store until its connect
+/// deadline.)
+#[test]
+fn a_node_0_started_again_after_its_store_moved_finds_the_job() {
+    let port = free_port();
+    let env = ["PEER_STEPS=400", "DDP_CONNECT_TIMEOUT=30"];
+    let mut agents: Vec<Agent> = (0..3)
+        .map(|n| Agent::start(sealed_node(n, "2:3", 1, port, &env)))
+        .collect();
+    agents[0].wait_for("step 40 ");
+    kill_node(&agents[0]);
+    let (status, _) = agents[0].finish();
+    assert!(!status.success(), "node 0 was killed");
+    agents[1].wait_for("world 2 from");
+    let restarted = Instant::now();
+    agents[0] = Agent::start(sealed_node(0, "2:3", 1, port, &env));
+    let healed = agents[0].wait_for("healed true");
+    println!(
+        "node 0 started again: healed in the moved job {} ms after its start",
+        restarted.elapsed().as_millis()
+    );
+    assert!(healed.contains(" world 3 "), "{healed}");
+    let done: Vec<(std::process::ExitStatus, String)> =
+        agents.iter_mut().map(Agent::finish).collect();
+    for (n, (status, text)) in done.iter().enumerate() {
+        assert!(status.success(), "node {n}: {status}\n{text}");
+        assert!(text.contains("step 400 "), "node {n}:\n{text}");
+    }
+    assert!(
+        done[0]
+            .1
+            .contains("while this node was away; following it there"),
+        "node 0's agent did not follow the job:\n{}",
+        done[0].1
+    );
+    assert!(
+        done[1].1.contains("standby at 127.0.0.2:"),
+        "node 1's standby is not where --local-addr says:\n{}",
+        done[1].1
+    );
+    assert!(
+        done[1].1.contains("will be told so"),
+        "node 1's agent did not keep a redirect:\n{}",
+        done[1].1
+    );
+    let last = |text: &str| {
+        text.lines()
+            .rev()
+            .find(|l| l.contains(" step 400 "))
+            .unwrap_or_default()
+            .to_string()
+    };
+    for (n, (_, text)) in done.iter().enumerate() {
+        assert!(last(text).contains(" world 3 "), "node {n}: {}", last(text));
+    }
+}
+
+/// Node 0 dies hard with its ranks (`2:3`, two ranks each: MIN is 4 ranks): the others move the
+/// store to node 1's standby and go on at world 4. Then one of node 2's ranks freezes: the
+/// job falls below its minimum, every rank left exits saying so, and nodes 1 and 2 start the
+/// job again as a new round, whose ranks meet in the moved store (node 1's agent hosts it
+/// from then on) and finish at world 4. (Before, the new round's ranks were sent to the first
+/// address, where nothing listens any more.)
+#[test]
+fn a_new_round_after_the_store_moved_starts_where_it_is() {
+    let port = free_port();
+    let env = ["PEER_STEPS=150", "DDP_CONNECT_TIMEOUT=30"];
+    let mut agents: Vec<Agent> = (0..3)
+        .map(|n| Agent::start(sealed_node(n, "2:3", 2, port, &env)))
+        .collect();
+    agents[0].wait_for("step 40 ");
+    kill_node(&agents[0]);
+    agents[1].wait_for("world 4 from");
+    let peers = children(agents[2].child.id(), "ddp-elastic-peer");
+    assert_eq!(peers.len(), 2, "{peers:?}");
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe { libc::kill(peers[0] as i32, libc::SIGSTOP) };
+    for n in [1, 2] {
+        let (status, text) = agents[n].finish();
+        assert!(status.success(), "node {n}: {status}\n{text}");
+        for said in [
+            "fell below its minimum",
+            "(restart 1 of 1)",
+            "restart count 1, round 1",
+            " world 4 step 150 ",
+        ] {
+            assert!(text.contains(said), "node {n}: no {said:?} in:\n{text}");
+        }
+    }
+}
+
+/// torchrun's c10d rendezvous (`2:4`, no node ranks): the agent that hosts the store (node 0)
+/// dies hard with its rank, and the two others move the store to node 1's standby and go on.
+/// Two agents are then started with the same command line: the first binds the endpoint's port
+/// again and hosts a fresh store there (node 0); the second finds the port taken and asks that
+/// store for a node rank, which says where the job went (`ddp_comm::Redirect`): it takes node
+/// rank 3 from the moved store's counter (not 1, a live node's), and both agents' ranks join
+/// the job where it is; it finishes at world 4, every agent exiting 0.
+#[test]
+fn agents_started_after_the_store_moved_find_the_job_through_the_endpoint() {
+    let port = free_port();
+    let env = ["PEER_STEPS=400", "DDP_CONNECT_TIMEOUT=30"];
+    let agent = |env: &[&str]| {
+        let mut command = c10d_agent_of(port, false, "2:4", env);
+        command.env("DDP_TOKEN", "redirect-test-secret");
+        Agent::start(command)
+    };
+    let mut agents = vec![agent(&env)];
+    agents[0].wait_for("whose store this agent hosts");
+    agents.push(agent(&env));
+    agents.push(agent(&env));
+    for a in &mut agents[1..] {
+        a.wait_for("node rank ");
+    }
+    agents[0].wait_for(" world 3 step 40 ");
+    kill_node(&agents[0]);
+    let _ = agents[0].finish();
+    agents[1].wait_for("world 2 from");
+    agents[0] = agent(&env);
+    agents[0].wait_for("whose store this agent hosts");
+    // The moved store's host looks at the first address every 250 ms.
+    std::thread::sleep(Duration::from_millis(1000));
+    agents.push(agent(&env));
+    let rank = agents[3].wait_for("node rank ");
+    assert!(rank.contains("node rank 3 of at most 4"), "{rank}");
+    let done: Vec<(std::process::ExitStatus, String)> =
+        agents.iter_mut().map(Agent::finish).collect();
+    for (n, (status, text)) in done.iter().enumerate() {
+        assert!(status.success(), "agent {n}: {status}\n{text}");
+        assert!(text.contains(" world 4 step 400 "), "agent {n}:\n{text}");
+    }
+    for n in [0, 3] {
+        assert!(
+            done[n].1.contains("healed true"),
+            "agent {n}:\n{}",
+            done[n].1
+        );
+    }
 }

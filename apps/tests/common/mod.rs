@@ -9,9 +9,9 @@
 
 #![allow(dead_code)] // each test binary uses a subset
 
-use std::io::Read;
+use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, ChildStderr, ChildStdout, Command, ExitStatus, Output, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -186,6 +186,7 @@ const LAUNCHER_VARS: &[&str] = &[
     "PET_RDZV_BACKEND",
     "PET_RDZV_ENDPOINT",
     "PET_RDZV_ID",
+    "PET_RDZV_CONF",
     "DDP_LAUNCHER",
     "DDP_TEST_KILL_AT_STEP",
     "DDP_TEST_KILL_RANK",
@@ -220,4 +221,29 @@ pub fn text(out: &Output) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     )
+}
+
+/// The lines `child` writes to its stdout and stderr (both piped; taken here), as they come:
+/// each stream read by a thread of its own, the lines of both in one channel.
+pub fn output_lines(child: &mut Guarded) -> mpsc::Receiver<String> {
+    let (tx, lines) = mpsc::channel();
+    let streams = [
+        child
+            .stdout
+            .take()
+            .map(|s| Box::new(s) as Box<dyn Read + Send>),
+        child
+            .stderr
+            .take()
+            .map(|s| Box::new(s) as Box<dyn Read + Send>),
+    ];
+    for stream in streams.into_iter().flatten() {
+        let tx = tx.clone();
+        thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+    }
+    lines
 }

@@ -19,14 +19,17 @@
 //! Keys, under [`AGENTS_PREFIX`] (the job's, across its rounds): `node/<n>` (node n's launcher
 //! registered), `beat/<n>` (a counter it adds 1 to every [`AGENT_BEAT`]), `left/<n>` (it
 //! left), `next_node` (the node ranks handed out to launchers started without one,
-//! [`next_node_rank`]) and the standby stores' `standby/...` (`standby.rs`).
+//! [`next_node_rank`]), the standby stores' `standby/...` (`standby.rs`) and, at the job's
+//! first address once its store moved, `moved` (`redirect.rs`).
 
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::CommError;
-use crate::membership::standby::{connect_first, publish, reachable, Standby, StandbyReader};
+use crate::membership::standby::{
+    connect_first, publish, raise_to, reachable, read_moved, MovedStore, Standby, StandbyReader,
+};
 use crate::rendezvous::store::Store;
 use crate::rendezvous::torch_store_server::TorchStoreHost;
 
@@ -71,9 +74,10 @@ impl AgentPresence {
     /// Registers node `node`'s launcher in the store at `addr:port` and beats every `beat`,
     /// from a thread of its own: the thread connects (retrying until `connect_by`: node 0's
     /// launcher may start later) and registers. Never blocks; an unreachable store only means
-    /// that node 0's launcher will not wait for this one. With `standby` (the port of this
-    /// launcher's standby store, `standby.rs`), the thread first publishes it, sealed with
-    /// `secret`, at the address this launcher reaches the store from; and when the store is
+    /// that node 0's launcher will not wait for this one. With `standby` (the address the
+    /// other nodes reach this one at, `None` for the one this launcher reaches the store from,
+    /// and the port of this launcher's standby store, `standby.rs`), the thread first publishes
+    /// it, sealed with `secret`; and when the store is
     /// lost it follows the job's ranks to the standby they move to (the lowest node's that
     /// accepts a connection) and registers and beats there.
     pub fn start(
@@ -81,7 +85,7 @@ impl AgentPresence {
         (addr, port): (&str, u16),
         beat: Duration,
         connect_by: Instant,
-        standby: Option<u16>,
+        standby: Option<(Option<String>, u16)>,
         secret: Option<String>,
     ) -> Result<AgentPresence, CommError> {
         let (stop_tx, stop_rx) = mpsc::channel::<()>();
@@ -101,10 +105,10 @@ impl AgentPresence {
                     CALL,
                 );
                 if let Ok(store) = store {
-                    let mine = standby.map(|p| Standby {
+                    let mine = standby.map(|(host, port)| Standby {
                         node,
-                        host: store.local_addr().ip().to_string(),
-                        port: p,
+                        host: host.unwrap_or_else(|| store.local_addr().ip().to_string()),
+                        port,
                     });
                     let to = (mine, secret, moved_here);
                     follow(store, (node, &addr, port), beat, &stop_rx, to);
@@ -134,7 +138,9 @@ impl AgentPresence {
 /// Publishes `mine` (this launcher's standby, if any) and registers and beats in `store` (node
 /// `node`'s launcher; the store at `addr:port`) until `stop` closes; when the store is lost (a
 /// beat fails and nothing accepts a connection at its address any more), moves to the standby
-/// the ranks move to, says so in `moved`, and does the same there.
+/// the ranks move to, says so in `moved`, and does the same there; when the store says that the
+/// job's store moved elsewhere (a `moved` record, `redirect.rs`: this launcher started after
+/// the move, at the job's first address), leaves it and does the same there.
 fn follow(
     mut store: Store,
     (node, addr, port): (usize, &str, u16),
@@ -146,16 +152,56 @@ fn follow(
     let standbys = Mutex::new(Vec::new());
     let mut lost: Vec<String> = Vec::new();
     let (mut host, mut port) = (addr.to_string(), port);
+    let say_moved = |host: &str, port: u16| {
+        *moved.lock().unwrap_or_else(|p| p.into_inner()) = Some((host.to_string(), port));
+    };
     loop {
         if let Some(mine) = &mine {
             if let Err(e) = publish(&store, "", mine, secret.as_deref()) {
                 tracing::warn!("ddprun: cannot publish node {node}'s standby store: {e}");
             }
         }
-        if store.add(&format!("node/{node}"), 1).is_ok()
-            && present(&store, node, beat, stop, &mut reader, &standbys)
-        {
-            return;
+        let ended = match store.add(&format!("node/{node}"), 1) {
+            Ok(_) => present(
+                &store,
+                node,
+                beat,
+                stop,
+                (&mut reader, secret.as_deref()),
+                &standbys,
+            ),
+            Err(_) => Presence::Failed,
+        };
+        match ended {
+            Presence::Left => return,
+            Presence::Redirected(to) => {
+                // Left here (an add: answered), so that this store's host does not wait for it.
+                let _ = store.add(&format!("left/{node}"), 1);
+                let by = Instant::now() + CALL;
+                let prefix = AGENTS_PREFIX.to_string();
+                match Store::connect_torch(node, &to.host, to.port, prefix, by, CALL) {
+                    Ok(next) => {
+                        tracing::warn!(
+                            "ddprun: node {node}'s launcher found the elastic job's store moved \
+                             from {} to {}:{}; following it there",
+                            store.address(),
+                            to.host,
+                            to.port
+                        );
+                        say_moved(&to.host, to.port);
+                        (store, host, port) = (next, to.host, to.port);
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            "ddprun: node {node}'s launcher cannot reach the job's moved store: \
+                             {e}"
+                        );
+                        return;
+                    }
+                }
+            }
+            Presence::Failed => {}
         }
         if reachable(&host, port) {
             return;
@@ -173,8 +219,10 @@ fn follow(
             standby.node,
             standby.address()
         );
-        *moved.lock().unwrap_or_else(|p| p.into_inner()) =
-            Some((standby.host.clone(), standby.port));
+        // An agent that takes its node rank in the moved store (`next_node_rank`, through a
+        // `moved` record) gets none of the survivors'.
+        let _ = raise_to(&next, "next_node", node as i64);
+        say_moved(&standby.host, standby.port);
         (store, host, port) = (next, standby.host, standby.port);
     }
 }
@@ -184,10 +232,16 @@ fn follow(
 /// the agent which could host it holds as node 0: the count of launchers that asked so far,
 /// `next_node` under [`AGENTS_PREFIX`] (1 for the first, 2 for the next, ...), so that no two
 /// agents of the job get the same node rank, whatever order they start in. Retries connecting
-/// until `connect_by` (the hosting agent may start later).
+/// until `connect_by` (the hosting agent may start later). When the store there says that the
+/// job's store moved (a `moved` record sealed with `DDP_TOKEN`, `redirect.rs`), the counter is
+/// the moved store's, which the agents that followed the move raised to their node ranks.
 pub fn next_node_rank(addr: &str, port: u16, connect_by: Instant) -> Result<usize, CommError> {
     let prefix = AGENTS_PREFIX.to_string();
-    let store = Store::connect_torch(0, addr, port, prefix, connect_by, CALL)?;
+    let mut store = Store::connect_torch(0, addr, port, prefix.clone(), connect_by, CALL)?;
+    let secret = crate::launcher::vars::job_token();
+    if let Some(to) = read_moved(&store, secret.as_deref())? {
+        store = Store::connect_torch(0, &to.host, to.port, prefix, connect_by, CALL)?;
+    }
     let n = store.add("next_node", 1)?;
     usize::try_from(n)
         .ok()
@@ -199,30 +253,53 @@ pub fn next_node_rank(addr: &str, port: u16, connect_by: Instant) -> Result<usiz
         })
 }
 
-/// Beats until `stop` closes, then says that this launcher left (`true`), or until a beat
-/// fails (`false`); keeps `standbys` up to date meanwhile.
+/// How a launcher's presence in a store ended.
+enum Presence {
+    /// `stop` closed: it said that it left.
+    Left,
+    /// A beat failed.
+    Failed,
+    /// The store holds a `moved` record: the job is elsewhere.
+    Redirected(MovedStore),
+}
+
+/// Beats until `stop` closes, then says that this launcher left; or until a beat fails, or the
+/// store says that the job's store moved (a `moved` record sealed with `secret`); keeps
+/// `standbys` up to date meanwhile.
 fn present(
     store: &Store,
     node: usize,
     beat: Duration,
     stop: &mpsc::Receiver<()>,
-    reader: &mut StandbyReader,
+    (reader, secret): (&mut StandbyReader, Option<&str>),
     standbys: &Mutex<Vec<Standby>>,
-) -> bool {
+) -> Presence {
     let key = format!("beat/{node}");
+    let mut beats = 0u32;
     loop {
         if store.add(&key, 1).is_err() {
-            return false;
+            return Presence::Failed;
+        }
+        if let Ok(Some(to)) = read_moved(store, secret) {
+            return Presence::Redirected(to);
         }
         let _ = reader.refresh(store, standbys);
-        match stop.recv_timeout(beat) {
+        // Ten beats a second for the first 50 (the other agents publish their standbys as the
+        // job starts: a store lost in its first seconds is followed where the ranks go, not to
+        // a standby this launcher alone knows), then every `beat`.
+        beats += 1;
+        let every = match beats < 50 {
+            true => beat.min(Duration::from_millis(100)),
+            false => beat,
+        };
+        match stop.recv_timeout(every) {
             Err(mpsc::RecvTimeoutError::Timeout) => continue,
             _ => break,
         }
     }
     // An add, not a set: its answer says the store holds it (a set is not answered).
     let _ = store.add(&format!("left/{node}"), 1);
-    true
+    Presence::Left
 }
 
 impl Drop for AgentPresence {

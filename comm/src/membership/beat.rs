@@ -7,7 +7,9 @@
 //! When the store is lost, the beat follows the job to the standby store it moves to (`follow`),
 //! before the main thread does, so that a busy member is still told from a dead one there.
 //! The same thread keeps the process's list of standby stores (`standby.rs`) up to date, reading
-//! it again every tenth beat when it changed: it costs one store add a second while it does not.
+//! it again when it changed, looked at on each of the first 50 beats (the agents publish their
+//! standbys as the job starts) and on every tenth after: one store add a second while it does
+//! not change.
 //!
 //! The counters are not sealed (an add cannot be): a stranger at the store can make a dead
 //! member look alive, which delays a re-form up to its deadline, never breaks it.
@@ -87,7 +89,10 @@ impl Beat {
                 let mut warned = false;
                 let mut beats = 0u64;
                 while !s.load(Ordering::Acquire) {
-                    if beats.is_multiple_of(10) {
+                    // Every beat for the first 50 (the agents publish their standbys as the
+                    // job starts: a node lost in its first second finds them known), then
+                    // every tenth.
+                    if beats < 50 || beats.is_multiple_of(10) {
                         let _ = reader.refresh(&own, &standbys);
                     }
                     beats += 1;

@@ -28,9 +28,8 @@
 use std::time::Instant;
 
 use crate::error::CommError;
-use crate::membership::beat::Beat;
 use crate::membership::group::ElasticGroup;
-use crate::membership::records::{Generation, JobTerms};
+use crate::membership::records::Generation;
 use crate::membership::seal::seal_json;
 use crate::membership::standby::{connect_first, raise_to, reachable, PROBE};
 
@@ -99,19 +98,12 @@ impl ElasticGroup {
         self.store = store;
         self.config.base.master_addr = standby.host.clone();
         self.config.base.master_port = standby.port;
-        self.beat = None;
         // The standby accepted a connection a moment ago: one refused now means that its node
         // died meanwhile (a second failure during the move), and the others must not wait for
         // this survivor longer than their arrival grace (beat.rs, `ARRIVAL`), so the beat's
         // connection is tried for one probe, not a store call's deadline: then this survivor
         // moves on to the next standby, as the others do.
-        self.beat = Some(Beat::start(
-            &self.me,
-            &self.config.base,
-            &self.store,
-            self.standbys.clone(),
-            Instant::now() + PROBE,
-        )?);
+        self.beat_again(Instant::now() + PROBE)?;
         self.seed(left)?;
         tracing::warn!(
             "elastic: slot {slot} moved the store to node {}'s standby at {} in {} ms",
@@ -126,12 +118,7 @@ impl ElasticGroup {
     /// write wins; see the module documentation).
     fn seed(&self, left: &Generation) -> Result<(), CommError> {
         let secret = self.secret();
-        let terms = JobTerms {
-            job_id: self.config.base.job_id.clone(),
-            min: self.config.min,
-            max: self.config.max,
-            compat: self.config.compat.clone(),
-        };
+        let terms = self.config.terms();
         self.store
             .compare_set("terms", b"", &seal_json(secret, "terms", &terms))?;
         raise_to(&self.store, "terms/claim", 1)?;

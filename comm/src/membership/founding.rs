@@ -56,6 +56,7 @@ impl ElasticGroup {
             loop {
                 if self.store.add("gen/latest", 0)? > 0
                     || present(&self.store, self.secret(), "done")?
+                    || self.saw_move()
                     || Instant::now() > deadline
                 {
                     return Ok(());

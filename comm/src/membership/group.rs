@@ -59,7 +59,7 @@ use crate::membership::beat::{Beat, Liveness};
 use crate::membership::poller::Poller;
 use crate::membership::records::{decide_founding, Generation, JobTerms, JoinRequest, Member};
 use crate::membership::seal::{open, present, read, read_record, seal, seal_json};
-use crate::membership::standby::Standbys;
+use crate::membership::standby::{MovedStore, Standbys};
 use crate::rendezvous::store::Store;
 use crate::rendezvous::torch_store::agent_key_prefix;
 
@@ -100,6 +100,16 @@ pub struct ElasticConfig {
 }
 
 impl ElasticConfig {
+    /// The terms a process of this configuration joins on (the job, MIN:MAX, `compat`).
+    pub(super) fn terms(&self) -> JobTerms {
+        JobTerms {
+            job_id: self.base.job_id.clone(),
+            min: self.min,
+            max: self.max,
+            compat: self.compat.clone(),
+        }
+    }
+
     /// The configuration the environment gives, `None` without [`ELASTIC_ENV`]: the slot is
     /// `RANK`, the round [`ELASTIC_ROUND_ENV`] (else `TORCHELASTIC_RESTART_COUNT`), the store
     /// the launcher's at `MASTER_ADDR:MASTER_PORT`
@@ -241,6 +251,13 @@ pub struct ElasticGroup {
     pub(super) standbys: Standbys,
     /// The addresses of the stores lost so far (`failover.rs`): never gone back to.
     pub(super) lost_stores: Vec<String>,
+    /// While this process waits to be admitted: when it last looked for a `moved` record at
+    /// the address it joined at (`redirect.rs`); `None` once it need not look any more.
+    pub(super) looked_at: Option<Instant>,
+    /// The connection it looks through (under the agents' prefix), made at the first look.
+    pub(super) look_store: Option<Store>,
+    /// The `moved` record it found, not followed yet.
+    pub(super) moved_found: Option<MovedStore>,
 }
 
 impl std::fmt::Debug for ElasticGroup {
@@ -280,27 +297,8 @@ impl ElasticGroup {
                 .unwrap_or_default()
                 .to_string(),
         };
-        let terms = JobTerms {
-            job_id: base.job_id.clone(),
-            min: config.min,
-            max: config.max,
-            compat: config.compat.clone(),
-        };
-        let refused = |reason: String| CommError::ElasticRefused {
-            slot: me.slot,
-            host: me.host.clone(),
-            addr: store.address().to_string(),
-            reason,
-        };
         let secret = base.token.as_deref();
-        if store.add("terms/claim", 1)? == 1 {
-            store.set("terms", &seal_json(secret, "terms", &terms))?;
-        } else {
-            let job: JobTerms = read_record(&store, secret, "terms", CALL)?;
-            if let Some(why) = job.refuse(&terms) {
-                return Err(refused(why));
-            }
-        }
+        claim_or_check_terms(&store, secret, &config.terms(), &me)?;
         if present(&store, secret, "done")? {
             return Ok(None);
         }
@@ -327,6 +325,9 @@ impl ElasticGroup {
             beat: Some(beat),
             standbys,
             lost_stores: Vec::new(),
+            looked_at: Some(Instant::now()),
+            look_store: None,
+            moved_found: None,
         };
         match group.admission(deadline)? {
             None => Ok(None),
@@ -338,11 +339,23 @@ impl ElasticGroup {
     /// `Some(rank)`; `None` when the job finished meanwhile. Tries to found generation 1 when
     /// none exists yet.
     pub(super) fn admission(&mut self, deadline: Instant) -> Result<Option<usize>, CommError> {
+        // The generations published before this request cannot admit it: only the latest is
+        // read of them (it may say that the job stopped). A store the job moved to holds no
+        // older ones (`failover.rs` seeds the generation the survivors left).
+        let mut seen = self.generation_before_request()?;
         let mut n = self.request_to_join()?;
         let mut live = Liveness::new(self.config.base.peer_timeout);
-        let mut seen = self.generation.number;
         let mut tried_founding = false;
         loop {
+            // Joined at an address the job's store moved away from (`redirect.rs`): join there.
+            if let Some(to) = self.moved_away() {
+                self.follow_move(to)?;
+                seen = self.generation_before_request()?;
+                n = self.request_to_join()?;
+                live = Liveness::new(self.config.base.peer_timeout);
+                tried_founding = true;
+                continue;
+            }
             if present(&self.store, self.secret(), "done")? {
                 return Ok(None);
             }
@@ -360,6 +373,7 @@ impl ElasticGroup {
                 }
                 if let Some(rank) = generation.rank_of(self.me.slot, self.me.incarnation) {
                     self.joined_running = generation.number > 1 || generation.step > 0;
+                    self.stop_looking();
                     if generation.number == 1 {
                         self.form(generation, Instant::now() + self.formation_timeout(seen))?;
                         return Ok(Some(rank));
@@ -409,6 +423,29 @@ impl ElasticGroup {
         }
     }
 
+    /// Starts this process's beat again in its store (after the store changed: a move, a
+    /// redirect), connecting until `connect_by`; the old beat stops first.
+    pub(super) fn beat_again(&mut self, connect_by: Instant) -> Result<(), CommError> {
+        self.beat = None;
+        let standbys = self.standbys.clone();
+        let beat = Beat::start(
+            &self.me,
+            &self.config.base,
+            &self.store,
+            standbys,
+            connect_by,
+        )?;
+        self.beat = Some(beat);
+        Ok(())
+    }
+
+    /// The generation before this process's join request: one before the latest published
+    /// (0 when none is), from where its admission reads on.
+    fn generation_before_request(&self) -> Result<u64, CommError> {
+        let latest = self.store.add("gen/latest", 0)?.max(0) as u64;
+        Ok(self.generation.number.max(latest.saturating_sub(1)))
+    }
+
     /// Registers a join request of this process; returns its number.
     fn request_to_join(&self) -> Result<u64, CommError> {
         let n = self.store.add("joins", 1)? as u64;
@@ -441,6 +478,10 @@ impl ElasticGroup {
             if slots.len() >= self.config.max {
                 break;
             }
+            // The job went on in a store it moved to: no second job here (`redirect.rs`).
+            if self.saw_move() {
+                return Ok(());
+            }
             if slots.len() >= self.config.min {
                 let since = *min_since.get_or_insert_with(Instant::now);
                 if since.elapsed() >= self.config.last_call {
@@ -470,6 +511,9 @@ impl ElasticGroup {
         let mut generation = decide_founding(&alive, self.config.max);
         // The dead deciders' requests are seen too: no later generation admits them.
         generation.joins_seen = requests.last().map_or(0, |(n, _)| *n);
+        if self.saw_move() {
+            return Ok(());
+        }
         if self.store.add("g1/publish", 1)? != 1 {
             tracing::warn!(
                 "elastic: slot {} decided generation 1 after another decider published it",
@@ -659,6 +703,30 @@ impl Drop for ElasticGroup {
         if let Some(p) = self.poller.take() {
             p.stop();
         }
+    }
+}
+
+/// Claims the job's terms in `store` for `terms` when nobody did yet, else checks them: a
+/// process whose terms differ (another job, another MIN:MAX, another `compat`) is refused
+/// ([`CommError::ElasticRefused`] naming `me` and why).
+pub(super) fn claim_or_check_terms(
+    store: &Store,
+    secret: Option<&str>,
+    terms: &JobTerms,
+    me: &Member,
+) -> Result<(), CommError> {
+    if store.add("terms/claim", 1)? == 1 {
+        return store.set("terms", &seal_json(secret, "terms", terms));
+    }
+    let job: JobTerms = read_record(store, secret, "terms", CALL)?;
+    match job.refuse(terms) {
+        None => Ok(()),
+        Some(reason) => Err(CommError::ElasticRefused {
+            slot: me.slot,
+            host: me.host.clone(),
+            addr: store.address().to_string(),
+            reason,
+        }),
     }
 }
 

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::error::CommError;
-use crate::membership::seal::{open, seal_json};
+use crate::membership::seal::{open, read, seal_json};
 use crate::rendezvous::store::Store;
 use crate::rendezvous::torch_store::agent_key_prefix;
 use crate::rendezvous::torch_store_server::TorchStoreHost;
@@ -62,6 +62,33 @@ impl Standby {
     pub fn address(&self) -> String {
         format!("{}:{}", self.host, self.port)
     }
+}
+
+/// Where an elastic job's store went on after the node that hosted it was lost: the record a
+/// launcher's [`Redirect`](crate::Redirect) writes at the job's original address.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MovedStore {
+    /// The host of the store now.
+    pub host: String,
+    /// Its port.
+    pub port: u16,
+    /// The job's round (`DDP_ELASTIC_ROUND`), whose keys its ranks use.
+    pub round: u32,
+}
+
+/// The key of a [`MovedStore`] record, under the agents' prefix (`redirect.rs`).
+pub(crate) const MOVED_KEY: &str = "moved";
+
+/// The `moved` record in `store` (connected under the agents' prefix) that passes the check of
+/// `secret`, if there is one.
+pub(crate) fn read_moved(
+    store: &Store,
+    secret: Option<&str>,
+) -> Result<Option<MovedStore>, CommError> {
+    if !store.check(&[MOVED_KEY])? {
+        return Ok(None);
+    }
+    read(store, secret, MOVED_KEY, CALL, true)
 }
 
 /// The standby list as a process keeps it: refreshed by a thread, read at a move.

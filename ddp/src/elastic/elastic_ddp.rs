@@ -44,6 +44,7 @@ use crate::ddp::DistributedDataParallel;
 use crate::elastic::heal_hooks::HealScope;
 use crate::elastic::reshard::reshard;
 use crate::gradients::agree::Start;
+use crate::gradients::stats::SyncStats;
 use crate::optim::shard_optim::ShardOptimizer;
 use crate::params::param_ids;
 use crate::zero::{ShardedDataParallel, ZeroConfig};
@@ -240,6 +241,8 @@ pub struct ElasticDdp<M: Module> {
     vote_time: Duration,
     /// Steps whose backward pass was skipped: the group had failed before it began.
     backwards_skipped: u64,
+    /// The communication statistics of the wrappers of ended generations, not taken yet.
+    banked: SyncStats,
 }
 
 impl<M: Module> ElasticDdp<M> {
@@ -264,6 +267,7 @@ impl<M: Module> ElasticDdp<M> {
             group,
             model: Some(model),
             wrapped: None,
+            banked: SyncStats::default(),
             optimizer,
             progress,
             joins_from: 0,
@@ -307,6 +311,24 @@ impl<M: Module> ElasticDdp<M> {
     /// a survivor of a death during the forward pass goes to the re-form at once.
     pub fn backwards_skipped(&self) -> u64 {
         self.backwards_skipped
+    }
+
+    /// The communication statistics since the last call, every generation's wrapper together
+    /// (a sharded step's as [`SyncStats::from`] gives them): what
+    /// [`DistributedDataParallel::take_stats`] says of one wrapper.
+    pub fn take_stats(&mut self) -> SyncStats {
+        let mut stats = std::mem::take(&mut self.banked);
+        stats.add(&self.wrapper_stats());
+        stats
+    }
+
+    /// The current wrapper's statistics since they were last taken (none without a wrapper).
+    fn wrapper_stats(&mut self) -> SyncStats {
+        match self.wrapped.as_mut() {
+            Some(Wrapped::Ddp(ddp)) => ddp.take_stats(),
+            Some(Wrapped::Zero(zero)) => zero.take_stats().into(),
+            None => SyncStats::default(),
+        }
     }
 
     /// The run's progress after its last committed step.
@@ -546,6 +568,8 @@ impl<M: Module> ElasticDdp<M> {
             Some(Wrapped::Zero(z)) => Some(z.shard_state()?),
             _ => None,
         };
+        let ended = self.wrapper_stats();
+        self.banked.add(&ended);
         self.wrapped = None;
         let mut dropped = cause.is_some();
         let (mut finished_step, mut cause, mut finished) = (finished_step, cause, finished);

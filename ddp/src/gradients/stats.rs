@@ -30,6 +30,17 @@ impl SyncStats {
     pub fn total(&self) -> Duration {
         self.pack + self.wait + self.unpack
     }
+
+    /// Adds `other`'s counts and times to these.
+    pub fn add(&mut self, other: &SyncStats) {
+        self.steps += other.steps;
+        self.pack += other.pack;
+        self.wait += other.wait;
+        self.unpack += other.unpack;
+        self.bytes += other.bytes;
+        self.buckets += other.buckets;
+        self.buckets_during_backward += other.buckets_during_backward;
+    }
 }
 
 /// A phase of [`DistributedDataParallel::sync`](crate::DistributedDataParallel::sync), for timelines (see

@@ -172,6 +172,21 @@ pub struct ZeroStats {
     pub buckets_during_backward: u64,
 }
 
+impl From<ZeroStats> for crate::SyncStats {
+    /// A sharded step's statistics as DDP's: its reduce-scatters and all-gathers (packing
+    /// included) as `wait`, its shard update as `unpack`.
+    fn from(z: ZeroStats) -> crate::SyncStats {
+        crate::SyncStats {
+            steps: z.steps,
+            wait: z.reduce + z.gather,
+            unpack: z.update,
+            bytes: z.bytes,
+            buckets_during_backward: z.buckets_during_backward,
+            ..crate::SyncStats::default()
+        }
+    }
+}
+
 /// This rank's chunk of a part's gradient, summed over ranks: `buf[at..at + len]`, where the
 /// reduce-scatter left it (a large part's buffer keeps its length, its other pages released).
 struct Held {

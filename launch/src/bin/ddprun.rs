@@ -85,6 +85,18 @@ struct Args {
     /// torchrun's rendezvous id: the job's id, as --job-id [default: PET_RDZV_ID].
     #[arg(long, alias = "rdzv_id", value_name = "ID")]
     rdzv_id: Option<String>,
+    /// The address the other nodes reach this node at (torchrun's flag): an elastic job on
+    /// several nodes publishes this node's standby store there, where the job's store moves if
+    /// node 0 is lost [default: the address this node reaches the rendezvous store from].
+    #[arg(long, alias = "local_addr", value_name = "ADDR")]
+    local_addr: Option<String>,
+    /// torchrun's rendezvous settings, KEY=VALUE[,KEY=VALUE...]: `last_call_timeout=S` (how
+    /// long the founding of an elastic job waits for more processes once MIN joined; the ranks
+    /// get DDP_ELASTIC_LAST_CALL) and `join_timeout=S` (how long a rank tries to join; the ranks
+    /// get DDP_CONNECT_TIMEOUT); torchrun's other c10d keys are accepted and have no effect
+    /// [default: PET_RDZV_CONF].
+    #[arg(long, alias = "rdzv_conf", value_name = "KEY=VALUE,...", value_parser = launch::parse_rdzv_conf)]
+    rdzv_conf: Option<launch::RdzvConf>,
     /// Job id exported as DDP_JOB_ID [default on a single node: generated].
     #[arg(long, value_name = "ID")]
     job_id: Option<String>,
@@ -137,6 +149,7 @@ fn main() -> ExitCode {
         rdzv_backend: args.rdzv_backend.is_some(),
         rdzv_endpoint: args.rdzv_endpoint.is_some() || args.standalone,
         rdzv_id: args.rdzv_id.is_some(),
+        rdzv_conf: args.rdzv_conf.is_some(),
     };
     let pet = match PetDefaults::from_env(&given) {
         Ok(pet) => pet,
@@ -151,6 +164,14 @@ fn main() -> ExitCode {
     let (endpoint_addr, endpoint_port) = endpoint.map_or((None, None), |(a, p)| (Some(a), Some(p)));
     let node_rank = args.node_rank.or(pet.node_rank);
     let c10d = args.rdzv_backend.or(pet.rdzv_backend).as_deref() == Some("c10d");
+    let rdzv_conf = args.rdzv_conf.or(pet.rdzv_conf).unwrap_or_default();
+    if !rdzv_conf.ignored.is_empty() {
+        eprintln!(
+            "[ddprun] --rdzv-conf: {} have no effect here (ddprun's elastic membership has its \
+             own: DDP_PEER_TIMEOUT, beats in the store)",
+            rdzv_conf.ignored.join(", ")
+        );
+    }
     let config = LaunchConfig {
         nproc_per_node: args.nproc_per_node.or(pet.nproc_per_node).unwrap_or(1),
         nnodes: args.nnodes.map(|(_, max)| max).or(pet.nnodes).unwrap_or(1),
@@ -162,6 +183,9 @@ fn main() -> ExitCode {
         node_rank_at_rendezvous: c10d && node_rank.is_none(),
         master_addr: args.master_addr.or(endpoint_addr).or(pet.master_addr),
         master_port: args.master_port.or(endpoint_port).or(pet.master_port),
+        local_addr: args.local_addr,
+        last_call: rdzv_conf.last_call,
+        join_timeout: rdzv_conf.join_timeout,
         job_id: args.job_id.or(args.rdzv_id).or(pet.rdzv_id),
         command: args.command,
         grace_period,
