@@ -22,6 +22,11 @@
 //! later; only when it founded the job (not restarted: `TORCHELASTIC_RESTART_COUNT` unset or
 //! 0, and not healed into a running job).
 //!
+//! Test hook: with `PEER_LOSE_LAST_VOTE=S`, slot S (when it founded the job, as above) takes
+//! part in the last step's commit vote and then takes it for failed, as a rank does whose
+//! peer was killed right after the vote, its connection reset before its last bytes arrived:
+//! it re-forms with the step finished while the others commit it and finish.
+//!
 //! Test hook: with `PEER_BUSY_SLOT=S`, slot S, at its first failed step, stays busy
 //! `PEER_BUSY_MS` (default 5000) before it re-forms (a long backward, a checkpoint write), its
 //! links alive. The membership's own hooks (`DDP_TEST_ELASTIC_DIE`) kill a process inside a
@@ -73,11 +78,11 @@ fn run() -> Result<(), ddp_comm::CommError> {
         return Ok(());
     };
     let first_start = var(ddp_comm::elastic::RESTART_COUNT_ENV, 0) == 0 && !group.joined_running();
-    let die_after_last = std::env::var("PEER_DIE_AFTER_LAST")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        == Some(slot)
-        && first_start;
+    let hooked = |name: &str| {
+        std::env::var(name).ok().and_then(|v| v.parse().ok()) == Some(slot) && first_start
+    };
+    let die_after_last = hooked("PEER_DIE_AFTER_LAST");
+    let lose_last_vote = hooked("PEER_LOSE_LAST_VOTE");
     let mut busy = std::env::var("PEER_BUSY_SLOT")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
@@ -106,7 +111,16 @@ fn run() -> Result<(), ddp_comm::CommError> {
                 }),
                 None => Ok(()),
             });
-        let vote = reduced.clone().and_then(|()| group.should_commit());
+        let vote = reduced
+            .clone()
+            .and_then(|()| group.should_commit())
+            .and_then(|vote| match lose_last_vote && committed + 1 == steps {
+                true => Err(ddp_comm::CommError::Internal {
+                    rank: group.rank(),
+                    message: "the last step's vote taken for lost (PEER_LOSE_LAST_VOTE)".into(),
+                }),
+                false => Ok(vote),
+            });
         let (finished, cause) = match vote {
             Ok(vote) => {
                 committed += 1;

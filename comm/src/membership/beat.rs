@@ -4,8 +4,9 @@
 //! waits for a member as long as it beats, and drops it once it has been silent for the peer
 //! timeout, so "busy" and "dead" are told apart by the process itself, not by a fixed wait.
 //!
-//! When the store is lost, the beat follows the job to the standby store it moves to (`follow`),
-//! before the main thread does, so that a busy member is still told from a dead one there.
+//! A beat whose connection fails while the store still answers connects again (`again`); when
+//! the store is lost, the beat follows the job to the standby store it moves to, before the
+//! main thread does, so that a busy member is still told from a dead one there.
 //! The same thread keeps the process's list of standby stores (`standby.rs`) up to date, reading
 //! it again when it changed, looked at on each of the first 50 beats (the agents publish their
 //! standbys as the job starts) and on every tenth after: one store add a second while it does
@@ -23,7 +24,7 @@ use crate::config::GroupConfig;
 use crate::error::CommError;
 use crate::membership::agents::AGENTS_PREFIX;
 use crate::membership::records::Member;
-use crate::membership::standby::{connect_first, reachable, StandbyReader, Standbys};
+use crate::membership::standby::{connect_first, reachable, StandbyReader, Standbys, PROBE};
 use crate::rendezvous::store::Store;
 
 /// Deadline of one store call of the beat.
@@ -101,7 +102,7 @@ impl Beat {
                             warned = true;
                             tracing::warn!("elastic: slot {slot} cannot beat in the store: {e}");
                         }
-                        if let Some((next, host, port)) = follow(slot, &own, &at, &standbys) {
+                        if let Some((next, host, port)) = again(slot, &own, &at, &standbys) {
                             (own, at) = (next, (host, port));
                             warned = false;
                         }
@@ -120,18 +121,23 @@ impl Beat {
     }
 }
 
-/// The store a beat goes on in when the one at `at` is lost (nothing accepts a connection
-/// there): the standby the ranks move to (`standby.rs`), so that a member busy while the store
-/// moves beats there before its main thread moves, and is waited for, not dropped. `None`
-/// while the store is up, or when no standby is left.
-fn follow(
+/// The connection a beat goes on with after a call on `own` failed (which dropped it): a new
+/// one to the same store while it still answers at `at` (a connection reset by the network, a
+/// call past its deadline: without it a live member would stop beating for good and be taken
+/// for dead at the next re-form); else, the store lost (nothing answers there), the standby the
+/// ranks move to (`standby.rs`), so that a member busy while the store moves beats there before
+/// its main thread moves, and is waited for, not dropped. `None` when neither answers: the
+/// next beat tries again.
+fn again(
     slot: usize,
     own: &Store,
     at: &(String, u16),
     standbys: &Standbys,
 ) -> Option<(Store, String, u16)> {
     if reachable(&at.0, at.1) {
-        return None;
+        let by = Instant::now() + PROBE;
+        let same = Store::connect_torch(slot, &at.0, at.1, String::new(), by, CALL).ok()?;
+        return Some((same, at.0.clone(), at.1));
     }
     let list = standbys.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let mut lost = vec![own.address().to_string()];
@@ -177,7 +183,7 @@ impl Liveness {
             (entry.0, entry.1) = (value, now);
         }
         // Never beat in this store: it has not arrived (a store the job moved to), and a
-        // member that lives beats there within a probe or two (`follow`).
+        // member that lives beats there within a probe or two (`again`).
         if value == 0 && now.duration_since(entry.2) >= ARRIVAL {
             return Ok(false);
         }
@@ -190,5 +196,109 @@ impl Liveness {
         self.seen
             .get(&(member.slot, member.incarnation))
             .is_some_and(|&(_, changed, first)| changed == first && first.elapsed() >= watch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rendezvous::torch_store_server::TorchStoreHost;
+    use std::io::copy;
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    use std::sync::Mutex;
+
+    /// A TCP relay in front of `to`: every connection it accepts is piped to `to`; `cut` resets
+    /// every connection open so far (both ends), as a network fault does, and later ones pass.
+    struct Relay {
+        port: u16,
+        open: Arc<Mutex<Vec<TcpStream>>>,
+    }
+
+    impl Relay {
+        fn start(to: u16) -> Relay {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let port = listener.local_addr().unwrap().port();
+            let open = Arc::new(Mutex::new(Vec::<TcpStream>::new()));
+            let kept = open.clone();
+            std::thread::spawn(move || {
+                for client in listener.incoming() {
+                    let Ok(client) = client else { return };
+                    let Ok(server) = TcpStream::connect(("127.0.0.1", to)) else {
+                        continue;
+                    };
+                    let mut list = kept.lock().unwrap();
+                    list.push(client.try_clone().unwrap());
+                    list.push(server.try_clone().unwrap());
+                    let (mut c1, mut s1) =
+                        (client.try_clone().unwrap(), server.try_clone().unwrap());
+                    let (mut c2, mut s2) = (client, server);
+                    std::thread::spawn(move || {
+                        let _ = copy(&mut c1, &mut s1);
+                        let _ = s1.shutdown(Shutdown::Both);
+                    });
+                    std::thread::spawn(move || {
+                        let _ = copy(&mut s2, &mut c2);
+                        let _ = c2.shutdown(Shutdown::Both);
+                    });
+                }
+            });
+            Relay { port, open }
+        }
+
+        fn cut(&self) {
+            for s in self.open.lock().unwrap().drain(..) {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
+    }
+
+    /// The beat's counter as the store holds it.
+    fn count(store: &Store, me: &Member) -> i64 {
+        store.add(&beat_key(me), 0).unwrap()
+    }
+
+    /// A beat whose connection the network resets, the store still up, beats on over a new
+    /// one: its counter keeps moving (before, it stopped for good, and the member would have
+    /// been taken for dead at the next re-form).
+    #[test]
+    fn a_beat_whose_connection_is_reset_connects_again() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let _host = TorchStoreHost::start(listener).unwrap();
+        let relay = Relay::start(port);
+        let by = Instant::now() + Duration::from_secs(5);
+        let store = Store::connect_torch(0, "127.0.0.1", port, String::new(), by, CALL).unwrap();
+        let base = GroupConfig {
+            master_addr: "127.0.0.1".into(),
+            master_port: relay.port,
+            peer_timeout: Duration::from_millis(200),
+            ..GroupConfig::default()
+        };
+        let me = Member {
+            slot: 1,
+            incarnation: 7,
+            host: "here".into(),
+        };
+        let standbys = Standbys::default();
+        let _beat = Beat::start(&me, &base, &store, standbys, by).unwrap();
+        let moving = |from: i64| {
+            let until = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < until {
+                if count(&store, &me) >= from + 5 {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            false
+        };
+        assert!(moving(0), "the beat never beat");
+        relay.cut();
+        // Past the beats that fail on the reset connection.
+        std::thread::sleep(Duration::from_millis(300));
+        let after = count(&store, &me);
+        assert!(
+            moving(after),
+            "the beat stopped after its connection was reset (counter {after})"
+        );
     }
 }

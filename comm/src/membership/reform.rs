@@ -24,7 +24,13 @@
 //!    generation that did not form and the next round decides without the member.
 //!
 //! Every wait is bounded by the re-form's deadline (`DDP_CONNECT_TIMEOUT` from its start), and
-//! the rounds stop below MIN ([`CommError::ElasticStopped`]). The store must outlive the job
+//! the rounds stop below MIN ([`CommError::ElasticStopped`]). A member that finished the job
+//! (`done`, [`ElasticGroup::finish`]) committed its last step: a re-form that finds it, at a
+//! round's start, while it decides or waits for the members, or below MIN, ends with
+//! `Ok(None)` (the job is over), not with an error. That happens when a member's last vote
+//! failed (a peer killed right after the last step, its connection reset before its last bytes
+//! arrived) while the others committed it and finished: without it the survivor, alone below
+//! MIN, failed the job that had just ended. The store must outlive the job
 //! (the launcher's). When the node that hosts it is lost, the re-form moves to a standby store
 //! and starts over there from the generation it leaves (`failover.rs`); any other error of the
 //! store ends the re-form.
@@ -140,6 +146,9 @@ impl ElasticGroup {
     ) -> Result<Option<Change>, CommError> {
         let mut live = Liveness::new(self.config.base.peer_timeout);
         loop {
+            if self.job_done()? {
+                return Ok(None);
+            }
             let prev = round.prev.clone();
             let g = prev.number;
             let next = g + 1;
@@ -163,6 +172,9 @@ impl ElasticGroup {
             };
             let generation = self.next_generation(&prev, &reason, &mut live, deadline)?;
             if let Some(why) = &generation.failed {
+                if self.job_done()? {
+                    return Ok(None);
+                }
                 return Err(self.below_min(why));
             }
             let Some(rank) = generation.rank_of(self.me.slot, self.me.incarnation) else {
@@ -350,7 +362,8 @@ impl ElasticGroup {
                     waiting.push(m);
                 }
             }
-            if waiting.is_empty() {
+            // The job finished meanwhile: decide now (the next round ends the re-form).
+            if waiting.is_empty() || self.job_done()? {
                 break;
             }
             // Everyone else is named as failed: a rank named by mistake (its connections closed
@@ -406,6 +419,11 @@ impl ElasticGroup {
         self.publish(&next)
     }
 
+    /// Whether a member finished the job (`done`, written by [`ElasticGroup::finish`]).
+    fn job_done(&self) -> Result<bool, CommError> {
+        present(&self.store, self.secret(), "done")
+    }
+
     /// Forms `generation` (this process is a member) once every other member is ready to
     /// (`g<n>/ready/<slot>`). `Ok(Err)`: a member went silent instead, or the group did not
     /// form; the caller starts another round. `Err`: the store failed.
@@ -443,6 +461,12 @@ impl ElasticGroup {
                 waiting = Some(m.slot);
             }
             let Some(slot) = waiting else { break };
+            if self.job_done()? {
+                return Ok(Err(Failed {
+                    blamed: None,
+                    why: format!("the job finished while generation {n} formed"),
+                }));
+            }
             if Instant::now() > deadline {
                 return Ok(Err(Failed {
                     blamed: Some(slot),

@@ -579,6 +579,13 @@ impl<M: Module> ElasticDdp<M> {
                 finished: finished_step,
             };
             let Some(change) = self.group.reform(status, cause.as_ref())? else {
+                // The job is over: a member finished, so it committed the last step. A step
+                // this rank finished (its gradients averaged, only its commit vote lost) is
+                // that step: a later one would have needed this rank, or a re-form with its
+                // report. Applied here, this replica ends where the others' did.
+                if let Some(f) = finished.take() {
+                    self.apply_finished(f, &mut shard);
+                }
                 return Ok(Outcome::Finished);
             };
             tracing::debug!(
@@ -588,28 +595,8 @@ impl<M: Module> ElasticDdp<M> {
                 started.elapsed().as_secs_f64()
             );
             match (change.action, finished.take()) {
-                (Continue::ApplyFinished, Some(Finished::Ddp { grads, lr, after })) => {
-                    let model = self
-                        .model
-                        .take()
-                        .expect("the model is back after every call");
-                    self.model = Some(self.apply_ddp(model, lr, grads));
-                    self.progress = after;
-                    self.committed_at = Some(SystemTime::now());
-                    dropped = false;
-                }
-                (
-                    Continue::ApplyFinished,
-                    Some(Finished::Zero {
-                        model,
-                        shard: stepped,
-                        after,
-                    }),
-                ) => {
-                    self.model = Some(model);
-                    shard = Some(stepped);
-                    self.progress = after;
-                    self.committed_at = Some(SystemTime::now());
+                (Continue::ApplyFinished, Some(f)) => {
+                    self.apply_finished(f, &mut shard);
                     dropped = false;
                 }
                 (Continue::ApplyFinished, None) => {
@@ -652,6 +639,33 @@ impl<M: Module> ElasticDdp<M> {
             // Nothing is in flight any more: the step was applied or dropped above.
             (finished_step, cause) = (false, Some(e));
         }
+    }
+
+    /// Applies a step this rank finished but did not commit (its vote failed) once a survivor
+    /// committed it: DDP's averaged gradients, or ZeRO's stepped model and this rank's shard
+    /// after the step (`shard`, resharded by the next wrap).
+    fn apply_finished(&mut self, finished: Finished<M>, shard: &mut Option<Vec<u8>>) {
+        let after = match finished {
+            Finished::Ddp { grads, lr, after } => {
+                let model = self
+                    .model
+                    .take()
+                    .expect("the model is back after every call");
+                self.model = Some(self.apply_ddp(model, lr, grads));
+                after
+            }
+            Finished::Zero {
+                model,
+                shard: stepped,
+                after,
+            } => {
+                self.model = Some(model);
+                *shard = Some(stepped);
+                after
+            }
+        };
+        self.progress = after;
+        self.committed_at = Some(SystemTime::now());
     }
 
     /// In the current generation's group, every member at the same point: rank 0 sends the
