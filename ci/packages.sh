@@ -8,24 +8,28 @@
 #    (`publish = false`) are packed too: the example to be built from its pack, xtask so that
 #    the packs' build unifies features as the workspace's does (xtask's plotters turns on num-traits' `default`;
 #    without it every burn crate would compile again).
-# 2. The packs are unpacked side by side and built together, in release, as one workspace whose
-#    dependencies between them go through crates.io's names with `[patch.crates-io]` pointing at
-#    the unpacked packs (the crates are not on crates.io yet): so every crate compiles from its
-#    own pack alone, and the example (`ddp-user-example`, packed too) builds against the packed
-#    `burn-ddp` and `ddp-data` as a user's program does against the registry, not against the
-#    workspace. This replaces `cargo package`'s own verification, which builds every pack in
-#    turn in the dev profile and compiles burn once more for it (about 25 minutes on CI's two
-#    cores): here the one release build shares the workspace's compiled burn (the same versions
-#    from the copied Cargo.lock, the same features, the same profile), so only the packs
-#    compile.
+# 2. The packs are unpacked side by side into one workspace whose dependencies between them go
+#    through crates.io's names with `[patch.crates-io]` pointing at the unpacked packs (the
+#    crates are not on crates.io yet), so that every crate compiles from its own pack alone:
+#    every pack's libraries and binaries are type-checked with every feature, the GPU ones
+#    included (`DOCS_RS=1`, as CI's lint), in the lint's target folder, whose dependencies are
+#    already checked (the same versions from the copied Cargo.lock, the same features and
+#    profile), so only the packs are checked. Then the example (`ddp-user-example`, packed too)
+#    is built, linked, against the packed `burn-ddp` and `ddp-data` as a user's program is
+#    against the registry, not against the workspace, in the release build of the tests' feature
+#    set, whose compiled burn it shares. This replaces `cargo package`'s own verification, which
+#    builds every pack in turn in the dev profile and compiles burn once more for it (about 25
+#    minutes on CI's two cores); building every pack in release took 6 minutes.
 #
-# Run from the repository root with the feature set of the rest of CI as the first argument.
-# It writes under target/ only: target/package (cargo's packs), target/package-build, and the
-# packs' build in target/release (so the binaries there are then the packs' builds of the same
-# sources; the workspace's next cargo build links its own again).
+# Run from the repository root with the tests' feature set as the first argument and the lint's
+# (every feature) as the second. It writes under target/ only: target/package (cargo's packs),
+# target/package-build, the packs' check in target/gpu-check, and the example's binaries in
+# target/release (then the packs' builds of the same sources; the workspace's next cargo build
+# links its own again).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-FEATURES=${1:?usage: ci/packages.sh FEATURES}
+FEATURES=${1:?usage: ci/packages.sh FEATURES CHECK_FEATURES}
+CHECK_FEATURES=${2:?usage: ci/packages.sh FEATURES CHECK_FEATURES}
 ROOT=$PWD
 
 rm -rf target/package target/package-build
@@ -92,8 +96,13 @@ PY
 
 cp Cargo.lock "$build/Cargo.lock"
 cd "$build"
-# Every target of every pack (libraries, binaries; the example's user-train), as one build.
-CARGO_TARGET_DIR=$ROOT/target cargo build --release --workspace --features "$FEATURES"
+# Every pack's libraries and binaries, type-checked with every feature.
+DOCS_RS=1 CARGO_TARGET_DIR=$ROOT/target/gpu-check cargo check --release --workspace \
+  --features "$CHECK_FEATURES"
+# The example's binaries, built from the packs (the workspace's features: `--workspace` unifies
+# them as the workspace does, so that burn is the tests' build).
+CARGO_TARGET_DIR=$ROOT/target cargo build --release --workspace --features "$FEATURES" \
+  --bin user-train --bin user-elastic
 # The example's binary was built from the packs: its dependencies' sources are the unpacked
 # folders, which cargo's lock file records.
 python3 - <<'PY'
