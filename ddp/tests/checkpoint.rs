@@ -12,7 +12,7 @@ use ddp::{
     DistributedDataParallel, Position, RunId,
 };
 
-mod common;
+use crate::common;
 use common::{device, run_ranks};
 
 #[derive(Module, Debug)]

@@ -26,7 +26,7 @@ use ddp::{
 };
 use ddp_comm::{Transport, Work as CommWork};
 
-mod common;
+use crate::common;
 use common::{device, run_ranks_over};
 
 const IN: usize = 13;

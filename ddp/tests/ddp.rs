@@ -31,7 +31,7 @@ use ddp_comm::{ProcessGroup, Transport};
 use ddp_data::sampler::splitmix64;
 use ddp_models::{Classifier, MnistCnnConfig, MnistMlpConfig};
 
-mod common;
+use crate::common;
 use common::{device, run_ranks, run_ranks_over};
 
 /// A uniform value in [-0.5, 0.5) for `(stream, i)`, from the seeded mixer.

@@ -21,7 +21,7 @@ use ddp::{
     DistributedDataParallel, ParamKind,
 };
 
-mod common;
+use crate::common;
 use common::{device, run_ranks};
 
 /// Two linear layers, 4 → 3 → 2, with a BatchNorm between them.

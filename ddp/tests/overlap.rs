@@ -32,7 +32,7 @@ use burn::tensor::{Tensor, TensorData};
 use ddp::{flatten_params, load_flat_params, DdpConfig, DistributedDataParallel, SyncPhase};
 use ddp_comm::Transport;
 
-mod common;
+use crate::common;
 use common::{device, run_ranks, run_ranks_over};
 
 const IN: usize = 13;

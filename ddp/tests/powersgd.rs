@@ -4,7 +4,7 @@
 //! continues bit for bit, a saved state loads only where it fits. Ranks are threads, each with
 //! its own process group over loopback sockets.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::sync::Arc;

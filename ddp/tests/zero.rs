@@ -43,7 +43,7 @@ use ddp::{
 };
 use ddp_comm::Transport;
 
-mod common;
+use crate::common;
 use common::{device, run_ranks, run_ranks_over};
 
 const IN: usize = 13;
