@@ -41,7 +41,37 @@ fn cargo() -> Command {
             command.env_remove(name.as_ref());
         }
     }
+    // `cargo run` also put its own folders first on LD_LIBRARY_PATH; ddp-apps' build script
+    // tracks that variable (it probes for libcuda), so the xtask's build recompiled ddp-apps and
+    // every binary after a plain `cargo test` (and the next `cargo test` did it again).
+    let exe_dir = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(Path::to_path_buf));
+    if let (Some(value), Some(exe_dir)) = (std::env::var_os("LD_LIBRARY_PATH"), exe_dir) {
+        match library_path_without_cargo_run(&value, &exe_dir) {
+            Some(path) => command.env("LD_LIBRARY_PATH", path),
+            None => command.env_remove("LD_LIBRARY_PATH"),
+        };
+    }
     command
+}
+
+/// `LD_LIBRARY_PATH`'s `value` without the folders `cargo run` put first on it for a binary in
+/// `exe_dir` (`target/release`, the folders under it, and the toolchain's
+/// `lib/rustlib/<target>/lib`): the value cargo had, `None` when nothing of it is left. What
+/// rustup's proxy had set for that cargo (the toolchain's own `lib`) stays, as a plain `cargo
+/// build` through the proxy sees it.
+fn library_path_without_cargo_run(
+    value: &std::ffi::OsStr,
+    exe_dir: &Path,
+) -> Option<std::ffi::OsString> {
+    let kept: Vec<PathBuf> = std::env::split_paths(value)
+        .filter(|e| !(e.starts_with(exe_dir) || e.to_string_lossy().contains("/lib/rustlib/")))
+        .collect();
+    if kept.is_empty() {
+        return None;
+    }
+    std::env::join_paths(kept).ok()
 }
 
 /// The workspace's target directory, as cargo reports it (so `CARGO_TARGET_DIR` is honoured).
@@ -243,4 +273,41 @@ pub fn command_line(command: &Command) -> String {
             .map(|arg| arg.to_string_lossy().into_owned()),
     );
     words.join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cargo_runs_folders_are_taken_off_the_library_path_and_the_users_kept() {
+        let toolchain = "/root/.rustup/toolchains/stable-x86_64-unknown-linux-gnu";
+        let added = format!(
+            "/w/target/release:/w/target/release/deps:{toolchain}/lib/rustlib/\
+             x86_64-unknown-linux-gnu/lib:{toolchain}/lib"
+        );
+        let exe_dir = Path::new("/w/target/release");
+        // Only what rustup's proxy had set is left.
+        assert_eq!(
+            library_path_without_cargo_run(added.as_ref(), exe_dir),
+            Some(format!("{toolchain}/lib").into())
+        );
+        // The user's own folders stay, in their order.
+        let with_users = format!("{added}:/opt/cuda/lib64:/usr/local/lib");
+        assert_eq!(
+            library_path_without_cargo_run(with_users.as_ref(), exe_dir),
+            Some(format!("{toolchain}/lib:/opt/cuda/lib64:/usr/local/lib").into())
+        );
+        // Nothing but cargo run's: nothing.
+        let only_cargo_run = "/w/target/release:/w/target/release/deps";
+        assert_eq!(
+            library_path_without_cargo_run(only_cargo_run.as_ref(), exe_dir),
+            None
+        );
+        // A path that only shares a prefix with the target folder is the user's.
+        assert_eq!(
+            library_path_without_cargo_run("/w/target/release-libs".as_ref(), exe_dir),
+            Some("/w/target/release-libs".into())
+        );
+    }
 }
