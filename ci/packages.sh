@@ -48,7 +48,7 @@ find "$build" -type f -exec touch {} +
 echo "packed: ${crates[*]}"
 
 python3 - "$build" "${crates[@]}" <<'PY'
-import pathlib, re, sys, tomllib
+import json, pathlib, re, sys, tomllib
 
 build = pathlib.Path(sys.argv[1])
 crates = sys.argv[2:]
@@ -85,7 +85,13 @@ lines = ["[workspace]", 'resolver = "2"',
          "members = [" + ", ".join(f'"{f}"' for f in crates) + "]", "",
          "# The workspace's release profile, so that its compiled dependencies are reused.",
          "[profile.release]"]
-lines += [f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}" for k, v in release.items()]
+def toml_value(v):
+    return str(v).lower() if isinstance(v, bool) else json.dumps(v)
+lines += [f"{k} = {toml_value(v)}" for k, v in release.items() if not isinstance(v, dict)]
+# Per-package settings ([profile.release.package.NAME]), as the workspace has them.
+for name, settings in release.get("package", {}).items():
+    lines += ["", f'[profile.release.package."{name}"]']
+    lines += [f"{k} = {toml_value(v)}" for k, v in settings.items()]
 lines += ["", "# Not on crates.io yet: the registry's names resolve to the unpacked packs.",
           "[patch.crates-io]"]
 lines += [f'{name} = {{ path = "{folder}" }}' for name, folder in sorted(names.items())
