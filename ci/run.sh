@@ -248,7 +248,7 @@ RUSTDOCFLAGS="-D warnings" check cargo doc --release --workspace --no-deps \
   --features "$DDP_CHECK_FEATURES"
 
 step "packages: every crate packed as crates.io takes it; the packs and the example built from them"
-# Last but one: the packs' build replaces the binaries in target/release (same sources).
+# Last but one: the example's binaries in target/release are then the packs' builds (same sources).
 bash ci/packages.sh "$FEATURES" "$DDP_CHECK_FEATURES"
 
 step "semver: the public API against the last release (cargo semver-checks from crates.io)"
