@@ -103,8 +103,11 @@ PY
 cp Cargo.lock "$build/Cargo.lock"
 cd "$build"
 # Every pack's libraries and binaries, type-checked with every feature.
-DOCS_RS=1 CARGO_TARGET_DIR=$ROOT/target/gpu-check cargo check --release --workspace \
-  --features "$CHECK_FEATURES"
+# (The lint's build folder: CI's dependency cache keeps it apart from the release build's, see
+# ci/cache.sh; by default the target folder itself.)
+DOCS_RS=1 CARGO_TARGET_DIR=$ROOT/target/gpu-check \
+  CARGO_BUILD_BUILD_DIR=${DDP_CHECK_BUILD_DIR:-$ROOT/target/gpu-check} cargo check --release \
+  --workspace --features "$CHECK_FEATURES"
 # The example's binaries, built from the packs (the workspace's features: `--workspace` unifies
 # them as the workspace does, so that burn is the tests' build).
 CARGO_TARGET_DIR=$ROOT/target cargo build --release --workspace --features "$FEATURES" \

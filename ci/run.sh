@@ -17,9 +17,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The one feature set of every step below (keep in sync with README.md).
+# The README's test command's feature set (keep in sync with README.md): the tests, the root
+# tests, the packs' build. The tasks (`cargo xtask ...`) build the README's main job's CPU set
+# (`ddp-apps/nccl`, into target/features-nccl/release), as a user's first command does.
 FEATURES=ddp-apps/nccl,ddp-apps/wgpu
-export DDP_CARGO_FEATURES=$FEATURES
 
 # Each step prints its start time and records its duration; a table of seconds per step is
 # printed at the end, and on a failure (the EXIT trap), so that a run tells where its time goes.
@@ -44,7 +45,16 @@ step_times() {
   printf '%6d  total\n' "$total"
   return "$rc"
 }
-trap step_times EXIT
+# The dependency cache (ci/cache.sh) is stamped on any exit but a kill, then the table printed.
+on_exit() {
+  local rc=$?
+  cache_close
+  (exit "$rc")
+  step_times
+}
+# shellcheck source=ci/cache.sh
+source ci/cache.sh
+trap on_exit EXIT
 
 step "toolchain"
 cargo --version
@@ -52,9 +62,11 @@ rustc --version
 if ! cargo clippy --version >/dev/null 2>&1; then rustup component add clippy; fi
 if ! cargo fmt --version >/dev/null 2>&1; then rustup component add rustfmt; fi
 
-step "a fresh clone: no ../shared beside it, an empty HOME"
+step "a fresh clone: no ../shared beside it, an empty HOME; the dependency cache"
 export CARGO_HOME=${CARGO_HOME:-$HOME/.cargo}
 export RUSTUP_HOME=${RUSTUP_HOME:-$HOME/.rustup}
+# The machine's dependency cache (ci/cache.sh), outside the clone and the empty HOME.
+export DDP_CI_CACHE=${DDP_CI_CACHE:-$HOME/.cache/ddp-rs-ci}
 # Inside this checkout's target folder (ignored by git, on the same disk as the build), where
 # nothing named shared sits beside the clone.
 work=$PWD/target/ci-fresh
@@ -67,6 +79,7 @@ cd "$work/ddp-rs"
 git log -1 --oneline
 test ! -e ../shared
 echo "clone: $PWD; HOME: $HOME (empty); CARGO_HOME: $CARGO_HOME"
+cache_open
 
 step "fmt"
 cargo fmt --all -- --check
@@ -75,6 +88,9 @@ step "tests: the README's test command, on the fresh clone, before any system pa
 # Keep in sync with README.md ("Set-up"). Tests that need root, network namespaces or a GPU are
 # reported as ignored here, with their reason; the root ones run in the next steps.
 command -v nft >/dev/null 2>&1 && echo "(nft is installed on this machine)" || echo "(no nft here)"
+# The build first, through the cache's fallback (a failure on a warm cache builds again cold),
+# then the README's command itself, which finds everything built.
+cache_build cargo test --release --workspace --features "$FEATURES" --no-run
 cargo test --release --workspace --features ddp-apps/nccl,ddp-apps/wgpu
 
 step "system packages"
@@ -113,16 +129,22 @@ step "tests that need root: network namespaces and nftables (ignored in a plain 
 # Every ignored test but the GPU ones (ignored here: CI has no GPU).
 cargo test --release --workspace --features "$FEATURES" -- --ignored --skip gpu
 
-step "build (release, whole workspace, all targets)"
-cargo build --release --workspace --all-targets --features "$FEATURES"
-
-step "end to end: 2 ranks of train-mnist, 200 steps on the real MNIST"
+step "end to end: the README's main job's CPU build; 2 ranks of train-mnist, 200 steps on the real MNIST"
+# The main job's build (the CPU feature set, no GPU stack: the README's first command) and run.
 # No --data-dir: the trainer fetches MNIST into the product's cache (~/.cache/ddp-rs/mnist, in
 # the empty HOME), as the README's main job does on a fresh machine; later steps read it there.
 cargo xtask train-mnist --nproc 2 --epochs 1 --out target/ci-run --min-accuracy 0.95 \
   --max-steps 200 --log-interval 50
 MNIST=$HOME/.cache/ddp-rs/mnist
 ls "$MNIST"
+# That build has no GPU backend: --backend wgpu must fail at once, naming the feature and the
+# command that builds it.
+if wgpu_out=$(target/features-nccl/release/train-mnist --backend wgpu --data-dir "$MNIST" 2>&1); then
+  echo "the CPU build accepted --backend wgpu: $wgpu_out"
+  exit 1
+fi
+echo "$wgpu_out" | tail -1
+grep -q 'cargo build --release --features ddp-apps/wgpu --bin train-mnist' <<<"$wgpu_out"
 
 step "a user's own program: example/ (user-train) under ddprun, 2 ranks, shared memory and TCP"
 # Its test (example/tests/equivalence.rs, in the README's test command above) checks 2 x b
@@ -237,9 +259,14 @@ step "clippy: every feature, the GPU code included (type-checked offline: burn 0
 # the feature set without `cuda` compiles is four `cfg(not(feature = "cuda"))` lines.) The steps
 # below (docs, packages, semver) reuse this folder's checked dependencies.
 export DDP_CHECK_FEATURES=$FEATURES,ddp-apps/cuda
-check() { DOCS_RS=1 CARGO_TARGET_DIR="$PWD/target/gpu-check" "$@"; }
-check cargo clippy --release --workspace --all-targets --features "$DDP_CHECK_FEATURES" \
-  -- -D warnings
+export DDP_CHECK_BUILD_DIR
+DDP_CHECK_BUILD_DIR=$(cache_check_dir)
+check() {
+  DOCS_RS=1 CARGO_TARGET_DIR="$PWD/target/gpu-check" CARGO_BUILD_BUILD_DIR="$DDP_CHECK_BUILD_DIR" \
+    "$@"
+}
+cache_build check cargo clippy --release --workspace --all-targets \
+  --features "$DDP_CHECK_FEATURES" -- -D warnings
 
 step "docs: every crate's documentation renders without warnings (broken or private links)"
 # --release and the lint's folder and features: the dependencies' metadata is the lint's, just

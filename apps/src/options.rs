@@ -64,6 +64,40 @@ impl BackendKind {
         matches!(self, Self::Wgpu | Self::Vulkan | Self::Metal)
     }
 
+    /// The cargo feature of `ddp-apps` that compiles this backend in (`None` for the CPU,
+    /// which every build has).
+    pub fn feature(self) -> Option<&'static str> {
+        match self {
+            Self::Cpu => None,
+            Self::Cuda => Some("cuda"),
+            Self::Wgpu | Self::Vulkan | Self::Metal => Some("wgpu"),
+        }
+    }
+
+    /// The error of a trainer `program` built without this backend's feature: it names the
+    /// feature and the commands that build the trainer with it.
+    pub fn missing_feature_error(self, program: &str) -> String {
+        let feature = self.feature().unwrap_or("none");
+        let network = match self {
+            Self::Cuda => " (burn's CUDA build downloads an LLVM bundle once: docs/gpu.md)",
+            _ => "",
+        };
+        let name = self.name();
+        // The tasks that build a trainer with the feature its `--backend` needs.
+        let task = match program {
+            "train-mnist" | "train-pima" => {
+                format!(", or let the task build it: `cargo xtask {program} --backend {name}`")
+            }
+            _ => String::new(),
+        };
+        format!(
+            "--backend {name}: this {program} was built without the cargo feature \
+             `ddp-apps/{feature}`; build it with `cargo build --release --features \
+             ddp-apps/{feature} --bin {program}` (the binary lands in target/release){task}\
+             {network}"
+        )
+    }
+
     /// The name `--backend` takes.
     pub fn name(self) -> &'static str {
         match self {
@@ -658,6 +692,30 @@ mod tests {
             lr: Some(1e-3),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_backend_left_out_of_the_build_names_its_feature_and_the_commands() {
+        let wgpu = BackendKind::Vulkan.missing_feature_error("train-mnist");
+        assert!(wgpu.starts_with("--backend vulkan: "), "{wgpu}");
+        assert!(wgpu.contains("`ddp-apps/wgpu`"), "{wgpu}");
+        assert!(
+            wgpu.contains("`cargo build --release --features ddp-apps/wgpu --bin train-mnist`"),
+            "{wgpu}"
+        );
+        assert!(
+            wgpu.contains("`cargo xtask train-mnist --backend vulkan`"),
+            "{wgpu}"
+        );
+        // train-gpt has no task of its own: only the cargo command.
+        let cuda = BackendKind::Cuda.missing_feature_error("train-gpt");
+        assert!(
+            cuda.contains("`cargo build --release --features ddp-apps/cuda --bin train-gpt`"),
+            "{cuda}"
+        );
+        assert!(!cuda.contains("xtask"), "{cuda}");
+        assert_eq!(BackendKind::Cpu.feature(), None);
+        assert_eq!(BackendKind::Metal.feature(), Some("wgpu"));
     }
 
     #[test]

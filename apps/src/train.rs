@@ -711,16 +711,18 @@ pub fn start(
             cfg.zero_stage
         );
     }
-    #[cfg(not(feature = "cuda"))]
-    if cfg.backend == crate::options::BackendKind::Cuda {
-        bail!("--backend cuda: this build has no CUDA support (build with --features cuda)");
-    }
-    #[cfg(not(feature = "wgpu"))]
-    if cfg.backend.is_wgpu() {
-        bail!(
-            "--backend {}: this build has no wgpu support (build with --features wgpu)",
-            cfg.backend.name()
-        );
+    let built_in = |feature: &str| match feature {
+        "cuda" => cfg!(feature = "cuda"),
+        "wgpu" => cfg!(feature = "wgpu"),
+        _ => true,
+    };
+    if cfg.backend.feature().is_some_and(|f| !built_in(f)) {
+        let program = std::env::args_os()
+            .next()
+            .map(std::path::PathBuf::from)
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "trainer".to_string());
+        bail!("{}", cfg.backend.missing_feature_error(&program));
     }
     // An elastic run forms its groups itself, once its model is built (`elastic.rs`).
     let elastic = cfg.elastic_range().is_some();

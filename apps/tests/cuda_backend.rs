@@ -45,12 +45,16 @@ fn nccl_bench() -> std::path::PathBuf {
 const NO_DRIVER: &str = "no NVIDIA driver found: the NVIDIA driver (libcuda) could not be loaded: \
                          tried the names libcuda.so.1, libcuda.so";
 
-/// The error `--backend cuda` must end with on this machine.
-fn expected_error() -> &'static str {
+/// The error `--backend cuda` of the trainer `program` must end with on this machine.
+fn expected_error(program: &str) -> String {
     if cfg!(feature = "cuda") {
-        NO_DRIVER
+        NO_DRIVER.to_string()
     } else {
-        "--backend cuda: this build has no CUDA support (build with --features cuda)"
+        format!(
+            "--backend cuda: this {program} was built without the cargo feature \
+             `ddp-apps/cuda`; build it with `cargo build --release --features ddp-apps/cuda \
+             --bin {program}`"
+        )
     }
 }
 
@@ -82,7 +86,7 @@ fn train_mnist_backend_cuda_without_a_driver_names_the_missing_library() {
             "500",
         ],
     );
-    assert_clear_failure(&out, expected_error());
+    assert_clear_failure(&out, &expected_error("train-mnist"));
 }
 
 #[test]
@@ -95,7 +99,7 @@ fn train_pima_backend_cuda_without_a_driver_names_the_missing_library() {
         env!("CARGO_BIN_EXE_train-pima"),
         &["--backend", "cuda", "--epochs", "1"],
     );
-    assert_clear_failure(&out, expected_error());
+    assert_clear_failure(&out, &expected_error("train-pima"));
 }
 
 #[cfg(feature = "nccl")]

@@ -112,10 +112,30 @@ pub fn launch(
     Ok(summary)
 }
 
+/// The cargo feature the trainer's `--backend` needs on top of the tasks' CPU build, if any:
+/// `ddp-apps/wgpu` for `wgpu`, `vulkan` and `metal`, `ddp-apps/cuda` for `cuda` (the trainer
+/// itself refuses a backend its build lacks, naming the feature).
+fn backend_feature(trainer_args: &[String]) -> Option<&'static str> {
+    let mut backend = None;
+    for (i, arg) in trainer_args.iter().enumerate() {
+        if let Some(value) = arg.strip_prefix("--backend=") {
+            backend = Some(value);
+        } else if arg == "--backend" {
+            backend = trainer_args.get(i + 1).map(String::as_str);
+        }
+    }
+    match backend? {
+        "wgpu" | "vulkan" | "metal" => Some("ddp-apps/wgpu"),
+        "cuda" => Some("ddp-apps/cuda"),
+        _ => None,
+    }
+}
+
 /// `cargo xtask train-mnist` / `train-pima`.
 pub fn run(trainer: &str, args: Args) -> Result<()> {
     let started = Instant::now();
-    let bin_dir = util::build_release_bins(&["ddprun", trainer], &[])?;
+    let features: Vec<&str> = backend_feature(&args.trainer_args).into_iter().collect();
+    let bin_dir = util::build_release_bins(&["ddprun", trainer], &features)?;
     let out = util::run_dir(trainer, args.out)?;
     let (checkpoints, metrics, weights) = (
         out.join("checkpoints"),
@@ -174,4 +194,29 @@ pub fn run(trainer: &str, args: Args) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(line: &str) -> Vec<String> {
+        line.split_whitespace().map(str::to_string).collect()
+    }
+
+    #[test]
+    fn a_gpu_backend_adds_its_feature_and_the_cpu_none() {
+        assert_eq!(backend_feature(&args("--epochs 1")), None);
+        assert_eq!(backend_feature(&args("--backend cpu")), None);
+        assert_eq!(
+            backend_feature(&args("--lr 1e-3 --backend vulkan")),
+            Some("ddp-apps/wgpu")
+        );
+        assert_eq!(
+            backend_feature(&args("--backend=cuda")),
+            Some("ddp-apps/cuda")
+        );
+        // The last one counts, as for the trainer's own parser.
+        assert_eq!(backend_feature(&args("--backend wgpu --backend cpu")), None);
+    }
 }

@@ -76,6 +76,12 @@ fn library_path_without_cargo_run(
 
 /// The workspace's target directory, as cargo reports it (so `CARGO_TARGET_DIR` is honoured).
 pub fn target_dir() -> Result<PathBuf> {
+    Ok(cargo_dirs()?.0)
+}
+
+/// The target directory and the build directory (where cargo keeps its intermediate artifacts:
+/// `build.build-dir`, the target directory unless configured), as `cargo metadata` reports them.
+fn cargo_dirs() -> Result<(PathBuf, PathBuf)> {
     let mut command = cargo();
     command.args(["metadata", "--format-version", "1", "--no-deps"]);
     command.current_dir(workspace_root());
@@ -88,10 +94,11 @@ pub fn target_dir() -> Result<PathBuf> {
     }
     let metadata: serde_json::Value =
         serde_json::from_slice(&output.stdout).context("parsing cargo metadata")?;
-    let dir = metadata["target_directory"]
+    let target = metadata["target_directory"]
         .as_str()
         .context("cargo metadata has no target_directory")?;
-    Ok(PathBuf::from(dir))
+    let build = metadata["build_directory"].as_str().unwrap_or(target);
+    Ok((PathBuf::from(target), PathBuf::from(build)))
 }
 
 /// Environment variable that replaces [`DEFAULT_FEATURES`] (comma or space separated; empty
@@ -99,11 +106,12 @@ pub fn target_dir() -> Result<PathBuf> {
 pub const FEATURES_VAR: &str = "DDP_CARGO_FEATURES";
 
 /// The cargo features the tasks build with unless `$DDP_CARGO_FEATURES` says otherwise: the
-/// README's test command's (`cargo test --release --workspace --features
-/// ddp-apps/nccl,ddp-apps/wgpu`), so
-/// that after the tests `cargo xtask ...` reuses their compiled burn instead of compiling it a
-/// second time under another feature set.
-pub const DEFAULT_FEATURES: &str = "ddp-apps/nccl,ddp-apps/wgpu";
+/// CPU build (`ddp-apps/nccl`: ddp-comm's NCCL layer, loaded at run time, which the workspace's
+/// ddp-bench turns on anyway), without burn's GPU stack (cubecl, wgpu, fusion, the kernel
+/// cache) that the README's test command adds (`--features ddp-apps/nccl,ddp-apps/wgpu`): a
+/// user's first `cargo xtask train-mnist` compiles in about 6 minutes on two cores instead of
+/// about 20. A task that needs a GPU backend adds its feature (`train-mnist --backend wgpu`).
+pub const DEFAULT_FEATURES: &str = "ddp-apps/nccl";
 
 /// The features of every build the tasks run: `$DDP_CARGO_FEATURES` if set, else
 /// [`DEFAULT_FEATURES`].
@@ -115,23 +123,47 @@ fn default_features() -> Vec<String> {
         .collect()
 }
 
+/// The folder, under the target directory, that holds the final binaries of a build with
+/// `features`: `features-<names>` (each feature without its `package/`, sorted, joined by `-`;
+/// `features-none` for none), e.g. `features-nccl` for the tasks' default build and
+/// `features-nccl-wgpu` for the README's test command's feature set.
+pub fn features_folder(features: &[String]) -> String {
+    let mut names: Vec<&str> = features
+        .iter()
+        .map(|f| f.rsplit('/').next().unwrap_or(f))
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    match names.is_empty() {
+        true => "features-none".to_string(),
+        false => format!("features-{}", names.join("-")),
+    }
+}
+
 /// Builds the binaries `bins` in release and returns the folder that holds them
-/// (`target/release`). The build covers the whole workspace (`--workspace`) with the default
-/// features ([`DEFAULT_FEATURES`], or `$DDP_CARGO_FEATURES`) plus `features`, so that it shares
-/// every compiled dependency with `cargo build/test --release --workspace --features
-/// ddp-apps/nccl,ddp-apps/wgpu` instead of recompiling burn under a different feature set.
+/// (`target/features-<names>/release`, see [`build_release`]).
 pub fn build_release_bins(bins: &[&str], features: &[&str]) -> Result<PathBuf> {
     build_release("--bin", bins, features)
 }
 
 /// Builds the examples `examples` in release, like [`build_release_bins`] (the same features,
-/// the same environment, so nothing is compiled twice), and returns `target/release/examples`.
+/// the same environment, so nothing is compiled twice), and returns the `examples` folder of
+/// that build.
 pub fn build_release_examples(examples: &[&str]) -> Result<PathBuf> {
     Ok(build_release("--example", examples, &[])?.join("examples"))
 }
 
 /// `cargo build --release --workspace` of the targets `names` of kind `flag` (`--bin`,
-/// `--example`) with the default features plus `features`; returns `target/release`.
+/// `--example`) with the default features ([`DEFAULT_FEATURES`], or `$DDP_CARGO_FEATURES`) plus
+/// `features`; returns the folder of its final binaries.
+///
+/// Every feature set shares one build directory (the workspace's target directory, or cargo's
+/// `build.build-dir`): what two feature sets compile alike (every dependency whose features do
+/// not change) is compiled once, and a build after another of a different set recompiles
+/// nothing the first had already compiled for it. The final binaries of each set go to a folder
+/// of its own, [`features_folder`] (cargo's `--target-dir` with the build directory kept), so
+/// that the tasks' CPU binaries and the test command's (in `target/release`) never overwrite
+/// each other.
 ///
 /// With `$DDP_BIN_DIR` set, nothing is built: the binaries are taken from that folder (a copy
 /// kept aside, so that a benchmark measures what was built while the tree changes).
@@ -148,22 +180,28 @@ fn build_release(flag: &str, names: &[&str], features: &[&str]) -> Result<PathBu
         }
         return Ok(dir);
     }
-    let mut command = cargo();
-    command.args(["build", "--release", "--workspace"]);
     let mut all = default_features();
     for feature in features {
         if !all.iter().any(|f| f == feature) {
             all.push(feature.to_string());
         }
     }
+    let (target, build) = cargo_dirs()?;
+    let out = target.join(features_folder(&all));
+    let mut command = cargo();
+    command.args(["build", "--release", "--workspace"]);
     if !all.is_empty() {
         command.args(["--features", &all.join(",")]);
     }
     for name in names {
         command.args([flag, name]);
     }
+    command
+        .arg("--target-dir")
+        .arg(&out)
+        .env("CARGO_BUILD_BUILD_DIR", &build);
     run(command.current_dir(workspace_root()))?;
-    Ok(target_dir()?.join("release"))
+    Ok(out.join("release"))
 }
 
 /// Runs `command` with its output streaming to ours; fails unless it exits 0.
@@ -278,6 +316,22 @@ pub fn command_line(command: &Command) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_feature_set_has_a_folder_of_its_own() {
+        let set = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        assert_eq!(features_folder(&set(&["ddp-apps/nccl"])), "features-nccl");
+        // The order and repeats do not matter; the package does not name the folder.
+        assert_eq!(
+            features_folder(&set(&["ddp-apps/wgpu", "ddp-apps/nccl", "nccl"])),
+            "features-nccl-wgpu"
+        );
+        assert_eq!(features_folder(&[]), "features-none");
+        assert_ne!(
+            features_folder(&set(&["ddp-apps/nccl"])),
+            features_folder(&set(&["ddp-apps/nccl", "ddp-apps/cuda"]))
+        );
+    }
 
     #[test]
     fn cargo_runs_folders_are_taken_off_the_library_path_and_the_users_kept() {

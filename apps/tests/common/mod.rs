@@ -16,22 +16,41 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 /// A binary of another package of the workspace (`ddprun` of ddp-launch, `ddp-comm-peer` of
-/// ddp-comm, ...), where the workspace build puts it: next to this test's executable, in
-/// `target/<profile>/`. Cargo gives a test the path of its own package's binaries only.
+/// ddp-comm, ...), where the workspace build puts it: in the folder of the final binaries
+/// (`target/<profile>/`). Cargo gives a test the path of its own package's binaries only; the
+/// folder is theirs (their `CARGO_BIN_EXE_*` paths), or, for a package without binaries, the
+/// one above this test's executable (`target/<profile>/deps/`), which is the same folder unless
+/// cargo's build directory (`build.build-dir`, CI's dependency cache) is set apart.
 pub fn workspace_bin(name: &str) -> std::path::PathBuf {
     let exe = std::env::current_exe().expect("the test's own path");
-    let path = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .map(|dir| dir.join(name));
-    match path {
-        Some(path) if path.exists() => path,
-        _ => panic!(
-            "{name} is not built next to {}: build the whole workspace first (cargo build \
-             --release --workspace, or cargo test --release --workspace)",
-            exe.display()
-        ),
+    // One binary of each package that includes this file and has any.
+    let own_bins = [
+        option_env!("CARGO_BIN_EXE_train-mnist"),
+        option_env!("CARGO_BIN_EXE_ddprun"),
+        option_env!("CARGO_BIN_EXE_user-train"),
+        option_env!("CARGO_BIN_EXE_ddp-allreduce-bench"),
+        option_env!("CARGO_BIN_EXE_ddp-comm-peer"),
+    ];
+    let folders = own_bins
+        .into_iter()
+        .flatten()
+        .filter_map(|bin| std::path::Path::new(bin).parent().map(|d| d.to_path_buf()))
+        .chain(
+            exe.parent()
+                .and_then(|deps| deps.parent())
+                .map(|d| d.to_path_buf()),
+        );
+    for folder in folders {
+        let path = folder.join(name);
+        if path.exists() {
+            return path;
+        }
     }
+    panic!(
+        "{name} is not built next to this package's binaries nor next to {}: build the whole \
+         workspace first (cargo build --release --workspace, or cargo test --release --workspace)",
+        exe.display()
+    )
 }
 
 /// A child process under guard: killed (and reaped) on drop if still running, and killed by a
