@@ -88,11 +88,12 @@ cache_wipe() {
 # their fingerprints, build script folders and outputs, by package and target name. A name that
 # a registry package also has is left alone.
 cache_prune() {
-  cargo metadata --format-version 1 --no-deps --offline 2>/dev/null |
-    python3 - "$CACHE_DIR" Cargo.lock <<'PY' || echo "dependency cache: pruning failed (ignored)"
+  local metadata=$CACHE_DIR/metadata.json
+  cargo metadata --format-version 1 --no-deps --offline >"$metadata" 2>/dev/null &&
+    python3 - "$CACHE_DIR" Cargo.lock "$metadata" <<'PY' || echo "dependency cache: pruning failed (ignored)"
 import json, pathlib, shutil, sys, tomllib
 cache, lock = pathlib.Path(sys.argv[1]), tomllib.loads(pathlib.Path(sys.argv[2]).read_text())
-meta = json.load(sys.stdin)
+meta = json.loads(pathlib.Path(sys.argv[3]).read_text())
 ours = {p["name"] for p in meta["packages"]}
 theirs = {p["name"].replace("-", "_") for p in lock["package"] if p.get("source")}
 packages = {n for n in ours if n.replace("-", "_") not in theirs}
