@@ -18,10 +18,6 @@ mod gpu_check;
 mod netns;
 mod plot;
 mod shards;
-// ddp-comm's byte sizes (`16M`, `4 KiB`), the file itself: a dependency on ddp-comm would compile
-// it and its dependencies before a user's first `cargo xtask train-mnist` can start its build.
-#[path = "../../comm/src/size.rs"]
-mod size;
 mod trace_mnist;
 mod train;
 mod util;
