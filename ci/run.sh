@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# CI: one release build of the whole workspace with one feature set (`ddp-apps/nccl`: the NCCL
-# layer of ddp-comm, loaded at run time, so no CUDA toolkit is needed; `ddp-apps/wgpu`: burn's
-# wgpu backend with fusion and the kernel cache, run on Mesa's lavapipe), shared by the tests and
-# the end-to-end runs. The GPU training code (`ddp-apps/cuda`: burn 0.22's CUDA backend) cannot
-# be built here: its cubecl-llvm build script downloads an LLVM bundle. CI type-checks and lints
-# it offline instead (`DOCS_RS=1` makes that build script skip the download, as on docs.rs), with
-# the CPU feature set, in one lint of a target folder of its own, which the docs and the packs'
-# check reuse. The whole run must stay under CI's 90 minutes on two cores: each step's seconds
-# are printed at the end.
+# CI: the README's two commands' builds, each once: the test command's release build of the whole
+# workspace (`ddp-apps/nccl`: the NCCL layer of ddp-comm, loaded at run time, so no CUDA toolkit
+# is needed; `ddp-apps/wgpu`: burn's wgpu backend with fusion and the kernel cache, run on Mesa's
+# lavapipe), shared by the tests, the root tests and the packs' build; and the main job's CPU
+# build (`cargo xtask ...`, feature `ddp-apps/nccl`, into target/features-nccl/release), shared
+# by the end-to-end tasks. The GPU training code (`ddp-apps/cuda`: burn 0.22's CUDA backend)
+# cannot be built here: its cubecl-llvm build script downloads an LLVM bundle. CI type-checks and
+# lints it offline instead (`DOCS_RS=1` makes that build script skip the download, as on
+# docs.rs), with the tests' feature set, in one lint of a target folder of its own, which the
+# docs and the packs' check reuse. Compiled dependencies are kept between runs on one machine
+# (ci/cache.sh: outside the clone, checked, pruned, and never trusted over a cold build). The
+# whole run must stay under CI's 90 minutes on two cores, cold: each step's seconds are printed at
+# the end.
 #
 # Everything runs in a fresh clone of this repository (under target/ci-fresh), with no `../shared`
 # beside it and an empty HOME (cargo's and rustup's own caches kept), as a user's first clone on a

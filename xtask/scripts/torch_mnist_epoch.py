@@ -14,6 +14,13 @@ algorithm choice and the caching allocator settle there), as gpu-check gives tra
 warm-up epoch for burn's autotune. samples/s counts the timed epochs' training loops only (the
 GPU synchronised at their start and end); the test set is evaluated afterwards. Reads the IDX files that train-mnist fetches (raw, or .gz).
 Prints one line `TORCH_SUMMARY {json}`.
+
+Under torchrun (`WORLD_SIZE` > 1) it is PyTorch DDP: `init_process_group("nccl")`, the model in
+`DistributedDataParallel`, each rank a `DistributedSampler`-style shard of every epoch's order
+(the same permutation on every rank, rank r taking every world-th index from r), batch
+`--batch-size` per rank, as `train-mnist` at N ranks. Every rank uses `--device` (so two ranks can
+share GPU 0, which NCCL allows from 2.30 with `NCCL_MULTI_RANK_GPU_ENABLE=1`); rank 0 prints the
+summary, whose samples/s counts every rank's samples and which names the NCCL that torch loaded.
 """
 
 import argparse
@@ -24,6 +31,7 @@ import struct
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -87,16 +95,25 @@ def main():
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
     train_x, train_y = load(args.data_dir, "train")
     test_x, test_y = load(args.data_dir, "t10k")
     model = Net().to(device)
-    optim = torch.optim.Adam(model.parameters(), lr=args.lr, eps=1e-8)
+    net = model
+    if world > 1:
+        net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+    optim = torch.optim.Adam(net.parameters(), lr=args.lr, eps=1e-8)
 
     train_time, samples = 0.0, 0
     for epoch in range(args.warmup_epochs + args.epochs):
         timed = epoch >= args.warmup_epochs
-        model.train()
-        order = torch.randperm(len(train_x))
+        net.train()
+        # The same permutation on every rank (one seed), rank r taking every world-th index.
+        order = torch.randperm(len(train_x))[rank::world]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -106,7 +123,7 @@ def main():
             x = train_x[idx].to(device, non_blocking=True)
             y = train_y[idx].to(device, non_blocking=True)
             optim.zero_grad(set_to_none=True)
-            loss = F.nll_loss(model(x), y)
+            loss = F.nll_loss(net(x), y)
             loss.backward()
             optim.step()
             loss_sum += loss.detach()
@@ -119,6 +136,11 @@ def main():
             train_time += time.perf_counter() - start
         train_loss = loss_sum.item() / max(batches, 1)
 
+    if world > 1:
+        # Every rank's samples count: the timed epochs end together (DDP's last all-reduce).
+        total = torch.tensor([samples], device=device)
+        dist.all_reduce(total)
+        samples = int(total.item())
     model.eval()
     correct = 0
     with torch.no_grad():
@@ -138,8 +160,13 @@ def main():
         "test_total": len(test_x),
         "samples_per_sec": samples / train_time,
         "train_seconds": train_time,
+        "world_size": world,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
     }
-    print("TORCH_SUMMARY " + json.dumps(summary), flush=True)
+    if rank == 0:
+        print("TORCH_SUMMARY " + json.dumps(summary), flush=True)
+    if world > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,16 @@
 //!    for bit with the host path's one-rank run (reported, not required: GPU kernels may reduce
 //!    in another order from run to run).
 //! 9. **mnist-N**: with several GPUs, one rank per GPU, gradients through NCCL.
+//! 10. From NCCL 2.30, on one GPU: **ddp-nccl**, two ranks through NCCL for two epochs (samples/s
+//!     of the second, synchronisation per step beside the host path's); **torch-2**, PyTorch
+//!     DDP at two ranks on the same GPU and batch (torchrun, NCCL: the carried one preloaded);
+//!     **elastic-nccl**, a `1:2` elastic job on GPU 0 through NCCL whose rank 1 is killed after
+//!     step 40 and healed back (a communicator made at each new world). The **kill** row also
+//!     times the kill to ddprun's exit.
+//!
+//! `--nccl-dir DIR` uses the `libnccl.so.2` in DIR (NCCL 2.32.3 carried to a lent machine whose
+//! own is older, `xtask/py/nccl_for_one_arch.py`): first on `LD_LIBRARY_PATH` of every process,
+//! preloaded into PyTorch's; the probe row checks that the loader took it.
 //!
 //! With `$DDP_BIN_DIR` set, nothing is built: the binaries are taken from there. This is how a
 //! lent GPU machine without cargo or network runs it, from the repository's root, with `xtask`
@@ -90,6 +100,12 @@ pub struct Args {
     /// Folder for the results [default: target/gpu-check].
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Folder of the `libnccl.so.2` to use instead of the machine's (NCCL 2.32.3 carried to a
+    /// lent machine: `xtask/py/nccl_for_one_arch.py --join`): first on `LD_LIBRARY_PATH` for
+    /// every process, and preloaded into PyTorch's; the probe row fails unless the loader took
+    /// it.
+    #[arg(long)]
+    nccl_dir: Option<PathBuf>,
 }
 
 /// One size of `ddp-nccl-bench`'s JSON.
@@ -134,6 +150,14 @@ struct Goals {
     two_rank_path: Option<String>,
     /// Milliseconds of gradient synchronisation per step at two ranks (rank 0).
     ddp_ms_per_step: Option<f64>,
+    /// The same through the host path, where the two ranks also ran through NCCL.
+    host_ms_per_step: Option<f64>,
+    /// Samples/s of our two ranks on one GPU through NCCL (both ranks, the timed epoch).
+    two_rank_samples_per_sec: Option<f64>,
+    /// The same for PyTorch DDP (torchrun, NCCL) on the same GPU and batch.
+    torch_two_rank_samples_per_sec: Option<f64>,
+    /// Seconds from a rank's SIGKILL to ddprun's exit naming it.
+    kill_named_s: Option<f64>,
 }
 
 /// What `gpu-check.json` holds.
@@ -154,6 +178,9 @@ struct Limited {
     status: Option<ExitStatus>,
     seconds: f64,
     output: String,
+    /// Seconds after the start at which the log first held the watched text (see
+    /// [`run_watched`]), to 0.1 s.
+    marker_s: Option<f64>,
 }
 
 impl Limited {
@@ -175,6 +202,16 @@ impl Limited {
 /// Runs `command` in its own process group with its output in `log`; kills the whole group
 /// when `limit` seconds have passed.
 fn run_limited(command: &mut Command, limit: u64, log: &Path) -> Result<Limited> {
+    run_watched(command, limit, log, None)
+}
+
+/// [`run_limited`], also noting when the log first holds `marker` (read every 100 ms).
+fn run_watched(
+    command: &mut Command,
+    limit: u64,
+    log: &Path,
+    marker: Option<&str>,
+) -> Result<Limited> {
     use std::os::unix::process::CommandExt as _;
     let file = File::create(log).with_context(|| format!("creating {}", log.display()))?;
     command
@@ -192,7 +229,13 @@ fn run_limited(command: &mut Command, limit: u64, log: &Path) -> Result<Limited>
         .spawn()
         .with_context(|| format!("starting `{}`", util::command_line(command)))?;
     let deadline = started + Duration::from_secs(limit);
+    let mut marker_s = None;
     let status = loop {
+        if let (Some(text), None) = (marker, marker_s) {
+            if std::fs::read(log).is_ok_and(|b| String::from_utf8_lossy(&b).contains(text)) {
+                marker_s = Some(started.elapsed().as_secs_f64());
+            }
+        }
         if let Some(status) = child.try_wait()? {
             break Some(status);
         }
@@ -212,6 +255,7 @@ fn run_limited(command: &mut Command, limit: u64, log: &Path) -> Result<Limited>
         status,
         seconds,
         output,
+        marker_s,
     })
 }
 
@@ -277,6 +321,19 @@ impl Trainer<'_> {
         args: &[String],
         limit: u64,
     ) -> Result<TrainerRun> {
+        self.run_watched(name, nproc, env, args, limit, None)
+    }
+
+    /// [`Trainer::run`], noting when the output first holds `marker`.
+    fn run_watched(
+        &self,
+        name: &str,
+        nproc: usize,
+        env: &[(&str, &str)],
+        args: &[String],
+        limit: u64,
+        marker: Option<&str>,
+    ) -> Result<TrainerRun> {
         let mut command = Command::new(self.bin_dir.join("ddprun"));
         command
             .args(["--nproc-per-node", &nproc.to_string(), "--"])
@@ -290,7 +347,8 @@ impl Trainer<'_> {
         for (key, value) in env {
             command.env(key, value);
         }
-        let run = run_limited(&mut command, limit, &self.out.join(format!("{name}.log")))?;
+        let log = self.out.join(format!("{name}.log"));
+        let run = run_watched(&mut command, limit, &log, marker)?;
         let first_step_s = run.output.lines().find_map(first_step);
         let summary = run
             .output
@@ -334,6 +392,15 @@ pub fn run(args: Args) -> Result<()> {
         &["ddp-apps/cuda"],
     )?;
     offer_nvrtc13()?;
+    if let Some(dir) = &args.nccl_dir {
+        anyhow::ensure!(
+            dir.join("libnccl.so.2").is_file(),
+            "--nccl-dir {}: no libnccl.so.2 there",
+            dir.display()
+        );
+        let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+        std::env::set_var("LD_LIBRARY_PATH", format!("{}:{old}", dir.display()));
+    }
     if std::env::var_os("VIRTUAL_ENV").is_none() {
         // The loader looks for NCCL in the active venv's NVIDIA wheels: the torch python's.
         if let Ok(prefix) = util::run_stdout(
@@ -350,15 +417,29 @@ pub fn run(args: Args) -> Result<()> {
     eprintln!("{libraries}");
     let max = args.max_gpus.unwrap_or(gpus).min(gpus).max(1);
     let shared_nccl = allows_two_ranks_per_gpu(&nccl_version);
+    // The carried NCCL must be the one the loader took.
+    let carried = args.nccl_dir.as_ref().map(|dir| {
+        let file = dir.join("libnccl.so.2");
+        let taken = libraries.contains(&file.display().to_string());
+        (file, taken)
+    });
     push(
         &mut rows,
         Row {
             name: "probe".into(),
-            ok: true,
+            ok: carried.as_ref().is_none_or(|(_, taken)| *taken),
             seconds: started.elapsed().as_secs_f64(),
             figures: format!(
-                "{gpus} GPU(s), NCCL {nccl_version} ({}two ranks per GPU)",
-                if shared_nccl { "" } else { "before 2.30: no " }
+                "{gpus} GPU(s), NCCL {nccl_version} ({}two ranks per GPU){}",
+                if shared_nccl { "" } else { "before 2.30: no " },
+                match &carried {
+                    Some((file, true)) => format!("; the carried {} was taken", file.display()),
+                    Some((file, false)) => format!(
+                        "; the carried {} was NOT taken: {libraries}",
+                        file.display()
+                    ),
+                    None => String::new(),
+                }
             ),
         },
     );
@@ -572,6 +653,10 @@ pub fn run(args: Args) -> Result<()> {
             150,
         )?;
         let same = host.params_hash().is_some() && host.params_hash() == two.params_hash();
+        goals.host_ms_per_step = host
+            .number("comm_seconds")
+            .zip(host.number("steps"))
+            .map(|(s, n)| 1000.0 * s / n.max(1.0));
         push(
             &mut rows,
             Row {
@@ -586,12 +671,33 @@ pub fn run(args: Args) -> Result<()> {
                 ),
             },
         );
+        // Speed at two ranks through NCCL (a timed epoch), PyTorch DDP beside it, and an
+        // elastic job whose communicator is made again at every new world.
+        let (row, rate) = ddp_nccl_row(&trainer, &two_env)?;
+        goals.two_rank_samples_per_sec = rate;
+        push(&mut rows, row);
+        if !args.no_torch {
+            let (row, rate) = torch_two_row(&out, &data_dir, args.batch_size, &args.nccl_dir)?;
+            goals.torch_two_rank_samples_per_sec = rate;
+            push(&mut rows, row);
+        }
+        push(&mut rows, elastic_nccl_row(&trainer)?);
     }
 
     // A rank killed mid-step: ddprun fails and names it; the survivor names its peer.
     let mut kill_env = two_env.clone();
     kill_env.extend([("DDP_TEST_KILL_AT_STEP", "40"), ("DDP_TEST_KILL_RANK", "1")]);
-    let kill = trainer.run("kill", 2, &kill_env, &short, 120)?;
+    let kill = trainer.run_watched(
+        "kill",
+        2,
+        &kill_env,
+        &short,
+        120,
+        Some("test hook DDP_TEST_KILL_AT_STEP"),
+    )?;
+    // From the kill (the hook's line) to ddprun's exit, which comes after its box names rank 1.
+    let named_s = kill.run.marker_s.map(|at| kill.run.seconds - at);
+    goals.kill_named_s = named_s;
     let blamed = kill
         .run
         .output
@@ -611,8 +717,11 @@ pub fn run(args: Args) -> Result<()> {
                 && survivor.is_some(),
             seconds: kill.run.seconds,
             figures: format!(
-                "{}; ddprun: {}; rank 0: {}",
+                "{}; {}; ddprun: {}; rank 0: {}",
                 kill.run.ending(120),
+                named_s.map_or("(the hook's line was not seen)".into(), |s| format!(
+                    "ddprun exited {s:.1} s after the kill"
+                )),
                 blamed.map_or("(rank 1 not named)".into(), clip),
                 survivor.map_or("(no error naming rank 1)".into(), clip)
             ),
@@ -700,6 +809,226 @@ pub fn run(args: Args) -> Result<()> {
         bail!("gpu-check: failed rows: {}", failed.join(", "));
     }
     Ok(())
+}
+
+/// **ddp-nccl**: two ranks on GPU 0 through NCCL for two epochs; samples/s of the second (both
+/// ranks' samples, from rank 0's `metrics.csv`) and the synchronisation per step.
+fn ddp_nccl_row(trainer: &Trainer, env: &[(&str, &str)]) -> Result<(Row, Option<f64>)> {
+    let metrics = trainer.out.join("ddp-nccl-metrics");
+    let _ = std::fs::remove_dir_all(&metrics);
+    let args = vec![
+        "--epochs".to_string(),
+        "2".to_string(),
+        "--metrics-dir".to_string(),
+        metrics.display().to_string(),
+    ];
+    let run = trainer.run("ddp-nccl", 2, env, &args, 180)?;
+    let rate = std::fs::read_to_string(metrics.join("metrics.csv"))
+        .context("no metrics.csv")
+        .and_then(|csv| epoch_rate(&csv, 2));
+    let sync_ms = run
+        .number("comm_seconds")
+        .zip(run.number("steps"))
+        .map(|(s, n)| 1000.0 * s / n.max(1.0));
+    let row = Row {
+        name: "ddp-nccl".into(),
+        ok: run.run.ok() && rate.is_ok(),
+        seconds: run.run.seconds,
+        figures: format!(
+            "{}; {}; epoch 2: {}; gradient sync {} ms/step",
+            run.run.ending(180),
+            run.figures(),
+            match &rate {
+                Ok(rate) => format!("{rate:.0} samples/s"),
+                Err(e) => format!("{e:#}"),
+            },
+            sync_ms.map_or("?".into(), |ms| format!("{ms:.2}"))
+        ),
+    };
+    Ok((row, rate.ok()))
+}
+
+/// **torch-2**: PyTorch DDP at two ranks on GPU 0 (torchrun, NCCL, the same CNN, batch and
+/// shards as ours: `xtask/scripts/torch_mnist_epoch.py`, one untimed epoch first), with the
+/// carried NCCL preloaded when there is one (`LD_PRELOAD`: torch's own wheel's NCCL is linked by
+/// name, and an older one refuses two ranks per GPU); the row names the NCCL torch used.
+fn torch_two_row(
+    out: &Path,
+    data_dir: &Path,
+    batch_size: usize,
+    nccl_dir: &Option<PathBuf>,
+) -> Result<(Row, Option<f64>)> {
+    let python = util::torch_python();
+    let script = util::workspace_root().join("xtask/scripts/torch_mnist_epoch.py");
+    let mut command = Command::new(&python);
+    command
+        .args([
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+        ])
+        .arg(&script)
+        .arg("--data-dir")
+        .arg(data_dir)
+        .args([
+            "--device",
+            "cuda:0",
+            "--epochs",
+            "1",
+            "--warmup-epochs",
+            "1",
+        ])
+        .args(["--batch-size", &batch_size.to_string()])
+        .env("PYTHONUNBUFFERED", "1");
+    shared_gpu_env(&mut command);
+    if let Some(dir) = nccl_dir {
+        command.env("LD_PRELOAD", dir.join("libnccl.so.2"));
+    }
+    let run = run_limited(&mut command, 180, &out.join("torch-2.log"))?;
+    let summary = run
+        .output
+        .lines()
+        .find_map(|l| l.strip_prefix("TORCH_SUMMARY "))
+        .and_then(|json| serde_json::from_str::<serde_json::Value>(json).ok());
+    let rate = summary.as_ref().and_then(|s| s["samples_per_sec"].as_f64());
+    let figures = match (&summary, rate) {
+        (Some(s), Some(rate)) => format!(
+            "PyTorch {} DDP, 2 ranks on GPU 0, NCCL {}: epoch 2: {rate:.0} samples/s, test \
+             accuracy {:.2}%",
+            s["torch"].as_str().unwrap_or("?"),
+            s["nccl"].as_str().unwrap_or("?"),
+            100.0 * s["test_accuracy"].as_f64().unwrap_or(f64::NAN)
+        ),
+        _ => format!("{}: {}", run.ending(180), tail(&run.output)),
+    };
+    let row = Row {
+        name: "torch-2".into(),
+        ok: run.ok() && rate.is_some(),
+        seconds: run.seconds,
+        figures,
+    };
+    Ok((row, rate))
+}
+
+/// **elastic-nccl**: two ddprun agents of a `1:2` elastic job, one rank each, both on GPU 0 with
+/// their gradients through NCCL; rank 1 kills itself after step 40, rank 0 goes on alone (a new
+/// generation, a new communicator of one rank), rank 1's agent restarts it, and it is healed back
+/// (a third generation, a communicator of two again). Both agents must exit 0 with the same
+/// final parameters and two membership changes; the figure is the time from the kill to rank 0's
+/// next step.
+fn elastic_nccl_row(trainer: &Trainer) -> Result<Row> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let started = Instant::now();
+    let agents: Vec<_> = (0..2)
+        .map(|node: usize| {
+            let mut command = Command::new(trainer.bin_dir.join("ddprun"));
+            command
+                .args(["--grace-period", "1", "--nnodes", "1:2", "--node-rank"])
+                .arg(node.to_string())
+                .args([
+                    "--master-addr",
+                    "127.0.0.1",
+                    "--master-port",
+                    &port.to_string(),
+                ])
+                .args(["--max-restarts", &node.to_string(), "--"])
+                .arg(trainer.bin_dir.join("train-mnist"))
+                .args(["--backend", "cuda", "--json", "--log-interval", "100"])
+                .args(["--batch-size", &trainer.batch_size.to_string()])
+                .arg("--data-dir")
+                .arg(trainer.data_dir)
+                .args([
+                    "--epochs",
+                    "1",
+                    "--train-samples",
+                    "40000",
+                    "--test-samples",
+                    "2000",
+                ])
+                .env("DDP_CACHE_DIR", trainer.cache)
+                .env("DDP_NCCL", "1")
+                .env("DDP_TEST_KILL_AT_STEP", "40")
+                .env("DDP_TEST_KILL_RANK", "1")
+                // Founded by both ranks, however unevenly they start.
+                .env("DDP_ELASTIC_LAST_CALL", "120");
+            shared_gpu_env(&mut command);
+            let log = trainer.out.join(format!("elastic-nccl-{node}.log"));
+            std::thread::spawn(move || run_limited(&mut command, 240, &log))
+        })
+        .collect();
+    let mut runs = Vec::new();
+    for agent in agents {
+        runs.push(
+            agent
+                .join()
+                .map_err(|_| anyhow::anyhow!("an agent's thread panicked"))??,
+        );
+    }
+    let summary = |run: &Limited| {
+        run.output
+            .lines()
+            .filter_map(|l| l.split_once("DDP_ELASTIC_SUMMARY ").map(|(_, json)| json))
+            .filter_map(|json| serde_json::from_str::<serde_json::Value>(json).ok())
+            .next_back()
+    };
+    let (s0, s1) = (summary(&runs[0]), summary(&runs[1]));
+    let changes = s0
+        .as_ref()
+        .and_then(|s| s["changes"].as_array().cloned())
+        .unwrap_or_default();
+    let hash = |s: &Option<serde_json::Value>| {
+        s.as_ref()
+            .and_then(|s| s["summary"]["params_hash"].as_str().map(str::to_string))
+    };
+    let same = hash(&s0).is_some() && hash(&s0) == hash(&s1);
+    let healed = runs[1].output.contains("joined (healed from rank 0)");
+    let on_gpu = runs[0]
+        .output
+        .contains("gradients all-reduced on the GPU through NCCL");
+    // The hook's line ends with the kill's time (ms since the epoch), the change record holds
+    // when the survivor's new generation formed.
+    let killed_ms = runs[1]
+        .output
+        .lines()
+        .find(|l| l.contains("test hook DDP_TEST_KILL_AT_STEP"))
+        .and_then(|l| l.rsplit(" at ").next())
+        .and_then(|ms| ms.trim().parse::<f64>().ok());
+    let recovery = changes
+        .first()
+        .and_then(|c| c["at_ms"].as_f64())
+        .zip(killed_ms)
+        .map(|(formed, killed)| (formed - killed) / 1000.0);
+    Ok(Row {
+        name: "elastic-nccl".into(),
+        ok: runs.iter().all(Limited::ok) && changes.len() == 2 && same && healed && on_gpu,
+        seconds: started.elapsed().as_secs_f64(),
+        figures: format!(
+            "agents: {} / {}; {} membership change(s) ({}); rank 1 {}healed back; gradients {}\
+             through NCCL; final parameters {}{}",
+            runs[0].ending(240),
+            runs[1].ending(240),
+            changes.len(),
+            changes
+                .iter()
+                .map(|c| format!("after step {} to world {}", c["after_step"], c["world"]))
+                .collect::<Vec<_>>()
+                .join(", "),
+            if healed { "" } else { "NOT " },
+            if on_gpu { "" } else { "NOT " },
+            if same {
+                "identical"
+            } else {
+                "DIFFERENT or missing"
+            },
+            recovery.map_or(String::new(), |s| format!(
+                "; kill to the survivor's new generation {s:.2} s"
+            ))
+        ),
+    })
 }
 
 /// Adds `row` to `rows` and prints it at once (a run cut short still shows its rows).
@@ -1030,7 +1359,32 @@ fn markdown(report: &Report) -> String {
     if let (Some(path), Some(ms)) = (&g.two_rank_path, g.ddp_ms_per_step) {
         let _ = writeln!(
             md,
-            "- two ranks on one GPU through the {path} path: gradient sync {ms:.2} ms per step"
+            "- two ranks on one GPU through the {path} path: gradient sync {ms:.2} ms per step{}",
+            match (path.as_str(), g.host_ms_per_step) {
+                ("nccl", Some(host)) => format!(
+                    " (host path: {host:.2} ms; goal <= 0.5 ms: {})",
+                    met(ms <= 0.5)
+                ),
+                _ => String::new(),
+            }
+        );
+    }
+    if let (Some(ours), Some(theirs)) =
+        (g.two_rank_samples_per_sec, g.torch_two_rank_samples_per_sec)
+    {
+        let _ = writeln!(
+            md,
+            "- two ranks on one GPU, ours / PyTorch DDP: {ours:.0} / {theirs:.0} samples/s, {:.2}x \
+             (goal >= 1.0x: {})",
+            ours / theirs,
+            met(ours >= theirs)
+        );
+    }
+    if let Some(s) = g.kill_named_s {
+        let _ = writeln!(
+            md,
+            "- a killed rank named {s:.1} s after the kill (goal <= 10 s: {})",
+            met(s <= 10.0)
         );
     }
     if !report.allreduce.is_empty() {
