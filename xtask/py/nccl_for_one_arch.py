@@ -27,7 +27,10 @@ most `--piece-mib`.
 On the device the pieces are joined back (`cat`, `xz -d`) and checked against the copy's
 SHA-256, written beside them in `manifest.json` with each piece's SHA-256 and the wheel's.
 
-Usage: nccl_for_one_arch.py WHEEL_OR_LIBNCCL --arch 90 --out DIR [--piece-mib 60]
+With `--arch all` nothing is blanked: the pieces join to the wheel's library byte for byte
+(268 MB under xz: five pieces, five device calls; the fallback should a driver refuse the copy).
+
+Usage: nccl_for_one_arch.py WHEEL_OR_LIBNCCL --arch 90|all --out DIR [--piece-mib 60]
        nccl_for_one_arch.py --join DIR --to LIBDIR   (joins DIR's pieces, checks, writes
                                                      LIBDIR/libnccl.so.2)
 """
@@ -203,7 +206,10 @@ def read_library(path):
 
 def cut(args):
     original, wheel_sha = read_library(args.library)
-    copy, stats = one_arch_copy(original, args.arch)
+    if args.arch == "all":
+        copy, stats = original, {}  # the wheel's library itself, byte for byte
+    else:
+        copy, stats = one_arch_copy(original, int(args.arch))
     packed = lzma.compress(copy, preset=9 | lzma.PRESET_EXTREME if args.extreme else 9)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -220,7 +226,7 @@ def cut(args):
         pieces.append({"folder": name, "bytes": len(part), "sha256": sha256(part)})
     manifest = {
         "library": "libnccl.so.2",
-        "arch": f"sm_{args.arch}",
+        "arch": "all" if args.arch == "all" else f"sm_{args.arch}",
         "wheel_sha256": wheel_sha,
         "original_bytes": len(original),
         "original_sha256": sha256(original),
@@ -234,9 +240,10 @@ def cut(args):
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")
     os.replace(tmp, out / "manifest.json")
     kept = sum(v["bytes"] for v in stats.values() if v["kept"])
-    print(f"libnccl.so.2 {len(original) / 1e6:.1f} MB -> sm_{args.arch} copy (device code kept "
-          f"{kept / 1e6:.1f} MB) -> xz {len(packed) / 1e6:.1f} MB in {len(pieces)} piece(s) "
-          f"of at most {args.piece_mib} MiB, in {out}")
+    what = "the whole library" if args.arch == "all" else \
+        f"sm_{args.arch} copy (device code kept {kept / 1e6:.1f} MB)"
+    print(f"libnccl.so.2 {len(original) / 1e6:.1f} MB -> {what} -> xz {len(packed) / 1e6:.1f} MB "
+          f"in {len(pieces)} piece(s) of at most {args.piece_mib} MiB, in {out}")
 
 
 def join(args):
@@ -263,7 +270,8 @@ def join(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("library", nargs="?", help="the wheel, or a libnccl.so.2")
-    parser.add_argument("--arch", type=int, default=90, help="kept architecture (90: H100, H200)")
+    parser.add_argument("--arch", default="90",
+                        help="kept architecture (90: H100, H200), or `all`: the library as it is")
     parser.add_argument("--out", help="folder of the pieces and the manifest")
     parser.add_argument("--piece-mib", type=int, default=60)
     parser.add_argument("--extreme", action="store_true", help="xz -9e (slower)")
