@@ -147,7 +147,7 @@ if wgpu_out=$(target/features-nccl/release/train-mnist --backend wgpu --data-dir
   echo "the CPU build accepted --backend wgpu: $wgpu_out"
   exit 1
 fi
-echo "$wgpu_out" | tail -1
+echo "$wgpu_out" | head -1
 grep -q 'cargo build --release --features ddp-apps/wgpu --bin train-mnist' <<<"$wgpu_out"
 
 step "a user's own program: example/ (user-train) under ddprun, 2 ranks, shared memory and TCP"
