@@ -83,6 +83,7 @@ cd "$work/ddp-rs"
 git log -1 --oneline
 test ! -e ../shared
 echo "clone: $PWD; HOME: $HOME (empty); CARGO_HOME: $CARGO_HOME"
+bash ci/cache_test.sh
 cache_open
 
 step "fmt"
