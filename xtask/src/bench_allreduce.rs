@@ -16,7 +16,7 @@
 //! Python: `util::torch_python` (`$DDP_PYTHON`, else `~/.cache/torchenv/bin/python`, else `python3`); gloo is skipped, with the reason, unless it can
 //! `import torch` and torch has gloo.
 
-use ddp_comm::bytes::{human_size, parse_size};
+use crate::size::{human_size, parse_size};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;

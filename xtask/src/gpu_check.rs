@@ -59,8 +59,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::size::human_size;
 use anyhow::{bail, Context, Result};
-use ddp_comm::bytes::human_size;
 use serde::{Deserialize, Serialize};
 
 use crate::util;

@@ -1,0 +1,1 @@
+../../comm/src/size.rs
