@@ -274,6 +274,13 @@ impl TrainerRun {
         self.summary.as_ref()?.get(key)?.as_f64()
     }
 
+    /// Milliseconds of gradient synchronisation per step (rank 0's summary).
+    fn sync_ms_per_step(&self) -> Option<f64> {
+        self.number("comm_seconds")
+            .zip(self.number("steps"))
+            .map(|(s, n)| 1000.0 * s / n.max(1.0))
+    }
+
     /// The final parameters' hash.
     fn params_hash(&self) -> Option<&str> {
         self.summary.as_ref()?.get("params_hash")?.as_str()
@@ -548,9 +555,7 @@ pub fn run(args: Args) -> Result<()> {
     warm_args.push(metrics.display().to_string());
     let warm = trainer.run("warm", 1, &[], &warm_args, 150)?;
     goals.warm_first_step_s = warm.first_step_s;
-    let epoch2 = std::fs::read_to_string(metrics.join("metrics.csv"))
-        .context("no metrics.csv")
-        .and_then(|csv| epoch_rate(&csv, 2));
+    let (epoch2, epoch2_text) = second_epoch(&metrics);
     push(
         &mut rows,
         Row {
@@ -558,13 +563,9 @@ pub fn run(args: Args) -> Result<()> {
             ok: warm.run.ok() && epoch2.is_ok(),
             seconds: warm.run.seconds,
             figures: format!(
-                "{}; {}; epoch 2: {}",
+                "{}; {}; epoch 2: {epoch2_text}",
                 warm.run.ending(150),
                 warm.figures(),
-                match &epoch2 {
-                    Ok(rate) => format!("{rate:.0} samples/s"),
-                    Err(e) => format!("{e:#}"),
-                }
             ),
         },
     );
@@ -580,7 +581,7 @@ pub fn run(args: Args) -> Result<()> {
             },
         );
     } else {
-        let row = torch_row(&out, &data_dir, args.batch_size)?;
+        let row = torch_row(&out, &data_dir, args.batch_size, 1, &None)?;
         if let (Some(theirs), Ok(ours)) = (row.1, &epoch2) {
             goals.ratio_to_torch = Some(ours / theirs);
         }
@@ -609,10 +610,7 @@ pub fn run(args: Args) -> Result<()> {
         run.number("samples_per_sec")
             .map(|sps| 1000.0 * world * args.batch_size as f64 / sps)
     };
-    let sync_ms = two
-        .number("comm_seconds")
-        .zip(two.number("steps"))
-        .map(|(s, n)| 1000.0 * s / n.max(1.0));
+    let sync_ms = two.sync_ms_per_step();
     goals.ddp_ms_per_step = sync_ms;
     push(
         &mut rows,
@@ -653,10 +651,7 @@ pub fn run(args: Args) -> Result<()> {
             150,
         )?;
         let same = host.params_hash().is_some() && host.params_hash() == two.params_hash();
-        goals.host_ms_per_step = host
-            .number("comm_seconds")
-            .zip(host.number("steps"))
-            .map(|(s, n)| 1000.0 * s / n.max(1.0));
+        goals.host_ms_per_step = host.sync_ms_per_step();
         push(
             &mut rows,
             Row {
@@ -677,7 +672,7 @@ pub fn run(args: Args) -> Result<()> {
         goals.two_rank_samples_per_sec = rate;
         push(&mut rows, row);
         if !args.no_torch {
-            let (row, rate) = torch_two_row(&out, &data_dir, args.batch_size, &args.nccl_dir)?;
+            let (row, rate) = torch_row(&out, &data_dir, args.batch_size, 2, &args.nccl_dir)?;
             goals.torch_two_rank_samples_per_sec = rate;
             push(&mut rows, row);
         }
@@ -823,93 +818,20 @@ fn ddp_nccl_row(trainer: &Trainer, env: &[(&str, &str)]) -> Result<(Row, Option<
         metrics.display().to_string(),
     ];
     let run = trainer.run("ddp-nccl", 2, env, &args, 180)?;
-    let rate = std::fs::read_to_string(metrics.join("metrics.csv"))
-        .context("no metrics.csv")
-        .and_then(|csv| epoch_rate(&csv, 2));
-    let sync_ms = run
-        .number("comm_seconds")
-        .zip(run.number("steps"))
-        .map(|(s, n)| 1000.0 * s / n.max(1.0));
+    let (rate, rate_text) = second_epoch(&metrics);
     let row = Row {
         name: "ddp-nccl".into(),
         ok: run.run.ok() && rate.is_ok(),
         seconds: run.run.seconds,
         figures: format!(
-            "{}; {}; epoch 2: {}; gradient sync {} ms/step",
+            "{}; {}; epoch 2: {rate_text}; gradient sync {} ms/step",
             run.run.ending(180),
             run.figures(),
-            match &rate {
-                Ok(rate) => format!("{rate:.0} samples/s"),
-                Err(e) => format!("{e:#}"),
-            },
-            sync_ms.map_or("?".into(), |ms| format!("{ms:.2}"))
+            run.sync_ms_per_step()
+                .map_or("?".into(), |ms| format!("{ms:.2}"))
         ),
     };
     Ok((row, rate.ok()))
-}
-
-/// **torch-2**: PyTorch DDP at two ranks on GPU 0 (torchrun, NCCL, the same CNN, batch and
-/// shards as ours: `xtask/scripts/torch_mnist_epoch.py`, one untimed epoch first), with the
-/// carried NCCL preloaded when there is one (`LD_PRELOAD`: torch's own wheel's NCCL is linked by
-/// name, and an older one refuses two ranks per GPU); the row names the NCCL torch used.
-fn torch_two_row(
-    out: &Path,
-    data_dir: &Path,
-    batch_size: usize,
-    nccl_dir: &Option<PathBuf>,
-) -> Result<(Row, Option<f64>)> {
-    let python = util::torch_python();
-    let script = util::workspace_root().join("xtask/scripts/torch_mnist_epoch.py");
-    let mut command = Command::new(&python);
-    command
-        .args([
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-        ])
-        .arg(&script)
-        .arg("--data-dir")
-        .arg(data_dir)
-        .args([
-            "--device",
-            "cuda:0",
-            "--epochs",
-            "1",
-            "--warmup-epochs",
-            "1",
-        ])
-        .args(["--batch-size", &batch_size.to_string()])
-        .env("PYTHONUNBUFFERED", "1");
-    shared_gpu_env(&mut command);
-    if let Some(dir) = nccl_dir {
-        command.env("LD_PRELOAD", dir.join("libnccl.so.2"));
-    }
-    let run = run_limited(&mut command, 180, &out.join("torch-2.log"))?;
-    let summary = run
-        .output
-        .lines()
-        .find_map(|l| l.strip_prefix("TORCH_SUMMARY "))
-        .and_then(|json| serde_json::from_str::<serde_json::Value>(json).ok());
-    let rate = summary.as_ref().and_then(|s| s["samples_per_sec"].as_f64());
-    let figures = match (&summary, rate) {
-        (Some(s), Some(rate)) => format!(
-            "PyTorch {} DDP, 2 ranks on GPU 0, NCCL {}: epoch 2: {rate:.0} samples/s, test \
-             accuracy {:.2}%",
-            s["torch"].as_str().unwrap_or("?"),
-            s["nccl"].as_str().unwrap_or("?"),
-            100.0 * s["test_accuracy"].as_f64().unwrap_or(f64::NAN)
-        ),
-        _ => format!("{}: {}", run.ending(180), tail(&run.output)),
-    };
-    let row = Row {
-        name: "torch-2".into(),
-        ok: run.ok() && rate.is_some(),
-        seconds: run.seconds,
-        figures,
-    };
-    Ok((row, rate))
 }
 
 /// **elastic-nccl**: two ddprun agents of a `1:2` elastic job, one rank each, both on GPU 0 with
@@ -1206,6 +1128,19 @@ fn parse_probe(stdout: &str, stderr: &str) -> Result<(usize, String, String)> {
     }
 }
 
+/// The samples/s of the second epoch (the timed one, after burn's warm-up) in the
+/// `metrics.csv` of `metrics`, and how a row shows it.
+fn second_epoch(metrics: &Path) -> (Result<f64>, String) {
+    let rate = std::fs::read_to_string(metrics.join("metrics.csv"))
+        .context("no metrics.csv")
+        .and_then(|csv| epoch_rate(&csv, 2));
+    let text = match &rate {
+        Ok(rate) => format!("{rate:.0} samples/s"),
+        Err(e) => format!("{e:#}"),
+    };
+    (rate, text)
+}
+
 /// The samples/s of epoch `epoch` in a trainer's `metrics.csv` (columns as
 /// `ddp_apps::metrics::CSV_COLUMNS`: `epoch` first, `samples_per_sec` by name).
 fn epoch_rate(csv: &str, epoch: usize) -> Result<f64> {
@@ -1241,12 +1176,24 @@ fn epoch_rate(csv: &str, epoch: usize) -> Result<f64> {
     bail!("metrics.csv has no row for epoch {epoch} (the timed epoch after the warm-up)")
 }
 
-/// PyTorch's epoch on GPU 0 as a row, and its samples/s; a skipped row (passing, saying why)
-/// where no python with torch and CUDA is at hand.
-fn torch_row(out: &Path, data_dir: &Path, batch_size: usize) -> Result<(Row, Option<f64>)> {
+/// PyTorch's epoch on GPU 0 as a row (`torch`), or at `ranks` ranks sharing GPU 0 through NCCL
+/// under torchrun (`torch-N`, PyTorch DDP: the carried NCCL of `nccl_dir` preloaded), and its
+/// samples/s; a skipped row (passing, saying why) where no python with torch and CUDA is at hand.
+fn torch_row(
+    out: &Path,
+    data_dir: &Path,
+    batch_size: usize,
+    ranks: usize,
+    nccl_dir: &Option<PathBuf>,
+) -> Result<(Row, Option<f64>)> {
+    let name = if ranks == 1 {
+        "torch".to_string()
+    } else {
+        format!("torch-{ranks}")
+    };
     let python = util::torch_python();
     let skipped = |why: String| Row {
-        name: "torch".into(),
+        name: name.clone(),
         ok: true,
         seconds: 0.0,
         figures: format!("skipped: {why}"),
@@ -1270,6 +1217,23 @@ fn torch_row(out: &Path, data_dir: &Path, batch_size: usize) -> Result<(Row, Opt
     }
     let script = util::workspace_root().join("xtask/scripts/torch_mnist_epoch.py");
     let mut command = Command::new(&python);
+    if ranks > 1 {
+        // PyTorch DDP under torchrun, every rank on GPU 0 as ours, with the carried NCCL
+        // preloaded when there is one (torch's wheel links its own by name, and an older one
+        // refuses two ranks per GPU).
+        command
+            .args([
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+            ])
+            .arg(ranks.to_string());
+        shared_gpu_env(&mut command);
+        if let Some(dir) = nccl_dir {
+            command.env("LD_PRELOAD", dir.join("libnccl.so.2"));
+        }
+    }
     command
         .arg(&script)
         .arg("--data-dir")
@@ -1284,7 +1248,8 @@ fn torch_row(out: &Path, data_dir: &Path, batch_size: usize) -> Result<(Row, Opt
         ])
         .args(["--batch-size", &batch_size.to_string()])
         .env("PYTHONUNBUFFERED", "1");
-    let run = run_limited(&mut command, 150, &out.join("torch.log"))?;
+    let limit = 150 + 30 * ranks as u64;
+    let run = run_limited(&mut command, limit, &out.join(format!("{name}.log")))?;
     let summary = run
         .output
         .lines()
@@ -1293,14 +1258,21 @@ fn torch_row(out: &Path, data_dir: &Path, batch_size: usize) -> Result<(Row, Opt
     let rate = summary.as_ref().and_then(|s| s["samples_per_sec"].as_f64());
     let figures = match (&summary, rate) {
         (Some(s), Some(rate)) => format!(
-            "PyTorch {}: epoch 2: {rate:.0} samples/s, test accuracy {:.2}%",
+            "PyTorch {}{}: epoch 2: {rate:.0} samples/s, test accuracy {:.2}%",
             s["torch"].as_str().unwrap_or("?"),
+            match ranks {
+                1 => String::new(),
+                n => format!(
+                    " DDP, {n} ranks on GPU 0, NCCL {}",
+                    s["nccl"].as_str().unwrap_or("?")
+                ),
+            },
             100.0 * s["test_accuracy"].as_f64().unwrap_or(f64::NAN)
         ),
-        _ => format!("{}: {}", run.ending(150), tail(&run.output)),
+        _ => format!("{}: {}", run.ending(limit), tail(&run.output)),
     };
     let row = Row {
-        name: "torch".into(),
+        name,
         ok: run.ok() && rate.is_some(),
         seconds: run.seconds,
         figures,
