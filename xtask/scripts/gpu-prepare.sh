@@ -7,7 +7,8 @@
 # 1. The binaries, built offline (docs/gpu.md, "Building without network": DOCS_RS=1, NVRTC for
 #    burn's kernels, LLVM's symbols stubbed by xtask/scripts/offline-cuda-linker): ddprun,
 #    ddp-nccl-bench and train-mnist with `ddp-apps/cuda,burn-ddp/cuda-nvrtc`, and xtask from
-#    the CPU build (it runs gpu-check there without cargo), stripped, into .gpu/bin.
+#    the CPU build (it runs gpu-check there without cargo), stripped, as one xz archive,
+#    .gpu/bin/bins.tar.xz (train-mnist alone is 120 MB stripped).
 # 2. NCCL 2.32.3 from the registry's wheel (`nvidia-nccl-cu13`), cut to the H200's sm_90 by
 #    xtask/py/nccl_for_one_arch.py (34 MB under xz), or whole with --full-nccl (268 MB: five
 #    pieces, five calls), into .gpu/nccl/piece*/, with its manifest.
@@ -27,8 +28,8 @@ ARCH=90
 GPU=.gpu
 WORK=target/gpu-prepare
 mkdir -p "$GPU" "$WORK"
-rm -rf "$GPU/bin" "$GPU/nccl" "$GPU/mnist"
-mkdir -p "$GPU/bin" "$GPU/mnist"
+rm -rf "$GPU/bin" "$GPU/nccl" "$GPU/mnist" "$WORK/bin"
+mkdir -p "$GPU/bin" "$GPU/mnist" "$WORK/bin"
 
 echo "== 1. binaries (offline CUDA build, target/gpu-build)"
 DOCS_RS=1 CARGO_TARGET_DIR=target/gpu-build \
@@ -37,9 +38,11 @@ DOCS_RS=1 CARGO_TARGET_DIR=target/gpu-build \
   --bin ddprun --bin ddp-nccl-bench --bin train-mnist
 cargo build --release -p xtask
 for bin in ddprun ddp-nccl-bench train-mnist; do
-  strip -o "$GPU/bin/$bin" "target/gpu-build/release/$bin"
+  strip -o "$WORK/bin/$bin" "target/gpu-build/release/$bin"
 done
-strip -o "$GPU/bin/xtask" target/release/xtask
+strip -o "$WORK/bin/xtask" target/release/xtask
+ls -la "$WORK/bin"
+tar -cf - -C "$WORK/bin" ddprun ddp-nccl-bench train-mnist xtask | xz -6 -T0 >"$GPU/bin/bins.tar.xz"
 ls -la "$GPU/bin"
 
 echo "== 2. NCCL 2.32.3 from the registry's wheel (sm_$ARCH)"
@@ -66,8 +69,12 @@ cc -shared -fPIC -o "$WORK/rehearsal/driver/libcuda.so.1" -Wl,-soname,libcuda.so
 cc -shared -fPIC -o "$WORK/rehearsal/venv/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2" \
   -Wl,-soname,libnccl.so.2 -DFAKE_VERSION=22105 comm/tests/fixtures/fake_cuda/libnccl.c
 carried=$ROOT/$WORK/rehearsal/nccl
+# The binaries as the device unpacks them.
+mkdir -p "$WORK/rehearsal/bin"
+python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
+  "$GPU/bin/bins.tar.xz" "$WORK/rehearsal/bin"
 probe=$(env -u CONDA_PREFIX LD_LIBRARY_PATH="$ROOT/$WORK/rehearsal/driver:$carried" \
-  VIRTUAL_ENV="$ROOT/$WORK/rehearsal/venv" "$GPU/bin/ddp-nccl-bench" --probe 2>&1)
+  VIRTUAL_ENV="$ROOT/$WORK/rehearsal/venv" "$WORK/rehearsal/bin/ddp-nccl-bench" --probe 2>&1)
 echo "$probe"
 grep -q "NCCL (2.32.3) $carried/libnccl.so.2 \[LD_LIBRARY_PATH\]" <<<"$probe"
 grep -q "^gpus 3 nccl 2.32.3$" <<<"$probe"
@@ -96,10 +103,12 @@ for path, n in items:
         sys.exit(f"{path} ({n / 2**20:.1f} MiB) does not fit one call beside the tree")
     current.append(path); used += n
 calls.append(current)
-join = f"python3 xtask/py/nccl_for_one_arch.py --join {gpu}/nccl --to /tmp/ddp-nccl"
+join = (f"python3 xtask/py/nccl_for_one_arch.py --join {gpu}/nccl --to /tmp/ddp-nccl && "
+        f"python3 -c \"import tarfile; tarfile.open('{gpu}/bin/bins.tar.xz').extractall("
+        f"'/tmp/ddp-bin')\"")
 # Every row's log stays in /tmp/gc (the tool returns at most 8 files): the report, its JSON,
 # the whole output and the logs as one archive come back.
-check = (f"DDP_BIN_DIR={gpu}/bin {gpu}/bin/xtask gpu-check --out /tmp/gc --data-dir {gpu}/mnist "
+check = (f"DDP_BIN_DIR=/tmp/ddp-bin /tmp/ddp-bin/xtask gpu-check --out /tmp/gc --data-dir {gpu}/mnist "
          f"--nccl-dir /tmp/ddp-nccl >$OUT/gpu-check.log 2>&1; rc=$?; "
          f"cp /tmp/gc/gpu-check.md /tmp/gc/gpu-check.json $OUT/; tar czf $OUT/logs.tgz -C /tmp gc; "
          f"tail -60 $OUT/gpu-check.log; exit $rc")
