@@ -652,7 +652,12 @@ fn when_every_rank_dies_at_once_the_restarted_ones_found_a_new_round() {
         p.child.wait().unwrap();
     }
     let restarted_at = now_ms();
-    let again_env = [&env[..], &[("TORCHELASTIC_RESTART_COUNT", "1")]].concat();
+    // As ddprun restarts a rank alone: its restart count, the job's round (its store keys).
+    let restart = [
+        ("TORCHELASTIC_RESTART_COUNT", "1"),
+        ("DDP_ELASTIC_ROUND", "0"),
+    ];
+    let again_env = [&env[..], &restart[..]].concat();
     let mut again: Vec<Peer> = (0..3).map(|s| job.spawn(s, &again_env)).collect();
     let mut first_steps = Vec::new();
     for (s, p) in again.iter_mut().enumerate() {
@@ -706,6 +711,7 @@ fn the_decider_of_a_new_round_killed_before_it_publishes_is_replaced() {
         &env[..],
         &[
             ("TORCHELASTIC_RESTART_COUNT", "1"),
+            ("DDP_ELASTIC_ROUND", "0"),
             ("DDP_TEST_ELASTIC_DIE", "any:refounding"),
         ],
     ]
