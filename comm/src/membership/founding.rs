@@ -297,25 +297,41 @@ impl ElasticGroup {
         }
         let count = self.store.add("joins", 0)?.max(0) as u64;
         self.read_requests(&mut watch.requests, prev.joins_seen + 1, count)?;
+        let pending = |m: &Member, same: bool| {
+            watch.requests.iter().any(|(_, r)| {
+                r.member.slot == m.slot && (r.member.incarnation == m.incarnation) == same
+            })
+        };
+        // The members not replaced first, one store call while the first of them lives (the
+        // common case: a job that runs, a joiner waiting for its step boundary); then every
+        // replaced one at each look, so that their graces run together, not one after the
+        // other (16 members took 16 graces, 5 s, before).
         let mut dead = Vec::new();
-        for m in &prev.members {
-            let pending = |same: bool| {
-                watch.requests.iter().any(|(_, r)| {
-                    r.member.slot == m.slot && (r.member.incarnation == m.incarnation) == same
-                })
-            };
-            // It waits to join itself: it runs nothing.
-            if pending(true) {
-                continue;
-            }
-            // `alive` first: `still_for` reads what it saw.
-            let alive = live.alive(&self.store, m)?;
-            if alive && !(pending(false) && live.still_for(m, NAMED_GRACE)) {
+        for m in prev
+            .members
+            .iter()
+            .filter(|m| !pending(m, true) && !pending(m, false))
+        {
+            if live.alive(&self.store, m)? {
                 return Ok(None);
             }
             dead.push(m.clone());
         }
-        Ok(Some(Lost {
+        let mut left = true;
+        // A member waiting to join itself (its own request pending) runs nothing.
+        for m in prev
+            .members
+            .iter()
+            .filter(|m| !pending(m, true) && pending(m, false))
+        {
+            // `alive` first: `still_for` reads what it saw.
+            if live.alive(&self.store, m)? && !live.still_for(m, NAMED_GRACE) {
+                left = false;
+            } else {
+                dead.push(m.clone());
+            }
+        }
+        Ok(left.then(|| Lost {
             prev: prev.clone(),
             dead,
         }))
