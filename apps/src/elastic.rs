@@ -178,6 +178,10 @@ where
         return Ok(None);
     };
     let healed = group.joined_running();
+    // A new round of the running job (every member of its last generation was lost, and the
+    // processes waiting founded the next one, `Generation::new_round`): no peer holds the
+    // job's state, so it resumes from the checkpoint, as a job restarted below MIN does.
+    let new_round = group.generation().new_round;
     let train_len = cfg
         .train_samples
         .map_or(train.len(), |n| n.min(train.len()));
@@ -204,8 +208,9 @@ where
     // A joiner is healed from the job, never resumed.
     let resume = match healed {
         true => None,
-        false => checkpoint_to_resume(cfg, round > 0)?,
+        false => checkpoint_to_resume(cfg, round > 0 || new_round)?,
     };
+    let mut resumed_from = None;
     if let Some(path) = resume {
         let pg = group.group();
         let meta = match &mut optimizer {
@@ -229,6 +234,7 @@ where
                 position: meta.batch_in_epoch,
                 extra: Vec::new(),
             };
+            resumed_from = Some(path.clone());
             if group.rank() == 0 {
                 println!(
                     "elastic: resuming from {} (step {}, epoch {}, {} samples of it trained)",
@@ -239,6 +245,26 @@ where
                 );
             }
         }
+    }
+    if new_round && group.rank() == 0 {
+        let g = group.generation().number;
+        let from = match &resumed_from {
+            Some(path) => format!(
+                "resumes from the job's last checkpoint, {} (step {})",
+                path.display(),
+                progress.step
+            ),
+            None if cfg.checkpoint_dir.is_none() => {
+                "has no checkpoint to resume from (no --checkpoint-dir): trains from the start"
+                    .to_string()
+            }
+            None => "finds no checkpoint yet: trains from the start".to_string(),
+        };
+        println!(
+            "elastic: generation {g} is a new round (every member of generation {} was lost); \
+             it {from}",
+            g - 1
+        );
     }
     // The heal's large allocations mapped on their own (alloc.rs); set once per process.
     let _ = ddp::set_heal_hooks(crate::alloc::heal_hooks());
@@ -282,7 +308,7 @@ where
     let mut changes: Vec<ChangeRecord> = Vec::new();
     let mut committed: Vec<u64> = Vec::new();
     let mut dropped = 0u64;
-    let mut mark_next_step = healed;
+    let mut mark_next_step = healed || new_round;
     // Per epoch: how often each sample was trained by the committed steps seen here.
     let mut counts: Vec<(u64, Vec<u32>)> = Vec::new();
     let mut order: (u64, Vec<usize>) = (u64::MAX, Vec::new());
@@ -505,6 +531,7 @@ where
         "rank": rank,
         "generation": generation,
         "healed_at_start": healed,
+        "new_round": new_round,
         "changes": changes,
         "steps_committed": committed.len(),
         "first_step": committed.first(),

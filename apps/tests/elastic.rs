@@ -13,6 +13,9 @@
 //!   at a given step) gives bit-identical weights; another schedule gives other weights.
 //! - A process started with another `--lr`, then another `--bucket-cap-mb`, than the job's is
 //!   refused at join, naming the setting and both values, and the job goes on at 2 ranks.
+//! - The three workers killed together: the restarted ranks found a new round, which resumes
+//!   from the job's checkpoint; the job finishes, no sample after the checkpoint's position
+//!   is trained twice, every agent exits 0.
 //!
 //! Every process runs under a deadline (`Guarded`): no test can hang.
 
@@ -379,4 +382,116 @@ fn a_joiner_killed_during_its_heal_leaves_the_survivors_training() {
 #[test]
 fn a_joiner_killed_during_its_heal_with_zero_stage_2() {
     joiner_dies_during_its_heal(&["--zero-stage", "2"]);
+}
+
+/// Three agents (`--max-restarts 1`) train `--model mlp --batch-size 16` with a checkpoint
+/// every 20 steps; after step 50 the three workers are killed together (an OOM, a node-wide
+/// fault, a bad batch that ends every rank). Each agent restarts its rank; the restarted ranks
+/// find nobody of the last generation left to admit them and found a new round, which resumes
+/// from the job's last checkpoint and says so. The job trains again well before the peer
+/// timeout (a minute here), finishes the epoch, and every agent exits 0 with one restart used;
+/// after the checkpoint's position no step is committed twice and every sample is trained
+/// exactly once; the replicas end equal. Before, each restarted rank waited its connect
+/// deadline for a generation that nobody was left to decide, then failed.
+#[test]
+fn every_worker_killed_together_the_job_resumes_from_its_checkpoint() {
+    let _alone = one_at_a_time();
+    let samples: u64 = 15_000;
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().display().to_string();
+    let flags = [
+        "--model",
+        "mlp",
+        "--batch-size",
+        "16",
+        "--checkpoint-dir",
+        &ck,
+    ];
+    let args = trainer_args(
+        samples as usize,
+        &[&flags[..], &["--checkpoint-every", "20"]].concat(),
+    );
+    let port = free_port();
+    let deadline = Instant::now() + DEADLINE;
+    let env = [
+        ("DDP_PEER_TIMEOUT", PEER_TIMEOUT_S),
+        ("DDP_CONNECT_TIMEOUT", "60"),
+    ];
+    let mut agents: Vec<Agent> = (0..3).map(|n| agent(n, port, 1, &env, &args)).collect();
+    agents[0].wait_for("step 50 (", deadline);
+    let trainers: Vec<u32> = agents.iter().map(|a| trainer_of(a.child.id())).collect();
+    let killed_at = now_ms();
+    for pid in trainers {
+        // SAFETY: kill has no memory-safety preconditions.
+        assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+    }
+    let mut next_steps = Vec::new();
+    for a in agents.iter_mut() {
+        let line = a.wait_for("elastic: step ", deadline);
+        next_steps.push(number_after(&line, " at ").saturating_sub(killed_at));
+    }
+    let finished: Vec<(bool, Vec<String>)> = agents.iter_mut().map(Agent::finish).collect();
+    for (n, (ok, lines)) in finished.iter().enumerate() {
+        let all = lines.join("\n");
+        assert!(ok, "node {n} failed:\n{all}");
+        for said in ["restarting it alone", "1 of 1 restarts used"] {
+            assert!(all.contains(said), "node {n}: no {said:?}:\n{all}");
+        }
+    }
+    let round = finished
+        .iter()
+        .flat_map(|(_, lines)| lines.iter())
+        .find(|l| l.contains(" is a new round "))
+        .unwrap_or_else(|| panic!("no new round: {finished:?}"));
+    assert!(
+        round.contains("resumes from the job's last checkpoint"),
+        "{round}"
+    );
+    let step: u64 = round
+        .rsplit_once("(step ")
+        .and_then(|(_, s)| s.trim_end_matches(')').parse().ok())
+        .unwrap_or_else(|| panic!("no checkpoint step in {round:?}"));
+    assert!(step >= 40 && step.is_multiple_of(20), "{round}");
+    // Every step before the kill was at world 3 and batch 16: the checkpoint's position.
+    let position = step * 48;
+    let summaries: Vec<Value> = finished
+        .iter()
+        .map(|(_, lines)| json_after(lines, "DDP_ELASTIC_SUMMARY "))
+        .collect();
+    for (n, s) in summaries.iter().enumerate() {
+        assert_eq!(s["steps_repeated"], 0, "node {n}: {s}");
+        assert_eq!(s["steps_in_order"], true, "node {n}: {s}");
+        if s["new_round"] == true {
+            assert_eq!(s["first_step"], step + 1, "node {n}: {s}");
+            let epoch = &s["epochs"][0];
+            assert_eq!(
+                epoch["max_count"], 1,
+                "node {n}: a sample trained twice: {s}"
+            );
+            assert_eq!(epoch["trained"], samples - position, "node {n}: {s}");
+        } else {
+            // Too late for the new round's last call: healed into it at a step boundary.
+            assert_eq!(s["healed_at_start"], true, "node {n}: {s}");
+        }
+        assert_eq!(s["summary"]["world_size"], 3, "node {n}: {s}");
+    }
+    assert_eq!(summaries[0]["new_round"], true, "{}", summaries[0]);
+    let hashes: Vec<&Value> = summaries
+        .iter()
+        .map(|s| &s["summary"]["params_hash"])
+        .collect();
+    assert!(
+        hashes.iter().all(|h| *h == hashes[0]),
+        "replicas differ: {hashes:?}"
+    );
+    eprintln!(
+        "every worker killed after step 50: the new round resumed from step {step}; each \
+         restarted rank's first step {next_steps:?} ms after the kill"
+    );
+    let timeout_ms: u128 = PEER_TIMEOUT_S.parse::<u128>().unwrap() * 1000;
+    assert!(
+        next_steps.iter().all(|&ms| ms < timeout_ms / 2),
+        "the first steps came {next_steps:?} ms after the kill: not before half the peer \
+         timeout ({PEER_TIMEOUT_S} s)"
+    );
 }

@@ -167,7 +167,7 @@ impl GroupBuilder {
             None if self.no_env => None,
             None => inherited_store_listener(&config, &process_env)?,
         };
-        ProcessGroup::init(config, listener, crate::config::DEFAULT_LOSS_GRACE)
+        ProcessGroup::init(config, listener, crate::config::DEFAULT_LOSS_GRACE, None)
     }
 }
 

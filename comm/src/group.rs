@@ -24,6 +24,7 @@ use crate::launcher::env::process_env;
 use crate::rendezvous::store::Store;
 use crate::rendezvous::store_server::StoreServer;
 use crate::transport::health::GroupHealth;
+use crate::transport::liveness::StartupWatch;
 use crate::transport::mesh::Mesh;
 use crate::transport::shm::ShmGroup;
 use crate::wire::{OpDesc, OpKind};
@@ -198,21 +199,23 @@ impl ProcessGroup {
             config.master_port
         );
         let listener = inherited_store_listener(&config, &process_env)?;
-        ProcessGroup::init(config, listener, DEFAULT_LOSS_GRACE)
+        ProcessGroup::init(config, listener, DEFAULT_LOSS_GRACE, None)
     }
 
     /// Joins the group described by `config`.
     pub fn with_config(config: GroupConfig) -> Result<ProcessGroup, CommError> {
-        ProcessGroup::init(config, None, DEFAULT_LOSS_GRACE)
+        ProcessGroup::init(config, None, DEFAULT_LOSS_GRACE, None)
     }
 
     /// Joins the group described by `config` (`join.rs`), then runs the start-up barrier and
     /// starts the communication thread; rank 0 hosts the store on `listener` when given. A
-    /// lost connection waits `loss_grace` for an ABORT that explains it (`health.rs`).
+    /// lost connection waits `loss_grace` for an ABORT that explains it (`health.rs`); until
+    /// the barrier passed, `startup` vouches for peers silent on their links (`liveness.rs`).
     pub(crate) fn init(
         config: GroupConfig,
         listener: Option<TcpListener>,
         loss_grace: Duration,
+        startup: Option<Arc<StartupWatch>>,
     ) -> Result<ProcessGroup, CommError> {
         if config.rank >= config.world_size {
             return Err(CommError::config(
@@ -242,7 +245,7 @@ impl ProcessGroup {
             ));
         }
         let rank = config.rank;
-        let joined = join(&config, listener, loss_grace)?;
+        let joined = join(&config, listener, loss_grace, startup.clone())?;
 
         // A barrier over the mesh: nobody returns before everyone is connected, so rank 0 may
         // drop the group (and the store) at once without stranding a rank still starting up.
@@ -257,6 +260,9 @@ impl ProcessGroup {
             members: (0..config.world_size).collect(),
         };
         runner.join()?;
+        if let Some(startup) = &startup {
+            startup.started();
+        }
 
         // The communication thread.
         let health = runner.mesh.health().clone();

@@ -29,6 +29,7 @@ use crate::rendezvous::handshake::Identity;
 use crate::rendezvous::store::Store;
 use crate::rendezvous::store_server::StoreServer;
 use crate::rendezvous::torch_store::agent_key_prefix;
+use crate::transport::liveness::{Silence, StartupWatch};
 use crate::transport::mesh::Mesh;
 use crate::transport::shm::{ShmGroup, ShmSetup};
 use crate::wire;
@@ -50,11 +51,13 @@ pub(crate) struct Joined {
 }
 
 /// Steps 1 to 4 of the module documentation for a group of several ranks; rank 0 hosts the
-/// store on `listener` when given. Every step has the connect deadline.
+/// store on `listener` when given. Every step has the connect deadline. `startup`: what
+/// vouches for a peer silent on its link until the start-up barrier passed (`liveness.rs`).
 pub(crate) fn join(
     config: &GroupConfig,
     listener: Option<TcpListener>,
     loss_grace: std::time::Duration,
+    startup: Option<Arc<StartupWatch>>,
 ) -> Result<Joined, CommError> {
     let rank = config.rank;
     let deadline = Instant::now() + config.connect_timeout;
@@ -124,11 +127,19 @@ pub(crate) fn join(
     let local_ip = store.local_addr().ip();
     let streams = connect_mesh(&me, &store, local_ip, &config.master_addr, deadline)?;
     let flight = FlightRecorder::new(rank, config.world_size, config.trace_dir.clone());
+    // Test hook: a process that starts slowly, its links made and not yet run.
+    if let Some(hold) = startup.as_ref().and_then(|s| s.hold) {
+        std::thread::sleep(hold);
+    }
+    let silence = Silence {
+        peer_timeout: config.peer_timeout,
+        startup,
+    };
     let mesh = Mesh::start(
         rank,
         streams,
         config.timeout,
-        config.peer_timeout,
+        silence,
         loss_grace,
         segment_bytes.max(8),
         flight.clone(),

@@ -4,7 +4,8 @@
 //! timeout, a process of another job or world is refused while the job goes on, and below its
 //! minimum the job stops naming the ranks lost; a second failure during a re-form (a joiner
 //! killed mid-heal, a second rank killed, the decider killed) starts another round and a busy
-//! survivor is waited for. Every wait has a deadline.
+//! survivor is waited for; when every rank dies at once, the restarted ones found a new round
+//! of the job among themselves. Every wait has a deadline.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -622,4 +623,122 @@ fn the_founding_decider_killed_before_it_publishes_is_replaced() {
         first_steps.iter().all(|&ms| ms < 10_000),
         "{first_steps:?} ms"
     );
+}
+
+/// Every rank of a `2:3` job is killed at once (an OOM, a node-wide fault, a bad batch that
+/// ends every rank), then each slot is started again, as its launcher restarts it: nobody of
+/// the last generation is left to admit them, so they found a new round among themselves
+/// (its members are not healed: they start from step 0, having no checkpoint) and train every
+/// step. Their first step comes within seconds of their start: not after the peer timeout
+/// (10 s here), nor the connect deadline that each restarted rank used to wait out.
+#[test]
+fn when_every_rank_dies_at_once_the_restarted_ones_found_a_new_round() {
+    let job = Job::new("2:3");
+    let env = [
+        ("PEER_STEPS", "60"),
+        ("PEER_SLEEP_MS", "20"),
+        ("DDP_PEER_TIMEOUT", "10"),
+        ("DDP_CONNECT_TIMEOUT", "30"),
+    ];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut peers: Vec<Peer> = (0..3).map(|s| job.spawn(s, &env)).collect();
+    for p in &mut peers {
+        p.wait_for("step 20 ", deadline);
+    }
+    for p in &mut peers {
+        p.child.kill().unwrap();
+    }
+    for p in &mut peers {
+        p.child.wait().unwrap();
+    }
+    let restarted_at = now_ms();
+    // As ddprun restarts a rank alone: its restart count, the job's round (its store keys).
+    let restart = [
+        ("TORCHELASTIC_RESTART_COUNT", "1"),
+        ("DDP_ELASTIC_ROUND", "0"),
+    ];
+    let again_env = [&env[..], &restart[..]].concat();
+    let mut again: Vec<Peer> = (0..3).map(|s| job.spawn(s, &again_env)).collect();
+    let mut first_steps = Vec::new();
+    for (s, p) in again.iter_mut().enumerate() {
+        let round = p.wait_for(" new round gen ", deadline);
+        assert!(
+            round.contains("world 3") && field(&round, "gen") >= 2,
+            "slot {s}: {round}"
+        );
+        let first = p.wait_for(" step 1 at ", deadline);
+        first_steps.push(field(&first, "at") - restarted_at);
+    }
+    for (s, p) in again.iter_mut().enumerate() {
+        let (status, lines) = p.finish(deadline);
+        let all = lines.join("\n");
+        assert!(status.success(), "slot {s}:\n{all}");
+        assert!(!all.contains("healed true"), "slot {s} was healed:\n{all}");
+        check_each_once(&steps(&lines), 1, 60, &format!("slot {s}"));
+    }
+    eprintln!(
+        "every rank killed; the restarted ranks' first steps came {first_steps:?} ms after \
+         their start"
+    );
+    assert!(
+        first_steps.iter().all(|&ms| ms < 5_000),
+        "{first_steps:?} ms: not within seconds of the restart"
+    );
+}
+
+/// As above, and the restarted process that wins the decision of the new round dies before it
+/// publishes it (`DDP_TEST_ELASTIC_DIE=any:refounding`): the other two take the decision over
+/// once its beat stops (the peer timeout, 2 s here), found the round without it at world 2
+/// and train every step.
+#[test]
+fn the_decider_of_a_new_round_killed_before_it_publishes_is_replaced() {
+    let job = Job::new("2:3");
+    let env = [
+        ("PEER_STEPS", "40"),
+        ("PEER_SLEEP_MS", "20"),
+        ("DDP_CONNECT_TIMEOUT", "30"),
+    ];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut peers: Vec<Peer> = (0..3).map(|s| job.spawn(s, &env)).collect();
+    for p in &mut peers {
+        p.wait_for("step 10 ", deadline);
+    }
+    for p in &mut peers {
+        p.child.kill().unwrap();
+        p.child.wait().unwrap();
+    }
+    let again_env = [
+        &env[..],
+        &[
+            ("TORCHELASTIC_RESTART_COUNT", "1"),
+            ("DDP_ELASTIC_ROUND", "0"),
+            ("DDP_TEST_ELASTIC_DIE", "any:refounding"),
+        ],
+    ]
+    .concat();
+    let mut again: Vec<Peer> = (0..3).map(|s| job.spawn(s, &again_env)).collect();
+    let mut decider = None;
+    while decider.is_none() {
+        for (s, p) in again.iter_mut().enumerate() {
+            if p.child.try_wait().unwrap().is_some() {
+                let (_, lines) = p.finish(deadline);
+                line_with(&lines, "kills it (refounding)");
+                decider = Some(s);
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no decider of the new round died"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let decider = decider.unwrap();
+    for s in (0..3).filter(|&s| s != decider) {
+        let (status, lines) = again[s].finish(deadline);
+        let all = lines.join("\n");
+        assert!(status.success(), "slot {s}:\n{all}");
+        let round = line_with(&lines, " new round gen ");
+        assert!(round.contains("world 2"), "slot {s}: {round}");
+        check_each_once(&steps(&lines), 1, 40, &format!("slot {s}"));
+    }
 }

@@ -4,7 +4,8 @@
 //! makes the launcher restart the whole job as a new round. A rank killed after the job's last
 //! step is restarted, finds the job over and exits 0, and every agent says the job succeeded
 //! (node 0's, which hosts the store, waits for the other agents to see the end, but not for an
-//! agent that died hard). Every run has a deadline.
+//! agent that died hard). Every rank killed at once: the restarted ranks found a new round;
+//! a rank slow to start its group is waited for. Every run has a deadline.
 
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
@@ -335,6 +336,90 @@ fn a_rank_whose_last_vote_failed_finds_the_job_over() {
             started.elapsed().as_secs_f64()
         );
     }
+}
+
+/// Three agents of a `2:3` job, one rank each; the three ranks are killed together (an OOM,
+/// a node-wide fault): each agent restarts its rank alone, and the restarted ranks, finding
+/// nobody of the last generation left to admit them, found a new round among themselves
+/// (from step 0: these ranks keep no checkpoint) and finish the job; every agent exits 0
+/// with one restart used. Before, each restarted rank waited its connect deadline for a
+/// generation that no decider was left to make, failed, and spent the next restart alike.
+#[test]
+fn every_rank_killed_together_the_restarted_ranks_found_a_new_round() {
+    let port = free_port();
+    let env = ["PEER_STEPS=80", "DDP_CONNECT_TIMEOUT=30"];
+    let mut agents: Vec<Agent> = (0..3)
+        .map(|n| Agent::start(elastic_node(n, "2:3", 1, port, 1, &env)))
+        .collect();
+    agents[0].wait_for("step 20 ");
+    let ranks: Vec<u32> = agents
+        .iter()
+        .flat_map(|a| children(a.child.id(), "ddp-elastic-peer"))
+        .collect();
+    assert_eq!(ranks.len(), 3, "{ranks:?}");
+    for pid in ranks {
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    let killed = Instant::now();
+    let done: Vec<(std::process::ExitStatus, String)> =
+        agents.iter_mut().map(Agent::finish).collect();
+    let all = || transcript(&done);
+    for (n, (status, text)) in done.iter().enumerate() {
+        assert!(status.success(), "node {n} failed\n{}", all());
+        for said in [
+            "restarting it alone to rejoin the elastic job".to_string(),
+            format!("elastic slot {n} new round gen "),
+            format!("elastic slot {n} done"),
+            "all ranks finished; 1 of 1 restarts used".to_string(),
+        ] {
+            assert!(text.contains(&said), "node {n}: no {said:?}\n{}", all());
+        }
+    }
+    eprintln!(
+        "every rank killed; the job finished {:.1} s later",
+        killed.elapsed().as_secs_f64()
+    );
+}
+
+/// Three agents of a `2:3` job, one rank each; slot 2's rank starts its group slowly: held 10 s
+/// with its connections to the others made (`DDP_TEST_ELASTIC_HOLD`; five times the peer
+/// timeout of 2 s), while its beat in the store goes on, as a rank loading or compiling on a
+/// crowded host. The others wait for it, since it beats: generation 1 forms with all three,
+/// the job finishes at world 3, and no rank is restarted. Before, the others' start-up barrier
+/// failed on its 2 s of silence ("rank 2 is unresponsive") and every rank was restarted.
+#[test]
+fn a_slow_starter_is_waited_for_and_generation_1_forms_with_it() {
+    let port = free_port();
+    let env = [
+        "PEER_STEPS=20",
+        "DDP_TEST_ELASTIC_HOLD=2:10000",
+        "DDP_CONNECT_TIMEOUT=30",
+    ];
+    let started = Instant::now();
+    let done = three_agents_to_the_end(port, 1, &env);
+    let all = || transcript(&done);
+    for (n, (status, text)) in done.iter().enumerate() {
+        assert!(status.success(), "node {n} failed\n{}", all());
+        assert!(
+            !text.contains("restarting"),
+            "node {n} restarted\n{}",
+            all()
+        );
+        let last = format!("elastic slot {n} gen 1 rank {n} world 3 step 20 ");
+        assert!(text.contains(&last), "node {n}: no {last:?}\n{}", all());
+    }
+    assert!(
+        done[2].1.contains("holds its group's start for 10000 ms"),
+        "{}",
+        all()
+    );
+    let took = started.elapsed();
+    eprintln!("generation 1 formed with a rank held 10 s; the job took {took:?}");
+    assert!(
+        took >= Duration::from_secs(10),
+        "{took:?}: the hold did not happen"
+    );
 }
 
 /// Node 2's agent dies hard (SIGKILL; its rank goes with it) while the job runs: the other two

@@ -5,6 +5,9 @@
 //! - `elastic slot S gen G rank R world W step N at T`: step N committed;
 //! - `elastic slot S reformed gen G rank R world W from N action A healed H grace_ms M at T`: a
 //!   new generation (M: its group's `ProcessGroup::loss_grace`);
+//! - `elastic slot S new round gen G rank R world W at T`: it founded a new round with the
+//!   other processes waiting, every member of the job's last generation lost (it starts from
+//!   step 0: it has no checkpoint);
 //! - `elastic slot S done at T` (every step done), `elastic slot S error: <message>`;
 //! - `elastic slot S starts: restart count C, round R` (first: `TORCHELASTIC_RESTART_COUNT`
 //!   and `DDP_ELASTIC_ROUND` as the launcher gave them, `-` where unset);
@@ -88,6 +91,15 @@ fn run() -> Result<(), ddp_comm::CommError> {
         .and_then(|v| v.parse::<usize>().ok())
         == Some(slot);
     let mut committed = group.generation().step;
+    if group.generation().new_round {
+        println!(
+            "elastic slot {slot} new round gen {} rank {} world {} at {}",
+            group.generation().number,
+            group.rank(),
+            group.world_size(),
+            now_ms()
+        );
+    }
     if group.joined_running() {
         println!(
             "elastic slot {slot} reformed gen {} rank {} world {} from {committed} action Keep \

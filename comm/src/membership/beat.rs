@@ -26,6 +26,7 @@ use crate::membership::agents::AGENTS_PREFIX;
 use crate::membership::records::Member;
 use crate::membership::standby::{connect_first, reachable, StandbyReader, Standbys, PROBE};
 use crate::rendezvous::store::Store;
+use crate::transport::liveness::StartupWatch;
 
 /// Deadline of one store call of the beat.
 const CALL: Duration = Duration::from_secs(30);
@@ -196,6 +197,76 @@ impl Liveness {
         self.seen
             .get(&(member.slot, member.incarnation))
             .is_some_and(|&(_, changed, first)| changed == first && first.elapsed() >= watch)
+    }
+}
+
+/// While an elastic generation's group starts: answers its [`StartupWatch`]'s questions about
+/// members silent on their links from their beats in the store (`transport/liveness.rs`), so
+/// that a member that is slow to start but beats is waited for, as a re-form waits for a busy
+/// member, and one that stopped beating is lost within the peer timeout. A thread looks at the
+/// members asked about every beat interval, on a connection of its own to the store made at
+/// the first question (a start-up where every link speaks in time costs the store nothing);
+/// it stops once the group started, or when dropped.
+pub(crate) struct StartupBeats {
+    stop: Arc<AtomicBool>,
+}
+
+impl StartupBeats {
+    /// Starts answering `watch` about `members` (in rank order) for the process in `slot`,
+    /// from the store of `store` at `base`'s address.
+    pub(crate) fn start(
+        slot: usize,
+        base: &GroupConfig,
+        store: &Store,
+        members: Vec<Member>,
+        watch: Arc<StartupWatch>,
+    ) -> Result<StartupBeats, CommError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let every = beat_every(base.peer_timeout);
+        let mut live = Liveness::new(base.peer_timeout);
+        let (host, port) = (base.master_addr.clone(), base.master_port);
+        let prefix = store.key_prefix().to_string();
+        let connect = move || {
+            let by = Instant::now() + PROBE;
+            Store::connect_torch(slot, &host, port, prefix.clone(), by, CALL)
+        };
+        std::thread::Builder::new()
+            .name("ddp-elastic-startup".into())
+            .spawn(move || {
+                let mut own: Option<Store> = None;
+                while !s.load(Ordering::Acquire) && !watch.is_started() {
+                    let asked = watch.asked();
+                    if !asked.is_empty() && own.is_none() {
+                        own = connect().ok();
+                    }
+                    if let Some(store) = &own {
+                        for rank in asked {
+                            let Some(m) = members.get(rank) else { continue };
+                            match live.alive(store, m) {
+                                Ok(alive) => watch.answer(rank, alive),
+                                // The connection failed: make another at the next look.
+                                Err(_) => {
+                                    own = None;
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    std::thread::sleep(every);
+                }
+            })
+            .map_err(|e| CommError::Internal {
+                rank: slot,
+                message: format!("cannot start the elastic start-up watch: {e}"),
+            })?;
+        Ok(StartupBeats { stop })
+    }
+}
+
+impl Drop for StartupBeats {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
     }
 }
 

@@ -55,13 +55,14 @@ use crate::config::GroupConfig;
 use crate::error::CommError;
 use crate::group::ProcessGroup;
 use crate::launcher::env::{process_env, resolve, Explicit, Lookup};
-use crate::membership::beat::{Beat, Liveness};
+use crate::membership::beat::{Beat, Liveness, StartupBeats};
 use crate::membership::poller::Poller;
-use crate::membership::records::{decide_founding, Generation, JobTerms, JoinRequest, Member};
-use crate::membership::seal::{open, present, read, read_record, seal, seal_json};
+use crate::membership::records::{Generation, JobTerms, JoinRequest, Member};
+use crate::membership::seal::{open, present, read_record, seal, seal_json};
 use crate::membership::standby::{MovedStore, Standbys};
 use crate::rendezvous::store::Store;
 use crate::rendezvous::torch_store::agent_key_prefix;
+use crate::transport::liveness::StartupWatch;
 
 use crate::launcher::vars::LAST_CALL_ENV;
 pub use crate::launcher::vars::{ELASTIC_ENV, ELASTIC_ROUND_ENV};
@@ -318,6 +319,7 @@ impl ElasticGroup {
                 refused: Vec::new(),
                 failed: None,
                 reason: String::new(),
+                new_round: false,
             },
             pg: None,
             poller: None,
@@ -346,6 +348,8 @@ impl ElasticGroup {
         let mut n = self.request_to_join()?;
         let mut live = Liveness::new(self.config.base.peer_timeout);
         let mut tried_founding = false;
+        // The latest generation, watched for a loss of every member (`founding.rs`).
+        let mut watch = self.lost_watch();
         loop {
             // Joined at an address the job's store moved away from (`redirect.rs`): join there.
             if let Some(to) = self.moved_away() {
@@ -353,6 +357,7 @@ impl ElasticGroup {
                 seen = self.generation_before_request()?;
                 n = self.request_to_join()?;
                 live = Liveness::new(self.config.base.peer_timeout);
+                watch = self.lost_watch();
                 tried_founding = true;
                 continue;
             }
@@ -362,7 +367,7 @@ impl ElasticGroup {
             let mut latest = self.store.add("gen/latest", 0)?.max(0) as u64;
             if latest == 0 && !tried_founding {
                 tried_founding = true;
-                self.await_founding(&mut live, deadline)?;
+                self.await_founding(None, &mut live, deadline)?;
                 latest = self.store.add("gen/latest", 0)?.max(0) as u64;
             }
             while seen < latest {
@@ -372,18 +377,20 @@ impl ElasticGroup {
                     return Err(self.below_min(why));
                 }
                 if let Some(rank) = generation.rank_of(self.me.slot, self.me.incarnation) {
-                    self.joined_running = generation.number > 1 || generation.step > 0;
+                    let founded = generation.number == 1 || generation.new_round;
+                    self.joined_running =
+                        !founded && (generation.number > 1 || generation.step > 0);
                     self.stop_looking();
-                    if generation.number == 1 {
-                        self.form(generation, Instant::now() + self.formation_timeout(seen))?;
-                        return Ok(Some(rank));
+                    if !founded {
+                        crate::membership::hooks::die_at(self.me.slot, "admitted");
                     }
-                    crate::membership::hooks::die_at(self.me.slot, "admitted");
                     match self.form_next(generation, &mut live, deadline)? {
                         Ok(()) => return Ok(Some(rank)),
                         // Another member died before the group formed: the others start
                         // another round without this joiner, which withdraws (so that they
-                        // need not wait for it) and asks again.
+                        // need not wait for it) and asks again. A founding or a new round
+                        // whose group did not form is then lost whole, and the processes
+                        // waiting found another round (`founding.rs`): no restart is spent.
                         Err(failed) => {
                             tracing::warn!(
                                 "elastic: slot {} withdraws from generation {seen} and asks to \
@@ -406,6 +413,17 @@ impl ElasticGroup {
                         reason: why.clone(),
                     });
                 }
+            }
+            // Nobody is left to admit this process: found a new round (`founding.rs`).
+            if let Some(lost) = self.lost_generation(&mut watch, latest, &mut live)? {
+                tracing::warn!(
+                    "elastic: no member of generation {latest} is left (slots {:?}: dead or \
+                     waiting to join); slot {} founds a new round with the processes waiting",
+                    lost.prev.slots(),
+                    self.me.slot
+                );
+                self.await_founding(Some(&lost), &mut live, deadline)?;
+                continue;
             }
             if Instant::now() > deadline {
                 return Err(CommError::StoreTimeout {
@@ -458,89 +476,6 @@ impl ElasticGroup {
         Ok(n)
     }
 
-    /// The founding decision (this process won its lease, `membership/founding.rs`): waits until
-    /// `MAX` processes registered, or `MIN` did and the last call passed, then publishes
-    /// generation 1, unless another decider published it first. The requests of `dead`
-    /// (deciders of earlier leases that went silent) do not count.
-    pub(super) fn found(&mut self, dead: &[Member], deadline: Instant) -> Result<(), CommError> {
-        let mut requests: Vec<(u64, JoinRequest)> = Vec::new();
-        let mut min_since: Option<Instant> = None;
-        loop {
-            let count = self.store.add("joins", 0)?.max(0) as u64;
-            self.read_requests(&mut requests, count)?;
-            let mut slots: Vec<usize> = requests
-                .iter()
-                .filter(|(_, r)| !dead.contains(&r.member))
-                .map(|(_, r)| r.member.slot)
-                .collect();
-            slots.sort_unstable();
-            slots.dedup();
-            if slots.len() >= self.config.max {
-                break;
-            }
-            // The job went on in a store it moved to: no second job here (`redirect.rs`).
-            if self.saw_move() {
-                return Ok(());
-            }
-            if slots.len() >= self.config.min {
-                let since = *min_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= self.config.last_call {
-                    break;
-                }
-            }
-            if Instant::now() > deadline {
-                return Err(CommError::StoreTimeout {
-                    rank: self.me.slot,
-                    addr: self.store.address().to_string(),
-                    keys: format!(
-                        "join requests of at least {} processes (MIN; {} registered: slots \
-                         {slots:?})",
-                        self.config.min,
-                        slots.len()
-                    ),
-                    timeout: self.config.base.connect_timeout,
-                });
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let alive: Vec<(u64, JoinRequest)> = requests
-            .iter()
-            .filter(|(_, r)| !dead.contains(&r.member))
-            .cloned()
-            .collect();
-        let mut generation = decide_founding(&alive, self.config.max);
-        // The dead deciders' requests are seen too: no later generation admits them.
-        generation.joins_seen = requests.last().map_or(0, |(n, _)| *n);
-        if self.saw_move() {
-            return Ok(());
-        }
-        if self.store.add("g1/publish", 1)? != 1 {
-            tracing::warn!(
-                "elastic: slot {} decided generation 1 after another decider published it",
-                self.me.slot
-            );
-            return Ok(());
-        }
-        self.publish(&generation)
-    }
-
-    /// Reads the join requests up to `count` not yet in `requests` (numbered from 1).
-    fn read_requests(
-        &self,
-        requests: &mut Vec<(u64, JoinRequest)>,
-        count: u64,
-    ) -> Result<(), CommError> {
-        let first = requests.last().map_or(1, |(n, _)| n + 1);
-        for n in first..=count {
-            let key = format!("join/{n}");
-            // A request that fails the secret check is a stranger's: it joins nothing.
-            if let Some(request) = read(&self.store, self.secret(), &key, CALL, true)? {
-                requests.push((n, request));
-            }
-        }
-        Ok(())
-    }
-
     /// Writes `generation`, then moves `gen/latest` to it.
     pub(super) fn publish(&self, generation: &Generation) -> Result<(), CommError> {
         let g = generation.number;
@@ -557,7 +492,7 @@ impl ElasticGroup {
         Ok(())
     }
 
-    fn read_generation(&self, g: u64) -> Result<Generation, CommError> {
+    pub(super) fn read_generation(&self, g: u64) -> Result<Generation, CommError> {
         read_record(&self.store, self.secret(), &format!("gen/{g}"), CALL)
     }
 
@@ -566,12 +501,13 @@ impl ElasticGroup {
         self.config.base.token.as_deref()
     }
 
-    /// How long the members of generation `g` take at most to form its group: the connect
-    /// deadline for the founding one (every process is starting), else twice the peer timeout
-    /// plus 5 s (they are all running; one that does not come makes the next generation).
-    pub(super) fn formation_timeout(&self, g: u64) -> Duration {
+    /// How long the members of `generation` take at most to form its group: the connect
+    /// deadline for the founding one and a new round (every process is starting), else twice
+    /// the peer timeout plus 5 s (they are all running; one that does not come makes the next
+    /// generation).
+    pub(super) fn formation_timeout(&self, generation: &Generation) -> Duration {
         let base = &self.config.base;
-        if g <= 1 {
+        if generation.number <= 1 || generation.new_round {
             base.connect_timeout
         } else {
             (base.peer_timeout * 2 + Duration::from_secs(5)).min(base.connect_timeout)
@@ -602,11 +538,29 @@ impl ElasticGroup {
         config.connect_timeout = deadline.saturating_duration_since(Instant::now());
         config.small_allreduce_bytes =
             crate::config::default_small_allreduce_bytes(config.world_size);
+        // Until the start-up barrier passed, a member silent on its links is waited for while
+        // it beats in the store (it starts slowly), as a re-form waits for a busy member
+        // (`transport/liveness.rs`, `beat.rs`). The hold is a test hook, for the first
+        // generation this process forms.
+        let hold = match self.pg.is_none() && self.generation.number == 0 {
+            true => crate::membership::hooks::hold_for(self.me.slot),
+            false => None,
+        };
+        let watch = Arc::new(StartupWatch::new(generation.members.len(), hold));
+        let answers = StartupBeats::start(
+            self.me.slot,
+            &self.config.base,
+            &self.store,
+            generation.members.clone(),
+            watch.clone(),
+        )?;
         // No grace after a lost connection: a survivor fails the generation at the first
         // connection lost (a kill is seen at once, not 400 ms later) and reports. Attribution
         // needs no wait here: who goes on is decided from the reports, and a rank named by
         // mistake is kept because it reports too (`decide`).
-        let pg = Arc::new(ProcessGroup::init(config, None, Duration::ZERO)?);
+        let pg = ProcessGroup::init(config, None, Duration::ZERO, Some(watch));
+        drop(answers);
+        let pg = Arc::new(pg?);
         self.poller = if rank == 0 {
             Some(Poller::start(
                 (self.config.slot, &self.config.base, self.config.poll),

@@ -1,7 +1,7 @@
 //! The records of an elastic job's membership and the decisions made from them: who is in
 //! each generation of the job, which step it continues from, who left and who joined
-//! ([`decide_founding`], [`decide_next`]). Pure functions over the records; the store calls
-//! around them are `membership/group.rs`'s.
+//! ([`decide_founding`], [`decide_next`], [`decide_new_round`]). Pure functions over the
+//! records; the store calls around them are `membership/group.rs`'s.
 //!
 //! # Generations
 //!
@@ -14,6 +14,11 @@
 //! after a failure admits no joiner unless the job needs one to stay at its minimum: joiners
 //! wait for the survivors' next step boundary, so the survivors' first step after a death
 //! carries no heal.
+//!
+//! When no member of the latest generation is left to decide the next one (every one was
+//! killed at once: an OOM, a node-wide fault, a bad batch that ends every rank), the processes
+//! waiting to join decide it among themselves as at founding ([`decide_new_round`]): a *new
+//! round* of the job, which starts from its last checkpoint rather than from a live peer.
 //!
 //! # Which step a generation continues from
 //!
@@ -68,7 +73,9 @@ pub struct Generation {
     pub number: u64,
     /// The members in rank order: survivors in their old order, then joiners by slot.
     pub members: Vec<Member>,
-    /// The last step committed before this generation: where it continues (after it).
+    /// The last step committed before this generation: where it continues (after it). 0 for
+    /// the founding generation and for a new round ([`Generation::new_round`]), which start
+    /// from the job's checkpoint when the program has one, else from the start.
     pub step: u64,
     /// Slots that joined with this generation (to be healed from rank 0).
     pub joined: Vec<usize>,
@@ -83,6 +90,13 @@ pub struct Generation {
     pub failed: Option<String>,
     /// Why this generation was decided (founding, a failure, a join).
     pub reason: String,
+    /// Set when this generation starts a new round of the running job: no member of the
+    /// previous generation was left alive to decide it (every one was killed at once), so
+    /// the processes waiting to join decided it among themselves ([`decide_new_round`]), as
+    /// at founding. Its members are not healed from a peer (nobody holds the job's state):
+    /// they resume from the job's last checkpoint, as a job restarted below its minimum does.
+    #[serde(default)]
+    pub new_round: bool,
 }
 
 impl Generation {
@@ -230,7 +244,43 @@ pub fn decide_founding(requests: &[(u64, JoinRequest)], max: usize) -> Generatio
         refused,
         failed: None,
         reason: "founded".into(),
+        new_round: false,
     }
+}
+
+/// The generation after `prev` when no member of `prev` is alive to decide it (see
+/// [`Generation::new_round`]): founded from the join requests registered since `prev`
+/// (`requests`, numbered), as [`decide_founding`] does (the latest of each slot, in slot
+/// order, at most `max`), every member of `prev` named as left. The caller decides when
+/// enough have registered (the founding's last call) and leaves out the requests of
+/// processes that are not alive.
+pub fn decide_new_round(
+    prev: &Generation,
+    requests: &[(u64, JoinRequest)],
+    max: usize,
+) -> Generation {
+    let mut next = decide_founding(requests, max);
+    next.number = prev.number + 1;
+    next.joins_seen = next.joins_seen.max(prev.joins_seen);
+    next.left = prev
+        .members
+        .iter()
+        .enumerate()
+        .map(|(rank, m)| Left {
+            slot: m.slot,
+            rank,
+            why: format!(
+                "lost with every other member of generation {} (dead or silent)",
+                prev.number
+            ),
+        })
+        .collect();
+    next.reason = format!(
+        "a new round: every member of generation {} was lost",
+        prev.number
+    );
+    next.new_round = true;
+    next
 }
 
 /// The generation after `prev`, from the reports of its survivors (`reports`: slot and report;
@@ -295,6 +345,7 @@ pub fn decide_next(
         refused: Vec::new(),
         failed: None,
         reason: reason.to_string(),
+        new_round: false,
     };
     // Every survivor is at the committed step, or one short of it and holding it (see the
     // module documentation); anything else is a broken promise of the vote.
@@ -515,6 +566,36 @@ mod tests {
         let next = decide_next(&g, &reports, &[(4, request(0, 30))], (2, 3), "failure");
         assert_eq!(next.failed, None);
         assert_eq!(next.slots(), [2, 0]);
+    }
+
+    /// A new round after every member of generation 2 was lost: founded from the requests
+    /// since (the latest of each slot, by slot, at most MAX), numbered 3, from step 0, every
+    /// old member named as left.
+    #[test]
+    fn a_new_round_is_founded_from_the_requests_since_the_lost_generation() {
+        let g = three();
+        let reports = [(0, report(10, 4, None)), (2, report(12, 4, None))];
+        let lost = decide_next(&g, &reports, &[], (2, 3), "failure");
+        assert_eq!((lost.number, lost.slots()), (2, vec![0, 2]));
+        let requests = [
+            (4, request(2, 32)),
+            (5, request(1, 31)),
+            (6, request(2, 42)),
+            (7, request(0, 30)),
+            (8, request(5, 35)),
+        ];
+        let next = decide_new_round(&lost, &requests, 3);
+        assert!(next.new_round && next.failed.is_none());
+        assert_eq!((next.number, next.step, next.joins_seen), (3, 0, 8));
+        assert_eq!(next.slots(), [0, 1, 2]);
+        assert_eq!(next.members[2].incarnation, 42, "the slot's latest process");
+        assert_eq!(next.joined, [0, 1, 2]);
+        let left: Vec<usize> = next.left.iter().map(|l| l.slot).collect();
+        assert_eq!(left, [0, 2]);
+        assert!(next.left[0].why.contains("generation 2"), "{:?}", next.left);
+        assert_eq!(next.refused.len(), 1);
+        assert_eq!(next.refused[0].0, 8);
+        assert!(!decide_next(&lost, &reports, &[], (2, 3), "f").new_round);
     }
 
     #[test]

@@ -479,7 +479,7 @@ impl ElasticGroup {
             std::thread::sleep(POLL);
         }
         let members = generation.members.clone();
-        let until = Instant::now() + self.formation_timeout(n);
+        let until = Instant::now() + self.formation_timeout(&generation);
         Ok(self.form(generation, until).map_err(|e| Failed {
             blamed: e.peer().and_then(|p| members.get(p)).map(|m| m.slot),
             why: format!("generation {n} did not form: {e}"),

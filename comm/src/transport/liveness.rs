@@ -31,8 +31,21 @@
 //!
 //! The same thread answers SIGUSR1 by dumping the flight recorder (see [`crate::flight`]), and
 //! dumps it once more when the group fails.
+//!
+//! # While the group starts
+//!
+//! A peer's links are made before its threads run: a peer that starts slowly (many ranks on
+//! few cores, a process swapping, GPU processes compiling kernels) can be connected and yet
+//! send nothing for longer than the peer timeout, and failing the whole start-up for it costs
+//! every member a restart. A group whose creator knows its members by another sign of life
+//! gives a [`StartupWatch`] (an elastic generation's: each member's beat in the store,
+//! `membership/beat.rs`): until the start-up barrier has passed, a peer silent on its link
+//! for half the peer timeout is *asked about* there, and one silent for the whole peer
+//! timeout is lost only when that other sign says it is dead too (or has not answered yet). A
+//! peer that is alive but slow is waited for, up to the start-up's own deadline; a dead one
+//! is still named within the peer timeout of its last sign of life, a closed socket at once.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -91,11 +104,108 @@ impl WatchedPeer {
     }
 }
 
+/// What another source than the links says of each peer while a group starts (see the module
+/// documentation): the liveness thread asks about a peer silent on its link, the group's
+/// creator answers through [`StartupWatch::answer`], and [`StartupWatch::started`] ends it.
+pub(crate) struct StartupWatch {
+    /// Per rank: [`UNASKED`], [`ASKED`], [`ALIVE`] or [`DEAD`].
+    states: Vec<AtomicU8>,
+    /// Set once the start-up barrier passed: from then on, silence is judged by the link alone.
+    done: AtomicBool,
+    /// Test hook: how long this process waits with its links made before it runs them.
+    pub(crate) hold: Option<Duration>,
+}
+
+/// Nobody asked about the peer.
+const UNASKED: u8 = 0;
+/// The liveness thread asked about the peer (silent on its link for half the peer timeout).
+const ASKED: u8 = 1;
+/// The other source says the peer is alive.
+const ALIVE: u8 = 2;
+/// The other source says the peer is dead.
+const DEAD: u8 = 3;
+
+impl StartupWatch {
+    /// A watch of a group of `world` ranks; `hold` is a test hook (see the field).
+    pub(crate) fn new(world: usize, hold: Option<Duration>) -> StartupWatch {
+        StartupWatch {
+            states: (0..world).map(|_| AtomicU8::new(UNASKED)).collect(),
+            done: AtomicBool::new(false),
+            hold,
+        }
+    }
+
+    /// The ranks asked about and not known dead, for the answering side; empty once started.
+    pub(crate) fn asked(&self) -> Vec<usize> {
+        if self.is_started() {
+            return Vec::new();
+        }
+        (0..self.states.len())
+            .filter(|&r| matches!(self.states[r].load(Ordering::Acquire), ASKED | ALIVE))
+            .collect()
+    }
+
+    /// Says whether `rank` is alive, as the other source sees it.
+    pub(crate) fn answer(&self, rank: usize, alive: bool) {
+        if let Some(state) = self.states.get(rank) {
+            state.store(if alive { ALIVE } else { DEAD }, Ordering::Release);
+        }
+    }
+
+    /// The start-up barrier passed.
+    pub(crate) fn started(&self) {
+        self.done.store(true, Ordering::Release);
+    }
+
+    /// Whether the start-up barrier passed.
+    pub(crate) fn is_started(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
+    /// Asks about `rank` (a no-op once asked or answered).
+    fn ask(&self, rank: usize) {
+        if let Some(state) = self.states.get(rank) {
+            let _ = state.compare_exchange(UNASKED, ASKED, Ordering::AcqRel, Ordering::Acquire);
+        }
+    }
+
+    /// Whether `rank`, silent on its link, is still to be waited for: the group is starting
+    /// and the other source says it is alive.
+    fn vouches(&self, rank: usize) -> bool {
+        !self.is_started()
+            && self
+                .states
+                .get(rank)
+                .is_some_and(|s| s.load(Ordering::Acquire) == ALIVE)
+    }
+}
+
 /// How often heartbeats go out, and how often the liveness thread looks for a silent peer: a
 /// fifth of the peer timeout, 20 ms to 500 ms (so a silent peer is named at most half a second
 /// after its deadline).
 pub(crate) fn heartbeat_interval(peer_timeout: Duration) -> Duration {
     (peer_timeout / 5).clamp(Duration::from_millis(20), Duration::from_millis(500))
+}
+
+/// How a group judges a silent peer: the peer timeout, and while it starts, what another source
+/// says (see the module documentation).
+#[derive(Clone)]
+pub(crate) struct Silence {
+    /// A peer silent this long is lost (`DDP_PEER_TIMEOUT`).
+    pub peer_timeout: Duration,
+    /// What vouches for a peer while the group starts, if anything does.
+    pub startup: Option<Arc<StartupWatch>>,
+}
+
+#[cfg(test)]
+impl Silence {
+    /// The peer timeout alone.
+    pub(crate) fn of(peer_timeout: Duration) -> Silence {
+        Silence {
+            peer_timeout,
+            startup: None,
+        }
+    }
 }
 
 /// Starts the liveness thread of `rank` over `watched` (see the module documentation). It ends
@@ -105,9 +215,13 @@ pub(crate) fn start_liveness(
     rank: usize,
     watched: Vec<WatchedPeer>,
     health: &Arc<GroupHealth>,
-    peer_timeout: Duration,
+    silence: Silence,
     flight: Arc<FlightRecorder>,
 ) -> Result<(Sender<()>, JoinHandle<()>), CommError> {
+    let Silence {
+        peer_timeout,
+        startup,
+    } = silence;
     let interval = heartbeat_interval(peer_timeout);
     let health = health.clone();
     let (stop, stopped) = crossbeam_channel::bounded::<()>(0);
@@ -128,7 +242,16 @@ pub(crate) fn start_liveness(
                 let _ = w.writer.send(Outgoing::Heartbeat);
             }
             flight.poll_signal();
-            if let Some(w) = watched.iter().find(|w| w.is_silent(peer_timeout)) {
+            if let Some(startup) = startup.as_ref().filter(|s| !s.is_started()) {
+                for w in watched.iter().filter(|w| w.is_silent(peer_timeout / 2)) {
+                    startup.ask(w.peer);
+                }
+            }
+            let vouched = |peer: usize| startup.as_ref().is_some_and(|s| s.vouches(peer));
+            if let Some(w) = watched
+                .iter()
+                .find(|w| w.is_silent(peer_timeout) && !vouched(w.peer))
+            {
                 health.peer_lost(CommError::PeerSilent {
                     rank,
                     peer: w.peer,

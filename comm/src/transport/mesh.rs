@@ -40,7 +40,9 @@ use crate::transport::health::GroupHealth;
 use crate::transport::link::{
     Credits, Incoming, Loans, Outgoing, Payload, Post, PostSlot, LINK_CREDITS,
 };
-use crate::transport::liveness::{heartbeat_interval, start_liveness, LastHeard, WatchedPeer};
+use crate::transport::liveness::{
+    heartbeat_interval, start_liveness, LastHeard, Silence, WatchedPeer,
+};
 use crate::transport::reader::{reader_loop, ReaderLink};
 use crate::transport::writer::{writer_loop, WriterLink};
 use crate::wire::{Header, OpDesc};
@@ -90,18 +92,20 @@ pub(crate) struct Mesh {
 
 impl Mesh {
     /// Starts a reader and a writer thread on each connection. `max_frame` caps the payload of a
-    /// DATA frame a peer may send; `timeout` is the deadline of every wait; `loss_grace` how
-    /// long a lost connection waits for an ABORT that explains it (`health.rs`).
+    /// DATA frame a peer may send; `timeout` is the deadline of every wait; `silence` how a
+    /// silent peer is judged (`liveness.rs`); `loss_grace` how long a lost connection waits for
+    /// an ABORT that explains it (`health.rs`).
     pub fn start(
         rank: usize,
         streams: Vec<Option<TcpStream>>,
         timeout: Duration,
-        peer_timeout: Duration,
+        silence: Silence,
         loss_grace: Duration,
         max_frame: usize,
         flight: Arc<FlightRecorder>,
     ) -> Result<Mesh, CommError> {
         let world = streams.len();
+        let peer_timeout = silence.peer_timeout;
         let health = Arc::new(GroupHealth::new(rank, loss_grace));
         let pool = BufferPool::new();
         let (done_tx, threads_done) = crossbeam_channel::bounded::<()>(0);
@@ -201,7 +205,7 @@ impl Mesh {
                 })
             })
             .collect();
-        let liveness = start_liveness(rank, watched, &health, peer_timeout, flight)?;
+        let liveness = start_liveness(rank, watched, &health, silence, flight)?;
         Ok(Mesh {
             rank,
             world,
@@ -624,7 +628,7 @@ mod tests {
             rank,
             streams,
             timeout,
-            peer_timeout,
+            Silence::of(peer_timeout),
             crate::config::DEFAULT_LOSS_GRACE,
             64 << 20,
             flight,
